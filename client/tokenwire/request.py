@@ -1,0 +1,135 @@
+"""Keyword arguments in, a checked GenerateRequest / TokenizeRequest out.
+
+The client runs the same rules as the server (``tokenwire.validation``) before it
+sends anything, so a mistake is reported with the server's own message without a
+round trip.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import TypedDict
+
+from tokenwire.errors import InvalidArgument
+from tokenwire.results import Message, MessageLike
+from tokenwire.v1 import generation_pb2 as pb
+from tokenwire.validation import Limits, validate_generate_request, validate_tokenize_request
+
+__all__ = ["GenerateOptions", "build_generate_request", "build_tokenize_request", "new_request_id"]
+
+
+class GenerateOptions(TypedDict, total=False):
+    """The keyword parameters of ``generate``; each mirrors a GenerateRequest field.
+
+    Unset ones take the server's defaults.
+    """
+
+    # SamplingParams
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    seed: int
+    # StoppingCriteria
+    max_new_tokens: int
+    min_new_tokens: int
+    stop: Sequence[str]
+    include_stop_sequence: bool
+    ignore_eos: bool
+    time_limit_ms: int
+    # OutputOptions
+    token_ids: bool
+    logprobs: bool
+    top_logprobs: int
+    # Caller-chosen id, echoed in every chunk and in the server's logs.
+    request_id: str
+
+
+_SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
+_STOPPING = ("max_new_tokens", "min_new_tokens", "include_stop_sequence", "ignore_eos", "time_limit_ms")
+_OUTPUT = ("token_ids", "logprobs", "top_logprobs")
+_KNOWN = frozenset((*_SAMPLING, *_STOPPING, *_OUTPUT, "stop", "request_id"))
+
+
+def new_request_id() -> str:
+    """A fresh id, so that retries of one request and its errors share it."""
+    return uuid.uuid4().hex
+
+
+def _chat(messages: Iterable[MessageLike]) -> pb.Chat:
+    chat = pb.Chat()
+    for message in messages:
+        m = Message.coerce(message)
+        chat.messages.add(role=m.role, content=m.content)
+    return chat
+
+
+def build_generate_request(
+    prompt: str | None = None,
+    *,
+    messages: Iterable[MessageLike] | None = None,
+    input_ids: Sequence[int] | None = None,
+    options: GenerateOptions | None = None,
+    limits: Limits | None = None,
+) -> pb.GenerateRequest:
+    """A GenerateRequest from one input and the keyword parameters; raises InvalidArgument
+    (with the server's messages) when it breaks a rule, TypeError on a misspelt parameter."""
+    options = options or {}
+    unknown = sorted(set(options) - _KNOWN)
+    if unknown:
+        raise TypeError(f"unknown generate parameter(s): {', '.join(unknown)}")
+    given = [name for name, value in (("prompt", prompt), ("messages", messages), ("input_ids", input_ids))
+             if value is not None]
+    if len(given) > 1:
+        raise TypeError(f"give only one of prompt, messages or input_ids (got {' and '.join(given)})")
+
+    request = pb.GenerateRequest(request_id=options.get("request_id") or new_request_id())
+    if prompt is not None:
+        request.prompt = prompt
+    elif messages is not None:
+        request.chat.CopyFrom(_chat(messages))
+        request.chat.SetInParent()  # an empty conversation is still "chat was sent"
+    elif input_ids is not None:
+        request.token_ids.ids.extend(input_ids)
+        request.token_ids.SetInParent()  # an empty list is still "token_ids was sent"
+
+    for name in _SAMPLING:
+        if name in options:
+            setattr(request.sampling, name, options[name])  # type: ignore[literal-required]
+    for name in _STOPPING:
+        if name in options:
+            setattr(request.stopping, name, options[name])  # type: ignore[literal-required]
+    if "stop" in options:
+        stop = options["stop"]
+        request.stopping.stop_sequences.extend([stop] if isinstance(stop, str) else stop)
+    for name in _OUTPUT:
+        if name in options:
+            setattr(request.output, name, options[name])  # type: ignore[literal-required]
+
+    violations = validate_generate_request(request, limits or Limits())
+    if violations:
+        raise InvalidArgument.from_violations(violations, request_id=request.request_id)
+    return request
+
+
+def build_tokenize_request(
+    text: str | None = None,
+    *,
+    messages: Iterable[MessageLike] | None = None,
+    return_tokens: bool = False,
+    return_offsets: bool = False,
+    limits: Limits | None = None,
+) -> pb.TokenizeRequest:
+    if text is not None and messages is not None:
+        raise TypeError("give only one of text or messages")
+    request = pb.TokenizeRequest(return_tokens=return_tokens, return_offsets=return_offsets)
+    if text is not None:
+        request.text = text
+    elif messages is not None:
+        request.chat.CopyFrom(_chat(messages))
+        request.chat.SetInParent()
+    violations = validate_tokenize_request(request, limits or Limits())
+    if violations:
+        raise InvalidArgument.from_violations(violations)
+    return request

@@ -1,0 +1,270 @@
+"""What the client hands back: small frozen dataclasses instead of protobuf messages.
+
+Each has a ``from_proto`` that reads the generated message, so callers never need
+``tokenwire.v1`` unless they want to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from enum import Enum
+from typing import Any
+
+from tokenwire.v1 import generation_pb2 as pb
+
+__all__ = [
+    "Chunk",
+    "Completion",
+    "FinishReason",
+    "HealthStatus",
+    "Message",
+    "MessageLike",
+    "ModelInfo",
+    "Offset",
+    "Token",
+    "Tokenization",
+    "TopLogprob",
+    "Usage",
+]
+
+
+class FinishReason(str, Enum):
+    """Why a stream ended."""
+
+    LENGTH = "length"
+    EOS = "eos"
+    STOP_SEQUENCE = "stop_sequence"
+    TIME_LIMIT = "time_limit"
+
+    @classmethod
+    def from_proto(cls, value: int) -> FinishReason | None:
+        """None for FINISH_REASON_UNSPECIFIED (every chunk but the last)."""
+        return _FINISH_REASONS.get(int(value))
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_FINISH_REASONS: dict[int, FinishReason] = {
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_EOS: FinishReason.EOS,
+    pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
+    pb.FINISH_REASON_TIME_LIMIT: FinishReason.TIME_LIMIT,
+}
+
+
+class HealthStatus(str, Enum):
+    """A grpc.health.v1 serving status."""
+
+    UNKNOWN = "UNKNOWN"
+    SERVING = "SERVING"
+    NOT_SERVING = "NOT_SERVING"
+    SERVICE_UNKNOWN = "SERVICE_UNKNOWN"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One message of a conversation: role is "system", "user" or "assistant"."""
+
+    role: str
+    content: str
+
+    @classmethod
+    def coerce(cls, value: MessageLike) -> Message:
+        """Accept a Message, a ``{"role": ..., "content": ...}`` mapping or a (role, content) pair."""
+        if isinstance(value, Message):
+            return value
+        if isinstance(value, Mapping):
+            return cls(str(value["role"]), str(value["content"]))
+        role, content = value
+        return cls(str(role), str(content))
+
+
+MessageLike = Message | Mapping[str, str] | tuple[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """Counts and timings of one request (from the last chunk)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    queue_time_ms: float
+    time_to_first_token_ms: float
+    total_time_ms: float
+
+    @classmethod
+    def from_proto(cls, usage: pb.Usage) -> Usage:
+        return cls(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            queue_time_ms=usage.queue_time_ms,
+            time_to_first_token_ms=usage.time_to_first_token_ms,
+            total_time_ms=usage.total_time_ms,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TopLogprob:
+    id: int
+    text: str
+    logprob: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+    """A generated token; ``logprob`` only when log-probabilities were asked for."""
+
+    id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+    @classmethod
+    def from_proto(cls, token: pb.Token) -> Token:
+        return cls(
+            id=token.id,
+            text=token.text,
+            logprob=token.logprob if token.HasField("logprob") else None,
+            top_logprobs=tuple(TopLogprob(t.id, t.text, t.logprob) for t in token.top_logprobs),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One step of a streamed completion. ``finish_reason`` and ``usage`` are set on the last."""
+
+    text: str
+    index: int
+    request_id: str
+    tokens: tuple[Token, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+    @classmethod
+    def from_proto(cls, chunk: pb.TokenChunk) -> Chunk:
+        return cls(
+            text=chunk.text,
+            index=chunk.index,
+            request_id=chunk.request_id,
+            tokens=tuple(Token.from_proto(t) for t in chunk.tokens),
+            finish_reason=FinishReason.from_proto(chunk.finish_reason),
+            usage=Usage.from_proto(chunk.usage) if chunk.HasField("usage") else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values (enums as their strings)."""
+        return dict(_plain(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A whole completion: the text of every chunk joined, and how it ended."""
+
+    text: str
+    request_id: str
+    finish_reason: FinishReason | None
+    usage: Usage | None
+    tokens: tuple[Token, ...] = ()
+    chunks: int = 0
+
+    @classmethod
+    def from_chunks(cls, chunks: Sequence[Chunk], request_id: str = "") -> Completion:
+        last = chunks[-1] if chunks else None
+        return cls(
+            text="".join(c.text for c in chunks),
+            request_id=last.request_id if last is not None and last.request_id else request_id,
+            finish_reason=last.finish_reason if last is not None else None,
+            usage=last.usage if last is not None else None,
+            tokens=tuple(t for c in chunks for t in c.tokens),
+            chunks=len(chunks),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(_plain(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Offset:
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenization:
+    """The tokens of a text (or of a chat rendered with the model's template)."""
+
+    count: int
+    ids: tuple[int, ...]
+    text: str
+    tokens: tuple[str, ...] = ()
+    offsets: tuple[Offset, ...] = ()
+
+    @classmethod
+    def from_proto(cls, response: pb.TokenizeResponse) -> Tokenization:
+        return cls(
+            count=response.count,
+            ids=tuple(response.ids),
+            text=response.text,
+            tokens=tuple(response.tokens),
+            offsets=tuple(Offset(o.start, o.end) for o in response.offsets),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(_plain(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """The model being served and the server's limits."""
+
+    name: str
+    context_length: int
+    max_new_tokens_limit: int
+    default_max_new_tokens: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    has_chat_template: bool
+    dtype: str
+    device: str
+    engine: str
+    vocab_size: int
+    max_active_streams: int
+    max_queued_requests: int
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def from_proto(cls, info: pb.ModelInfo) -> ModelInfo:
+        return cls(
+            name=info.name,
+            context_length=info.context_length,
+            max_new_tokens_limit=info.max_new_tokens_limit,
+            default_max_new_tokens=info.default_max_new_tokens,
+            eos_token_ids=tuple(info.eos_token_ids),
+            bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
+            has_chat_template=info.has_chat_template,
+            dtype=info.dtype,
+            device=info.device,
+            engine=info.engine,
+            vocab_size=info.vocab_size,
+            max_active_streams=info.max_active_streams,
+            max_queued_requests=info.max_queued_requests,
+            notes=tuple(info.notes),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(_plain(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

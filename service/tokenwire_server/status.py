@@ -1,0 +1,81 @@
+"""The map from domain outcomes to gRPC statuses, with rich error details.
+
+INVALID_ARGUMENT carries a ``google.rpc.BadRequest`` naming each bad field;
+RESOURCE_EXHAUSTED carries a ``google.rpc.RetryInfo`` and the
+``grpc-retry-pushback-ms`` trailer so clients back off or try another replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from tokenwire.validation import FieldViolation
+
+from .engine import ErrorKind
+
+ERROR_CODES = {
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorKind.OUT_OF_MEMORY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.SHUTDOWN: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class RpcFailure(Exception):
+    """A call that ends with this status; the servicer turns it into an abort."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        details: Sequence[any_pb2.Any] = (),
+        trailers: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.details = tuple(details)
+        self.trailers = tuple(trailers)
+
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        if not self.details:
+            return self.trailers
+        proto = status_pb2.Status(code=self.code.value[0], message=self.message, details=list(self.details))
+        return tuple(rpc_status.to_status(proto).trailing_metadata) + self.trailers
+
+
+def _pack(message: object) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)  # type: ignore[arg-type]
+    return packed
+
+
+def invalid_argument(violations: Sequence[FieldViolation]) -> RpcFailure:
+    bad_request = error_details_pb2.BadRequest(
+        field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description) for v in violations
+        ]
+    )
+    message = "; ".join(str(v) for v in violations)
+    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, message, [_pack(bad_request)])
+
+
+def resource_exhausted(message: str, retry_after_s: float) -> RpcFailure:
+    millis = max(1, int(retry_after_s * 1000))
+    retry = error_details_pb2.RetryInfo(
+        retry_delay=duration_pb2.Duration(seconds=millis // 1000, nanos=(millis % 1000) * 1_000_000)
+    )
+    return RpcFailure(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, message, [_pack(retry)], [("grpc-retry-pushback-ms", str(millis))]
+    )
+
+
+def from_error(kind: ErrorKind, message: str, retry_after_s: float) -> RpcFailure:
+    if kind is ErrorKind.OUT_OF_MEMORY:
+        return resource_exhausted(message, retry_after_s)
+    return RpcFailure(ERROR_CODES[kind], message)
+

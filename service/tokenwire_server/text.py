@@ -1,0 +1,156 @@
+"""Text: incremental detokenization and stop-sequence matching.
+
+Byte-level BPE splits one character (an emoji, a CJK ideograph) across tokens, so
+decoding one token at a time yields U+FFFD halves. ``Detokenizer`` decodes with
+prefix/read offsets (as Hugging Face TGI does) and holds text back while it ends
+in a partial character. ``StopMatcher`` holds back only the tail of the text that
+could still grow into a stop sequence. ``TextStream`` chains the two; the
+concatenation of what it emits equals the decoded completion, cut at the stop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+class Detokenizer:
+    """Turns token ids, one at a time, into text that never splits a character."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._emitted: list[str] = []
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the new complete text ('' while a character is partial)."""
+        self.ids.append(token_id)
+        # Decoding from a few tokens back gives the context byte-level merges need.
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.ids[self._prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
+            delta = new_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.ids)
+            self._emitted.append(delta)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end: whatever the full decode has beyond what was emitted.
+
+        A completion cut mid-character ends in U+FFFD, exactly as the full decode does.
+        """
+        full = self._decode(self.ids)
+        emitted = "".join(self._emitted)
+        if full.startswith(emitted):
+            rest = full[len(emitted) :]
+        else:  # not seen with byte-level BPE; keep the stream consistent regardless
+            rest = full[len(emitted) :] if len(full) > len(emitted) else ""
+        if rest:
+            self._emitted.append(rest)
+        return rest
+
+
+class StopMatcher:
+    """Finds stop sequences in streamed text; holds back only what could still match."""
+
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
+        self._stops = [s for s in stops if s]
+        self._include = include_stop
+        self._pending = ""
+        self.matched: str | None = None
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop sequence matched)."""
+        if self.matched is not None:
+            return "", True
+        if not self._stops:
+            return text, False
+        buffer = self._pending + text
+        best: tuple[int, int, str] | None = None
+        for stop in self._stops:
+            at = buffer.find(stop)
+            if at >= 0:
+                key = (at + len(stop), at, stop)  # the stop that ends first wins
+                if best is None or key < best:
+                    best = key
+        if best is not None:
+            _, at, stop = best
+            self.matched = stop
+            self._pending = ""
+            return buffer[: at + len(stop)] if self._include else buffer[:at], True
+        hold = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(buffer)), hold, -1):
+                if buffer.endswith(stop[:k]):
+                    hold = k
+                    break
+        cut = len(buffer) - hold
+        self._pending = buffer[cut:]
+        return buffer[:cut], False
+
+    def flush(self) -> str:
+        """At the end without a match: release what was held back."""
+        pending, self._pending = self._pending, ""
+        return pending
+
+
+class TextStream:
+    """Detokenizer then stop matcher: what a stream may show after each token."""
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str] = (), include_stop: bool = False) -> None:
+        self.detokenizer = Detokenizer(tokenizer)
+        self.stops = StopMatcher(stops, include_stop)
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        return self.stops.push(self.detokenizer.push(token_id))
+
+    def finish(self) -> tuple[str, bool]:
+        """The text still held at the end; True when it completed a stop sequence."""
+        if self.stops.matched is not None:
+            return "", True
+        text, matched = self.stops.push(self.detokenizer.flush())
+        if matched:
+            return text, True
+        return text + self.stops.flush(), False
+
+
+class PromptEncoder:
+    """Turns a prompt or a chat into token ids, the same way for Generate and Tokenize."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def render_chat(self, messages: Sequence[tuple[str, str]]) -> str:
+        """The chat as the model sees it: its own template, with the assistant's turn opened."""
+        return self._tokenizer.apply_chat_template(
+            [{"role": role, "content": content} for role, content in messages],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+
+    def encode(self, text: str, *, templated: bool = False) -> list[int]:
+        # A rendered chat already holds its special tokens; raw text gets the model's usual ones.
+        return list(self._tokenizer(text, add_special_tokens=not templated)["input_ids"])
+
+    def tokenize(self, text: str, *, templated: bool, offsets: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        encoded = self._tokenizer(
+            text, add_special_tokens=not templated, return_offsets_mapping=offsets and self._tokenizer.is_fast
+        )
+        spans = [tuple(span) for span in encoded.get("offset_mapping", [])] if offsets else []
+        return list(encoded["input_ids"]), spans  # type: ignore[return-value]
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        return [self._tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids]
