@@ -21,7 +21,8 @@ ARG BASE_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
 
 FROM ${BASE_IMAGE} AS python
 SHELL ["/bin/bash", "-eu", "-o", "pipefail", "-c"]
-ENV DEBIAN_FRONTEND=noninteractive
+# An ARG, not an ENV: it must not stay set in the image.
+ARG DEBIAN_FRONTEND=noninteractive
 # DL3008 (pin apt versions): the base image tag pins the distribution release; pinning
 # exact Ubuntu package versions breaks the build as soon as the archive drops them.
 # hadolint ignore=DL3008
@@ -30,6 +31,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 FROM python AS builder
+ARG DEBIAN_FRONTEND=noninteractive
 # DL3008: as above.
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -74,7 +76,6 @@ ENV PATH=/opt/tokenwire/bin:${PATH} \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1 \
     TOKENWIRE_HOST=0.0.0.0 \
     TOKENWIRE_PORT=50051 \
     TOKENWIRE_METRICS_PORT=9090 \
@@ -89,7 +90,7 @@ EXPOSE 50051 9090
 # 0 and 1. Plaintext only: with --tls-cert, rely on the
 # orchestrator's probes (docs/operations.md, "Health").
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
-  CMD ["/bin/sh", "-c", "tokenwire health --target 127.0.0.1:${TOKENWIRE_PORT} --service tokenwire.v1.TextGeneration || exit 1"]
+  CMD ["/bin/sh", "-c", "tokenwire health --target 127.0.0.1:${TOKENWIRE_PORT} --service tokenwire.v1.TextGeneration --timeout 3 || exit 1"]
 # The server drains on SIGTERM: readiness NOT_SERVING, new calls UNAVAILABLE, streams
 # in flight finish within --grace-period (25 s), then it exits 0. Allow longer than
 # that before the kill: `docker stop -t 40`, terminationGracePeriodSeconds: 40.

@@ -11,8 +11,10 @@ fails here instead of rendering wrongly.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import io
 import json
 import os
 import re
@@ -38,7 +40,6 @@ except ImportError:  # pragma: no cover - a bare checkout: use the source tree
 
 from tokenwire_server import config as server_config  # noqa: E402
 
-
 # --- the server's side -----------------------------------------------------------
 
 
@@ -57,16 +58,64 @@ def health_service_names() -> tuple[str, str]:
     return health.LIVENESS_SERVICE, health.READINESS_SERVICE
 
 
+def client_cli_help(*command: str) -> str | None:
+    """`tokenwire COMMAND --help`, or None while the client CLI does not exist yet."""
+    try:
+        from tokenwire import cli
+    except ModuleNotFoundError as exc:
+        if exc.name != "tokenwire.cli":
+            raise
+        return None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        cli.build_parser().parse_args([*command, "--help"])
+    return out.getvalue()
+
+
+def client_cli_accepts(argv: list[str]) -> bool | None:
+    """Whether `tokenwire ARGV` parses (None while the client CLI does not exist yet)."""
+    try:
+        from tokenwire import cli
+    except ModuleNotFoundError as exc:
+        if exc.name != "tokenwire.cli":
+            raise
+        return None
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            cli.build_parser().parse_args(argv)
+    except SystemExit:
+        return False
+    return True
+
+
+def server_series() -> set[str]:
+    """Every series name the server's /metrics can show (counters with _total, histograms' parts)."""
+    from tokenwire_server.metrics import Metrics
+
+    suffixes = {"counter": ["_total", "_created"], "histogram": ["_bucket", "_count", "_sum", "_created"]}
+    names = set()
+    for family in Metrics().registry.collect():
+        names.add(family.name)
+        names |= {family.name + suffix for suffix in suffixes.get(family.type, [])}
+    return names
+
+
+def server_gauges() -> set[str]:
+    from tokenwire_server.metrics import Metrics
+
+    return {family.name for family in Metrics().registry.collect() if family.type == "gauge"}
+
+
 LIVENESS_SERVICE, READINESS_SERVICE = health_service_names()
 SERVER_DEFAULTS = server_config.ServerConfig()
 # Ports the image and manifests use (the brief: gRPC on the server's default, metrics on 9090).
 GRPC_PORT = SERVER_DEFAULTS.port
 METRICS_PORT = 9090
-# Gauges the server exposes that the HPA may scale on.
-SERVER_GAUGES = {"tokenwire_queue_depth", "tokenwire_active_streams"}
 
 
-def server_config_from_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> server_config.ServerConfig:
+def server_config_from_env(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> server_config.ServerConfig:
     """The configuration the server would run with under `env` (and no flags)."""
     for name in list(os.environ):
         if name.startswith(server_config.ENV_PREFIX):

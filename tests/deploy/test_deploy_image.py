@@ -19,6 +19,7 @@ from deploy_support import (
     READINESS_SERVICE,
     REPO,
     Stage,
+    client_cli_accepts,
     container_env,
     only,
     pod_spec,
@@ -66,7 +67,9 @@ def test_every_hadolint_ignore_is_justified() -> None:
                 break
             comment.append(above)
         for rule in pragma.group(1).split(","):
-            assert rule in " ".join(comment), f"line {number + 1}: say in a comment above why {rule} is ignored"
+            assert rule in " ".join(comment), (
+                f"line {number + 1}: say in a comment above why {rule} is ignored"
+            )
 
 
 def test_builder_uses_the_makefile_targets_ci_runs(stages: list[Stage]) -> None:
@@ -89,11 +92,15 @@ def test_runtime_has_the_builders_python_and_nothing_to_build_with(stages: list[
     copies = [i.args for i in final.all("COPY")]
     assert any(c.split()[:3] == ["--from=builder", "/opt/tokenwire", "/opt/tokenwire"] for c in copies)
     for instruction in final.all("RUN"):
-        assert not FORBIDDEN_IN_RUNTIME.search(instruction.args), f"line {instruction.line}: {instruction.args}"
+        assert not FORBIDDEN_IN_RUNTIME.search(instruction.args), (
+            f"line {instruction.line}: {instruction.args}"
+        )
     assert "PATH" in final.env() and final.env()["PATH"].startswith("/opt/tokenwire/bin:")
 
 
-def test_runtime_runs_as_the_manifests_non_root_user(stages: list[Stage], rendered: dict[str, Objects]) -> None:
+def test_runtime_runs_as_the_manifests_non_root_user(
+    stages: list[Stage], rendered: dict[str, Objects]
+) -> None:
     (user,) = runtime(stages).all("USER")
     uid, _, gid = user.args.partition(":")
     assert uid.isdigit() and int(uid) != 0, "a numeric non-root UID, so runAsNonRoot can verify it"
@@ -112,6 +119,13 @@ def test_healthcheck_asks_the_readiness_service(stages: list[Stage]) -> None:
     assert words[:2] == ["tokenwire", "health"]
     assert words[words.index("--service") + 1] == READINESS_SERVICE
     assert words[words.index("--target") + 1] == "127.0.0.1:${TOKENWIRE_PORT}"
+    timeout = float(words[words.index("--timeout") + 1])
+    interval = re.search(r"--timeout=(\d+)s", healthcheck.args)
+    assert interval and timeout < int(interval.group(1)), "the check must answer before Docker gives up on it"
+    argv = [w.replace("${TOKENWIRE_PORT}", str(GRPC_PORT)) for w in words[1:] if w not in ("||", "exit", "1")]
+    if client_cli_accepts(argv) is None:
+        pytest.skip("the tokenwire CLI is not there yet")
+    assert client_cli_accepts(argv), f"`tokenwire {' '.join(argv)}` is not a valid command"
 
 
 def json_or_shell(command: str) -> list[str]:
@@ -146,7 +160,9 @@ def test_exposed_ports_and_environment_match_the_server(
     assert (config.port, config.metrics_port) == (GRPC_PORT, METRICS_PORT)
 
 
-def test_cache_directory_is_where_the_manifests_mount_it(stages: list[Stage], rendered: dict[str, Objects]) -> None:
+def test_cache_directory_is_where_the_manifests_mount_it(
+    stages: list[Stage], rendered: dict[str, Objects]
+) -> None:
     cache_dir = runtime(stages).env()["TOKENWIRE_CACHE_DIR"]
     assert stage(stages, "builder").env()["TOKENWIRE_CACHE_DIR"] == cache_dir
     assert any(i.args.endswith(f"{cache_dir} {cache_dir}") for i in runtime(stages).all("COPY"))

