@@ -125,7 +125,10 @@ class AsyncChunkStream:
 
     def __del__(self) -> None:
         if not getattr(self, "_done", True):
-            self.cancel()
+            try:
+                self.cancel()
+            except Exception:  # pragma: no cover - e.g. the event loop is already closed
+                pass
 
     async def text(self) -> Completion:
         """Read the rest of the stream into one Completion."""

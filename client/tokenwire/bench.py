@@ -195,12 +195,13 @@ async def _one_request(client: AsyncClient, prompt: str, chat: bool, params: dic
             async for chunk in stream:
                 now = time.perf_counter()
                 n = len(chunk.tokens)
-                if first is None and (n or chunk.text):
-                    first = now
+                if first is None:
+                    if not (n or chunk.text):
+                        continue
+                    first = last = now
                 elif n:
-                    gap = (now - last) / n
-                    itl.extend([gap] * n)
-                if n:
+                    # A chunk that carries several tokens spreads its gap over them.
+                    itl.extend([(now - last) / n] * n)
                     last = now
                 tokens += n
                 if chunk.usage is not None:

@@ -155,7 +155,10 @@ class ChunkStream(Iterator[Chunk]):
 
     def __del__(self) -> None:
         if not getattr(self, "_done", True):
-            self.cancel()
+            try:
+                self.cancel()
+            except Exception:  # pragma: no cover - e.g. the event loop is already closed
+                pass
 
     def text(self) -> Completion:
         """Read the rest of the stream into one Completion."""
@@ -229,7 +232,11 @@ class Client:
         timeout: float | None = None,
         **params: Unpack[GenerateOptions],
     ) -> ChunkStream:
-        """Stream the completion of a prompt, a chat (``messages``) or token ids."""
+        """Stream the completion of a prompt, a chat (``messages``) or token ids.
+
+        The request is checked here, before anything is sent; the call starts on the
+        first ``next()``.
+        """
         request = build_generate_request(
             prompt, messages=messages, input_ids=input_ids, options=params, limits=self.limits
         )

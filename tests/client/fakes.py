@@ -98,7 +98,22 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.TokenChunk]:
         done = threading.Event()
-        context.add_callback(done.set)
+        # Whether the RPC ended any other way than by the client going away.
+        ended = {"by_server": False}
+
+        def on_done() -> None:
+            done.set()
+            with self.lock:
+                if not ended["by_server"]:
+                    self.cancelled += 1
+                self.lock.notify_all()
+
+        context.add_callback(on_done)
+
+        def fail(code: grpc.StatusCode, message: str, details=None, trailer_ms=None) -> None:
+            ended["by_server"] = True
+            self._abort(context, code, message, details, trailer_ms)
+
         with self.lock:
             self.generate_calls += 1
             self.requests.append(request)
@@ -110,7 +125,10 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
             if refuse:
                 self.refused += 1
             self.lock.notify_all()
-        self._check_auth(context)
+        if self.script.required_token is not None:
+            ended["by_server"] = True  # (an auth failure ends it; a pass resets below)
+            self._check_auth(context)
+            ended["by_server"] = False
         if refuse:
             details = []
             if script.retry_after_ms is not None:
@@ -122,7 +140,7 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
                 any_info = any_pb2.Any()
                 any_info.Pack(info)
                 details.append(any_info)
-            self._abort(context, script.refuse_code, f"{self.name} is full", details,
+            fail(script.refuse_code, f"{self.name} is full", details,
                         trailer_ms=script.pushback_trailer_ms)
 
         violations = validate_generate_request(
@@ -134,12 +152,12 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
                 bad.field_violations.add(field=v.field, description=v.description)
             any_bad = any_pb2.Any()
             any_bad.Pack(bad)
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "; ".join(map(str, violations)), [any_bad])
+            fail(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(map(str, violations)), [any_bad])
 
         kind = request.WhichOneof("input")
         if kind == "chat":
             if not script.has_chat_template:
-                self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, "this model has no chat template")
+                fail(grpc.StatusCode.FAILED_PRECONDITION, "this model has no chat template")
             text = next((m.content for m in reversed(request.chat.messages) if m.role == "user"), "")
         elif kind == "token_ids":
             text = " ".join(f"t{i}" for i in request.token_ids.ids)
@@ -152,7 +170,7 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
         if match:
             verb, arg, rest = match.groups()
             if verb == "error":
-                self._abort(context, getattr(grpc.StatusCode, arg), f"scripted {arg}")
+                fail(getattr(grpc.StatusCode, arg), f"scripted {arg}")
             elif verb == "slow":
                 delay, text = float(arg), rest
             else:
@@ -163,7 +181,7 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
             else script.default_max_new_tokens
         if request.stopping.ignore_eos:
             words = [words[i % len(words)] for i in range(max_new)]
-        finish = pb.FINISH_REASON_EOS
+        finish = pb.FINISH_REASON_LENGTH if request.stopping.ignore_eos else pb.FINISH_REASON_EOS
         if len(words) > max_new:
             words, finish = words[:max_new], pb.FINISH_REASON_LENGTH
         request_id = request.request_id or "srv-generated"
@@ -173,12 +191,9 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
         started = time.monotonic()
         for word in words:
             if fail_after is not None and index == fail_after:
-                self._abort(context, grpc.StatusCode.UNAVAILABLE, "scripted failure mid-stream")
+                fail(grpc.StatusCode.UNAVAILABLE, "scripted failure mid-stream")
             if (delay and done.wait(delay)) or done.is_set():
-                with self.lock:
-                    self.cancelled += 1
-                    self.lock.notify_all()
-                return
+                return  # the client went away: on_done counted it
             chunk = pb.TokenChunk(request_id=request_id, index=index, text=word)
             if want_tokens:
                 token = chunk.tokens.add(id=index % VOCAB_SIZE, text=word)
@@ -200,6 +215,7 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
             if stop_hit is not None:
                 break
         total_ms = (time.monotonic() - started) * 1000
+        ended["by_server"] = True
         yield pb.TokenChunk(
             request_id=request_id,
             index=index,
