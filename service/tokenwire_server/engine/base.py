@@ -35,6 +35,7 @@ class EngineLimits:
     max_queue: int
     kv_cache_tokens: int
     retry_after_s: float = 0.5
+    max_prefill_tokens: int = 128
 
 
 class AdmissionQueue:

@@ -161,12 +161,22 @@ class BatchedEngine(Engine):
         room = self.limits.max_active - len(self._seqs)
         if room <= 0:
             return
+        # While others decode, a join costs them a stall as long as its prefill: read at
+        # most max_prefill_tokens of prompt per step (always at least one request).
+        prefill_limit = self.limits.max_prefill_tokens if self._seqs else None
+        prefill = 0
+        taken = 0
 
         def fits(seq: Sequence) -> bool:
-            nonlocal reserved
-            if reserved + seq.budget_tokens > budget and (self._seqs or reserved > 0):
-                return False
+            nonlocal reserved, prefill, taken
+            if taken or self._seqs:
+                if reserved + seq.budget_tokens > budget:
+                    return False
+                if taken and prefill_limit is not None and prefill + seq.prompt_len > prefill_limit:
+                    return False
             reserved += seq.budget_tokens
+            prefill += seq.prompt_len
+            taken += 1
             return True
 
         group = self.queue.take(fits, block=not self._seqs, max_count=room)

@@ -1,0 +1,358 @@
+"""`make bench`: in-process `generate` vs the simple and batched engines, side by side in one run.
+
+(a) in-process ``model.generate`` at batch 1 and at static batch 16 (the library's own
+ceiling), (b) a server with ``--engine simple``, (c) a server with ``--engine batched``,
+each at concurrency 1, 4 and 16, all on the same prompts (chat-templated) with the
+same fixed ``max_new_tokens`` and ``ignore_eos``, so every run does the same work.
+Writes docs/benchmarks.md (machine, versions, the table, ratios against the targets)
+and docs/benchmarks.png. The machine is shared and noisy: read the ratios, not the
+absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CONCURRENCY = (1, 4, 16)
+
+
+@dataclasses.dataclass
+class Row:
+    engine: str
+    concurrency: int
+    requests: int
+    tokens_per_s: float
+    ttft_p50: float | None
+    ttft_p99: float | None
+    itl_p50: float | None
+    itl_p99: float | None
+    e2e_p50: float | None
+    e2e_p99: float | None
+    errors: dict[str, int]
+    peak_rss_mb: float | None = None
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def chat_prompts(tokenizer: Any, prompts: tuple[str, ...]) -> list[list[int]]:
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for p in prompts
+    ]
+
+
+def in_process(model_name: str, batch: int, repeats: int, max_new: int, prompts: tuple[str, ...]) -> Row:
+    """``model.generate`` in this process: the reference the server is measured against."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    from .model import load_model
+
+    loaded = in_process.cache.get(model_name)  # type: ignore[attr-defined]
+    if loaded is None:
+        loaded = load_model(model_name)
+        in_process.cache[model_name] = loaded  # type: ignore[attr-defined]
+    tokenizer, model = loaded.tokenizer, loaded.model
+    encoded = chat_prompts(tokenizer, prompts)
+    tokenizer.padding_side = "left"
+
+    class Clock(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    ttft: list[float] = []
+    itl: list[float] = []
+    e2e: list[float] = []
+    tokens = 0
+    elapsed = 0.0
+    for r in range(repeats):
+        rows = [encoded[(r * batch + i) % len(encoded)] for i in range(batch)]
+        inputs = tokenizer.pad({"input_ids": rows}, return_tensors="pt").to(loaded.device)
+        clock = Clock() if batch == 1 else None
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                **inputs,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=loaded.pad_token_id,
+                streamer=clock,
+            )
+        done = time.perf_counter()
+        elapsed += done - started
+        tokens += batch * max_new
+        e2e.append(done - started)
+        if clock is not None:
+            stamps = clock.times[1:]  # the first put() is the prompt
+            ttft.append(stamps[0] - started)
+            itl.extend(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+    ms = 1000.0
+    return Row(
+        engine="in-process generate" + (" (static batch)" if batch > 1 else ""),
+        concurrency=batch,
+        requests=repeats * batch,
+        tokens_per_s=tokens / elapsed,
+        ttft_p50=_pct(ttft, 50) * ms if ttft else None,
+        ttft_p99=_pct(ttft, 99) * ms if ttft else None,
+        itl_p50=_pct(itl, 50) * ms if itl else None,
+        itl_p99=_pct(itl, 99) * ms if itl else None,
+        e2e_p50=_pct(e2e, 50) * ms,  # type: ignore[operator]
+        e2e_p99=_pct(e2e, 99) * ms,  # type: ignore[operator]
+        errors={},
+    )
+
+
+in_process.cache = {}  # type: ignore[attr-defined]
+
+
+def through_server(engine: str, model_name: str, max_new: int, requests_per_stream: int, extra: list[str]) -> list[Row]:
+    from tokenwire.bench import run_bench
+
+    from .launcher import ServerProcess, process_status
+
+    rows = []
+    args = ["--model", model_name, "--engine", engine, *extra]
+    with ServerProcess(args, ready_timeout=600) as server:
+        # One short warm-up round so lazy initialisation is not counted.
+        run_bench(server.target, concurrency=1, requests=1, max_new_tokens=4)
+        for concurrency in CONCURRENCY:
+            report = run_bench(
+                server.target,
+                concurrency=concurrency,
+                requests=max(4, concurrency * requests_per_stream),
+                max_new_tokens=max_new,
+                timeout=3600,
+            )
+            peak = process_status(server.proc.pid).get("peak_rss_kib")
+            rows.append(
+                Row(
+                    engine=f"server --engine {engine}",
+                    concurrency=concurrency,
+                    requests=report.requests,
+                    tokens_per_s=report.output_tokens_per_s,
+                    ttft_p50=report.ttft_ms.p50,
+                    ttft_p99=report.ttft_ms.p99,
+                    itl_p50=report.itl_ms.p50,
+                    itl_p99=report.itl_ms.p99,
+                    e2e_p50=report.e2e_ms.p50,
+                    e2e_p99=report.e2e_ms.p99,
+                    errors=report.errors,
+                    peak_rss_mb=peak / 1024 if peak else None,
+                )
+            )
+            print(f"  {engine:>8} c={concurrency:<3} {report.output_tokens_per_s:7.1f} tok/s", file=sys.stderr, flush=True)
+    return rows
+
+
+def machine() -> dict[str, str]:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "gpu": device,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch threads": str(torch.get_num_threads()),
+    }
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def find(rows: list[Row], engine: str, concurrency: int) -> Row | None:
+    for row in rows:
+        if row.engine.startswith(engine) and row.concurrency == concurrency:
+            return row
+    return None
+
+
+def targets(rows: list[Row]) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) for the issue's targets 1-4 and 6."""
+    out: list[tuple[str, str, bool | None]] = []
+    b16, s16, g16 = find(rows, "server --engine batched", 16), find(rows, "server --engine simple", 16), find(rows, "in-process generate (static", 16)
+    b1, g1 = find(rows, "server --engine batched", 1), find(rows, "in-process generate", 1)
+    if b16 and s16:
+        ratio = b16.tokens_per_s / s16.tokens_per_s
+        out.append(("c=16: batched tok/s >= 5x simple", f"{ratio:.2f}x", ratio >= 5))
+    if b16 and g16:
+        ratio = b16.tokens_per_s / g16.tokens_per_s
+        out.append(("c=16: batched tok/s >= 0.8x in-process static batch 16", f"{ratio:.2f}x", ratio >= 0.8))
+    if b1 and g1:
+        ratio = b1.tokens_per_s / g1.tokens_per_s
+        out.append(("c=1: batched tok/s over gRPC >= 0.95x in-process batch 1", f"{ratio:.2f}x", ratio >= 0.95))
+    if b16 and b16.itl_p50 and b16.itl_p99:
+        ratio = b16.itl_p99 / b16.itl_p50
+        out.append(("c=16: batched ITL p99 <= 2.5x p50", f"{ratio:.2f}x ({b16.itl_p99:.1f} / {b16.itl_p50:.1f} ms)", ratio <= 2.5))
+    if b1 and g1 and b1.ttft_p50 is not None and g1.ttft_p50 is not None:
+        delta = b1.ttft_p50 - g1.ttft_p50
+        out.append(("c=1: TTFT p50 <= in-process TTFT + 15 ms", f"{delta:+.1f} ms ({b1.ttft_p50:.1f} vs {g1.ttft_p50:.1f} ms)", delta <= 15))
+    if b16 and b16.peak_rss_mb:
+        out.append(("c=16: batched server peak RSS <= 1.5 GB", f"{b16.peak_rss_mb:.0f} MB", b16.peak_rss_mb <= 1536))
+    return out
+
+
+def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
+    lines = [
+        "# Benchmarks",
+        "",
+        "Written by `make bench` (`python -m tokenwire_server.bench`); do not edit by hand.",
+        "Every row ran in the same invocation on the same machine, one after another; the",
+        "machine is shared and noisy, so compare the ratios, not the absolute figures.",
+        "",
+        f"Work per request: a chat prompt from a fixed set of {meta['prompts']}, `max_new_tokens={meta['max_new_tokens']}`,",
+        "`ignore_eos` (every request generates exactly that many tokens), greedy. Concurrency *c*",
+        "means *c* client streams kept busy (closed loop) through gRPC on 127.0.0.1; for in-process",
+        "`generate` it is the batch size (static batch: all rows start and end together).",
+        "Latencies are milliseconds, seen by the client. ITL = gap between streamed tokens.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {v} |" for k, v in meta["machine"].items()]
+    lines += [f"| run at | {meta['when']} |", f"| model | {meta['model']} (float32) |", ""]
+    lines += [
+        "## Results",
+        "",
+        "| engine | c | requests | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p50 | e2e p99 | peak RSS MB | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        errors = ", ".join(f"{k}: {v}" for k, v in r.errors.items()) or "0"
+        lines.append(
+            f"| {r.engine} | {r.concurrency} | {r.requests} | {r.tokens_per_s:.1f} | {_fmt(r.ttft_p50)} | {_fmt(r.ttft_p99)} "
+            f"| {_fmt(r.itl_p50)} | {_fmt(r.itl_p99)} | {_fmt(r.e2e_p50, 0)} | {_fmt(r.e2e_p99, 0)} | {_fmt(r.peak_rss_mb, 0)} | {errors} |"
+        )
+    lines += ["", "## Ratios", ""]
+    base_simple = {r.concurrency: r for r in rows if r.engine == "server --engine simple"}
+    lines += ["| c | batched / simple | batched / in-process generate |", "|---:|---:|---:|"]
+    for c in CONCURRENCY:
+        b = find(rows, "server --engine batched", c)
+        s = base_simple.get(c)
+        g = find(rows, "in-process generate", c)
+        lines.append(
+            f"| {c} | {_fmt(b.tokens_per_s / s.tokens_per_s, 2) + 'x' if b and s else '-'} "
+            f"| {_fmt(b.tokens_per_s / g.tokens_per_s, 2) + 'x' if b and g else '-'} |"
+        )
+    lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
+    for name, measured, met in targets(rows):
+        lines.append(f"| {name} | {measured} | {'yes' if met else 'NO'} |")
+    lines += ["", "![throughput and inter-token latency against concurrency](benchmarks.png)", ""]
+    if meta.get("notes"):
+        lines += ["## Notes", ""] + [f"- {n}" for n in meta["notes"]] + [""]
+    path.write_text("\n".join(lines))
+
+
+def plot(path: Path, rows: list[Row]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for engine, marker in (("server --engine batched", "o"), ("server --engine simple", "s")):
+        points = [r for r in rows if r.engine == engine]
+        xs = [r.concurrency for r in points]
+        left.plot(xs, [r.tokens_per_s for r in points], marker=marker, label=engine)
+        right.plot(xs, [r.itl_p50 or 0 for r in points], marker=marker, label=f"{engine} p50")
+        right.plot(xs, [r.itl_p99 or 0 for r in points], marker=marker, linestyle="--", label=f"{engine} p99")
+    statics = [r for r in rows if r.engine.startswith("in-process")]
+    left.plot([r.concurrency for r in statics], [r.tokens_per_s for r in statics], marker="^", linestyle=":", label="in-process generate (batch = c)")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(CONCURRENCY))
+        ax.set_xticklabels([str(c) for c in CONCURRENCY])
+        ax.set_xlabel("concurrent streams")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    left.set_ylabel("output tokens/s (aggregate)")
+    left.set_title("Throughput")
+    right.set_ylabel("inter-token latency, ms")
+    right.set_title("Inter-token latency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tokenwire_server.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-stream", type=int, default=2, help="requests per concurrent stream in each run")
+    parser.add_argument("--engines", default="simple,batched")
+    parser.add_argument("--out", default="docs/benchmarks.md")
+    parser.add_argument("--plot", default="docs/benchmarks.png")
+    parser.add_argument("--server-arg", action="append", default=[], help="extra server flag (repeatable)")
+    parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    args = parser.parse_args(argv)
+
+    from tokenwire.bench import DEFAULT_PROMPTS
+
+    prompts = tuple(DEFAULT_PROMPTS)
+    rows: list[Row] = []
+    print("in-process generate ...", file=sys.stderr, flush=True)
+    rows.append(in_process(args.model, 1, max(4, args.requests_per_stream * 2), args.max_new_tokens, prompts))
+    rows.append(in_process(args.model, 4, args.requests_per_stream, args.max_new_tokens, prompts))
+    rows.append(in_process(args.model, 16, args.requests_per_stream, args.max_new_tokens, prompts))
+    in_process.cache.clear()  # type: ignore[attr-defined]
+    for engine in args.engines.split(","):
+        print(f"server --engine {engine} ...", file=sys.stderr, flush=True)
+        rows.extend(through_server(engine, args.model, args.max_new_tokens, args.requests_per_stream, args.server_arg))
+    meta = {
+        "machine": machine(),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "model": args.model if args.model != "default" else "SmolLM2-135M-Instruct (default)",
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": len(prompts),
+        "notes": [],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_markdown(out, rows, meta)
+    plot(Path(args.plot), rows)
+    print(out.read_text())
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
