@@ -82,7 +82,22 @@ class AsyncChunkStream:
         chunk = Chunk.from_proto(message)
         if chunk.finish_reason is not None:
             self._done = True
+            await self._read_status()
         return chunk
+
+    async def _read_status(self) -> None:
+        """Read the call to its end after the last chunk (see ``ChunkStream._read_status``):
+        a call dropped before its status arrives is cancelled, and the server would log
+        a complete answer as CANCELLED."""
+        call = self._call
+        if call is None:
+            return
+        try:
+            message = await call.read()
+        except grpc.RpcError:
+            return
+        if message is not aio.EOF:
+            call.cancel()  # a message after the last chunk: nothing more is wanted
 
     async def _next_message(self) -> pb.TokenChunk:
         while True:

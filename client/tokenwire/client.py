@@ -113,7 +113,27 @@ class ChunkStream(Iterator[Chunk]):
         chunk = Chunk.from_proto(message)
         if chunk.finish_reason is not None:
             self._done = True  # the last chunk: nothing left to cancel
+            self._read_status()
         return chunk
+
+    def _read_status(self) -> None:
+        """Read the call to its end after the last chunk.
+
+        The server sends its status right after the last chunk. A call object that is
+        dropped before that status has arrived is cancelled by grpc, so without this
+        read a complete answer would sometimes end as CANCELLED on the server (its
+        logs and metrics). The answer is whole either way, so a failed status here
+        is not raised.
+        """
+        with self._lock:
+            call = self._call
+        if call is None:
+            return
+        try:
+            next(call)
+        except (StopIteration, grpc.RpcError):
+            return
+        call.cancel()  # a message after the last chunk: nothing more is wanted
 
     def _next_message(self) -> pb.TokenChunk:
         while True:

@@ -1,0 +1,446 @@
+"""The client library against the REAL server (tiny random Llama, real SmolLM2 tokenizer).
+
+The fake-server tests pin the client's behaviour; these check that it holds against
+``tokenwire_server``: every call sync and async, the client's own validation gives
+the server's words, leaving a loop cancels on the server, a full server's refusal
+(Overloaded, retried) and a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import tokenwire
+from google.rpc import error_details_pb2  # type: ignore[import-untyped]
+from grpc_status import rpc_status
+from servers import READINESS, ServerProcess
+from tokenwire import FinishReason, HealthStatus, Limits, RetryPolicy
+from tokenwire.v1 import generation_pb2 as pb
+from tokenwire.v1 import generation_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(120)
+
+LIMIT = 512  # tiny_server's --max-new-tokens-limit
+LONG = {"max_new_tokens": 500, "ignore_eos": True}  # seconds of decoding on the tiny model
+
+
+def rid(tag: str) -> str:
+    return f"{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def finished(server: ServerProcess, request_id: str, timeout: float = 10.0, count: int = 1) -> list[dict]:
+    """The server's "request finished" records of ``request_id``, waiting until ``count`` are there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = [r for r in server.find("request finished") if r.get("request_id") == request_id]
+        if len(records) >= count or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def info(tiny_server: ServerProcess) -> tokenwire.ModelInfo:
+    with tokenwire.Client(tiny_server.target, timeout=10) as client:
+        return client.model_info()
+
+
+@pytest.fixture
+def client(tiny_server: ServerProcess) -> Iterator[tokenwire.Client]:
+    with tokenwire.Client(tiny_server.target, timeout=30) as c:
+        yield c
+
+
+# -- every call, sync and async --------------------------------------------------------------
+
+
+def test_model_info_and_health(client, tiny_server):
+    info = client.model_info()
+    assert info.name == Path(tiny_server.args[1]).name
+    assert info.engine == "batched" and info.device == "cpu"
+    assert info.max_new_tokens_limit == LIMIT
+    assert info.vocab_size == 49152 and info.context_length == 1024
+    assert info.has_chat_template and info.eos_token_ids
+    assert client.health() is HealthStatus.SERVING
+    assert client.health(READINESS) is HealthStatus.SERVING
+    assert client.health("no.such.Service") is HealthStatus.SERVICE_UNKNOWN
+
+    async def main():
+        async with tokenwire.AsyncClient(tiny_server.target, timeout=30) as aclient:
+            return (
+                await aclient.model_info(),
+                await aclient.health(),
+                await aclient.health(READINESS),
+                await aclient.health("no.such.Service"),
+            )
+
+    ainfo, *health = run(main())
+    assert ainfo == info
+    assert health == [HealthStatus.SERVING, HealthStatus.SERVING, HealthStatus.SERVICE_UNKNOWN]
+
+
+def test_health_of_an_unreachable_server_is_unavailable():
+    with tokenwire.Client("127.0.0.1:1") as client, pytest.raises(tokenwire.Unavailable):
+        client.health(timeout=2)
+
+
+def test_generate_streams_what_generate_text_returns(client, tiny_server):
+    request_id = rid("stream")
+    chunks = list(client.generate("Once upon a time", max_new_tokens=8, ignore_eos=True, token_ids=True,
+                                  logprobs=True, request_id=request_id))
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert {c.request_id for c in chunks} == {request_id}
+    assert all(c.finish_reason is None and c.usage is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.finish_reason is FinishReason.LENGTH
+    assert last.usage is not None and last.usage.completion_tokens == 8 and last.usage.prompt_tokens > 0
+    tokens = [t for c in chunks for t in c.tokens]
+    assert len(tokens) == 8 and all(t.logprob is not None and t.logprob <= 0 for t in tokens)
+    text = "".join(c.text for c in chunks)
+    assert text
+
+    # Greedy on the same prompt: the whole answer at once is the joined stream.
+    whole = client.generate_text("Once upon a time", max_new_tokens=8, ignore_eos=True)
+    assert whole.text == text and whole.finish_reason is FinishReason.LENGTH
+    assert whole.usage is not None and whole.usage.completion_tokens == 8
+
+    # The same answer from token ids, and the server logged the call under our id.
+    ids = client.tokenize("Once upon a time").ids
+    assert client.generate_text(input_ids=ids, max_new_tokens=8, ignore_eos=True).text == text
+    [record] = finished(tiny_server, request_id)
+    assert record["code"] == "OK" and record["completion_tokens"] == 8
+
+    async def main():
+        async with tokenwire.AsyncClient(tiny_server.target, timeout=30) as aclient:
+            achunks = [c async for c in aclient.generate("Once upon a time", max_new_tokens=8, ignore_eos=True)]
+            awhole = await aclient.generate_text("Once upon a time", max_new_tokens=8, ignore_eos=True)
+            return achunks, awhole
+
+    achunks, awhole = run(main())
+    assert "".join(c.text for c in achunks) == text == awhole.text
+    assert achunks[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_chat_and_tokenize(client, tiny_server):
+    messages = [("system", "You are terse."), ("user", "Say hi")]
+    reply = client.chat(messages, max_new_tokens=6, ignore_eos=True)
+    assert reply.finish_reason is FinishReason.LENGTH and reply.usage is not None
+    assert reply.usage.completion_tokens == 6
+    rendered = client.tokenize(messages=messages, return_tokens=True)
+    assert "<|im_start|>user" in rendered.text and "Say hi" in rendered.text
+    assert rendered.count == len(rendered.ids) == len(rendered.tokens)
+    # The chat's prompt is the rendered template (the server may add the generation prompt).
+    assert reply.usage.prompt_tokens >= rendered.count
+
+    plain = client.tokenize("Hello world", return_tokens=True, return_offsets=True)
+    assert plain.count == len(plain.ids) == len(plain.tokens) == len(plain.offsets) >= 2
+    assert plain.text == "Hello world"
+    assert [plain.text[o.start:o.end] for o in plain.offsets][0] == "Hello"
+
+    async def main():
+        async with tokenwire.AsyncClient(tiny_server.target, timeout=30) as aclient:
+            areply = await aclient.chat(messages, max_new_tokens=6, ignore_eos=True)
+            astream = [c async for c in aclient.generate(messages=messages, max_new_tokens=6, ignore_eos=True)]
+            atok = await aclient.tokenize("Hello world", return_tokens=True, return_offsets=True)
+            achat_tok = await aclient.tokenize(messages=messages)
+            return areply, astream, atok, achat_tok
+
+    areply, astream, atok, achat_tok = run(main())
+    assert areply.text == reply.text == "".join(c.text for c in astream)
+    assert atok == plain
+    assert achat_tok.ids == rendered.ids
+
+
+# -- the client's validation says what the server says ----------------------------------------
+
+
+def _stop_seqs(n: int) -> list[str]:
+    return [f"s{i}" for i in range(n)]
+
+
+# (name, client call kwargs, the same fields as a raw GenerateRequest)
+MISTAKES: list[tuple[str, dict[str, Any], Callable[[], pb.GenerateRequest]]] = [
+    ("empty prompt", {"prompt": ""}, lambda: pb.GenerateRequest(prompt="")),
+    ("no input", {}, lambda: pb.GenerateRequest()),
+    ("NUL in prompt", {"prompt": "a\x00b"}, lambda: pb.GenerateRequest(prompt="a\x00b")),
+    ("no messages", {"messages": []}, lambda: _with_empty_chat()),
+    ("unknown role", {"messages": [("robot", "hi"), ("user", "ok")]},
+     lambda: pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="robot", content="hi"),
+                                                        pb.ChatMessage(role="user", content="ok")]))),
+    ("empty token ids", {"input_ids": []}, lambda: _with_empty_ids()),
+    ("id outside vocab", {"input_ids": [5, 49152]},
+     lambda: pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 49152]))),
+    ("bad sampling", {"prompt": "x", "temperature": -1.0, "top_p": 1.5, "repetition_penalty": 0.0},
+     lambda: pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(temperature=-1.0, top_p=1.5,
+                                                                        repetition_penalty=0.0))),
+    ("max_new_tokens 0", {"prompt": "x", "max_new_tokens": 0},
+     lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(max_new_tokens=0))),
+    ("above the cap", {"prompt": "x", "max_new_tokens": LIMIT + 1},
+     lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(max_new_tokens=LIMIT + 1))),
+    ("min over max", {"prompt": "x", "max_new_tokens": 2, "min_new_tokens": 5},
+     lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(max_new_tokens=2, min_new_tokens=5))),
+    ("too many stops", {"prompt": "x", "stop": _stop_seqs(17)},
+     lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(stop_sequences=_stop_seqs(17)))),
+    ("bad stops", {"prompt": "x", "stop": ["ok", "", "y" * 257]},
+     lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(stop_sequences=["ok", "", "y" * 257]))),
+    ("top_logprobs", {"prompt": "x", "top_logprobs": 6},
+     lambda: pb.GenerateRequest(prompt="x", output=pb.OutputOptions(top_logprobs=6))),
+    ("long request id", {"prompt": "x", "request_id": "r" * 129},
+     lambda: pb.GenerateRequest(prompt="x", request_id="r" * 129)),
+]
+
+
+def _with_empty_chat() -> pb.GenerateRequest:
+    request = pb.GenerateRequest()
+    request.chat.SetInParent()
+    return request
+
+
+def _with_empty_ids() -> pb.GenerateRequest:
+    request = pb.GenerateRequest()
+    request.token_ids.SetInParent()
+    return request
+
+
+def _server_says(stub: pb_grpc.TextGenerationStub, request: pb.GenerateRequest) -> tuple[str, list[tuple[str, str]]]:
+    """The INVALID_ARGUMENT message and field violations the server gives a raw request."""
+    call = stub.Generate(request, timeout=10)
+    with pytest.raises(grpc.RpcError) as caught:
+        next(call)
+    assert call.code() == grpc.StatusCode.INVALID_ARGUMENT, call.details()
+    status = rpc_status.from_call(call)
+    violations: list[tuple[str, str]] = []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            violations.extend((v.field, v.description) for v in bad.field_violations)
+    assert caught.value is call
+    return call.details(), violations
+
+
+@pytest.mark.parametrize(("kwargs", "raw"), [(m[1], m[2]) for m in MISTAKES], ids=[m[0] for m in MISTAKES])
+def test_client_validation_matches_the_server(tiny_server, info, kwargs, raw):
+    limits = Limits(max_new_tokens_limit=info.max_new_tokens_limit, vocab_size=info.vocab_size)
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt", None)
+    request = raw()
+    request.request_id = request.request_id or rid("raw")
+    with tiny_server.channel() as channel:
+        details, violations = _server_says(pb_grpc.TextGenerationStub(channel), request)
+    assert violations, details
+    assert [r["code"] for r in finished(tiny_server, request.request_id)] == ["INVALID_ARGUMENT"]
+
+    served = len(tiny_server.find("request finished"))
+    with tokenwire.Client(tiny_server.target, timeout=10, limits=limits) as client:
+        # Raised by generate() itself: nothing is sent.
+        with pytest.raises(tokenwire.InvalidArgument) as caught:
+            client.generate(prompt, **kwargs)
+    error = caught.value
+    assert error.details == details
+    assert [(v.field, v.description) for v in error.field_violations] == violations
+    assert error.request_id
+
+    async def main():
+        async with tokenwire.AsyncClient(tiny_server.target, timeout=10, limits=limits) as aclient:
+            with pytest.raises(tokenwire.InvalidArgument) as acaught:
+                aclient.generate(prompt, **kwargs)
+            return acaught.value
+
+    aerror = run(main())
+    assert aerror.details == details and aerror.field_violations == error.field_violations
+    time.sleep(0.1)
+    assert len(tiny_server.find("request finished")) == served  # the server never heard of either
+
+
+def test_a_mistake_the_client_lets_through_reads_the_same_from_the_server(tiny_server, info):
+    """Without limits the client cannot check the cap or the vocabulary; the server's answer
+    comes back as the same InvalidArgument the client would have raised."""
+    limits = Limits(max_new_tokens_limit=info.max_new_tokens_limit, vocab_size=info.vocab_size)
+    cases = [
+        {"prompt": "x", "max_new_tokens": LIMIT + 1},
+        {"input_ids": [1, info.vocab_size + 7]},
+    ]
+    with (
+        tokenwire.Client(tiny_server.target, timeout=10, limits=limits) as checking,
+        tokenwire.Client(tiny_server.target, timeout=10) as trusting,
+    ):
+        for kwargs in cases:
+            with pytest.raises(tokenwire.InvalidArgument) as local:
+                checking.generate_text(**kwargs)
+            request_id = rid("remote")
+            with pytest.raises(tokenwire.InvalidArgument) as remote:
+                trusting.generate_text(**kwargs, request_id=request_id)
+            assert remote.value.details == local.value.details
+            assert remote.value.field_violations == local.value.field_violations
+            assert remote.value.request_id == request_id
+            [record] = finished(tiny_server, request_id)
+            assert record["code"] == "INVALID_ARGUMENT"
+
+        # Only the server knows the prompt's length: too long for the context.
+        with pytest.raises(tokenwire.InvalidArgument) as too_long:
+            trusting.generate_text(input_ids=[5] * 1000, max_new_tokens=100)
+        [violation] = too_long.value.field_violations
+        assert violation.field == "token_ids" and "context of 1024 tokens" in violation.description
+
+    # Tokenize: the same words on both sides too.
+    with tiny_server.channel() as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        bad = pb.TokenizeRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="robot", content="x")]))
+        with pytest.raises(grpc.RpcError) as raw:
+            stub.Tokenize(bad, timeout=10)
+    with tokenwire.Client(tiny_server.target, timeout=10) as client:
+        with pytest.raises(tokenwire.InvalidArgument) as mine:
+            client.tokenize(messages=[("robot", "x")])
+    assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert mine.value.details == raw.value.details()
+
+
+# -- leaving a loop early cancels on the server ------------------------------------------------
+
+
+def test_break_cancels_the_call_on_the_server(client, tiny_server):
+    request_id = rid("break")
+    for chunk in client.generate("go", request_id=request_id, **LONG):
+        assert chunk.request_id == request_id
+        break
+    [record] = finished(tiny_server, request_id)
+    assert record["code"] == "CANCELLED", record  # not OK: it did not run to 500 tokens
+
+    # A with-block left early, and a stream cancelled by hand, are cancelled too.
+    with_id, manual_id = rid("with"), rid("manual")
+    with client.generate("go", request_id=with_id, **LONG) as stream:
+        next(stream)
+    manual = client.generate("go", request_id=manual_id, **LONG)
+    next(manual)
+    manual.cancel()
+    assert list(manual) == []
+    assert [r["code"] for r in finished(tiny_server, with_id)] == ["CANCELLED"]
+    assert [r["code"] for r in finished(tiny_server, manual_id)] == ["CANCELLED"]
+
+
+def test_async_break_cancels_the_call_on_the_server(tiny_server):
+    request_id = rid("abreak")
+
+    async def main():
+        async with tokenwire.AsyncClient(tiny_server.target, timeout=30) as aclient:
+            async for _ in aclient.generate("go", request_id=request_id, **LONG):
+                break
+            # The channel stays open while the server notices.
+            for _ in range(100):
+                if finished(tiny_server, request_id, timeout=0):
+                    break
+                await asyncio.sleep(0.05)
+
+    run(main())
+    [record] = finished(tiny_server, request_id)
+    assert record["code"] == "CANCELLED", record
+
+
+# -- a full server: Overloaded, then a retry that gets in --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_slot_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(["--model", str(tiny_model_dir), "--max-active", "1", "--max-queue", "0"]) as server:
+        yield server
+
+
+def test_overloaded_then_retried_into_a_free_slot(one_slot_server):
+    server = one_slot_server
+    with tokenwire.Client(server.target, timeout=30, retry=tokenwire.NO_RETRY) as client:
+        long_id = rid("hog")
+        hog = client.generate("go", request_id=long_id, **LONG)
+        next(hog)  # admitted: the only slot is taken
+
+        refused_id = rid("refused")
+        with pytest.raises(tokenwire.Overloaded) as caught:
+            client.generate_text("hi", max_new_tokens=2, request_id=refused_id)
+        error = caught.value
+        assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert error.retry_after is not None and error.retry_after > 0
+        assert error.request_id == refused_id
+        assert [r["code"] for r in finished(server, refused_id)] == ["RESOURCE_EXHAUSTED"]
+
+        async def refused_async():
+            async with tokenwire.AsyncClient(server.target, timeout=30, retry=tokenwire.NO_RETRY) as aclient:
+                with pytest.raises(tokenwire.Overloaded) as acaught:
+                    await aclient.generate_text("hi", max_new_tokens=2)
+                return acaught.value
+
+        assert run(refused_async()).retry_after == error.retry_after
+
+        # With retries, the same call waits out the refusal and gets the slot once the hog leaves.
+        retrying = tokenwire.Client(server.target, timeout=30, retry=RetryPolicy(max_attempts=10))
+        timer = threading.Timer(0.3, hog.cancel)
+        timer.start()
+        try:
+            retried_id = rid("retried")
+            result = retrying.generate_text("hi", max_new_tokens=2, ignore_eos=True, request_id=retried_id)
+        finally:
+            timer.cancel()
+            retrying.close()
+        assert result.finish_reason is FinishReason.LENGTH and result.request_id == retried_id
+        codes = [r["code"] for r in finished(server, retried_id)]
+        assert codes[-1] == "OK" and "RESOURCE_EXHAUSTED" in codes[:-1], codes
+        assert [r["code"] for r in finished(server, long_id)] == ["CANCELLED"]
+
+
+# -- deadlines ---------------------------------------------------------------------------------
+
+
+def test_a_tiny_timeout_on_a_long_generation_is_deadline_exceeded(client, tiny_server):
+    request_id = rid("deadline")
+    started = time.monotonic()
+    with pytest.raises(tokenwire.DeadlineExceeded) as caught:
+        client.generate_text("go", timeout=0.5, request_id=request_id, **LONG)
+    assert time.monotonic() - started < 5
+    assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert caught.value.request_id == request_id
+    [record] = finished(tiny_server, request_id)
+    assert record["code"] == "DEADLINE_EXCEEDED", record
+
+    # Mid-stream: chunks arrive, then the deadline ends the stream.
+    stream = client.generate("go", timeout=0.5, **LONG)
+    seen = 0
+    with pytest.raises(tokenwire.DeadlineExceeded):
+        for _ in stream:
+            seen += 1
+    assert seen > 0
+
+    async def main():
+        async with tokenwire.AsyncClient(tiny_server.target, timeout=0.5) as aclient:
+            with pytest.raises(tokenwire.DeadlineExceeded):
+                await aclient.generate_text("go", **LONG)
+
+    run(main())
+
+
+# -- a complete answer ends OK on the server too -----------------------------------------------
+
+
+def test_complete_answers_end_ok_on_the_server(client, tiny_server):
+    """The client reads each stream to its status after the last chunk. Dropping the call
+    before that status arrived made grpc cancel it, so about 1 in 20 complete answers was
+    logged (and counted in the metrics) as CANCELLED on the server."""
+    request_ids = [rid("whole") for _ in range(100)]
+    for request_id in request_ids:
+        client.generate_text("hi", request_id=request_id, max_new_tokens=2, ignore_eos=True)
+    last = list(client.generate("hi", max_new_tokens=2, ignore_eos=True, request_id=request_ids[0] + "-s"))[-1]
+    assert last.finish_reason is FinishReason.LENGTH
+    finished(tiny_server, request_ids[-1])
+    time.sleep(0.2)
+    wanted = {*request_ids, request_ids[0] + "-s"}
+    codes = [r["code"] for r in tiny_server.find("request finished") if r.get("request_id") in wanted]
+    assert len(codes) == 101 and set(codes) == {"OK"}, sorted(codes)
