@@ -66,3 +66,15 @@ def test_prints_resolved_configuration_once(tiny_model_dir: Path):
         lines = [line for line in server.lines if line.startswith("tokenwire-server configuration:")]
         assert len(lines) == 1
         assert '"max_queue": 5' in lines[0] and '"workers": 3' in lines[0]
+
+
+def test_readme_configuration_table_lists_every_flag():
+    import dataclasses
+    import re
+
+    from tokenwire_server.config import ServerConfig, env_name
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(--[a-z-]+)` \| `(TOKENWIRE_[A-Z_]+)` \|", readme, flags=re.M))
+    expected = {"--" + f.name.replace("_", "-"): env_name(f.name) for f in dataclasses.fields(ServerConfig)}
+    assert rows == expected

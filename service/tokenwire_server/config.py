@@ -28,6 +28,7 @@ class ServerConfig:
     max_active: int = 16
     max_queue: int = 64
     kv_cache_tokens: int = 0
+    max_prefill_tokens: int = 128
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 2048
     max_stop_sequences: int = 16
@@ -75,6 +76,7 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "max_active": ("batched engine: most streams decoded together in one batch", None),
     "max_queue": ("requests that may wait for a slot; past active + queued, RESOURCE_EXHAUSTED", None),
     "kv_cache_tokens": ("KV-cache budget in tokens over all active streams (0: max_active x min(context, 2048))", None),
+    "max_prefill_tokens": ("batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new arrival causes them)", None),
     "default_max_new_tokens": ("max_new_tokens when a request leaves it unset", None),
     "max_new_tokens_limit": ("cap on max_new_tokens; above it is INVALID_ARGUMENT", None),
     "max_stop_sequences": ("most stop sequences per request", None),
@@ -86,7 +88,7 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "retry_after_ms": ("retry delay suggested to refused clients (RetryInfo, grpc-retry-pushback-ms)", None),
     "warmup": ("run one warm-up generation before reporting ready", None),
     "cache_dir": ("where the default model is converted to safetensors (default: ~/.cache/tokenwire)", None),
-    "metrics_port": ("Prometheus metrics HTTP port (0: off)", None),
+    "metrics_port": ("Prometheus metrics HTTP port (0: off; -1: pick a free one and log it)", None),
     "tls_cert": ("PEM certificate chain: serve TLS", None),
     "tls_key": ("PEM private key of --tls-cert", None),
     "tls_client_ca": ("PEM CA bundle: require client certificates signed by it (mutual TLS)", None),
@@ -152,11 +154,13 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
 
 def validate_config(config: ServerConfig) -> list[str]:
     errors = []
-    for name in ("workers", "max_active", "default_max_new_tokens", "max_new_tokens_limit", "max_message_bytes"):
+    for name in ("workers", "max_active", "max_prefill_tokens", "default_max_new_tokens", "max_new_tokens_limit", "max_message_bytes"):
         if getattr(config, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be at least 1")
-    if config.max_queue < 0 or config.kv_cache_tokens < 0 or config.metrics_port < 0:
-        errors.append("--max-queue, --kv-cache-tokens and --metrics-port must not be negative")
+    if config.max_queue < 0 or config.kv_cache_tokens < 0:
+        errors.append("--max-queue and --kv-cache-tokens must not be negative")
+    if config.metrics_port < -1:
+        errors.append("--metrics-port must be a port, 0 (off) or -1 (any free port)")
     if config.default_max_new_tokens > config.max_new_tokens_limit:
         errors.append("--default-max-new-tokens must not exceed --max-new-tokens-limit")
     if bool(config.tls_cert) != bool(config.tls_key):

@@ -22,10 +22,9 @@ from typing import Any
 import grpc
 from grpc_reflection.v1alpha import reflection
 from tokenwire.v1 import generation_pb2 as pb
-from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
 from .config import ServerConfig
-from .health import READINESS_SERVICE, Health
+from .health import Health
 from .metrics import Metrics
 from .security import BearerTokenInterceptor, read_token, server_credentials
 from .servicer import ServingState, TextGenerationServicer
@@ -65,7 +64,7 @@ class TokenwireServer:
             ("grpc.keepalive_timeout_ms", 20_000),
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
-        pb_grpc.add_TextGenerationServicer_to_server(self._servicer, server)
+        self._servicer.add_to_server(server)
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
@@ -95,8 +94,10 @@ class TokenwireServer:
         )
 
     def start_metrics(self) -> None:
-        if self.config.metrics_port:
-            self.metrics_port = self.metrics.serve(self.config.metrics_port)
+        port = self.config.metrics_port
+        if port:
+            # Same interface as gRPC: 0.0.0.0 in a pod, 127.0.0.1 in tests. -1 picks a free port.
+            self.metrics_port = self.metrics.serve(max(port, 0), self.config.host)
             log.info("metrics", extra={"metrics_port": self.metrics_port})
 
     async def load(self) -> None:
@@ -116,6 +117,7 @@ class TokenwireServer:
             max_queue=config.max_queue,
             kv_cache_tokens=config.effective_kv_cache_tokens(loaded.context_length),
             retry_after_s=config.retry_after_ms / 1000,
+            max_prefill_tokens=config.max_prefill_tokens,
         )
         engine = create_engine(config.engine, loaded, limits, config.workers)
         engine.start()
@@ -176,16 +178,29 @@ class TokenwireServer:
             await self.health.set_live(not stalled)
 
     async def drain(self, reason: str = "signal") -> None:
+        """Stop taking work, let the calls in flight finish (up to the grace period), then stop.
+
+        The gRPC port stays open while calls finish, so probes read readiness
+        NOT_SERVING (not a refused connection) and new calls get a clear
+        UNAVAILABLE from the servicer. grpc's own ``stop(grace)`` is only the
+        backstop for what is still running when the grace period ends.
+        """
         if self.state.draining:
             return
-        log.info("draining", extra={"reason": reason, "grace_period_s": self.config.grace_period})
+        grace = self.config.grace_period
+        log.info("draining", extra={"reason": reason, "grace_period_s": grace})
+        started = time.monotonic()
         self.state.draining = True
         await self.health.set_ready(False)
         engine = self.state.engine
         if engine is not None:
             engine.queue.close()  # waiting requests still run; nothing new is admitted
+        idle = await self._servicer.wait_idle(grace)
+        if not idle:
+            log.warning("grace period over; cancelling calls in flight", extra={"calls": self._servicer.in_flight})
         if self._server is not None:
-            await self._server.stop(self.config.grace_period)
+            # What is left are health checks and reflection: a second at most for those.
+            await self._server.stop(min(1.0, max(0.0, grace - (time.monotonic() - started))) if idle else 0)
         if engine is not None:
             await asyncio.get_running_loop().run_in_executor(None, engine.close)
         self._servicer.close()

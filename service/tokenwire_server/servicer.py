@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 import uuid
@@ -16,9 +17,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
-from tokenwire.validation import FieldViolation, Limits, Rule, validate_generate_request, validate_tokenize_request
+from tokenwire.validation import (
+    FieldViolation,
+    Limits,
+    Rule,
+    validate_generate_request,
+    validate_tokenize_request,
+)
 
 from .engine import (
     Engine,
@@ -45,6 +53,35 @@ _FINISH = {
     FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
     FinishReason.TIME_LIMIT: pb.FINISH_REASON_TIME_LIMIT,
 }
+
+
+# Below this a temperature is greedy: dividing logits by it overflows float32 to inf.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+
+class Undecodable:
+    """A request whose bytes are not a valid message; the servicer answers INVALID_ARGUMENT."""
+
+    def __init__(self, type_name: str, error: str) -> None:
+        self.type_name = type_name
+        self.error = error
+
+
+def _lenient(message_type: type[Message]) -> Any:
+    """A request deserializer that never raises (a raise would end the call as UNKNOWN)."""
+
+    def parse(data: bytes) -> Message | Undecodable:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(message_type.DESCRIPTOR.full_name, str(exc))
+
+    return parse
+
+
+def _check_decoded(request: object) -> None:
+    if isinstance(request, Undecodable):
+        raise invalid_argument([FieldViolation("request", f"is not a valid {request.type_name}: {request.error}")])
 
 
 class ServingState:
@@ -76,6 +113,37 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         self._metrics = metrics
         # Tokenizing a long prompt must not block the event loop.
         self._cpu = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenwire-tokenize")
+        self.in_flight = 0  # calls of this service now running (drain waits for them)
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register the three RPCs; requests that do not parse reach the servicer as ``Undecodable``."""
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.Generate,
+                request_deserializer=_lenient(pb.GenerateRequest),
+                response_serializer=pb.TokenChunk.SerializeToString,
+            ),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(
+                self.Tokenize,
+                request_deserializer=_lenient(pb.TokenizeRequest),
+                response_serializer=pb.TokenizeResponse.SerializeToString,
+            ),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                self.GetModelInfo,
+                request_deserializer=_lenient(pb.GetModelInfoRequest),
+                response_serializer=pb.ModelInfo.SerializeToString,
+            ),
+        }
+        name = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+        server.add_registered_method_handlers(name, handlers)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no call is running, at most ``timeout_s``; True when none is."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.in_flight == 0
 
     def close(self) -> None:
         self._cpu.shutdown(wait=False, cancel_futures=True)
@@ -118,6 +186,11 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, Rule.NO_CHAT_TEMPLATE.error())
         return encoder.render_chat([(m.role, m.content) for m in chat.messages])
 
+    def _temperature(self, sampling: pb.SamplingParams) -> float:
+        if not sampling.HasField("temperature"):
+            return self._state.default_temperature
+        return sampling.temperature if sampling.temperature >= MIN_SAMPLING_TEMPERATURE else 0.0
+
     def _finish_call(self, method: str, code: grpc.StatusCode, started: float) -> None:
         self._metrics.requests.labels(method, code.name).inc()
         self._metrics.latency.labels(method).observe(time.monotonic() - started)
@@ -126,12 +199,19 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenChunk]:
         started = time.monotonic()
-        request_id = self._request_id(request.request_id, context)
+        self.in_flight += 1
+        decoded = isinstance(request, pb.GenerateRequest)
+        request_id = self._request_id(request.request_id if decoded else "", context)
         code = grpc.StatusCode.OK
         usage_line: dict[str, Any] = {}
+        completed = False
         try:
-            async for chunk in self._generate(request, request_id, started, context, usage_line):
-                yield chunk
+            # aclosing: when grpc drops this stream (the client left), the engine hears of it now,
+            # not whenever the abandoned generator is garbage-collected.
+            async with contextlib.aclosing(self._generate(request, request_id, started, context, usage_line)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            completed = True
         except RpcFailure as failure:
             code = failure.code
             await context.abort(failure.code, failure.message, trailing_metadata=failure.trailing_metadata())
@@ -145,11 +225,25 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             code = grpc.StatusCode.CANCELLED
             raise
         finally:
+            self.in_flight -= 1
+            if code is grpc.StatusCode.OK and not completed:  # closed early: the client went away
+                code = grpc.StatusCode.CANCELLED
+            remaining = context.time_remaining()
+            if code is grpc.StatusCode.CANCELLED and remaining is not None and remaining <= 0:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
             self._finish_call("Generate", code, started)
             extra: dict[str, Any] = {"request_id": request_id, "method": "Generate", "code": code.name}
             extra.update(usage_line)
-            if self._config.log_prompts:
-                extra["prompt"] = request.prompt or str(request.chat.messages) or list(request.token_ids.ids)
+            if "output" in extra:
+                extra["output"] = "".join(extra["output"])
+            if self._config.log_prompts and decoded:
+                kind = request.WhichOneof("input")
+                if kind == "chat":
+                    extra["prompt"] = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                elif kind == "token_ids":
+                    extra["prompt"] = list(request.token_ids.ids)
+                else:
+                    extra["prompt"] = request.prompt
             log.info("request finished", extra=extra)
 
     async def _generate(
@@ -160,6 +254,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         context: grpc.aio.ServicerContext,
         usage_line: dict[str, Any],
     ) -> AsyncIterator[pb.TokenChunk]:
+        _check_decoded(request)
         loaded, engine, encoder = self._ready()
         violations = validate_generate_request(request, self._limits(loaded))
         if violations:
@@ -194,7 +289,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             request_id=request_id,
             prompt_ids=prompt_ids,
             sampling=SamplingOptions(
-                temperature=sampling.temperature if sampling.HasField("temperature") else self._state.default_temperature,
+                temperature=self._temperature(sampling),
                 top_k=sampling.top_k,
                 top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
                 repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0,
@@ -228,6 +323,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         metrics = self._metrics
         index = 0
         last = started
+        # The completion is kept for the log line only when asked for (--log-prompts).
+        output: list[str] | None = usage_line.setdefault("output", []) if self._config.log_prompts else None
         try:
             while True:
                 event = await events.get()
@@ -238,12 +335,16 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                     else:
                         metrics.itl.observe(now - last)
                     last = now
+                    if output is not None:
+                        output.append(event.text)
                     yield pb.TokenChunk(request_id=request_id, index=index, text=event.text, tokens=_tokens(event.tokens))
                     index += 1
                 elif isinstance(event, FinishEvent):
                     if index == 0:
                         metrics.ttft.observe(now - started)
                     u = event.usage
+                    if output is not None:
+                        output.append(event.text)
                     metrics.generated_tokens.inc(u.completion_tokens)
                     metrics.prompt_tokens.inc(u.prompt_tokens)
                     usage_line.update(
@@ -277,7 +378,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         started = time.monotonic()
         code = grpc.StatusCode.OK
+        self.in_flight += 1
         try:
+            _check_decoded(request)
             loaded, _, encoder = self._ready()
             violations = validate_tokenize_request(request, self._limits(loaded))
             if violations:
@@ -305,12 +408,15 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             await context.abort(code, f"internal error: {type(exc).__name__}")
             raise
         finally:
+            self.in_flight -= 1
             self._finish_call("Tokenize", code, started)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         started = time.monotonic()
         code = grpc.StatusCode.OK
+        self.in_flight += 1
         try:
+            _check_decoded(request)
             loaded, engine, encoder = self._ready()
             c = self._config
             info = pb.ModelInfo(
@@ -343,4 +449,5 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             await context.abort(code, f"internal error: {type(exc).__name__}")
             raise
         finally:
+            self.in_flight -= 1
             self._finish_call("GetModelInfo", code, started)

@@ -18,6 +18,15 @@ from .types import Alternative
 NEG_INF = float("-inf")
 
 
+def _overflow_safe(row: torch.Tensor) -> torch.Tensor:
+    """A tiny temperature or repetition penalty overflows logits to +inf (and inf - inf to NaN),
+    which softmax turns into NaN: then the overflowed tokens share the draw, the rest drop out."""
+    top = torch.isposinf(row)
+    if bool(top.any()):
+        return torch.where(top, 0.0, NEG_INF)
+    return torch.nan_to_num(row, nan=NEG_INF)
+
+
 def _filter_top_k_top_p(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     if 0 < top_k < row.shape[-1]:
         kth = torch.topk(row, top_k).values[-1]
@@ -73,7 +82,7 @@ class Sampler:
             options = seq.request.sampling
             if options.greedy:
                 continue
-            row = processed[i] / options.temperature
+            row = _overflow_safe(processed[i] / options.temperature)
             row = _filter_top_k_top_p(row, options.top_k, options.top_p)
             probs = torch.softmax(row, dim=-1)
             picks[i] = int(torch.multinomial(probs, 1, generator=seq.generator).item())

@@ -1,0 +1,209 @@
+"""Helpers for the production-behaviour tests: stubs, long requests, test certificates,
+and a server run in this process (for fault injection into its model). The fixtures
+themselves are registered in conftest.py."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokenwire.v1 import generation_pb2 as pb
+from tokenwire.v1 import generation_pb2_grpc as pb_grpc
+from tokenwire_server.config import ServerConfig
+from tokenwire_server.server import TokenwireServer
+
+READINESS = "tokenwire.v1.TextGeneration"
+LIVENESS = ""
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def generation_stub(target: str, credentials: grpc.ChannelCredentials | None = None) -> pb_grpc.TextGenerationStub:
+    channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+    return pb_grpc.TextGenerationStub(channel)
+
+
+def health_status(target: str, service: str = READINESS, timeout: float = 2.0) -> int:
+    with grpc.insecure_channel(target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+
+
+def long_request(tokens: int = 1000, **fields: Any) -> pb.GenerateRequest:
+    """A request that keeps its slot busy for a while (the tiny model decodes ~300-400 tokens/s here)."""
+    return pb.GenerateRequest(
+        prompt="hello", stopping=pb.StoppingCriteria(max_new_tokens=tokens, ignore_eos=True), **fields
+    )
+
+
+def short_request(tokens: int = 4, **fields: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt="hello", stopping=pb.StoppingCriteria(max_new_tokens=tokens), **fields)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
+
+
+class InProcessServer:
+    """A TokenwireServer on its own asyncio loop in a background thread, so a test can reach into
+    its model and engine (fault injection) while talking to it over a real 127.0.0.1 port."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
+        self._thread.start()
+        self.server = TokenwireServer(config)
+        self.call(self.server.start())
+        self.call(self.server.load(), timeout=120)
+        self._watchdog = asyncio.run_coroutine_threadsafe(self.server.watchdog(), self.loop)
+        self.target = f"127.0.0.1:{self.server.port}"
+
+    def call(self, coro: Any, timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def state(self) -> Any:
+        return self.server.state
+
+    def close(self) -> None:
+        try:
+            self.call(self.server.drain("test over"), timeout=30)
+        finally:
+            self._watchdog.cancel()
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+
+# -- test certificates ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    other_ca_cert: Path  # a CA that signed nothing here
+    other_client_cert: Path  # a client certificate signed by other_ca
+    other_client_key: Path
+
+    def channel_credentials(self, client: bool = False, other_client: bool = False) -> grpc.ChannelCredentials:
+        if other_client:
+            key, chain = self.other_client_key.read_bytes(), self.other_client_cert.read_bytes()
+            return grpc.ssl_channel_credentials(self.ca_cert.read_bytes(), key, chain)
+        if client:
+            key, chain = self.client_key.read_bytes(), self.client_cert.read_bytes()
+            return grpc.ssl_channel_credentials(self.ca_cert.read_bytes(), key, chain)
+        return grpc.ssl_channel_credentials(self.ca_cert.read_bytes())
+
+
+def make_pki(folder: Path) -> Pki:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(common: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+    def write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None = None) -> None:
+        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        if key is not None:
+            path.with_suffix(".key").write_bytes(
+                key.private_bytes(
+                    serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+                )
+            )
+
+    def ca(common: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name(common))
+            .issuer_name(name(common))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .sign(key, hashes.SHA256())
+        )
+        return cert, key
+
+    def leaf(
+        common: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], server: bool
+    ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(common))
+            .issuer_name(issuer[0].subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+        )
+        if server:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
+        return builder.sign(issuer[1], hashes.SHA256()), key
+
+    root = ca("tokenwire test CA")
+    other = ca("some other CA")
+    server = leaf("localhost", root, server=True)
+    client = leaf("tokenwire test client", root, server=False)
+    stranger = leaf("stranger", other, server=False)
+    write(folder / "ca.pem", root[0])
+    write(folder / "other-ca.pem", other[0])
+    write(folder / "server.pem", *server)
+    write(folder / "client.pem", *client)
+    write(folder / "stranger.pem", *stranger)
+    return Pki(
+        ca_cert=folder / "ca.pem",
+        server_cert=folder / "server.pem",
+        server_key=folder / "server.key",
+        client_cert=folder / "client.pem",
+        client_key=folder / "client.key",
+        other_ca_cert=folder / "other-ca.pem",
+        other_client_cert=folder / "stranger.pem",
+        other_client_key=folder / "stranger.key",
+    )

@@ -1,0 +1,63 @@
+"""Drain on SIGTERM and SIGINT, with a stream in flight: readiness NOT_SERVING at once, new
+calls UNAVAILABLE, the stream in flight finishes, the process exits 0; past --grace-period
+what still runs is cancelled and the process still exits 0."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from production_support import (
+    NOT_SERVING,
+    generation_stub,
+    health_status,
+    long_request,
+    short_request,
+    wait_until,
+)
+from servers import ServerProcess
+from tokenwire.v1 import generation_pb2 as pb
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_drains_with_a_stream_in_flight(sig: signal.Signals, tiny_model_dir: Path) -> None:
+    with ServerProcess(["--model", str(tiny_model_dir), "--grace-period", "20"]) as server:
+        stub = generation_stub(server.target)
+        in_flight = stub.Generate(long_request(800), timeout=30)
+        first = next(in_flight)
+        sent = time.monotonic()
+        server.proc.send_signal(sig)
+
+        assert wait_until(lambda: health_status(server.target) == NOT_SERVING, 1.0)
+        assert time.monotonic() - sent < 1.0
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(short_request(), timeout=5))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "draining" in refused.value.details()
+
+        rest = list(in_flight)  # the stream in flight runs to its end
+        assert [first, *rest][-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert rest[-1].usage.completion_tokens == 800
+        assert server.proc.wait(20) == 0
+        assert server.find("draining")[0]["reason"] == sig.name
+        assert server.find("stopped")
+
+
+def test_grace_period_bounds_the_drain(tiny_model_dir: Path) -> None:
+    with ServerProcess(["--model", str(tiny_model_dir), "--grace-period", "0.2"]) as server:
+        stub = generation_stub(server.target)
+        endless = stub.Generate(long_request(1000), timeout=30)  # ~3 s here, far past the grace period
+        next(endless)
+        sent = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as cut:
+            list(endless)
+        assert cut.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        assert server.proc.wait(15) == 0
+        assert time.monotonic() - sent < 10
+        assert wait_until(lambda: bool(server.find("grace period over; cancelling calls in flight")), 2)

@@ -1,0 +1,137 @@
+"""Faults injected into the model of a server running in this process.
+
+- An exception inside generation fails that request with INTERNAL and a message; the server
+  keeps serving.
+- torch.cuda.OutOfMemoryError (simulated) fails it with RESOURCE_EXHAUSTED and a RetryInfo,
+  frees the device cache, and the server keeps serving.
+- A wedged engine loop (no progress while work is pending past --stall-timeout) turns
+  liveness NOT_SERVING, and SERVING again once the loop moves.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from production_support import (
+    LIVENESS,
+    NOT_SERVING,
+    READINESS,
+    SERVING,
+    InProcessServer,
+    generation_stub,
+    health_status,
+    long_request,
+    short_request,
+    wait_until,
+)
+from tokenwire.v1 import generation_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class ForwardFault:
+    """Stands in for ``model.forward``: raises ``error`` on call number ``at`` (counted from arming),
+    or blocks while ``gate`` is closed; otherwise runs the real forward."""
+
+    def __init__(self, model: Any) -> None:
+        self._forward = model.forward
+        self.calls = 0
+        self.error: BaseException | None = None
+        self.at = 0
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def arm(self, error: BaseException, at: int = 1) -> None:
+        self.calls, self.error, self.at = 0, error, at
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        self.gate.wait()
+        if self.error is not None and self.calls >= self.at:
+            error, self.error = self.error, None
+            raise error
+        return self._forward(*args, **kwargs)
+
+
+def inject(server: InProcessServer, monkeypatch: pytest.MonkeyPatch) -> ForwardFault:
+    model = server.state.loaded.model
+    fault = ForwardFault(model)
+    monkeypatch.setattr(model, "forward", fault)
+    return fault
+
+
+def assert_still_serving(server: InProcessServer) -> None:
+    chunks = list(generation_stub(server.target).Generate(short_request(), timeout=10))
+    assert chunks[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    assert health_status(server.target, READINESS) == SERVING
+    assert health_status(server.target, LIVENESS) == SERVING
+
+
+@pytest.mark.parametrize("engine", ["batched", "simple"])
+@pytest.mark.parametrize("at", [1, 4], ids=["first-forward", "mid-stream"])
+def test_exception_in_generation_is_internal_and_server_keeps_serving(
+    engine: str, at: int, in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = in_process_server(engine=engine)
+    fault = inject(server, monkeypatch)
+    fault.arm(RuntimeError("injected fault"), at=at)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(generation_stub(server.target).Generate(long_request(50), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert "injected fault" in caught.value.details()
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("engine", ["batched", "simple"])
+@pytest.mark.parametrize("at", [1, 4], ids=["prefill", "decode"])
+def test_out_of_memory_is_resource_exhausted_frees_cache_and_server_keeps_serving(
+    engine: str, at: int, in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = in_process_server(engine=engine, retry_after_ms=300)
+    fault = inject(server, monkeypatch)
+    emptied: list[bool] = []
+    # This machine has no GPU: make the engine believe it has one, and watch it empty the cache.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    fault.arm(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)"), at=at)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(generation_stub(server.target).Generate(long_request(50), timeout=10))
+    error = caught.value
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "out of memory" in error.details()
+    status = rpc_status.from_call(error)
+    assert status is not None
+    retry = error_details_pb2.RetryInfo()
+    assert any(detail.Unpack(retry) for detail in status.details)
+    assert retry.retry_delay.ToMilliseconds() == 300
+    assert emptied
+    monkeypatch.undo()  # the real torch.cuda again before serving on
+    assert_still_serving(server)
+
+
+def test_wedged_engine_loop_turns_liveness_not_serving(
+    in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = in_process_server(engine="batched", stall_timeout=1.0)
+    fault = inject(server, monkeypatch)
+    assert health_status(server.target, LIVENESS) == SERVING
+    fault.gate.clear()  # the next forward pass never returns until the gate opens
+    stub = generation_stub(server.target)
+    stuck = stub.Generate(short_request(3), timeout=30)
+    reader = threading.Thread(target=lambda: list(stuck), daemon=True)
+    reader.start()
+    try:
+        assert wait_until(lambda: health_status(server.target, LIVENESS) == NOT_SERVING, 6, interval=0.1)
+        assert server.server.health.live is False
+    finally:
+        fault.gate.set()
+    reader.join(10)
+    assert wait_until(lambda: health_status(server.target, LIVENESS) == SERVING, 4, interval=0.1)
+    assert_still_serving(server)

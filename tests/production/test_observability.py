@@ -1,0 +1,111 @@
+"""Observability: the Prometheus endpoint (--metrics-port; -1 picks a free port) moves with
+traffic — requests by method and code, TTFT / ITL / end-to-end histograms, generated and prompt
+tokens, active streams, queue depth, batch size — and each finished call leaves one structured
+JSON log line with its request id, status, tokens and timings."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from production_support import generation_stub, long_request, short_request, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+from servers import ServerProcess
+from tokenwire.v1 import generation_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def metered_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(["--model", str(tiny_model_dir), "--metrics-port", "-1", "--max-active", "1"]) as server:
+        assert server.metrics_port > 0
+        yield server
+
+
+def scrape(server: ServerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_move_with_traffic(metered_server: ServerProcess) -> None:
+    stub = generation_stub(metered_server.target)
+    before = scrape(metered_server)
+    chunks = list(stub.Generate(pb.GenerateRequest(prompt="hello there", stopping=pb.StoppingCriteria(max_new_tokens=12, ignore_eos=True)), timeout=10))
+    usage = chunks[-1].usage
+    with pytest.raises(grpc.RpcError):
+        list(stub.Generate(pb.GenerateRequest(), timeout=10))
+    stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=10)
+    after = scrape(metered_server)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("tokenwire_requests_total", method="Generate", code="OK") == 1
+    assert delta("tokenwire_requests_total", method="Generate", code="INVALID_ARGUMENT") == 1
+    assert delta("tokenwire_requests_total", method="Tokenize", code="OK") == 1
+    assert delta("tokenwire_generated_tokens_total") == usage.completion_tokens == 12
+    assert delta("tokenwire_prompt_tokens_total") == usage.prompt_tokens > 0
+    assert delta("tokenwire_time_to_first_token_seconds_count") == 1
+    assert delta("tokenwire_time_to_first_token_seconds_sum") > 0
+    assert delta("tokenwire_inter_token_latency_seconds_count") == len(chunks) - 2  # gaps between text chunks
+    assert delta("tokenwire_request_duration_seconds_count", method="Generate") == 2
+    for gauge in ("tokenwire_active_streams", "tokenwire_queue_depth", "tokenwire_batch_size"):
+        assert (gauge, ()) in after
+
+
+def test_gauges_show_work_in_flight(metered_server: ServerProcess) -> None:
+    stub = generation_stub(metered_server.target)
+    busy = stub.Generate(long_request(), timeout=30)
+    next(busy)
+    queued = stub.Generate(short_request(), timeout=30)  # --max-active 1: this one waits
+    try:
+        assert wait_until(lambda: value(scrape(metered_server), "tokenwire_queue_depth") == 1, 5)
+        now = scrape(metered_server)
+        assert value(now, "tokenwire_active_streams") == 1
+        assert value(now, "tokenwire_batch_size") == 1
+    finally:
+        busy.cancel()
+    assert list(queued)[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    assert wait_until(lambda: value(scrape(metered_server), "tokenwire_active_streams") == 0, 5)
+
+
+def test_one_structured_log_line_per_finished_request(metered_server: ServerProcess) -> None:
+    stub = generation_stub(metered_server.target)
+    request_id = f"obs-{time.monotonic_ns()}"
+    list(stub.Generate(short_request(5, request_id=request_id), timeout=10))
+    header_id = f"hdr-{time.monotonic_ns()}"
+    with pytest.raises(grpc.RpcError):
+        list(stub.Generate(pb.GenerateRequest(prompt=""), timeout=10, metadata=(("x-request-id", header_id),)))
+
+    def lines(rid: str) -> list[dict]:
+        return [r for r in metered_server.find("request finished") if r.get("request_id") == rid]
+
+    assert wait_until(lambda: bool(lines(request_id)) and bool(lines(header_id)), 5)
+    (ok,) = lines(request_id)
+    assert ok["code"] == "OK" and ok["method"] == "Generate" and ok["level"] == "info"
+    assert ok["completion_tokens"] >= 1 and ok["prompt_tokens"] >= 1
+    assert ok["finish_reason"] in ("length", "eos", "stop_sequence")
+    for timing in ("queue_ms", "ttft_ms", "total_ms"):
+        assert ok[timing] >= 0
+    assert ok["total_ms"] >= ok["ttft_ms"]
+    (refused,) = lines(header_id)
+    assert refused["code"] == "INVALID_ARGUMENT"
+    # every line the server wrote after the configuration banner is one JSON object
+    for line in metered_server.lines:
+        if line.startswith("{"):
+            json.loads(line)

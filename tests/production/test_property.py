@@ -1,0 +1,162 @@
+"""Property: whatever GenerateRequest arrives (random fields, extreme values, odd Unicode,
+NaN and infinite floats), the call ends in OK, INVALID_ARGUMENT or FAILED_PRECONDITION, never
+UNKNOWN or INTERNAL, and the one server that took them all is still SERVING afterwards."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from production_support import LIVENESS, READINESS, SERVING, generation_stub, health_status
+from servers import ServerProcess
+from tokenwire.v1 import generation_pb2 as pb
+
+pytestmark = pytest.mark.timeout(300)
+
+EXAMPLES = 2000
+ACCEPTABLE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
+U32 = 2**32 - 1
+U64 = 2**64 - 1
+
+# Text that stresses the tokenizer and the validators: emoji (with ZWJ and skin tones), CJK,
+# combining marks, right-to-left, control characters, NUL, BOM, private use, replacement char.
+ODD = [
+    "\U0001f600", "\U0001f468\u200d\U0001f469\u200d\U0001f467", "\U0001f44d\U0001f3fd", "中文", "日本語", "한국어",
+    "e\u0301", "\u05e9\u05dc\u05d5\u05dd", "\u202e", "\x00", "\x01", "\x1b[31m", "\x7f", "\ufeff", "\ue000",
+    "\ufffd", "\r\n", "\t", " ", "<|im_start|>", "<|endoftext|>", "{{", "%s", "\\", "'", '"',
+]  # fmt: skip
+text = st.one_of(
+    st.text(max_size=40),
+    st.lists(st.sampled_from(ODD) | st.text(max_size=4), max_size=12).map("".join),
+    st.sampled_from(["", "hello", "a" * 300]),
+)
+floats = st.one_of(
+    st.floats(width=32, allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 1e-45, 1e-38, 1e-6, 0.5, 1.0, 2.0, 3.4e38, float("nan"), float("inf"), -float("inf")]),
+)
+u32 = st.one_of(st.integers(0, 16), st.sampled_from([0, 1, 5, 6, 8, 9, 255, 1023, 1024, 49151, 49152, U32]), st.integers(0, U32))
+
+sampling = st.builds(
+    pb.SamplingParams,
+    temperature=st.none() | floats,
+    top_k=st.none() | u32,
+    top_p=st.none() | floats,
+    repetition_penalty=st.none() | floats,
+    seed=st.none() | st.integers(0, U64),
+)
+stopping = st.builds(
+    pb.StoppingCriteria,
+    max_new_tokens=st.none() | u32,
+    min_new_tokens=u32,
+    stop_sequences=st.lists(text, max_size=6),
+    include_stop_sequence=st.booleans(),
+    ignore_eos=st.booleans(),
+    time_limit_ms=st.none() | u32,
+)
+output = st.builds(pb.OutputOptions, token_ids=st.booleans(), logprobs=st.booleans(), top_logprobs=u32)
+message = st.builds(
+    pb.ChatMessage, role=st.sampled_from(["system", "user", "assistant", "", "tool", "USER"]) | text, content=text
+)
+inputs = st.one_of(
+    st.builds(dict),  # no input at all
+    st.builds(lambda t: {"prompt": t}, text),
+    st.builds(lambda m: {"chat": pb.Chat(messages=m)}, st.lists(message, max_size=10)),
+    st.builds(lambda ids: {"token_ids": pb.TokenIds(ids=ids)}, st.lists(u32, max_size=20)),
+)
+
+
+# Requests that pass validation but sit at its edges, so the engine sees extremes too.
+edge_floats = st.sampled_from([1e-45, 1e-38, 1e-30, 1e-6, 1e-3, 0.5, 1.0, 1.5, 100.0, 3.4e38])
+valid_inputs = st.one_of(
+    st.builds(lambda t: {"prompt": t}, text.filter(bool)),
+    st.builds(
+        lambda m: {"chat": pb.Chat(messages=m)},
+        st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(["system", "user", "assistant"]), content=text), min_size=1, max_size=4),
+    ),
+    st.builds(lambda ids: {"token_ids": pb.TokenIds(ids=ids)}, st.lists(st.integers(0, 49151), min_size=1, max_size=20)),
+)
+
+
+@st.composite
+def edge_requests(draw: st.DrawFn) -> pb.GenerateRequest:
+    max_new = draw(st.integers(1, 8))
+    return pb.GenerateRequest(
+        **draw(valid_inputs),
+        sampling=pb.SamplingParams(
+            temperature=draw(st.sampled_from([0.0]) | edge_floats),
+            top_k=draw(st.sampled_from([0, 1, 2, 50, 49151, 49152, U32])),
+            top_p=draw(st.sampled_from([1e-45, 1e-3, 0.5, 0.999, 1.0])),
+            repetition_penalty=draw(edge_floats),
+            seed=draw(st.integers(0, U64)),
+        ),
+        stopping=pb.StoppingCriteria(
+            max_new_tokens=max_new,
+            min_new_tokens=draw(st.integers(0, max_new)),
+            stop_sequences=draw(st.lists(text.filter(lambda t: 0 < len(t) <= 256), max_size=3)),
+            include_stop_sequence=draw(st.booleans()),
+            ignore_eos=draw(st.booleans()),
+            time_limit_ms=draw(st.sampled_from([0, 1, 5, 1000, U32])),
+        ),
+        output=pb.OutputOptions(
+            token_ids=draw(st.booleans()), logprobs=draw(st.booleans()), top_logprobs=draw(st.integers(0, 5))
+        ),
+    )
+
+
+@st.composite
+def any_requests(draw: st.DrawFn) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(request_id=draw(st.sampled_from(["", "r-1", "x" * 129]) | text), **draw(inputs))
+    if draw(st.booleans()):
+        request.sampling.CopyFrom(draw(sampling))
+    if draw(st.booleans()):
+        request.stopping.CopyFrom(draw(stopping))
+    if draw(st.booleans()):
+        request.output.CopyFrom(draw(output))
+    return request
+
+
+generate_requests = st.one_of(any_requests(), edge_requests())
+
+
+@pytest.fixture(scope="module")
+def property_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
+    # Small generations keep 2,000 calls inside a couple of minutes; admission limits stay at
+    # their defaults, so RESOURCE_EXHAUSTED would be a finding too.
+    args = ["--model", str(tiny_model_dir), "--default-max-new-tokens", "4", "--max-new-tokens-limit", "8"]
+    with ServerProcess(args) as server:
+        yield server
+
+
+def test_any_generate_request_ends_in_a_deliberate_status(property_server: ServerProcess) -> None:
+    stub = generation_stub(property_server.target)
+    seen: collections.Counter[str] = collections.Counter()
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(request=generate_requests)
+    def call(request: pb.GenerateRequest) -> None:
+        try:
+            chunks = list(stub.Generate(request, timeout=10))
+            code = grpc.StatusCode.OK
+            assert chunks and chunks[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        except grpc.RpcError as error:
+            code = error.code()
+            assert code in ACCEPTABLE, f"{code}: {error.details()} for {request!r}"
+        seen[code.name] += 1
+
+    call()
+    print("statuses:", dict(seen))
+    assert sum(seen.values()) >= EXAMPLES
+    assert seen["OK"] > EXAMPLES // 4 and seen["INVALID_ARGUMENT"] > EXAMPLES // 4
+    assert health_status(property_server.target, READINESS) == SERVING
+    assert health_status(property_server.target, LIVENESS) == SERVING
+    assert property_server.proc.poll() is None
