@@ -159,8 +159,12 @@ class TokenwireServer:
                 outcome.append(event)
                 done.set()
 
-        prompt = [loaded.bos_token_id if loaded.bos_token_id is not None else loaded.eos_token_ids[0]]
-        request = GenerationRequest("warm-up", prompt, SamplingOptions(temperature=0.0), max_new_tokens=2, ignore_eos=True)
+        # A prompt of typical length, so the first real request finds kernels and buffers warm.
+        encoder = self.state.encoder
+        assert encoder is not None
+        text = "Hello! In one sentence, what is a language model?"
+        prompt = encoder.encode(encoder.render_chat([("user", text)]), templated=True) if encoder.has_chat_template else encoder.encode(text)
+        request = GenerationRequest("warm-up", prompt, SamplingOptions(temperature=0.0), max_new_tokens=4, ignore_eos=True)
         engine.submit(request, sink)
         if not done.wait(300) or isinstance(outcome[0], ErrorEvent):
             raise RuntimeError(f"warm-up generation failed: {outcome[0] if outcome else 'timed out'}")
