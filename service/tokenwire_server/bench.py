@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -169,6 +170,84 @@ def through_server(engine: str, model_name: str, max_new: int, requests_per_stre
     return rows
 
 
+def cancel_steps(model_name: str, prompts: tuple[str, ...], streams: int = 8, cancels: int = 16) -> list[int]:
+    """Decode steps that still included a stream after its cancel, for ``cancels`` streams
+    cancelled mid-generation inside a running batch of ``streams`` (the batched engine,
+    in-process: only the engine knows how many steps it ran)."""
+    import random
+
+    from .engine import EngineLimits, GenerationRequest, SamplingOptions, create_engine
+    from .engine.batched import BatchedEngine
+    from .model import load_model
+
+    loaded = load_model(model_name)
+    encoded = chat_prompts(loaded.tokenizer, prompts)
+    engine = create_engine("batched", loaded, EngineLimits(streams, streams, 1 << 20), 1)
+    assert isinstance(engine, BatchedEngine)
+    engine.start()
+    rng = random.Random(0)
+    counts: list[int] = []
+
+    def submit(i: int) -> Any:
+        request = GenerationRequest(f"c{i}", encoded[i % len(encoded)], SamplingOptions(temperature=0.0), 10_000, ignore_eos=True)
+        return engine.submit(request, lambda event: None)
+
+    try:
+        live = [submit(i) for i in range(streams)]
+        for n in range(cancels):
+            time.sleep(rng.uniform(0.2, 0.8))
+            victim = live.pop(rng.randrange(len(live)))
+            at_cancel = engine.steps
+            victim.cancel()
+            victim.done.wait(30)
+            counts.append(engine.steps - at_cancel)
+            live.append(submit(streams + n))
+        for handle in live:
+            handle.cancel()
+    finally:
+        engine.close()
+    return counts
+
+
+@dataclasses.dataclass
+class SingleStreamAB:
+    pairs: int
+    tokens_per_s_ratio: float  # median over pairs of server / in-process
+    ttft_delta_ms: float  # median over pairs of server TTFT - in-process TTFT
+    in_process_tokens_per_s: float
+    server_tokens_per_s: float
+    in_process_ttft_ms: float
+    server_ttft_ms: float
+
+
+def single_stream_ab(model_name: str, max_new: int, pairs: int, prompts: tuple[str, ...]) -> SingleStreamAB:
+    """One stream, in-process ``generate`` and the batched server alternating request by
+    request on the same prompt: minutes of machine noise cancel out of each pair."""
+    from tokenwire.bench import run_bench
+
+    from .launcher import ServerProcess
+
+    ratios, deltas, local_tps, remote_tps, local_ttft, remote_ttft = [], [], [], [], [], []
+    with ServerProcess(["--model", model_name, "--engine", "batched"], ready_timeout=600) as server:
+        run_bench(server.target, concurrency=1, requests=1, max_new_tokens=4)
+        in_process(model_name, 1, 1, 4, prompts)
+        for i in range(pairs):
+            prompt = (prompts[i % len(prompts)],)
+            local = in_process(model_name, 1, 1, max_new, prompt)
+            remote = run_bench(server.target, concurrency=1, requests=1, max_new_tokens=max_new, prompts=prompt, timeout=600)
+            assert local.ttft_p50 is not None and remote.ttft_ms.p50 is not None
+            ratios.append(remote.output_tokens_per_s / local.tokens_per_s)
+            deltas.append(remote.ttft_ms.p50 - local.ttft_p50)
+            local_tps.append(local.tokens_per_s)
+            remote_tps.append(remote.output_tokens_per_s)
+            local_ttft.append(local.ttft_p50)
+            remote_ttft.append(remote.ttft_ms.p50)
+    med = statistics.median
+    return SingleStreamAB(
+        pairs, med(ratios), med(deltas), med(local_tps), med(remote_tps), med(local_ttft), med(remote_ttft)
+    )
+
+
 def machine() -> dict[str, str]:
     import torch
     import transformers
@@ -204,26 +283,37 @@ def find(rows: list[Row], engine: str, concurrency: int) -> Row | None:
     return None
 
 
-def targets(rows: list[Row]) -> list[tuple[str, str, bool | None]]:
+def targets(rows: list[Row], ab: SingleStreamAB | None) -> list[tuple[str, str, bool | None]]:
     """(target, measured, met) for the issue's targets 1-4 and 6."""
     out: list[tuple[str, str, bool | None]] = []
     b16, s16, g16 = find(rows, "server --engine batched", 16), find(rows, "server --engine simple", 16), find(rows, "in-process generate (static", 16)
-    b1, g1 = find(rows, "server --engine batched", 1), find(rows, "in-process generate", 1)
     if b16 and s16:
         ratio = b16.tokens_per_s / s16.tokens_per_s
         out.append(("c=16: batched tok/s >= 5x simple", f"{ratio:.2f}x", ratio >= 5))
     if b16 and g16:
         ratio = b16.tokens_per_s / g16.tokens_per_s
         out.append(("c=16: batched tok/s >= 0.8x in-process static batch 16", f"{ratio:.2f}x", ratio >= 0.8))
-    if b1 and g1:
-        ratio = b1.tokens_per_s / g1.tokens_per_s
-        out.append(("c=1: batched tok/s over gRPC >= 0.95x in-process batch 1", f"{ratio:.2f}x", ratio >= 0.95))
+    if ab is not None:
+        ratio = ab.tokens_per_s_ratio
+        out.append(
+            (
+                "c=1: batched tok/s over gRPC >= 0.95x in-process batch 1 (interleaved pairs)",
+                f"{ratio:.2f}x (median of {ab.pairs} pairs; {ab.server_tokens_per_s:.1f} vs {ab.in_process_tokens_per_s:.1f} tok/s)",
+                ratio >= 0.95,
+            )
+        )
     if b16 and b16.itl_p50 and b16.itl_p99:
         ratio = b16.itl_p99 / b16.itl_p50
         out.append(("c=16: batched ITL p99 <= 2.5x p50", f"{ratio:.2f}x ({b16.itl_p99:.1f} / {b16.itl_p50:.1f} ms)", ratio <= 2.5))
-    if b1 and g1 and b1.ttft_p50 is not None and g1.ttft_p50 is not None:
-        delta = b1.ttft_p50 - g1.ttft_p50
-        out.append(("c=1: TTFT p50 <= in-process TTFT + 15 ms", f"{delta:+.1f} ms ({b1.ttft_p50:.1f} vs {g1.ttft_p50:.1f} ms)", delta <= 15))
+    if ab is not None:
+        delta = ab.ttft_delta_ms
+        out.append(
+            (
+                "c=1: TTFT p50 <= in-process TTFT + 15 ms (interleaved pairs)",
+                f"{delta:+.1f} ms (median of {ab.pairs} pairs; {ab.server_ttft_ms:.1f} vs {ab.in_process_ttft_ms:.1f} ms)",
+                delta <= 15,
+            )
+        )
     if b16 and b16.peak_rss_mb:
         out.append(("c=16: batched server peak RSS <= 1.5 GB", f"{b16.peak_rss_mb:.0f} MB", b16.peak_rss_mb <= 1536))
     return out
@@ -273,8 +363,18 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
             f"| {c} | {_fmt(b.tokens_per_s / s.tokens_per_s, 2) + 'x' if b and s else '-'} "
             f"| {_fmt(b.tokens_per_s / g.tokens_per_s, 2) + 'x' if b and g else '-'} |"
         )
-    lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
-    for name, measured, met in targets(rows):
+    lines += [
+        "",
+        "## Targets",
+        "",
+        "The single-stream targets compare the batched server with in-process `generate` in",
+        "interleaved pairs (one request each, same prompt, alternating), because two runs minutes",
+        "apart on this shared machine differ by more than the margin being measured.",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+    ]
+    for name, measured, met in targets(rows, meta.get("ab")):
         lines.append(f"| {name} | {measured} | {'yes' if met else 'NO'} |")
     lines += ["", "![throughput and inter-token latency against concurrency](benchmarks.png)", ""]
     if meta.get("notes"):
@@ -318,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--requests-per-stream", type=int, default=2, help="requests per concurrent stream in each run")
     parser.add_argument("--engines", default="simple,batched")
+    parser.add_argument("--pairs", type=int, default=12, help="interleaved single-stream pairs (in-process, server)")
     parser.add_argument("--out", default="docs/benchmarks.md")
     parser.add_argument("--plot", default="docs/benchmarks.png")
     parser.add_argument("--server-arg", action="append", default=[], help="extra server flag (repeatable)")
@@ -332,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(in_process(args.model, 1, max(4, args.requests_per_stream * 2), args.max_new_tokens, prompts))
     rows.append(in_process(args.model, 4, args.requests_per_stream, args.max_new_tokens, prompts))
     rows.append(in_process(args.model, 16, args.requests_per_stream, args.max_new_tokens, prompts))
+    print("one stream: in-process and server, interleaved ...", file=sys.stderr, flush=True)
+    ab = single_stream_ab(args.model, args.max_new_tokens, args.pairs, prompts)
     in_process.cache.clear()  # type: ignore[attr-defined]
+    print("cancellation inside a batch ...", file=sys.stderr, flush=True)
+    cancels = cancel_steps(args.model, prompts)
     for engine in args.engines.split(","):
         print(f"server --engine {engine} ...", file=sys.stderr, flush=True)
         rows.extend(through_server(engine, args.model, args.max_new_tokens, args.requests_per_stream, args.server_arg))
@@ -342,7 +447,12 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model if args.model != "default" else "SmolLM2-135M-Instruct (default)",
         "max_new_tokens": args.max_new_tokens,
         "prompts": len(prompts),
-        "notes": [],
+        "ab": ab,
+        "notes": [
+            f"Cancellation inside a running batch of 8 (batched engine, in-process, {len(cancels)} cancels at random "
+            f"moments): decode steps that still included the stream after its cancel: max {max(cancels)}, "
+            f"median {statistics.median(cancels):g} (target: at most 2)."
+        ],
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

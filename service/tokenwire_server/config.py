@@ -28,7 +28,8 @@ class ServerConfig:
     max_active: int = 16
     max_queue: int = 64
     kv_cache_tokens: int = 0
-    max_prefill_tokens: int = 128
+    max_prefill_tokens: int = 64
+    batch_window_ms: float = 10.0
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 2048
     max_stop_sequences: int = 16
@@ -77,6 +78,7 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "max_queue": ("requests that may wait for a slot; past active + queued, RESOURCE_EXHAUSTED", None),
     "kv_cache_tokens": ("KV-cache budget in tokens over all active streams (0: max_active x min(context, 2048))", None),
     "max_prefill_tokens": ("batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new arrival causes them)", None),
+    "batch_window_ms": ("batched engine: under concurrent load, how long a batch starting from empty waits for requests still arriving, so they share one prefill (0: never wait)", None),
     "default_max_new_tokens": ("max_new_tokens when a request leaves it unset", None),
     "max_new_tokens_limit": ("cap on max_new_tokens; above it is INVALID_ARGUMENT", None),
     "max_stop_sequences": ("most stop sequences per request", None),
@@ -167,6 +169,8 @@ def validate_config(config: ServerConfig) -> list[str]:
         errors.append("--tls-cert and --tls-key go together")
     if config.tls_client_ca and not config.tls_cert:
         errors.append("--tls-client-ca needs --tls-cert and --tls-key")
+    if config.batch_window_ms < 0:
+        errors.append("--batch-window-ms must not be negative")
     if config.grace_period < 0 or config.stall_timeout <= 0:
         errors.append("--grace-period must not be negative and --stall-timeout must be positive")
     return errors

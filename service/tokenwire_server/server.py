@@ -118,6 +118,7 @@ class TokenwireServer:
             kv_cache_tokens=config.effective_kv_cache_tokens(loaded.context_length),
             retry_after_s=config.retry_after_ms / 1000,
             max_prefill_tokens=config.max_prefill_tokens,
+            batch_window_s=config.batch_window_ms / 1000,
         )
         engine = create_engine(config.engine, loaded, limits, config.workers)
         engine.start()

@@ -35,7 +35,8 @@ class EngineLimits:
     max_queue: int
     kv_cache_tokens: int
     retry_after_s: float = 0.5
-    max_prefill_tokens: int = 128
+    max_prefill_tokens: int = 64
+    batch_window_s: float = 0.01
 
 
 class AdmissionQueue:
@@ -89,6 +90,13 @@ class AdmissionQueue:
                 taken.append(seq)
             self._active += len(taken)
             return taken
+
+    def wait_for_arrival(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a request to be waiting; True when one is."""
+        with self._cond:
+            if not self._waiting and not self._closed:
+                self._cond.wait(timeout=timeout_s)
+            return bool(self._waiting)
 
     def release(self, count: int = 1) -> None:
         with self._cond:

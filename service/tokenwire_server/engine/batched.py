@@ -118,6 +118,7 @@ class BatchedEngine(Engine):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.steps = 0
+        self._last_busy_rows = 0  # most rows in the batch since it was last empty
         self._cache_arg = cache_argument(loaded.model)
 
     # -- lifecycle -----------------------------------------------------------------
@@ -182,6 +183,16 @@ class BatchedEngine(Engine):
         group = self.queue.take(fits, block=not self._seqs, max_count=room)
         if not group:
             return
+        if not self._seqs and (self._last_busy_rows > 1 or len(group) > 1):
+            # Under concurrent load, a batch that starts from empty waits a moment for the
+            # requests still arriving, so they share one prefill instead of each stalling
+            # the others later (a dynamic batcher's queue delay). A lone stream never waits.
+            # The window restarts with each arrival: gather while requests keep coming.
+            while len(group) < room and self.queue.wait_for_arrival(self.limits.batch_window_s):
+                more = self.queue.take(fits, block=False, max_count=room - len(group))
+                if not more:  # the next one does not fit the KV budget: start with what we have
+                    break
+                group += more
         now = time.monotonic()
         for seq in group:
             seq.admit(now)
@@ -239,7 +250,10 @@ class BatchedEngine(Engine):
             mask = mask.index_select(0, index)
         kept = [group[row] for row in keep]
         self._kv.append(cache, mask)
+        if not self._seqs:
+            self._last_busy_rows = 0
         self._seqs.extend(kept)
+        self._last_busy_rows = max(self._last_busy_rows, len(self._seqs))
         self._next = torch.cat([self._next, torch.tensor([[seq.generated[-1]] for seq in kept], device=device)])
         self._positions = torch.cat(
             [self._positions, torch.tensor([seq.prompt_len for seq in kept], dtype=torch.long, device=device)]
