@@ -41,16 +41,6 @@ class Row:
     peak_rss_mb: float | None = None
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 def chat_prompts(tokenizer: Any, prompts: tuple[str, ...]) -> list[list[int]]:
     return [
         tokenizer.apply_chat_template(
@@ -63,6 +53,7 @@ def chat_prompts(tokenizer: Any, prompts: tuple[str, ...]) -> list[list[int]]:
 def in_process(model_name: str, batch: int, repeats: int, max_new: int, prompts: tuple[str, ...]) -> Row:
     """``model.generate`` in this process: the reference the server is measured against."""
     import torch
+    from tokenwire.bench import percentile
     from transformers.generation.streamers import BaseStreamer
 
     from .model import load_model
@@ -118,12 +109,12 @@ def in_process(model_name: str, batch: int, repeats: int, max_new: int, prompts:
         concurrency=batch,
         requests=repeats * batch,
         tokens_per_s=tokens / elapsed,
-        ttft_p50=_pct(ttft, 50) * ms if ttft else None,
-        ttft_p99=_pct(ttft, 99) * ms if ttft else None,
-        itl_p50=_pct(itl, 50) * ms if itl else None,
-        itl_p99=_pct(itl, 99) * ms if itl else None,
-        e2e_p50=_pct(e2e, 50) * ms,  # type: ignore[operator]
-        e2e_p99=_pct(e2e, 99) * ms,  # type: ignore[operator]
+        ttft_p50=percentile(ttft, 50) * ms if ttft else None,
+        ttft_p99=percentile(ttft, 99) * ms if ttft else None,
+        itl_p50=percentile(itl, 50) * ms if itl else None,
+        itl_p99=percentile(itl, 99) * ms if itl else None,
+        e2e_p50=percentile(e2e, 50) * ms,  # type: ignore[operator]
+        e2e_p99=percentile(e2e, 99) * ms,  # type: ignore[operator]
         errors={},
     )
 

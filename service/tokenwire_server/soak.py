@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from tokenwire.bench import percentile
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
@@ -132,14 +133,6 @@ class Traffic:
                 self._record(Outcome("burst", "OK", None, chunks[-1].usage.completion_tokens if chunks else 0))
             except grpc.RpcError as error:
                 self._record(Outcome("burst", error.code().name))
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[index]
 
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:
