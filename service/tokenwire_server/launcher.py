@@ -18,7 +18,18 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-READINESS = "tokenwire.v1.TextGeneration"
+from .health import READINESS_SERVICE as READINESS
+from .health import SERVING
+
+
+def health_check(
+    target: str, service: str = READINESS, timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None
+) -> int:
+    """One grpc.health.v1 Check of ``service`` at ``target``; the status enum value."""
+    channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
 
 
 class ServerProcess:
@@ -64,10 +75,7 @@ class ServerProcess:
         return "\n".join(self.lines[-200:])
 
     def health(self, service: str = READINESS, timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None) -> int:
-        channel = grpc.secure_channel(self.target, credentials) if credentials else grpc.insecure_channel(self.target)
-        with channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+        return health_check(self.target, service, timeout, credentials)
 
     def wait_ready(self, timeout: float, credentials: grpc.ChannelCredentials | None = None) -> None:
         deadline = time.monotonic() + timeout
@@ -75,7 +83,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n" + self.output())
             try:
-                if self.health(credentials=credentials) == health_pb2.HealthCheckResponse.SERVING:
+                if self.health(credentials=credentials) == SERVING:
                     return
             except grpc.RpcError:
                 pass

@@ -55,10 +55,6 @@ _FINISH = {
 }
 
 
-# Below this a temperature is greedy: dividing logits by it overflows float32 to inf.
-MIN_SAMPLING_TEMPERATURE = 1e-5
-
-
 class Undecodable:
     """A request whose bytes are not a valid message; the servicer answers INVALID_ARGUMENT."""
 
@@ -186,11 +182,6 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, Rule.NO_CHAT_TEMPLATE.error())
         return encoder.render_chat([(m.role, m.content) for m in chat.messages])
 
-    def _temperature(self, sampling: pb.SamplingParams) -> float:
-        if not sampling.HasField("temperature"):
-            return self._state.default_temperature
-        return sampling.temperature if sampling.temperature >= MIN_SAMPLING_TEMPERATURE else 0.0
-
     def _finish_call(self, method: str, code: grpc.StatusCode, started: float) -> None:
         self._metrics.requests.labels(method, code.name).inc()
         self._metrics.latency.labels(method).observe(time.monotonic() - started)
@@ -289,7 +280,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             request_id=request_id,
             prompt_ids=prompt_ids,
             sampling=SamplingOptions(
-                temperature=self._temperature(sampling),
+                temperature=sampling.temperature if sampling.HasField("temperature") else self._state.default_temperature,
                 top_k=sampling.top_k,
                 top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
                 repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0,

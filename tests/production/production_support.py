@@ -15,16 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 from tokenwire_server.config import ServerConfig
+from tokenwire_server.health import LIVENESS_SERVICE as LIVENESS
+from tokenwire_server.health import NOT_SERVING, SERVING
+from tokenwire_server.health import READINESS_SERVICE as READINESS
+from tokenwire_server.launcher import health_check
 from tokenwire_server.server import TokenwireServer
 
-READINESS = "tokenwire.v1.TextGeneration"
-LIVENESS = ""
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# The health room's names, re-exported for the tests here.
+__all__ = ["LIVENESS", "NOT_SERVING", "READINESS", "SERVING"]
 
 
 def generation_stub(target: str, credentials: grpc.ChannelCredentials | None = None) -> pb_grpc.TextGenerationStub:
@@ -33,8 +34,7 @@ def generation_stub(target: str, credentials: grpc.ChannelCredentials | None = N
 
 
 def health_status(target: str, service: str = READINESS, timeout: float = 2.0) -> int:
-    with grpc.insecure_channel(target) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+    return health_check(target, service, timeout)
 
 
 def long_request(tokens: int = 1000, **fields: Any) -> pb.GenerateRequest:

@@ -242,12 +242,12 @@ class BatchedEngine(Engine):
             self.queue.release(finished)
         if not keep:
             return
-        if len(keep) < len(group):
-            index = torch.tensor(keep, device=device)
-            cache = DynamicCache(
-                ddp_cache_data=[(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in cache.layers]
-            )
-            mask = mask.index_select(0, index)
+        if len(keep) < len(group):  # rows that finished on their first token never join
+            joining = BatchCache(device)
+            joining.append(cache, mask)
+            joining.keep(keep)
+            assert joining.cache is not None
+            cache, mask = joining.cache, joining.mask
         kept = [group[row] for row in keep]
         self._kv.append(cache, mask)
         if not self._seqs:

@@ -23,9 +23,13 @@ class ErrorKind(str, enum.Enum):
     SHUTDOWN = "shutdown"  # the engine stopped before the request finished
 
 
+# Below this a temperature is greedy: dividing logits by it overflows float32 to inf.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingOptions:
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (or below MIN_SAMPLING_TEMPERATURE): greedy
     top_k: int = 0  # 0: no limit
     top_p: float = 1.0
     repetition_penalty: float = 1.0
@@ -33,7 +37,7 @@ class SamplingOptions:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
 
 @dataclasses.dataclass
