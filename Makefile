@@ -81,10 +81,10 @@ lint: $(STAMP) ## ruff, mypy (client), buf lint, hadolint
 	$(BIN)/hadolint Dockerfile
 
 bench: model ## benchmark in-process generate vs the simple and batched engines; writes docs/benchmarks.md
-	$(PY) -m tokenwire_server.bench $(BENCH_ARGS)
+	$(PY) -m benchmarks.bench $(BENCH_ARGS)
 
 soak: model ## N minutes of mixed traffic against a local server; writes docs/reliability.md figures
-	$(PY) -m tokenwire_server.soak $(SOAK_ARGS)
+	$(PY) -m benchmarks.soak $(SOAK_ARGS)
 
 clean: ## remove the virtual environment and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

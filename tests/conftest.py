@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-for room in ("client", "service"):
+for room in ("client", "service", ""):
     if str(REPO / room) not in sys.path:
         sys.path.insert(0, str(REPO / room))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

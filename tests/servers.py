@@ -1,5 +1,5 @@
-"""Real servers for tests: see tokenwire_server.launcher."""
+"""Real servers for tests: see benchmarks/launcher.py (shared with the benchmark and the soak)."""
 
-from tokenwire_server.launcher import READINESS, ServerProcess, process_status
+from benchmarks.launcher import READINESS, ServerProcess, health_check, process_status
 
-__all__ = ["READINESS", "ServerProcess", "process_status"]
+__all__ = ["READINESS", "ServerProcess", "health_check", "process_status"]

@@ -8,8 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tokenwire_server.engine import (
-    EngineLimits,
+from tokenwire_server.domain import (
     EngineOverloaded,
     ErrorEvent,
     FinishEvent,
@@ -17,8 +16,9 @@ from tokenwire_server.engine import (
     GenerationRequest,
     SamplingOptions,
     TextEvent,
-    create_engine,
 )
+from tokenwire_server.engine import create_engine
+from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.model import load_model
 
 

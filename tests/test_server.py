@@ -264,3 +264,29 @@ def test_cancelled_stream_stops_generation(tiny_server):
         time.sleep(0.1)
     else:
         pytest.fail("the server never finished the cancelled call")
+
+
+def test_tokenize_and_generate_concurrently_share_no_tokenizer_state(stub):
+    """200 calls from 8 threads, Tokenize (chat and text, with offsets) interleaved with
+    Generate: the Rust tokenizer is not thread-safe ("Already borrowed"), so each thread
+    must have its own. Every call must succeed and agree with a lone call."""
+    import concurrent.futures
+
+    text = "Héllo wörld, 日本語 and emoji 🧑‍🚀 " * 20
+    expected = stub.Tokenize(pb.TokenizeRequest(text=text, return_offsets=True, return_tokens=True), timeout=30)
+    chat_expected = stub.Tokenize(pb.TokenizeRequest(chat=CHAT), timeout=30)
+    sampling, stopping = greedy(max_new_tokens=6, ignore_eos=True)
+    generate_expected = text_of(collect(stub, pb.GenerateRequest(prompt=text, sampling=sampling, stopping=stopping)))
+
+    def one(i: int) -> bool:
+        if i % 3 == 0:
+            got = stub.Tokenize(pb.TokenizeRequest(text=text, return_offsets=True, return_tokens=True), timeout=60)
+            return list(got.ids) == list(expected.ids) and list(got.tokens) == list(expected.tokens)
+        if i % 3 == 1:
+            return list(stub.Tokenize(pb.TokenizeRequest(chat=CHAT), timeout=60).ids) == list(chat_expected.ids)
+        request = pb.GenerateRequest(prompt=text, sampling=sampling, stopping=stopping)
+        return text_of(collect(stub, request, timeout=120)) == generate_expected
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(200)))
+    assert results == [True] * 200

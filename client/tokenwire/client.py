@@ -193,7 +193,9 @@ class Client:
     ``tls``: False (plaintext), True (system trust store) or a :class:`TLSConfig`.
     ``token``: sent as ``authorization: Bearer <token>`` on every call but health.
     ``timeout``: default deadline in seconds for each call, retries included.
-    ``limits``: what the client checks requests against before sending them.
+    ``limits``: a server's limits to check requests against before sending them
+    (``client.model_info().limits``). By default only the rules that hold on every
+    server are checked here; the server enforces its own limits either way.
     """
 
     def __init__(

@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any
 
 from tokenwire.v1 import generation_pb2 as pb
+from tokenwire.validation import Limits
 
 __all__ = [
     "Chunk",
@@ -236,9 +237,20 @@ class ModelInfo:
     max_active_streams: int
     max_queued_requests: int
     notes: tuple[str, ...] = ()
+    # Every limit the server enforces; pass it as ``Client(limits=...)`` to check requests before sending.
+    limits: Limits = dataclasses.field(default_factory=Limits)
+    # What unset sampling fields take on this server: temperature, top_k, top_p, repetition_penalty.
+    default_sampling: dict[str, float] = dataclasses.field(default_factory=dict)
+    max_stop_sequences: int | None = None
+    max_stop_sequence_chars: int | None = None
+    max_chat_messages: int | None = None
+    max_top_logprobs: int | None = None
+    max_message_bytes: int | None = None
 
     @classmethod
     def from_proto(cls, info: pb.ModelInfo) -> ModelInfo:
+        published = info.limits if info.HasField("limits") else None
+        sampling = info.default_sampling if info.HasField("default_sampling") else None
         return cls(
             name=info.name,
             context_length=info.context_length,
@@ -254,6 +266,22 @@ class ModelInfo:
             max_active_streams=info.max_active_streams,
             max_queued_requests=info.max_queued_requests,
             notes=tuple(info.notes),
+            limits=Limits.from_model_info(info),
+            default_sampling=(
+                {
+                    "temperature": sampling.temperature,
+                    "top_k": sampling.top_k,
+                    "top_p": sampling.top_p,
+                    "repetition_penalty": sampling.repetition_penalty,
+                }
+                if sampling is not None
+                else {}
+            ),
+            max_stop_sequences=published.max_stop_sequences if published else None,
+            max_stop_sequence_chars=published.max_stop_sequence_chars if published else None,
+            max_chat_messages=published.max_chat_messages if published else None,
+            max_top_logprobs=published.max_top_logprobs if published else None,
+            max_message_bytes=published.max_message_bytes if published else None,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -61,13 +61,32 @@ class FieldViolation:
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """The limits a request is checked against. None: not known here (skip the check)."""
+    """A server's limits that a request is checked against. None: not known here (skip the check).
+
+    The server checks its own limits on every request. A client that wants the same
+    checks before sending takes them from the server it talks to
+    (``Limits.from_model_info``), never from copied defaults: servers differ.
+    """
 
     max_new_tokens_limit: int | None = None
-    max_stop_sequences: int | None = 16
-    max_stop_sequence_chars: int | None = 256
-    max_chat_messages: int | None = 256
+    max_stop_sequences: int | None = None
+    max_stop_sequence_chars: int | None = None
+    max_chat_messages: int | None = None
     vocab_size: int | None = None
+
+    @classmethod
+    def from_model_info(cls, info: pb.ModelInfo) -> Limits:
+        """The limits a server publishes in ``GetModelInfo`` (``ModelInfo.limits``)."""
+        if not info.HasField("limits"):  # a server older than ModelInfo.limits
+            return cls(max_new_tokens_limit=info.max_new_tokens_limit or None, vocab_size=info.vocab_size or None)
+        limits = info.limits
+        return cls(
+            max_new_tokens_limit=limits.max_new_tokens_limit,
+            max_stop_sequences=limits.max_stop_sequences,
+            max_stop_sequence_chars=limits.max_stop_sequence_chars,
+            max_chat_messages=limits.max_chat_messages,
+            vocab_size=limits.vocab_size,
+        )
 
 
 def _bad_text(text: str) -> bool:

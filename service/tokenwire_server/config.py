@@ -13,6 +13,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from .domain import RequestLimits
+
 ENV_PREFIX = "TOKENWIRE_"
 
 
@@ -59,6 +61,19 @@ class ServerConfig:
         if self.kv_cache_tokens > 0:
             return self.kv_cache_tokens
         return self.max_active * min(context_length, 2048)
+
+    def request_limits(self, context_length: int, vocab_size: int) -> RequestLimits:
+        """Every limit a request is checked against, for this configuration and model."""
+        return RequestLimits(
+            context_length=context_length,
+            vocab_size=vocab_size,
+            default_max_new_tokens=self.default_max_new_tokens,
+            max_new_tokens_limit=self.max_new_tokens_limit,
+            max_stop_sequences=self.max_stop_sequences,
+            max_stop_sequence_chars=self.max_stop_sequence_chars,
+            max_chat_messages=self.max_chat_messages,
+            max_message_bytes=self.max_message_bytes,
+        )
 
     def public(self) -> dict[str, Any]:
         """The configuration as printed at start-up (no secrets: files are shown by path)."""
@@ -124,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     for field in dataclasses.fields(ServerConfig):
         help_text, choices = _HELP[field.name]
         flag = "--" + field.name.replace("_", "-")
-        default = field.default
+        default: Any = field.default
         env = os.environ.get(env_name(field.name))
         help_text = f"{help_text} [env {env_name(field.name)}]"
         if isinstance(default, bool):

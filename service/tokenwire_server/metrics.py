@@ -1,13 +1,89 @@
-"""Prometheus metrics, served on their own HTTP port (``--metrics-port``)."""
+"""Prometheus metrics, served on their own HTTP port (``--metrics-port``).
+
+Names follow Prometheus conventions with base units (seconds, bytes, ratios).
+Gauges that describe the engine are read at scrape time from ``EngineStats``.
+GPU gauges exist only where there is a GPU: torch's memory counters on CUDA, and
+NVML's utilisation and memory when ``nvidia-ml-py`` is installed (the ``gpu``
+extra); elsewhere those families are simply not exported.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .domain import EngineStats
+
+log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+# Exported only on a CUDA host (torch) or where NVML is available: the dashboard and
+# the alert rules may use these although a CPU server does not export them.
+CUDA_METRIC_NAMES = (
+    "tokenwire_gpu_memory_allocated_bytes",
+    "tokenwire_gpu_memory_reserved_bytes",
+    "tokenwire_gpu_memory_total_bytes",
+)
+NVML_METRIC_NAMES = ("tokenwire_gpu_utilization_ratio", "tokenwire_gpu_memory_used_bytes")
+
+# device label -> (allocated, reserved, total) bytes
+GpuMemoryProbe = Callable[[], Mapping[str, tuple[int, int, int]]]
+# device label -> (utilisation 0..1, used bytes)
+GpuUtilisationProbe = Callable[[], Mapping[str, tuple[float, int]]]
+
+
+class _GpuCollector(Collector):
+    def __init__(self, memory: GpuMemoryProbe | None, utilisation: GpuUtilisationProbe | None) -> None:
+        self._memory = memory
+        self._utilisation = utilisation
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        if self._memory is not None:
+            allocated = GaugeMetricFamily(CUDA_METRIC_NAMES[0], "GPU memory held by tensors (torch)", labels=["device"])
+            reserved = GaugeMetricFamily(CUDA_METRIC_NAMES[1], "GPU memory reserved by torch's allocator", labels=["device"])
+            total = GaugeMetricFamily(CUDA_METRIC_NAMES[2], "GPU memory on the device", labels=["device"])
+            for device, (a, r, t) in self._memory().items():
+                allocated.add_metric([device], a)
+                reserved.add_metric([device], r)
+                total.add_metric([device], t)
+            yield from (allocated, reserved, total)
+        if self._utilisation is not None:
+            busy = GaugeMetricFamily(NVML_METRIC_NAMES[0], "GPU busy fraction over the last sample (NVML)", labels=["device"])
+            used = GaugeMetricFamily(NVML_METRIC_NAMES[1], "GPU memory used by all processes (NVML)", labels=["device"])
+            for device, (u, m) in self._utilisation().items():
+                busy.add_metric([device], u)
+                used.add_metric([device], m)
+            yield from (busy, used)
+
+
+def nvml_probe() -> GpuUtilisationProbe | None:
+    """NVML's view of every GPU, when ``nvidia-ml-py`` is installed and a driver answers."""
+    try:
+        import pynvml  # type: ignore[import-not-found,unused-ignore]
+
+        pynvml.nvmlInit()
+        count = int(pynvml.nvmlDeviceGetCount())
+    except Exception:  # not installed, no driver, no GPU: no NVML gauges
+        return None
+
+    def probe() -> dict[str, tuple[float, int]]:
+        out: dict[str, tuple[float, int]] = {}
+        for i in range(count):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            rates = pynvml.nvmlDeviceGetUtilizationRates(handle)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            out[f"cuda:{i}"] = (float(rates.gpu) / 100.0, int(memory.used))
+        return out
+
+    return probe
 
 
 class Metrics:
@@ -26,17 +102,62 @@ class Metrics:
         self.latency = Histogram(
             "tokenwire_request_duration_seconds", "Arrival to end of call", ["method"], buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.queue_wait = Histogram(
+            "tokenwire_queue_wait_seconds", "Arrival to admission into the engine", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.prefill_step_seconds = Histogram(
+            "tokenwire_prefill_step_seconds", "Time of one engine step that reads prompt tokens", buckets=_STEP_BUCKETS, registry=r
+        )
+        self.decode_step_seconds = Histogram(
+            "tokenwire_decode_step_seconds", "Time of one engine decode step over the batch", buckets=_STEP_BUCKETS, registry=r
+        )
         self.generated_tokens = Counter("tokenwire_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("tokenwire_prompt_tokens", "Prompt tokens read", registry=r)
+        self.cancelled = Counter(
+            "tokenwire_cancelled_requests", "Generate calls that ended CANCELLED (the client left)", registry=r
+        )
+        self.deadline_refusals = Counter(
+            "tokenwire_deadline_refusals",
+            "Generate calls refused at arrival because they could not start before their deadline",
+            registry=r,
+        )
         self.active = Gauge("tokenwire_active_streams", "Requests generating now", registry=r)
         self.queued = Gauge("tokenwire_queue_depth", "Requests waiting for a slot", registry=r)
         self.batch = Gauge("tokenwire_batch_size", "Sequences in the current decode batch", registry=r)
-        self._http: object | None = None
+        self.max_active = Gauge("tokenwire_max_active_streams", "Most streams generating at once (--max-active)", registry=r)
+        self.max_queue = Gauge("tokenwire_max_queue_depth", "Most requests that may wait (--max-queue)", registry=r)
+        self.kv_reserved = Gauge(
+            "tokenwire_kv_cache_tokens_reserved", "KV-cache tokens reserved by admitted requests (their worst case)", registry=r
+        )
+        self.kv_budget = Gauge("tokenwire_kv_cache_tokens_budget", "KV-cache budget in tokens (--kv-cache-tokens)", registry=r)
+        self.ready = Gauge("tokenwire_ready", "1 while readiness is SERVING", registry=r)
+        self.live = Gauge("tokenwire_live", "1 while liveness is SERVING", registry=r)
+        self._http: Any = None
 
-    def watch(self, active: Callable[[], float], queued: Callable[[], float], batch: Callable[[], float]) -> None:
-        self.active.set_function(active)
-        self.queued.set_function(queued)
-        self.batch.set_function(batch)
+    # EngineObserver: what the engine reports as it works.
+    def admitted(self, queue_wait_s: float) -> None:
+        self.queue_wait.observe(queue_wait_s)
+
+    def prefill_step(self, seconds: float) -> None:
+        self.prefill_step_seconds.observe(seconds)
+
+    def decode_step(self, seconds: float) -> None:
+        self.decode_step_seconds.observe(seconds)
+
+    def watch(self, stats: Callable[[], EngineStats], max_active: int, max_queue: int) -> None:
+        """Read the engine's gauges from ``stats`` at every scrape."""
+        self.active.set_function(lambda: stats().active)
+        self.queued.set_function(lambda: stats().queued)
+        self.batch.set_function(lambda: stats().batch_size)
+        self.kv_reserved.set_function(lambda: stats().kv_tokens_reserved)
+        self.kv_budget.set_function(lambda: stats().kv_tokens_budget)
+        self.max_active.set(max_active)
+        self.max_queue.set(max_queue)
+
+    def watch_gpu(self, memory: GpuMemoryProbe | None, utilisation: GpuUtilisationProbe | None) -> None:
+        """Export GPU gauges from these probes (either may be None: its gauges are left out)."""
+        if memory is not None or utilisation is not None:
+            self.registry.register(_GpuCollector(memory, utilisation))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Start the HTTP endpoint; return the bound port (port 0 picks a free one)."""
@@ -46,6 +167,6 @@ class Metrics:
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()  # type: ignore[attr-defined]
-            self._http.server_close()  # type: ignore[attr-defined]
+            self._http.shutdown()
+            self._http.server_close()
             self._http = None

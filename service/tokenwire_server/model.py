@@ -14,10 +14,13 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .domain import SamplingOptions
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +47,32 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     pad_token_id: int
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+    default_sampling: SamplingOptions = SamplingOptions(temperature=0.0)
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+
+def default_sampling(generation_config: Any) -> SamplingOptions:
+    """A request's unset sampling fields take these: the model's ``generation_config``.
+
+    Its temperature applies only where the model samples by default (``do_sample``);
+    otherwise the default is greedy. top_k, top_p and repetition_penalty apply as
+    the config sets them; a field it leaves unset means no limit.
+    """
+
+    def value(name: str) -> Any:
+        return getattr(generation_config, name, None) if generation_config is not None else None
+
+    do_sample = bool(value("do_sample"))
+    temperature = value("temperature")
+    return SamplingOptions(
+        temperature=float(temperature if temperature is not None else 1.0) if do_sample else 0.0,
+        top_k=int(value("top_k") or 0),
+        top_p=float(value("top_p") if value("top_p") is not None else 1.0),
+        repetition_penalty=float(value("repetition_penalty") if value("repetition_penalty") is not None else 1.0),
+    )
 
 
 def resolve_device(device: str) -> str:
@@ -201,4 +222,21 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", cache_d
         eos_token_ids=tuple(sorted(eos)),
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=int(pad),
+        default_sampling=default_sampling(lm.generation_config),
     )
+
+
+def gpu_memory_probe(loaded: LoadedModel) -> Callable[[], dict[str, tuple[int, int, int]]] | None:
+    """torch's memory counters for every CUDA device the model uses; None off CUDA."""
+    devices = sorted({p.device for p in loaded.model.parameters() if p.device.type == "cuda"}, key=str)
+    if not devices:
+        return None
+    totals = {str(d): int(torch.cuda.get_device_properties(d).total_memory) for d in devices}
+
+    def probe() -> dict[str, tuple[int, int, int]]:
+        return {
+            str(d): (int(torch.cuda.memory_allocated(d)), int(torch.cuda.memory_reserved(d)), totals[str(d)])
+            for d in devices
+        }
+
+    return probe

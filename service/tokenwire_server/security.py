@@ -9,9 +9,13 @@ from __future__ import annotations
 import hmac
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
+
+if TYPE_CHECKING:  # generic only in the type stubs
+    Handler = grpc.RpcMethodHandler[Any, Any]
+    Context = grpc.aio.ServicerContext[Any, Any]
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -40,9 +44,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler | None:
         method = handler_call_details.method
         if method.startswith(self._exempt):
             return await continuation(handler_call_details)
@@ -56,13 +60,16 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return _refusing(handler, "missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
 
 
-def _refusing(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+def _refusing(handler: Handler | None, message: str) -> Handler:
+    async def refuse(request: Any, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     if handler is None:
         return grpc.unary_unary_rpc_method_handler(refuse)
-    args = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    args: dict[str, Any] = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(refuse, **args)
     if handler.unary_stream:

@@ -11,23 +11,27 @@ streams in flight run on for up to ``--grace-period``, then the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
 import sys
-import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 from grpc_reflection.v1alpha import reflection
-from tokenwire.v1 import generation_pb2 as pb
 
 from .config import ServerConfig
+from .domain import ChatPrompt, ErrorEvent, GenerationRequest, SamplingOptions, TextPrompt
 from .health import Health
-from .metrics import Metrics
+from .metrics import Metrics, nvml_probe
 from .security import BearerTokenInterceptor, read_token, server_credentials
-from .servicer import ServingState, TextGenerationServicer
+from .transport.servicer import SERVICE_NAME, TextGenerationServicer
+
+if TYPE_CHECKING:
+    from .backend import GenerationBackend
 
 log = logging.getLogger("tokenwire.server")
 
@@ -35,19 +39,21 @@ WATCHDOG_INTERVAL_S = 1.0
 
 
 class TokenwireServer:
-    """One server process: call ``start()``, then ``wait()``; ``drain()`` ends it."""
+    """One server process: call ``start()``, then ``load()`` and ``wait()``; ``drain()`` ends it."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.state = ServingState()
         self.metrics = Metrics()
-        self.health = Health()
+        self.health = Health(self.metrics)
         self.port = 0
         self.metrics_port = 0
-        self._servicer = TextGenerationServicer(config, self.state, self.metrics)
+        self.backend: GenerationBackend | None = None
+        self.draining = False
+        self._servicer = TextGenerationServicer(
+            self.metrics, retry_after_s=config.retry_after_ms / 1000, log_prompts=config.log_prompts
+        )
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
-        self._tasks: list[asyncio.Task[Any]] = []
         self.exit_code = 0
 
     async def start(self) -> None:
@@ -65,12 +71,10 @@ class TokenwireServer:
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
         self._servicer.add_to_server(server)
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         reflection.enable_server_reflection(
             (
-                pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name,
+                SERVICE_NAME,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
@@ -101,17 +105,42 @@ class TokenwireServer:
             log.info("metrics", extra={"metrics_port": self.metrics_port})
 
     async def load(self) -> None:
-        """Load the model, start the engine, warm it up, then report ready."""
-        from .engine import EngineLimits, create_engine
-        from .model import load_model
-        from .text import PromptEncoder
-
+        """Load the model, start the engine behind the backend seam, warm it up, then report ready."""
         config = self.config
         loop = asyncio.get_running_loop()
         started = time.monotonic()
-        loaded = await loop.run_in_executor(
-            None, lambda: load_model(config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir)
+        backend = await loop.run_in_executor(None, self._build_backend)
+        self.backend = backend
+        description = backend.describe()
+        self.metrics.watch(backend.stats, description.max_active, description.max_queue)
+        log.info(
+            "model loaded",
+            extra={
+                "model": description.name,
+                "device": description.device,
+                "dtype": description.dtype,
+                "engine": description.engine,
+                "context_length": description.context_length,
+                "kv_cache_tokens": backend.stats().kv_tokens_budget,
+                "default_sampling": dataclasses.asdict(description.default_sampling),
+                "seconds": round(time.monotonic() - started, 2),
+            },
         )
+        if config.warmup:
+            await warm_up(backend)
+        self._servicer.attach(backend)
+        await self.health.set_ready(True)
+        log.info("ready", extra={"seconds": round(time.monotonic() - started, 2)})
+
+    def _build_backend(self) -> GenerationBackend:
+        """The model room and an engine, behind the seam (runs in a thread: it is slow)."""
+        from .engine import create_engine
+        from .engine.base import EngineLimits
+        from .engine.local import LocalBackend
+        from .model import gpu_memory_probe, load_model
+
+        config = self.config
+        loaded = load_model(config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir)
         limits = EngineLimits(
             max_active=config.max_active,
             max_queue=config.max_queue,
@@ -120,64 +149,19 @@ class TokenwireServer:
             max_prefill_tokens=config.max_prefill_tokens,
             batch_window_s=config.batch_window_ms / 1000,
         )
-        engine = create_engine(config.engine, loaded, limits, config.workers)
+        engine = create_engine(config.engine, loaded, limits, config.workers, self.metrics)
         engine.start()
-        gen_config = loaded.model.generation_config
-        self.state.default_temperature = float(gen_config.temperature or 1.0) if gen_config.do_sample else 0.0
-        self.state.encoder = PromptEncoder(loaded.tokenizer)
-        self.state.loaded = loaded
-        self.state.engine = engine
-        self.metrics.watch(
-            lambda: engine.stats().active, lambda: engine.stats().queued, lambda: engine.stats().batch_size
-        )
-        log.info(
-            "model loaded",
-            extra={
-                "model": loaded.name,
-                "device": str(loaded.device),
-                "dtype": loaded.dtype_name,
-                "engine": engine.name,
-                "context_length": loaded.context_length,
-                "kv_cache_tokens": limits.kv_cache_tokens,
-                "seconds": round(time.monotonic() - started, 2),
-            },
-        )
-        if config.warmup:
-            await loop.run_in_executor(None, self._warm_up)
-        await self.health.set_ready(True)
-        log.info("ready", extra={"seconds": round(time.monotonic() - started, 2)})
-
-    def _warm_up(self) -> None:
-        from .engine import ErrorEvent, FinishEvent, GenerationRequest, SamplingOptions
-
-        loaded, engine = self.state.loaded, self.state.engine
-        assert loaded is not None and engine is not None
-        done = threading.Event()
-        outcome: list[Any] = []
-
-        def sink(event: Any) -> None:
-            if isinstance(event, FinishEvent | ErrorEvent):
-                outcome.append(event)
-                done.set()
-
-        # A prompt of typical length, so the first real request finds kernels and buffers warm.
-        encoder = self.state.encoder
-        assert encoder is not None
-        text = "Hello! In one sentence, what is a language model?"
-        prompt = encoder.encode(encoder.render_chat([("user", text)]), templated=True) if encoder.has_chat_template else encoder.encode(text)
-        request = GenerationRequest("warm-up", prompt, SamplingOptions(temperature=0.0), max_new_tokens=4, ignore_eos=True)
-        engine.submit(request, sink)
-        if not done.wait(300) or isinstance(outcome[0], ErrorEvent):
-            raise RuntimeError(f"warm-up generation failed: {outcome[0] if outcome else 'timed out'}")
+        self.metrics.watch_gpu(gpu_memory_probe(loaded), nvml_probe())
+        return LocalBackend(loaded, engine, config.request_limits(loaded.context_length, loaded.vocab_size))
 
     async def watchdog(self) -> None:
         """Liveness follows the engine loop: no progress while work is pending means wedged."""
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            engine = self.state.engine
-            if engine is None:
+            backend = self.backend
+            if backend is None:
                 continue
-            stalled = engine.stalled(self.config.stall_timeout)
+            stalled = backend.stalled(self.config.stall_timeout)
             if stalled and self.health.live:
                 log.error("engine loop made no progress; liveness NOT_SERVING", extra={"timeout_s": self.config.stall_timeout})
             await self.health.set_live(not stalled)
@@ -190,25 +174,26 @@ class TokenwireServer:
         UNAVAILABLE from the servicer. grpc's own ``stop(grace)`` is only the
         backstop for what is still running when the grace period ends.
         """
-        if self.state.draining:
+        if self.draining:
             return
         grace = self.config.grace_period
         log.info("draining", extra={"reason": reason, "grace_period_s": grace})
         started = time.monotonic()
-        self.state.draining = True
+        self.draining = True
+        self._servicer.begin_drain()
         await self.health.set_ready(False)
-        engine = self.state.engine
-        if engine is not None:
-            engine.queue.close()  # waiting requests still run; nothing new is admitted
-        idle = await self._servicer.wait_idle(grace)
+        backend = self.backend
+        if backend is not None:
+            backend.stop_admission()  # waiting requests still run; nothing new is admitted
+        calls = self._servicer.calls
+        idle = await calls.wait_idle(grace)
         if not idle:
-            log.warning("grace period over; cancelling calls in flight", extra={"calls": self._servicer.in_flight})
+            log.warning("grace period over; cancelling calls in flight", extra={"calls": calls.in_flight})
         if self._server is not None:
             # What is left are health checks and reflection: a second at most for those.
             await self._server.stop(min(1.0, max(0.0, grace - (time.monotonic() - started))) if idle else 0)
-        if engine is not None:
-            await asyncio.get_running_loop().run_in_executor(None, engine.close)
-        self._servicer.close()
+        if backend is not None:
+            await backend.close()
         self.metrics.close()
         log.info("stopped")
         self._stopped.set()
@@ -217,11 +202,32 @@ class TokenwireServer:
         await self._stopped.wait()
 
 
+async def warm_up(backend: GenerationBackend) -> None:
+    """One short generation on a chat prompt of typical length, before readiness, so the
+    first real request finds kernels, buffers and the tokenizer threads warm."""
+    text = "Hello! In one sentence, what is a language model?"
+    prompt = ChatPrompt((("user", text),)) if backend.describe().has_chat_template else TextPrompt(text)
+    encoding = await backend.encode(prompt)
+    request = GenerationRequest("warm-up", encoding.ids, SamplingOptions(temperature=0.0), max_new_tokens=4, ignore_eos=True)
+    submission = backend.submit(request)
+    try:
+        async with asyncio.timeout(300):
+            async for event in submission:
+                if isinstance(event, ErrorEvent):
+                    raise RuntimeError(f"warm-up generation failed: {event.kind.value}: {event.message}")
+    except TimeoutError:
+        submission.cancel()
+        raise RuntimeError("warm-up generation did not finish in 300 s") from None
+
+
 async def serve(config: ServerConfig) -> int:
     server = TokenwireServer(config)
     loop = asyncio.get_running_loop()
+    def on_signal(sig: signal.Signals) -> None:
+        asyncio.ensure_future(server.drain(sig.name))
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(server.drain(signal.Signals(s).name)))
+        loop.add_signal_handler(sig, on_signal, sig)
     await server.start()
     server.start_metrics()
     watchdog = asyncio.ensure_future(server.watchdog())

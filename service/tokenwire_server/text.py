@@ -10,8 +10,12 @@ concatenation of what it emits equals the decoded completion, cut at the stop.
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Sequence
 from typing import Any
+
+from .domain import ChatPrompt, Encoding, NoChatTemplate, Prompt, TokenPrompt
 
 REPLACEMENT = "\ufffd"
 
@@ -27,7 +31,7 @@ class Detokenizer:
         self._emitted: list[str] = []
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def push(self, token_id: int) -> str:
         """Add one token; return the new complete text ('' while a character is partial)."""
@@ -123,34 +127,73 @@ class TextStream:
         return text + self.stops.flush(), False
 
 
-class PromptEncoder:
-    """Turns a prompt or a chat into token ids, the same way for Generate and Tokenize."""
+class SharedTokenizer:
+    """One tokenizer, safe to use from many threads: each thread gets its own copy.
+
+    A fast (Rust) tokenizer is not thread-safe: encoding sets its truncation and
+    padding state, and a second thread touching it meanwhile fails with
+    "Already borrowed". Copies are cheap (~0.1 s, once per thread) and identical.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
+        self._original = tokenizer
+        self._copies = threading.local()
+        self._lock = threading.Lock()  # deepcopy reads the original: one copy at a time
+
+    def get(self) -> Any:
+        """This thread's tokenizer."""
+        mine = getattr(self._copies, "tokenizer", None)
+        if mine is None:
+            with self._lock:
+                mine = copy.deepcopy(self._original)
+            self._copies.tokenizer = mine
+        return mine
+
+    def decode(self, ids: Sequence[int], **kwargs: Any) -> str:
+        return str(self.get().decode(list(ids), **kwargs))
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self._original, "chat_template", None)
+
+
+class PromptEncoder:
+    """Turns a prompt, a chat or token ids into what the model reads, the same way for
+    Generate and Tokenize. Thread-safe (``SharedTokenizer``); call it off the event loop."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer if isinstance(tokenizer, SharedTokenizer) else SharedTokenizer(tokenizer)
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self._tokenizer, "chat_template", None))
+        return bool(self._tokenizer.chat_template)
 
     def render_chat(self, messages: Sequence[tuple[str, str]]) -> str:
         """The chat as the model sees it: its own template, with the assistant's turn opened."""
-        return self._tokenizer.apply_chat_template(
-            [{"role": role, "content": content} for role, content in messages],
-            add_generation_prompt=True,
-            tokenize=False,
+        if not self.has_chat_template:
+            raise NoChatTemplate("this model has no chat template")
+        return str(
+            self._tokenizer.get().apply_chat_template(
+                [{"role": role, "content": content} for role, content in messages],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
         )
 
-    def encode(self, text: str, *, templated: bool = False) -> list[int]:
+    def encode(self, prompt: Prompt, *, offsets: bool = False, tokens: bool = False) -> Encoding:
+        """Token ids of ``prompt``; with the rendered text, and offsets/token strings on request."""
+        if isinstance(prompt, TokenPrompt):
+            ids = list(prompt.ids)
+            return Encoding(ids, tokens=self.token_strings(ids) if tokens else [])
+        templated = isinstance(prompt, ChatPrompt)
+        text = self.render_chat(prompt.messages) if isinstance(prompt, ChatPrompt) else prompt.text
+        tokenizer = self._tokenizer.get()
         # A rendered chat already holds its special tokens; raw text gets the model's usual ones.
-        return list(self._tokenizer(text, add_special_tokens=not templated)["input_ids"])
-
-    def tokenize(self, text: str, *, templated: bool, offsets: bool) -> tuple[list[int], list[tuple[int, int]]]:
-        encoded = self._tokenizer(
-            text, add_special_tokens=not templated, return_offsets_mapping=offsets and self._tokenizer.is_fast
-        )
-        spans = [tuple(span) for span in encoded.get("offset_mapping", [])] if offsets else []
-        return list(encoded["input_ids"]), spans  # type: ignore[return-value]
+        encoded = tokenizer(text, add_special_tokens=not templated, return_offsets_mapping=offsets and tokenizer.is_fast)
+        ids = [int(i) for i in encoded["input_ids"]]
+        spans = [(int(a), int(b)) for a, b in encoded.get("offset_mapping", [])] if offsets else []
+        return Encoding(ids, text, spans, self.token_strings(ids) if tokens else [])
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
-        return [self._tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids]
+        tokenizer = self._tokenizer.get()
+        return [str(tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)) for i in ids]

@@ -22,7 +22,7 @@ import tokenwire
 from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 from grpc_status import rpc_status
 from servers import READINESS, ServerProcess
-from tokenwire import FinishReason, HealthStatus, Limits, RetryPolicy
+from tokenwire import FinishReason, HealthStatus, RetryPolicy
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
@@ -232,7 +232,7 @@ def _server_says(stub: pb_grpc.TextGenerationStub, request: pb.GenerateRequest) 
 
 @pytest.mark.parametrize(("kwargs", "raw"), [(m[1], m[2]) for m in MISTAKES], ids=[m[0] for m in MISTAKES])
 def test_client_validation_matches_the_server(tiny_server, info, kwargs, raw):
-    limits = Limits(max_new_tokens_limit=info.max_new_tokens_limit, vocab_size=info.vocab_size)
+    limits = info.limits  # what this server publishes
     kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt", None)
     request = raw()
@@ -273,7 +273,7 @@ def test_client_validation_matches_the_server(tiny_server, info, kwargs, raw):
 def test_a_mistake_the_client_lets_through_reads_the_same_from_the_server(tiny_server, info):
     """Without limits the client cannot check the cap or the vocabulary; the server's answer
     comes back as the same InvalidArgument the client would have raised."""
-    limits = Limits(max_new_tokens_limit=info.max_new_tokens_limit, vocab_size=info.vocab_size)
+    limits = info.limits  # what this server publishes
     cases = [
         {"prompt": "x", "max_new_tokens": LIMIT + 1},
         {"input_ids": [1, info.vocab_size + 7]},
@@ -450,3 +450,33 @@ def test_complete_answers_end_ok_on_the_server(client, tiny_server):
     wanted = {*request_ids, request_ids[0] + "-s"}
     codes = [r["code"] for r in tiny_server.find("request finished") if r.get("request_id") in wanted]
     assert len(codes) == 101 and set(codes) == {"OK"}, sorted(codes)
+
+
+def test_a_client_accepts_what_a_server_with_other_limits_accepts(tiny_model_dir):
+    """Limits come from the server the client talks to, never from copied defaults: a server
+    started with 32 stop sequences and 4 chat messages accepts 20 stops, and so does a default
+    Client and a Client checking against the limits that server publishes."""
+    args = ["--model", str(tiny_model_dir), "--max-stop-sequences", "32", "--max-chat-messages", "4",
+            "--max-new-tokens-limit", "64", "--default-max-new-tokens", "8"]
+    stops = [f"zq{i}" for i in range(20)]  # more than the 16 a default server allows
+    with ServerProcess(args) as server, tokenwire.Client(server.target, timeout=30) as client:
+        info = client.model_info()
+        assert (info.limits.max_stop_sequences, info.limits.max_chat_messages) == (32, 4)
+        assert (info.max_stop_sequences, info.max_chat_messages, info.limits.max_new_tokens_limit) == (32, 4, 64)
+        assert info.max_top_logprobs == 5 and info.max_message_bytes == 4 * 1024 * 1024
+        assert client.generate_text("hello", max_new_tokens=2, stop=stops).finish_reason is not None
+        with tokenwire.Client(server.target, timeout=30, limits=info.limits) as checking:
+            assert checking.generate_text("hello", max_new_tokens=2, stop=stops).finish_reason is not None
+            too_many = [f"zq{i}" for i in range(33)]
+            with pytest.raises(tokenwire.InvalidArgument) as local:
+                checking.generate("hello", stop=too_many)  # refused before sending
+            five = [{"role": "user", "content": "hi"}] * 5
+            with pytest.raises(tokenwire.InvalidArgument) as local_chat:
+                checking.generate(messages=five)
+        with pytest.raises(tokenwire.InvalidArgument) as remote:
+            client.generate_text("hello", stop=too_many)
+        with pytest.raises(tokenwire.InvalidArgument) as remote_chat:
+            client.generate_text(messages=five)
+        assert remote.value.details == local.value.details
+        assert "at most 32" in remote.value.details
+        assert remote_chat.value.field_violations == local_chat.value.field_violations

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from servers import health_check
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 from tokenwire_server.config import ServerConfig
 from tokenwire_server.health import LIVENESS_SERVICE as LIVENESS
 from tokenwire_server.health import NOT_SERVING, SERVING
 from tokenwire_server.health import READINESS_SERVICE as READINESS
-from tokenwire_server.launcher import health_check
 from tokenwire_server.server import TokenwireServer
 
 # The health room's names, re-exported for the tests here.
@@ -75,8 +75,9 @@ class InProcessServer:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     @property
-    def state(self) -> Any:
-        return self.server.state
+    def backend(self) -> Any:
+        """The LocalBackend: ``.loaded`` (the model) and ``.engine``."""
+        return self.server.backend
 
     def close(self) -> None:
         try:

@@ -9,16 +9,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tokenwire_server.engine import (
-    EngineLimits,
+from tokenwire_server.domain import (
     ErrorEvent,
     ErrorKind,
     FinishEvent,
     GenerationRequest,
     SamplingOptions,
     TextEvent,
-    create_engine,
 )
+from tokenwire_server.engine import create_engine
+from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.model import LoadedModel, load_model
 
 pytestmark = pytest.mark.timeout(60)

@@ -61,7 +61,7 @@ class ForwardFault:
 
 
 def inject(server: InProcessServer, monkeypatch: pytest.MonkeyPatch) -> ForwardFault:
-    model = server.state.loaded.model
+    model = server.backend.loaded.model
     fault = ForwardFault(model)
     monkeypatch.setattr(model, "forward", fault)
     return fault

@@ -92,7 +92,9 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def sampling(self) -> Global___SamplingParams:
-        """How the next token is chosen. Unset fields take the model's defaults."""
+        """How the next token is chosen. Unset fields take the model's defaults
+        (ModelInfo.default_sampling).
+        """
 
     @_builtins.property
     def stopping(self) -> Global___StoppingCriteria:
@@ -199,7 +201,9 @@ Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
 
 @_typing.final
 class SamplingParams(_message.Message):
-    """How the next token is chosen."""
+    """How the next token is chosen. Every unset field takes the model's default, from
+    its generation config, as ModelInfo.default_sampling publishes it.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -209,17 +213,21 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
-    """Softmax temperature, >= 0. Unset: the model's default (sampling at 1.0 unless
-    the model's generation config says otherwise). 0: greedy decoding.
+    """Softmax temperature, >= 0. 0: greedy decoding. Unset: the model's temperature
+    where its generation config samples by default (do_sample), else 0 (greedy).
     """
     top_k: _builtins.int
-    """Keep only the k most likely tokens before sampling. Unset or 0: no limit."""
+    """Keep only the k most likely tokens before sampling. 0: no limit. Unset: the
+    model's top_k, or no limit.
+    """
     top_p: _builtins.float
     """Nucleus sampling: keep the smallest set of tokens whose probability adds up to
-    at least top_p. In (0, 1]; unset or 1: no limit.
+    at least top_p. In (0, 1]; 1: no limit. Unset: the model's top_p, or 1.
     """
     repetition_penalty: _builtins.float
-    """Penalty (> 0) on tokens already in the prompt or the completion; 1: none."""
+    """Penalty (> 0) on tokens already in the prompt or the completion; 1: none.
+    Unset: the model's repetition_penalty, or 1.
+    """
     seed: _builtins.int
     """Seed of this request's random generator: the same seed and request give the
     same tokens. Unset: a fresh random seed.
@@ -273,8 +281,10 @@ class StoppingCriteria(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     TIME_LIMIT_MS_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
-    """Most tokens to generate. Unset: the server's default. Above the server's cap
-    (ModelInfo.max_new_tokens_limit) is INVALID_ARGUMENT.
+    """Most tokens to generate. Unset: the server's default, shortened to what fits
+    the context beside the prompt. Above the server's cap
+    (ModelInfo.limits.max_new_tokens_limit) is INVALID_ARGUMENT; a prompt plus an
+    explicit max_new_tokens beyond the context is INVALID_ARGUMENT too.
     """
     min_new_tokens: _builtins.int
     """Fewest tokens to generate before end-of-sequence may end the stream."""
@@ -652,6 +662,8 @@ class ModelInfo(_message.Message):
     MAX_ACTIVE_STREAMS_FIELD_NUMBER: _builtins.int
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
     NOTES_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    DEFAULT_SAMPLING_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name or path of the model."""
     context_length: _builtins.int
@@ -669,7 +681,7 @@ class ModelInfo(_message.Message):
     device: _builtins.str
     """Where the model runs, e.g. "cpu" or "cuda:0"."""
     engine: _builtins.str
-    """Generation engine: "batched" or "simple"."""
+    """Generation engine: "batched", "simple" or "vllm"."""
     vocab_size: _builtins.int
     """Size of the vocabulary."""
     max_active_streams: _builtins.int
@@ -683,6 +695,16 @@ class ModelInfo(_message.Message):
     @_builtins.property
     def notes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Notes on features that this engine serves differently, if any."""
+
+    @_builtins.property
+    def limits(self) -> Global___RequestLimits:
+        """Every limit this server enforces on a request. A client may check requests
+        against these before sending them; the server checks them regardless.
+        """
+
+    @_builtins.property
+    def default_sampling(self) -> Global___SamplingParams:
+        """What unset SamplingParams fields take (the model's generation config)."""
 
     def __init__(
         self,
@@ -701,13 +723,73 @@ class ModelInfo(_message.Message):
         max_active_streams: _builtins.int = ...,
         max_queued_requests: _builtins.int = ...,
         notes: _abc.Iterable[_builtins.str] | None = ...,
+        limits: Global___RequestLimits | None = ...,
+        default_sampling: Global___SamplingParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "default_sampling", b"default_sampling", "limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "device", b"device", "dtype", b"dtype", "engine", b"engine", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "max_active_streams", b"max_active_streams", "max_new_tokens_limit", b"max_new_tokens_limit", "max_queued_requests", b"max_queued_requests", "name", b"name", "notes", b"notes", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "default_sampling", b"default_sampling", "device", b"device", "dtype", b"dtype", "engine", b"engine", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "max_active_streams", b"max_active_streams", "max_new_tokens_limit", b"max_new_tokens_limit", "max_queued_requests", b"max_queued_requests", "name", b"name", "notes", b"notes", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bos_token_id: _TypeAlias = _typing.Literal["bos_token_id"]  # noqa: Y015
     _WhichOneofArgType__bos_token_id: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__bos_token_id) -> _WhichOneofReturnType__bos_token_id | None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class RequestLimits(_message.Message):
+    """The limits a server enforces on each request; beyond any of them the call is
+    INVALID_ARGUMENT naming the field.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _builtins.int
+    DEFAULT_MAX_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_STOP_SEQUENCES_FIELD_NUMBER: _builtins.int
+    MAX_STOP_SEQUENCE_CHARS_FIELD_NUMBER: _builtins.int
+    MAX_CHAT_MESSAGES_FIELD_NUMBER: _builtins.int
+    MAX_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
+    CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    max_new_tokens_limit: _builtins.int
+    """Cap on StoppingCriteria.max_new_tokens."""
+    default_max_new_tokens: _builtins.int
+    """max_new_tokens when a request leaves it unset."""
+    max_stop_sequences: _builtins.int
+    """Most entries in StoppingCriteria.stop_sequences."""
+    max_stop_sequence_chars: _builtins.int
+    """Longest stop sequence, in characters."""
+    max_chat_messages: _builtins.int
+    """Most messages in one Chat."""
+    max_top_logprobs: _builtins.int
+    """Largest OutputOptions.top_logprobs."""
+    max_message_bytes: _builtins.int
+    """Largest request message the server receives, in bytes (larger ones fail with
+    RESOURCE_EXHAUSTED from gRPC itself).
+    """
+    context_length: _builtins.int
+    """Maximum tokens of prompt plus completion."""
+    vocab_size: _builtins.int
+    """Token ids must be below this."""
+    def __init__(
+        self,
+        *,
+        max_new_tokens_limit: _builtins.int = ...,
+        default_max_new_tokens: _builtins.int = ...,
+        max_stop_sequences: _builtins.int = ...,
+        max_stop_sequence_chars: _builtins.int = ...,
+        max_chat_messages: _builtins.int = ...,
+        max_top_logprobs: _builtins.int = ...,
+        max_message_bytes: _builtins.int = ...,
+        context_length: _builtins.int = ...,
+        vocab_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "max_chat_messages", b"max_chat_messages", "max_message_bytes", b"max_message_bytes", "max_new_tokens_limit", b"max_new_tokens_limit", "max_stop_sequence_chars", b"max_stop_sequence_chars", "max_stop_sequences", b"max_stop_sequences", "max_top_logprobs", b"max_top_logprobs", "vocab_size", b"vocab_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestLimits: _TypeAlias = RequestLimits  # noqa: Y015

@@ -1,57 +1,31 @@
-"""Engines: plain requests in, token events out. Nothing here knows protobuf or gRPC."""
+"""Engines: plain requests in, token events out. Nothing here knows protobuf or gRPC.
+
+``batched`` (continuous batching in one loop) and ``simple`` (one ``generate()``
+per request) run the model with torch; ``backend.LocalBackend`` puts either
+behind the backend seam.
+"""
 
 from __future__ import annotations
 
-from ..model import LoadedModel
-from .base import Engine, EngineLimits, EngineStats
-from .types import (
-    EngineClosed,
-    EngineOverloaded,
-    ErrorEvent,
-    ErrorKind,
-    Event,
-    FinishEvent,
-    FinishReason,
-    GenerationRequest,
-    RequestHandle,
-    SamplingOptions,
-    TextEvent,
-    TokenInfo,
-    Usage,
-)
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..domain import EngineObserver
+    from ..model import LoadedModel
+    from .base import Engine, EngineLimits
 
 ENGINES = ("batched", "simple")
 
 
-def create_engine(name: str, loaded: LoadedModel, limits: EngineLimits, workers: int) -> Engine:
+def create_engine(
+    name: str, loaded: LoadedModel, limits: EngineLimits, workers: int, observer: EngineObserver | None = None
+) -> Engine:
     if name == "batched":
         from .batched import BatchedEngine
 
-        return BatchedEngine(loaded, limits)
+        return BatchedEngine(loaded, limits, observer)
     if name == "simple":
         from .simple import SimpleEngine
 
-        return SimpleEngine(loaded, limits, workers)
+        return SimpleEngine(loaded, limits, workers, observer)
     raise ValueError(f"unknown engine {name!r}; expected one of {', '.join(ENGINES)}")
-
-
-__all__ = [
-    "ENGINES",
-    "Engine",
-    "EngineClosed",
-    "EngineLimits",
-    "EngineOverloaded",
-    "EngineStats",
-    "ErrorEvent",
-    "ErrorKind",
-    "Event",
-    "FinishEvent",
-    "FinishReason",
-    "GenerationRequest",
-    "RequestHandle",
-    "SamplingOptions",
-    "TextEvent",
-    "TokenInfo",
-    "Usage",
-    "create_engine",
-]

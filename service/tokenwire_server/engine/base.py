@@ -14,19 +14,24 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 
+from ..domain import (
+    EngineClosed,
+    EngineObserver,
+    EngineOverloaded,
+    EngineStats,
+    ErrorKind,
+    EventSink,
+    GenerationRequest,
+    NoObserver,
+    RequestHandle,
+)
 from ..model import LoadedModel
-from .sequence import Sequence
-from .types import EngineClosed, EngineOverloaded, ErrorKind, EventSink, GenerationRequest, RequestHandle
+from ..text import SharedTokenizer
+from .generation import Generation
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    active: int
-    queued: int
-    batch_size: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +49,12 @@ class AdmissionQueue:
 
     def __init__(self, limits: EngineLimits) -> None:
         self._limits = limits
-        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._waiting: collections.deque[Generation] = collections.deque()
         self._active = 0
         self._closed = False
         self._cond = threading.Condition()
 
-    def put(self, seq: Sequence) -> None:
+    def put(self, seq: Generation) -> None:
         with self._cond:
             if self._closed:
                 raise EngineClosed("the engine is shutting down")
@@ -63,7 +68,7 @@ class AdmissionQueue:
             self._waiting.append(seq)
             self._cond.notify()
 
-    def take(self, fits: collections.abc.Callable[[Sequence], bool], block: bool, max_count: int) -> list[Sequence]:
+    def take(self, fits: Callable[[Generation], bool], block: bool, max_count: int) -> list[Generation]:
         """Move waiting sequences that ``fits`` accepts (in arrival order) to active.
 
         Stops at the first one that does not fit, so a large request is not starved
@@ -73,7 +78,7 @@ class AdmissionQueue:
             if block:
                 while not self._waiting and not self._closed:
                     self._cond.wait(timeout=0.5)
-            taken: list[Sequence] = []
+            taken: list[Generation] = []
             while self._waiting and len(taken) < max_count:
                 seq = self._waiting[0]
                 if seq.handle.cancelled:  # gone before it started: drop it quietly
@@ -103,7 +108,7 @@ class AdmissionQueue:
             self._active -= count
             self._cond.notify()
 
-    def drain_waiting(self) -> list[Sequence]:
+    def drain_waiting(self) -> list[Generation]:
         with self._cond:
             waiting = list(self._waiting)
             self._waiting.clear()
@@ -132,31 +137,38 @@ class Engine(abc.ABC):
 
     name: str = ""
 
-    def __init__(self, loaded: LoadedModel, limits: EngineLimits) -> None:
+    def __init__(self, loaded: LoadedModel, limits: EngineLimits, observer: EngineObserver | None = None) -> None:
         self.loaded = loaded
         self.limits = limits
+        self.observer: EngineObserver = observer or NoObserver()
         self.queue = AdmissionQueue(limits)
         self.last_progress = time.monotonic()
-        self.notes: list[str] = []
+        # Engine threads decode token text; each gets its own tokenizer (the Rust tokenizer
+        # is not safe to share between threads: "Already borrowed").
+        self.tokenizer = SharedTokenizer(loaded.tokenizer)
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> RequestHandle:
         """Queue a request; raise EngineOverloaded or EngineClosed when it cannot be taken."""
-        handle = RequestHandle(request.request_id)
+        handle = RequestHandle()
         loaded = self.loaded
-        seq = Sequence(
-            request, handle, sink, loaded.tokenizer, loaded.eos_token_ids, loaded.context_length, loaded.device
-        )
+        seq = Generation(request, handle, sink, self.tokenizer, loaded.eos_token_ids, loaded.device)
         self.queue.put(seq)
         return handle
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.queue.active, self.queue.queued, self.queue.active)
+        return EngineStats(self.queue.active, self.queue.queued, self.queue.active, 0, self.limits.kv_cache_tokens)
 
     def stalled(self, timeout_s: float, now: float | None = None) -> bool:
         """True when work is pending but the engine has made no progress for ``timeout_s``."""
         now = time.monotonic() if now is None else now
         busy = self.queue.active > 0 or self.queue.queued > 0
         return busy and now - self.last_progress > timeout_s
+
+    def _admit(self, seqs: list[Generation], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for seq in seqs:
+            seq.admit(now)
+            self.observer.admitted(now - seq.request.arrival)
 
     def _mark_progress(self) -> None:
         self.last_progress = time.monotonic()

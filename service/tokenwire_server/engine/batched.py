@@ -3,7 +3,7 @@
 Every step advances all active sequences with one forward pass. Between steps,
 finished, cancelled and expired sequences leave the batch (their KV-cache rows
 are dropped at once) and waiting requests join: they are prefilled together and
-their caches are merged into the batch's. Sequences are left-padded to a common
+their caches are merged into the batch's. Generations are left-padded to a common
 length; the attention mask hides the padding and each row keeps its own
 position ids, so a row computes what it would alone.
 
@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from ..domain import EngineObserver, EngineStats, ErrorKind, FinishReason
 from ..model import LoadedModel
-from .base import Engine, EngineLimits, EngineStats
+from .base import Engine, EngineLimits
+from .generation import Generation
 from .sampling import Sampler
-from .sequence import Sequence
-from .types import ErrorKind, FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +108,10 @@ class BatchCache:
 class BatchedEngine(Engine):
     name = "batched"
 
-    def __init__(self, loaded: LoadedModel, limits: EngineLimits) -> None:
-        super().__init__(loaded, limits)
-        self._sampler = Sampler(loaded.tokenizer, loaded.eos_token_ids)
-        self._seqs: list[Sequence] = []
+    def __init__(self, loaded: LoadedModel, limits: EngineLimits, observer: EngineObserver | None = None) -> None:
+        super().__init__(loaded, limits, observer)
+        self._sampler = Sampler(loaded.eos_token_ids)
+        self._seqs: list[Generation] = []
         self._kv = BatchCache(loaded.device)
         self._next = torch.zeros((0, 1), dtype=torch.long, device=loaded.device)  # last token per row
         self._positions = torch.zeros((0,), dtype=torch.long, device=loaded.device)
@@ -135,7 +135,9 @@ class BatchedEngine(Engine):
         self._fail_waiting()
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.queue.active, self.queue.queued, len(self._seqs))
+        return EngineStats(
+            self.queue.active, self.queue.queued, len(self._seqs), self.kv_tokens_reserved(), self.limits.kv_cache_tokens
+        )
 
     def kv_tokens_reserved(self) -> int:
         return sum(seq.budget_tokens for seq in self._seqs)
@@ -145,7 +147,7 @@ class BatchedEngine(Engine):
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._admit()
+                self._join()
                 self._retire(expire=True)
                 if self._seqs:
                     self._decode()
@@ -156,7 +158,7 @@ class BatchedEngine(Engine):
             seq.fail(ErrorKind.SHUTDOWN, "the server stopped before this request finished")
         self._release(list(range(len(self._seqs))))
 
-    def _admit(self) -> None:
+    def _join(self) -> None:
         reserved = self.kv_tokens_reserved()
         budget = self.limits.kv_cache_tokens
         room = self.limits.max_active - len(self._seqs)
@@ -168,7 +170,7 @@ class BatchedEngine(Engine):
         prefill = 0
         taken = 0
 
-        def fits(seq: Sequence) -> bool:
+        def fits(seq: Generation) -> bool:
             nonlocal reserved, prefill, taken
             if taken or self._seqs:
                 if reserved + seq.budget_tokens > budget:
@@ -193,11 +195,11 @@ class BatchedEngine(Engine):
                 if not more:  # the next one does not fit the KV budget: start with what we have
                     break
                 group += more
-        now = time.monotonic()
-        for seq in group:
-            seq.admit(now)
+        self._admit(group)
+        started = time.perf_counter()
         try:
             self._prefill(group)
+            self.observer.prefill_step(time.perf_counter() - started)
         except torch.cuda.OutOfMemoryError:
             self._free_device_memory()
             for seq in group:
@@ -210,7 +212,7 @@ class BatchedEngine(Engine):
             self.queue.release(len(group))
 
     @torch.inference_mode()
-    def _prefill(self, group: list[Sequence]) -> None:
+    def _prefill(self, group: list[Generation]) -> None:
         device = self.loaded.device
         length = max(seq.prompt_len for seq in group)
         pad = self.loaded.pad_token_id
@@ -261,6 +263,7 @@ class BatchedEngine(Engine):
 
     @torch.inference_mode()
     def _decode(self) -> None:
+        started = time.perf_counter()
         mask = self._kv.grow()
         assert self._kv.cache is not None
         out = self.loaded.model(
@@ -272,6 +275,7 @@ class BatchedEngine(Engine):
         )
         self.steps += 1
         picks = self._sampler(out.logits[:, -1, :], self._seqs)
+        self.observer.decode_step(time.perf_counter() - started)
         self._positions = self._positions + 1
         self._next = torch.tensor([[token] for token, _, _ in picks], device=self.loaded.device)
         for seq, (token, logprob, top) in zip(self._seqs, picks, strict=True):

@@ -7,13 +7,12 @@ engines use this, so the same request gives the same tokens on either engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-from .sequence import Sequence
-from .types import Alternative
+from ..domain import Alternative
+from .generation import Generation
 
 NEG_INF = float("-inf")
 
@@ -42,11 +41,10 @@ def _filter_top_k_top_p(row: torch.Tensor, top_k: int, top_p: float) -> torch.Te
 
 
 class Sampler:
-    def __init__(self, tokenizer: Any, eos_token_ids: Seq[int]) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, eos_token_ids: Sequence[int]) -> None:
         self._eos = list(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[tuple[int, float | None, tuple[Alternative, ...]]]:
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[Generation]) -> list[tuple[int, float | None, tuple[Alternative, ...]]]:
         """Pick one token per row of ``logits`` ([batch, vocab]) for ``seqs`` in the same order."""
         logits = logits.float()
         want_logprobs = any(s.request.want_logprobs or s.request.top_logprobs for s in seqs)
@@ -82,9 +80,9 @@ class Sampler:
             options = seq.request.sampling
             if options.greedy:
                 continue
-            row = _overflow_safe(processed[i] / options.temperature)
-            row = _filter_top_k_top_p(row, options.top_k, options.top_p)
-            probs = torch.softmax(row, dim=-1)
+            scaled = _overflow_safe(processed[i] / options.temperature)
+            filtered = _filter_top_k_top_p(scaled, options.top_k, options.top_p)
+            probs = torch.softmax(filtered, dim=-1)
             picks[i] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
 
         out: list[tuple[int, float | None, tuple[Alternative, ...]]] = []

@@ -25,11 +25,11 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
+from ..domain import EngineObserver, ErrorKind, FinishReason
 from ..model import LoadedModel
 from .base import Engine, EngineLimits
+from .generation import Generation
 from .sampling import Sampler
-from .sequence import Sequence
-from .types import ErrorKind, FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class _PickToken(LogitsProcessor):
     """Runs the shared sampler and leaves only its choice, so generate's argmax takes it."""
 
-    def __init__(self, sampler: Sampler, seq: Sequence) -> None:
+    def __init__(self, sampler: Sampler, seq: Generation) -> None:
         self._sampler = sampler
         self._seq = seq
         self.last: tuple[int, float | None, Any] | None = None
@@ -49,10 +49,10 @@ class _PickToken(LogitsProcessor):
         return out
 
 
-class _FeedSequence(BaseStreamer):
+class _FeedGeneration(BaseStreamer):
     """generate() calls put() with each new token: hand it to the sequence."""
 
-    def __init__(self, seq: Sequence, picker: _PickToken, engine: SimpleEngine) -> None:
+    def __init__(self, seq: Generation, picker: _PickToken, engine: SimpleEngine) -> None:
         self._seq = seq
         self._picker = picker
         self._engine = engine
@@ -74,7 +74,7 @@ class _FeedSequence(BaseStreamer):
 
 
 class _StopWhenDone(StoppingCriteria):
-    def __init__(self, seq: Sequence) -> None:
+    def __init__(self, seq: Generation) -> None:
         self._seq = seq
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -94,13 +94,15 @@ class _StopWhenDone(StoppingCriteria):
 class SimpleEngine(Engine):
     name = "simple"
 
-    def __init__(self, loaded: LoadedModel, limits: EngineLimits, workers: int) -> None:
-        super().__init__(loaded, EngineLimits(workers, limits.max_queue, limits.kv_cache_tokens, limits.retry_after_s))
+    def __init__(
+        self, loaded: LoadedModel, limits: EngineLimits, workers: int, observer: EngineObserver | None = None
+    ) -> None:
+        super().__init__(
+            loaded, EngineLimits(workers, limits.max_queue, limits.kv_cache_tokens, limits.retry_after_s), observer
+        )
         self._workers = workers
         self._threads: list[threading.Thread] = []
-        self._sampler = Sampler(loaded.tokenizer, loaded.eos_token_ids)
-        self._running = 0
-        self._lock = threading.Lock()
+        self._sampler = Sampler(loaded.eos_token_ids)
 
     def start(self) -> None:
         for i in range(self._workers):
@@ -133,15 +135,15 @@ class SimpleEngine(Engine):
                     self.queue.release()
                     self._mark_progress()
 
-    def _generate(self, seq: Sequence) -> None:
+    def _generate(self, seq: Generation) -> None:
         loaded = self.loaded
-        seq.admit()
+        self._admit([seq])
         if seq.handle.cancelled:
             return
         input_ids = torch.tensor([seq.request.prompt_ids], device=loaded.device)
         picker = _PickToken(self._sampler, seq)
         config = GenerationConfig(
-            max_new_tokens=max(1, min(seq.request.max_new_tokens, loaded.context_length - seq.prompt_len)),
+            max_new_tokens=seq.request.max_new_tokens,
             do_sample=False,
             eos_token_id=None,  # the sequence decides about end of sequence (min_new_tokens, ignore_eos)
             pad_token_id=loaded.pad_token_id,
@@ -154,7 +156,7 @@ class SimpleEngine(Engine):
                 generation_config=config,
                 logits_processor=LogitsProcessorList([picker]),
                 stopping_criteria=StoppingCriteriaList([_StopWhenDone(seq)]),
-                streamer=_FeedSequence(seq, picker, self),
+                streamer=_FeedGeneration(seq, picker, self),
             )
         if not seq.finished and not seq.handle.cancelled:
             seq.finish(FinishReason.LENGTH)

@@ -34,7 +34,7 @@ from tokenwire.bench import percentile
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
-from .launcher import ServerProcess, process_status
+from benchmarks.launcher import ServerProcess, process_status
 
 PROMPTS = (
     "Write a haiku about the sea.",
@@ -326,7 +326,7 @@ def render_doc(report: dict[str, Any]) -> str:
     table = "\n".join(f"| {name} | {value} |" for name, value in rows)
     return f"""# Reliability
 
-`make soak` (`python -m tokenwire_server.soak`) starts a server on 127.0.0.1 and sends it
+`make soak` (`python -m benchmarks.soak`) starts a server on 127.0.0.1 and sends it
 minutes of mixed traffic from one process at a bounded rate: short and long generations,
 about 20% cancelled mid-stream by the client, 10% malformed requests, 5% with a deadline
 too short to finish, and regular bursts past the admission limit (active + queued), which
@@ -360,7 +360,7 @@ OK or RESOURCE_EXHAUSTED. Reproduce with `make soak SOAK_ARGS="--minutes 10 --wr
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m tokenwire_server.soak",
+        prog="python -m benchmarks.soak",
         description="Minutes of mixed traffic against one tokenwire server; reports statuses, memory, threads, TTFT.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

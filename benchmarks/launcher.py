@@ -17,9 +17,8 @@ from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from .health import READINESS_SERVICE as READINESS
-from .health import SERVING
+from tokenwire_server.health import READINESS_SERVICE as READINESS
+from tokenwire_server.health import SERVING
 
 
 def health_check(

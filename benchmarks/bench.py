@@ -54,9 +54,8 @@ def in_process(model_name: str, batch: int, repeats: int, max_new: int, prompts:
     """``model.generate`` in this process: the reference the server is measured against."""
     import torch
     from tokenwire.bench import percentile
+    from tokenwire_server.model import load_model
     from transformers.generation.streamers import BaseStreamer
-
-    from .model import load_model
 
     loaded = in_process.cache.get(model_name)  # type: ignore[attr-defined]
     if loaded is None:
@@ -125,7 +124,7 @@ in_process.cache = {}  # type: ignore[attr-defined]
 def through_server(engine: str, model_name: str, max_new: int, requests_per_stream: int, extra: list[str]) -> list[Row]:
     from tokenwire.bench import run_bench
 
-    from .launcher import ServerProcess, process_status
+    from benchmarks.launcher import ServerProcess, process_status
 
     rows = []
     args = ["--model", model_name, "--engine", engine, *extra]
@@ -167,9 +166,11 @@ def cancel_steps(model_name: str, prompts: tuple[str, ...], streams: int = 8, ca
     in-process: only the engine knows how many steps it ran)."""
     import random
 
-    from .engine import EngineLimits, GenerationRequest, SamplingOptions, create_engine
-    from .engine.batched import BatchedEngine
-    from .model import load_model
+    from tokenwire_server.domain import GenerationRequest, SamplingOptions
+    from tokenwire_server.engine import create_engine
+    from tokenwire_server.engine.base import EngineLimits
+    from tokenwire_server.engine.batched import BatchedEngine
+    from tokenwire_server.model import load_model
 
     loaded = load_model(model_name)
     encoded = chat_prompts(loaded.tokenizer, prompts)
@@ -216,7 +217,7 @@ def single_stream_ab(model_name: str, max_new: int, pairs: int, prompts: tuple[s
     request on the same prompt: minutes of machine noise cancel out of each pair."""
     from tokenwire.bench import run_bench
 
-    from .launcher import ServerProcess
+    from benchmarks.launcher import ServerProcess
 
     ratios, deltas, local_tps, remote_tps, local_ttft, remote_ttft = [], [], [], [], [], []
     with ServerProcess(["--model", model_name, "--engine", "batched"], ready_timeout=600) as server:
@@ -314,7 +315,7 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
     lines = [
         "# Benchmarks",
         "",
-        "Written by `make bench` (`python -m tokenwire_server.bench`); do not edit by hand.",
+        "Written by `make bench` (`python -m benchmarks.bench`); do not edit by hand.",
         "Every row ran in the same invocation on the same machine, one after another; the",
         "machine is shared and noisy, so compare the ratios, not the absolute figures.",
         "",
@@ -404,7 +405,7 @@ def plot(path: Path, rows: list[Row]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tokenwire_server.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--requests-per-stream", type=int, default=2, help="requests per concurrent stream in each run")

@@ -1,6 +1,6 @@
-"""One request's life inside an engine, shared by both engines.
+"""One request's life inside an engine, shared by the engines that run on torch.
 
-A ``Sequence`` receives the tokens the engine picks for it, runs them through the
+A ``Generation`` receives the tokens the engine picks for it, runs them through the
 text stream (detokenizer + stop matcher), decides when the request is finished
 (end of sequence, length, stop sequence, time limit) and sends the events to the
 caller's sink. The engines only decide *how* tokens are computed.
@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from ..text import TextStream
-from .types import (
+from ..domain import (
     Alternative,
     ErrorEvent,
     ErrorKind,
@@ -28,9 +27,10 @@ from .types import (
     TokenInfo,
     Usage,
 )
+from ..text import TextStream
 
 
-class Sequence:
+class Generation:
     def __init__(
         self,
         request: GenerationRequest,
@@ -38,7 +38,6 @@ class Sequence:
         sink: EventSink,
         tokenizer: Any,
         eos_token_ids: tuple[int, ...],
-        context_length: int,
         device: torch.device,
     ) -> None:
         self.request = request
@@ -46,7 +45,6 @@ class Sequence:
         self._sink = sink
         self._tokenizer = tokenizer
         self._eos = frozenset(eos_token_ids)
-        self._context_length = context_length
         self.text = TextStream(tokenizer, request.stop_sequences, request.include_stop_sequence)
         self.generated: list[int] = []
         self._pending_tokens: list[TokenInfo] = []
@@ -73,8 +71,8 @@ class Sequence:
 
     @property
     def budget_tokens(self) -> int:
-        """Most KV-cache tokens this sequence can come to hold."""
-        return min(self.prompt_len + self.request.max_new_tokens, self._context_length)
+        """Most KV-cache tokens this request can come to hold (max_new_tokens fits the context)."""
+        return self.prompt_len + self.request.max_new_tokens
 
     @property
     def eos_allowed(self) -> bool:
@@ -113,7 +111,7 @@ class Sequence:
         if token_id in self._eos and not request.ignore_eos and self.eos_allowed:
             self.finish(FinishReason.EOS, text)
             return True
-        if len(self.generated) >= request.max_new_tokens or self.total_len >= self._context_length:
+        if len(self.generated) >= request.max_new_tokens:
             self.finish(FinishReason.LENGTH, text)
             return True
         if text:
@@ -122,7 +120,7 @@ class Sequence:
         return False
 
     def token_text(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return str(self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def finish(self, reason: FinishReason, text: str = "") -> None:
         if self.finished:

@@ -3,6 +3,7 @@
 INVALID_ARGUMENT carries a ``google.rpc.BadRequest`` naming each bad field;
 RESOURCE_EXHAUSTED carries a ``google.rpc.RetryInfo`` and the
 ``grpc-retry-pushback-ms`` trailer so clients back off or try another replica.
+``failure_of`` is the one place where an exception becomes a status.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from collections.abc import Sequence
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
 from grpc_status import rpc_status
-from tokenwire.validation import FieldViolation
+from tokenwire.validation import FieldViolation, Rule
 
-from .engine import ErrorKind
+from ..domain import EngineClosed, EngineOverloaded, ErrorKind, NoChatTemplate, PromptTooLong
 
 ERROR_CODES = {
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
@@ -79,3 +80,27 @@ def from_error(kind: ErrorKind, message: str, retry_after_s: float) -> RpcFailur
         return resource_exhausted(message, retry_after_s)
     return RpcFailure(ERROR_CODES[kind], message)
 
+
+
+DRAINING = "the server is draining; retry on another replica"
+
+
+def failure_of(exc: BaseException, input_field: str = "input") -> RpcFailure | None:
+    """The status a domain exception ends a call with; None for an unexpected one (a bug)."""
+    if isinstance(exc, RpcFailure):
+        return exc
+    if isinstance(exc, EngineOverloaded):
+        return resource_exhausted(str(exc), exc.retry_after_s)
+    if isinstance(exc, EngineClosed):
+        return RpcFailure(grpc.StatusCode.UNAVAILABLE, DRAINING)
+    if isinstance(exc, NoChatTemplate):
+        return RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, Rule.NO_CHAT_TEMPLATE.error())
+    if isinstance(exc, PromptTooLong):
+        description = Rule.PROMPT_TOO_LONG.error(
+            count=exc.prompt_tokens,
+            value=exc.max_new_tokens,
+            total=exc.prompt_tokens + exc.max_new_tokens,
+            limit=exc.context_length,
+        )
+        return invalid_argument([FieldViolation(input_field, description)])
+    return None

@@ -1,0 +1,284 @@
+"""The domain: plain request, event and description types shared by every room.
+
+Nothing here imports protobuf, gRPC, torch or transformers. The transport converts
+protobuf to these types and back; engines take them and produce them; the
+backend seam (``backend.py``) is written in them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP_SEQUENCE = "stop_sequence"
+    TIME_LIMIT = "time_limit"
+
+
+class ErrorKind(str, enum.Enum):
+    INTERNAL = "internal"  # an exception inside generation
+    OUT_OF_MEMORY = "out_of_memory"  # the device ran out of memory for this request
+    DEADLINE = "deadline"  # the call's deadline passed (before or during generation)
+    SHUTDOWN = "shutdown"  # the engine stopped before the request finished
+
+
+# Below this a temperature is greedy: dividing logits by it overflows float32 to inf.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+# Most alternatives a request may ask for per token (OutputOptions.top_logprobs).
+MAX_TOP_LOGPROBS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """How the next token is chosen. The neutral values here are what 'no limit' means;
+    a request's unset fields take the model's defaults (``ModelDescription.default_sampling``)."""
+
+    temperature: float = 1.0  # 0 (or below MIN_SAMPLING_TEMPERATURE): greedy
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """Every limit the server enforces on a request, in one place (published in ModelInfo)."""
+
+    context_length: int
+    vocab_size: int
+    default_max_new_tokens: int
+    max_new_tokens_limit: int
+    max_stop_sequences: int
+    max_stop_sequence_chars: int
+    max_chat_messages: int
+    max_message_bytes: int
+    max_top_logprobs: int = MAX_TOP_LOGPROBS
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDescription:
+    """What the transport may know about the model being served: no tensors, no tokenizer."""
+
+    name: str
+    engine: str
+    dtype: str
+    device: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    has_chat_template: bool
+    default_sampling: SamplingOptions
+    limits: RequestLimits
+    max_active: int
+    max_queue: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def context_length(self) -> int:
+        return self.limits.context_length
+
+
+class PromptTooLong(ValueError):
+    """The prompt (with the completion it asks for) does not fit the model's context."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
+        super().__init__(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new > context {context_length}")
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.context_length = context_length
+
+
+def fit_to_context(prompt_tokens: int, max_new_tokens: int | None, default_max_new_tokens: int, context_length: int) -> int:
+    """The context rule, in one place: how many tokens a request may generate.
+
+    A prompt that fills the context, or an explicit ``max_new_tokens`` that does not
+    fit beside the prompt, is refused (``PromptTooLong``). The server's default
+    (``max_new_tokens`` unset) is clamped to what fits instead. Engines trust the
+    result: a request never asks for more than the context holds.
+    """
+    wanted = default_max_new_tokens if max_new_tokens is None else max_new_tokens
+    if prompt_tokens >= context_length or (max_new_tokens is not None and prompt_tokens + max_new_tokens > context_length):
+        raise PromptTooLong(prompt_tokens, wanted, context_length)
+    return min(wanted, context_length - prompt_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextPrompt:
+    """Raw text, tokenized as is (the model's usual special tokens, no template)."""
+
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation, rendered with the model's chat template and its generation prompt."""
+
+    messages: tuple[tuple[str, str], ...]  # (role, content)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenPrompt:
+    """Token ids, fed to the model as they are."""
+
+    ids: tuple[int, ...]
+
+
+Prompt = TextPrompt | ChatPrompt | TokenPrompt
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """A prompt as the model sees it: ids, and on request the text, offsets and token strings."""
+
+    ids: list[int]
+    text: str = ""
+    offsets: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    tokens: list[str] = dataclasses.field(default_factory=list)
+
+
+class NoChatTemplate(ValueError):
+    """A chat was sent to a model that has no chat template."""
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingOptions
+    max_new_tokens: int  # already fitted to the context (``fit_to_context``)
+    min_new_tokens: int = 0
+    stop_sequences: tuple[str, ...] = ()
+    include_stop_sequence: bool = False
+    ignore_eos: bool = False
+    time_limit_s: float | None = None
+    deadline: float | None = None  # time.monotonic() by which the call must end
+    want_tokens: bool = False
+    want_logprobs: bool = False
+    top_logprobs: int = 0
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternative:
+    id: int
+    text: str
+    logprob: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenInfo:
+    id: int
+    text: str
+    logprob: float | None = None
+    top: tuple[Alternative, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    queue_time_s: float
+    time_to_first_token_s: float
+    total_time_s: float
+    cached_prompt_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TextEvent:
+    """New text (and the tokens behind it) since the previous event."""
+
+    text: str
+    tokens: tuple[TokenInfo, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishEvent:
+    """The last event of a request that ended normally."""
+
+    text: str
+    tokens: tuple[TokenInfo, ...]
+    reason: FinishReason
+    usage: Usage
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorEvent:
+    """The last event of a request that failed."""
+
+    kind: ErrorKind
+    message: str
+
+
+Event = TextEvent | FinishEvent | ErrorEvent
+EventSink = Callable[[Event], None]
+
+
+class EngineOverloaded(Exception):
+    """Admission refused: active and queued requests are at their limits, or the request
+    cannot start before its deadline."""
+
+    def __init__(self, message: str, retry_after_s: float, *, deadline: bool = False) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.deadline = deadline  # refused because it could not start in time
+
+
+class EngineClosed(Exception):
+    """The engine no longer admits requests (it is draining or stopped)."""
+
+
+class RequestHandle:
+    """The caller's side of a submitted request: cancel it, or see that it ended."""
+
+    def __init__(self) -> None:
+        self._cancelled = threading.Event()
+        self.done = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop generating for this request; its slot frees within a decode step or two."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class EngineObserver(Protocol):
+    """What an engine reports as it works (the metrics implement it)."""
+
+    def admitted(self, queue_wait_s: float) -> None: ...
+
+    def prefill_step(self, seconds: float) -> None: ...
+
+    def decode_step(self, seconds: float) -> None: ...
+
+
+class NoObserver:
+    def admitted(self, queue_wait_s: float) -> None:
+        pass
+
+    def prefill_step(self, seconds: float) -> None:
+        pass
+
+    def decode_step(self, seconds: float) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    active: int
+    queued: int
+    batch_size: int
+    kv_tokens_reserved: int = 0
+    kv_tokens_budget: int = 0

@@ -1,0 +1,247 @@
+"""Conversion between the protobuf contract and the domain, as pure functions.
+
+No I/O, no grpc context, no model: every function here is a mapping that a unit
+test can check with plain values. Defaults for unset fields come from the
+``ModelDescription`` (the model's generation config and the server's limits), so
+they live in one place.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+from tokenwire.v1 import generation_pb2 as pb
+from tokenwire.validation import Limits
+
+from ..domain import (
+    ChatPrompt,
+    Encoding,
+    FinishReason,
+    GenerationRequest,
+    ModelDescription,
+    Prompt,
+    SamplingOptions,
+    TextPrompt,
+    TokenInfo,
+    TokenPrompt,
+    Usage,
+    fit_to_context,
+)
+
+REQUEST_ID_METADATA = "x-request-id"
+MAX_REQUEST_ID_CHARS = 128
+
+FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.TIME_LIMIT: pb.FINISH_REASON_TIME_LIMIT,
+}
+
+
+def request_id(field: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The request's id: its own field, else the ``x-request-id`` metadata, else a new one."""
+    if field:
+        return field
+    for key, value in metadata or ():
+        if key == REQUEST_ID_METADATA and value:
+            text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            return text[:MAX_REQUEST_ID_CHARS]
+    return uuid.uuid4().hex
+
+
+def validation_limits(description: ModelDescription) -> Limits:
+    """The limits ``tokenwire.validation`` checks a request against, as this server enforces them."""
+    limits = description.limits
+    return Limits(
+        max_new_tokens_limit=limits.max_new_tokens_limit,
+        max_stop_sequences=limits.max_stop_sequences,
+        max_stop_sequence_chars=limits.max_stop_sequence_chars,
+        max_chat_messages=limits.max_chat_messages,
+        vocab_size=limits.vocab_size,
+    )
+
+
+def prompt_of(request: pb.GenerateRequest | pb.TokenizeRequest) -> Prompt:
+    """The oneof ``input`` of a (validated) request as a domain prompt."""
+    kind = request.WhichOneof("input")
+    if kind == "chat":
+        return ChatPrompt(tuple((m.role, m.content) for m in request.chat.messages))
+    if isinstance(request, pb.GenerateRequest):
+        if kind == "token_ids":
+            return TokenPrompt(tuple(request.token_ids.ids))
+        return TextPrompt(request.prompt)
+    return TextPrompt(request.text)
+
+
+def input_field(request: pb.GenerateRequest) -> str:
+    """The field that holds the prompt, for error details."""
+    return request.WhichOneof("input") or "input"
+
+
+def sampling_options(params: pb.SamplingParams, defaults: SamplingOptions) -> SamplingOptions:
+    """A request's sampling options: each unset field takes the model's default."""
+    return SamplingOptions(
+        temperature=params.temperature if params.HasField("temperature") else defaults.temperature,
+        top_k=params.top_k if params.HasField("top_k") else defaults.top_k,
+        top_p=params.top_p if params.HasField("top_p") else defaults.top_p,
+        repetition_penalty=(
+            params.repetition_penalty if params.HasField("repetition_penalty") else defaults.repetition_penalty
+        ),
+        seed=params.seed if params.HasField("seed") else None,
+    )
+
+
+def generation_request(
+    request: pb.GenerateRequest,
+    request_id: str,
+    prompt_ids: list[int],
+    description: ModelDescription,
+    *,
+    arrival: float,
+    deadline: float | None,
+) -> GenerationRequest:
+    """The engine's request for a validated GenerateRequest whose prompt encoded to ``prompt_ids``.
+
+    Raises ``PromptTooLong`` when the prompt and the asked-for completion do not fit the context.
+    """
+    stopping = request.stopping
+    output = request.output
+    limits = description.limits
+    max_new = fit_to_context(
+        len(prompt_ids),
+        stopping.max_new_tokens if stopping.HasField("max_new_tokens") else None,
+        limits.default_max_new_tokens,
+        limits.context_length,
+    )
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        sampling=sampling_options(request.sampling, description.default_sampling),
+        max_new_tokens=max_new,
+        min_new_tokens=stopping.min_new_tokens,
+        stop_sequences=tuple(stopping.stop_sequences),
+        include_stop_sequence=stopping.include_stop_sequence,
+        ignore_eos=stopping.ignore_eos,
+        time_limit_s=stopping.time_limit_ms / 1000 if stopping.time_limit_ms else None,
+        deadline=deadline,
+        want_tokens=output.token_ids or output.logprobs or output.top_logprobs > 0,
+        want_logprobs=output.logprobs or output.top_logprobs > 0,
+        top_logprobs=output.top_logprobs,
+        arrival=arrival,
+    )
+
+
+def tokens(infos: Iterable[TokenInfo]) -> list[pb.Token]:
+    out = []
+    for info in infos:
+        token = pb.Token(id=info.id, text=info.text)
+        if info.logprob is not None:
+            token.logprob = info.logprob
+        token.top_logprobs.extend(pb.TopLogprob(id=a.id, text=a.text, logprob=a.logprob) for a in info.top)
+        out.append(token)
+    return out
+
+
+def usage(u: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        queue_time_ms=u.queue_time_s * 1000,
+        time_to_first_token_ms=u.time_to_first_token_s * 1000,
+        total_time_ms=u.total_time_s * 1000,
+    )
+
+
+def chunk(
+    request_id: str,
+    index: int,
+    text: str,
+    infos: Iterable[TokenInfo],
+    reason: FinishReason | None = None,
+    final_usage: Usage | None = None,
+) -> pb.TokenChunk:
+    """One TokenChunk; the last one of a stream carries the finish reason and usage."""
+    out = pb.TokenChunk(request_id=request_id, index=index, text=text, tokens=tokens(infos))
+    if reason is not None:
+        out.finish_reason = FINISH_REASONS[reason]
+    if final_usage is not None:
+        out.usage.CopyFrom(usage(final_usage))
+    return out
+
+
+def usage_fields(u: Usage, reason: FinishReason) -> dict[str, object]:
+    """The usage as it appears on the call's log line (milliseconds, rounded)."""
+    return {
+        "finish_reason": reason.value,
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "cached_prompt_tokens": u.cached_prompt_tokens,
+        "queue_ms": round(u.queue_time_s * 1000, 1),
+        "ttft_ms": round(u.time_to_first_token_s * 1000, 1),
+        "total_ms": round(u.total_time_s * 1000, 1),
+    }
+
+
+def prompt_for_log(request: pb.GenerateRequest | pb.TokenizeRequest) -> object:
+    """The prompt as logged with --log-prompts."""
+    kind = request.WhichOneof("input")
+    if kind == "chat":
+        return [{"role": m.role, "content": m.content} for m in request.chat.messages]
+    if kind == "token_ids" and isinstance(request, pb.GenerateRequest):
+        return list(request.token_ids.ids)
+    if isinstance(request, pb.GenerateRequest):
+        return request.prompt
+    return request.text
+
+
+def sampling_params(options: SamplingOptions) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=options.temperature,
+        top_k=options.top_k,
+        top_p=options.top_p,
+        repetition_penalty=options.repetition_penalty,
+    )
+
+
+def model_info(description: ModelDescription) -> pb.ModelInfo:
+    limits = description.limits
+    info = pb.ModelInfo(
+        name=description.name,
+        context_length=limits.context_length,
+        max_new_tokens_limit=limits.max_new_tokens_limit,
+        default_max_new_tokens=limits.default_max_new_tokens,
+        eos_token_ids=list(description.eos_token_ids),
+        has_chat_template=description.has_chat_template,
+        dtype=description.dtype,
+        device=description.device,
+        engine=description.engine,
+        vocab_size=description.vocab_size,
+        max_active_streams=description.max_active,
+        max_queued_requests=description.max_queue,
+        notes=list(description.notes),
+        limits=pb.RequestLimits(
+            max_new_tokens_limit=limits.max_new_tokens_limit,
+            default_max_new_tokens=limits.default_max_new_tokens,
+            max_stop_sequences=limits.max_stop_sequences,
+            max_stop_sequence_chars=limits.max_stop_sequence_chars,
+            max_chat_messages=limits.max_chat_messages,
+            max_top_logprobs=limits.max_top_logprobs,
+            max_message_bytes=limits.max_message_bytes,
+            context_length=limits.context_length,
+            vocab_size=limits.vocab_size,
+        ),
+        default_sampling=sampling_params(description.default_sampling),
+    )
+    if description.bos_token_id is not None:
+        info.bos_token_id = description.bos_token_id
+    return info
+
+
+def tokenize_response(encoding: Encoding, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+    response = pb.TokenizeResponse(count=len(encoding.ids), ids=encoding.ids, text=encoding.text)
+    if request.return_tokens:
+        response.tokens.extend(encoding.tokens)
+    response.offsets.extend(pb.Offset(start=s, end=e) for s, e in encoding.offsets)
+    return response

@@ -1,0 +1,156 @@
+"""The TextGeneration servicer: each RPC is validate -> backend -> convert back.
+
+It holds one ``GenerationBackend`` (attached once the model is ready) and nothing
+of the model itself. Status mapping, metrics and the log line are the wrapper's
+(``calls``); proto <-> domain mapping is ``conversion``'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+from tokenwire.v1 import generation_pb2 as pb
+from tokenwire.validation import validate_generate_request, validate_tokenize_request
+
+from ..backend import GenerationBackend
+from ..domain import ErrorEvent, FinishEvent, ModelDescription, TextEvent
+from ..metrics import Metrics
+from . import conversion
+from .calls import Call, Calls, check_decoded, lenient
+from .status import DRAINING, RpcFailure, from_error, invalid_argument
+
+if TYPE_CHECKING:
+    from .calls import Context
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+
+
+class TextGenerationServicer:
+    def __init__(self, metrics: Metrics, *, retry_after_s: float = 0.5, log_prompts: bool = False) -> None:
+        self._metrics = metrics
+        self._retry_after_s = retry_after_s
+        self._log_prompts = log_prompts
+        self._backend: GenerationBackend | None = None
+        self._description: ModelDescription | None = None
+        self._draining = False
+        self.calls = Calls(metrics)
+
+    # -- what bootstrap tells it -------------------------------------------------------
+
+    def attach(self, backend: GenerationBackend) -> None:
+        """The model is ready: serve it through ``backend``."""
+        self._description = backend.describe()
+        self._backend = backend
+
+    def begin_drain(self) -> None:
+        """From now on every new call is UNAVAILABLE; calls in flight go on."""
+        self._draining = True
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register the three RPCs; requests that do not parse reach the handlers as ``Undecodable``."""
+        calls = self.calls
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                calls.stream("Generate", self._generate),
+                request_deserializer=lenient(pb.GenerateRequest),
+                response_serializer=pb.TokenChunk.SerializeToString,
+            ),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(
+                calls.unary("Tokenize", self._tokenize),
+                request_deserializer=lenient(pb.TokenizeRequest),
+                response_serializer=pb.TokenizeResponse.SerializeToString,
+            ),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                calls.unary("GetModelInfo", self._model_info),
+                request_deserializer=lenient(pb.GetModelInfoRequest),
+                response_serializer=pb.ModelInfo.SerializeToString,
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+    def _serving(self) -> tuple[GenerationBackend, ModelDescription]:
+        if self._draining:
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, DRAINING)
+        if self._backend is None or self._description is None:
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+        return self._backend, self._description
+
+    # -- RPCs ------------------------------------------------------------------------
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: Context, call: Call
+    ) -> AsyncIterator[pb.TokenChunk]:
+        check_decoded(request)
+        if self._log_prompts:
+            call.fields["prompt"] = conversion.prompt_for_log(request)
+        backend, description = self._serving()
+        violations = validate_generate_request(request, conversion.validation_limits(description))
+        if violations:
+            raise invalid_argument(violations)
+        call.input_field = conversion.input_field(request)
+        encoding = await backend.encode(conversion.prompt_of(request))
+        remaining = context.time_remaining()
+        generation = conversion.generation_request(
+            request,
+            call.request_id,
+            encoding.ids,
+            description,
+            arrival=call.started,
+            deadline=time.monotonic() + remaining if remaining is not None else None,
+        )
+        submission = backend.submit(generation)
+        metrics = self._metrics
+        output: list[str] | None = [] if self._log_prompts else None
+        index = 0
+        last = call.started
+        try:
+            async for event in submission:
+                now = time.monotonic()
+                if isinstance(event, ErrorEvent):
+                    raise from_error(event.kind, event.message, self._retry_after_s)
+                if index == 0:
+                    metrics.ttft.observe(now - call.started)
+                elif isinstance(event, TextEvent):
+                    metrics.itl.observe(now - last)
+                last = now
+                if output is not None:
+                    output.append(event.text)
+                if isinstance(event, FinishEvent):
+                    u = event.usage
+                    metrics.generated_tokens.inc(u.completion_tokens)
+                    metrics.prompt_tokens.inc(u.prompt_tokens)
+                    call.fields.update(conversion.usage_fields(u, event.reason))
+                    if output is not None:
+                        call.fields["output"] = "".join(output)
+                    yield conversion.chunk(call.request_id, index, event.text, event.tokens, event.reason, u)
+                    return
+                yield conversion.chunk(call.request_id, index, event.text, event.tokens)
+                index += 1
+        finally:
+            submission.cancel()  # no-op when finished; frees the slot when the client left early
+
+    async def _tokenize(
+        self, request: pb.TokenizeRequest, context: Context, call: Call
+    ) -> pb.TokenizeResponse:
+        check_decoded(request)
+        backend, description = self._serving()
+        violations = validate_tokenize_request(request, conversion.validation_limits(description))
+        if violations:
+            raise invalid_argument(violations)
+        call.input_field = request.WhichOneof("input") or "input"
+        encoding = await backend.encode(
+            conversion.prompt_of(request), offsets=request.return_offsets, tokens=request.return_tokens
+        )
+        call.fields["prompt_tokens"] = len(encoding.ids)
+        return conversion.tokenize_response(encoding, request)
+
+    async def _model_info(
+        self, request: pb.GetModelInfoRequest, context: Context, call: Call
+    ) -> pb.ModelInfo:
+        check_decoded(request)
+        _, description = self._serving()
+        return conversion.model_info(description)

@@ -1,0 +1,531 @@
+"""The transport on a fake backend: no model, no torch.
+
+The servicer, its call wrapper and the conversion functions are exercised through
+a real grpc.aio server on 127.0.0.1 whose backend is scripted here. Status
+mapping, metrics, the one log line per call, cancellation and drain are checked
+without loading anything; the real-model tests elsewhere cover the same contract
+end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from tokenwire.v1 import generation_pb2 as pb
+from tokenwire.v1 import generation_pb2_grpc as pb_grpc
+from tokenwire_server.domain import (
+    ChatPrompt,
+    Encoding,
+    EngineClosed,
+    EngineOverloaded,
+    EngineStats,
+    ErrorEvent,
+    ErrorKind,
+    Event,
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    ModelDescription,
+    NoChatTemplate,
+    Prompt,
+    PromptTooLong,
+    RequestLimits,
+    SamplingOptions,
+    TextEvent,
+    TextPrompt,
+    TokenInfo,
+    TokenPrompt,
+    Usage,
+    fit_to_context,
+)
+from tokenwire_server.metrics import Metrics
+from tokenwire_server.transport import conversion
+from tokenwire_server.transport.servicer import TextGenerationServicer
+
+LIMITS = RequestLimits(
+    context_length=64,
+    vocab_size=1000,
+    default_max_new_tokens=16,
+    max_new_tokens_limit=48,
+    max_stop_sequences=3,
+    max_stop_sequence_chars=10,
+    max_chat_messages=4,
+    max_message_bytes=1 << 20,
+)
+DEFAULTS = SamplingOptions(temperature=0.7, top_k=40, top_p=0.9, repetition_penalty=1.1)
+
+
+def description(**changes: Any) -> ModelDescription:
+    base = ModelDescription(
+        name="fake",
+        engine="fake",
+        dtype="float32",
+        device="cpu",
+        vocab_size=1000,
+        eos_token_ids=(2,),
+        bos_token_id=1,
+        has_chat_template=True,
+        default_sampling=DEFAULTS,
+        limits=LIMITS,
+        max_active=2,
+        max_queue=3,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+USAGE = Usage(prompt_tokens=3, completion_tokens=2, queue_time_s=0.001, time_to_first_token_s=0.002, total_time_s=0.003)
+
+
+class FakeSubmission:
+    def __init__(self, events: list[Event], gap_s: float = 0.0, forever: bool = False) -> None:
+        self._events = events
+        self._gap_s = gap_s
+        self._forever = forever
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        for event in self._events:
+            await asyncio.sleep(self._gap_s)
+            yield event
+        while self._forever and not self.cancelled.is_set():
+            await asyncio.sleep(0.01)
+            yield TextEvent("x", (TokenInfo(7, "x"),))
+
+
+class FakeBackend:
+    """Scripted: ``behaviour`` decides what ``submit`` does with the next request."""
+
+    def __init__(self, describe: ModelDescription | None = None) -> None:
+        self._description = describe or description()
+        self.requests: list[GenerationRequest] = []
+        self.submissions: list[FakeSubmission] = []
+        self.behaviour: Callable[[GenerationRequest], FakeSubmission] = lambda r: FakeSubmission(
+            [TextEvent("he", (TokenInfo(5, "he"),)), FinishEvent("llo", (TokenInfo(6, "llo"),), FinishReason.EOS, USAGE)]
+        )
+        self.admission_stopped = False
+
+    def describe(self) -> ModelDescription:
+        return self._description
+
+    async def encode(self, prompt: Prompt, *, offsets: bool = False, tokens: bool = False) -> Encoding:
+        if isinstance(prompt, ChatPrompt):
+            if not self._description.has_chat_template:
+                raise NoChatTemplate("no template")
+            text = "|".join(f"{role}:{content}" for role, content in prompt.messages)
+        elif isinstance(prompt, TokenPrompt):
+            return Encoding(list(prompt.ids))
+        else:
+            text = prompt.text
+        ids = [ord(c) % 1000 for c in text]
+        return Encoding(ids, text, [(i, i + 1) for i in range(len(text))] if offsets else [], list(text) if tokens else [])
+
+    def submit(self, request: GenerationRequest) -> FakeSubmission:
+        self.requests.append(request)
+        submission = self.behaviour(request)
+        self.submissions.append(submission)
+        return submission
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0)
+
+    def stalled(self, timeout_s: float) -> bool:
+        return False
+
+    def stop_admission(self) -> None:
+        self.admission_stopped = True
+
+    async def close(self) -> None:
+        pass
+
+
+class LogRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def finished(self, request_id: str, wait_s: float = 5.0) -> list[logging.LogRecord]:
+        """The call's "request finished" records, once there is one (the wrapper writes it
+        after the status has gone out, so the client may see the status first)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = [
+                r for r in self.records if r.getMessage() == "request finished" and r.__dict__.get("request_id") == request_id
+            ]
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.01)
+
+
+class Harness:
+    """A grpc.aio server with the servicer on a FakeBackend, on its own loop thread."""
+
+    def __init__(self, backend: FakeBackend | None, *, log_prompts: bool = False) -> None:
+        self.backend = backend
+        self.metrics = Metrics()
+        self.servicer = TextGenerationServicer(self.metrics, retry_after_s=0.25, log_prompts=log_prompts)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server = self.call(self._start())
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.TextGenerationStub(self.channel)
+
+    async def _start(self) -> grpc.aio.Server:
+        server = grpc.aio.server()
+        self.servicer.add_to_server(server)
+        self.port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        if self.backend is not None:
+            self.servicer.attach(self.backend)
+        return server
+
+    def call(self, coro: Any, timeout: float = 10) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def count(self, method: str, code: str) -> float:
+        value = self.metrics.registry.get_sample_value("tokenwire_requests_total", {"method": method, "code": code})
+        return value or 0.0
+
+    def close(self) -> None:
+        self.channel.close()
+        self.call(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+@pytest.fixture
+def logs() -> Iterator[LogRecords]:
+    handler = LogRecords()
+    logger = logging.getLogger("tokenwire.requests")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(old)
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    h = Harness(FakeBackend())
+    yield h
+    h.close()
+
+
+def status_details(error: grpc.RpcError) -> tuple[list[tuple[str, str]], float | None]:
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    violations: list[tuple[str, str]] = []
+    retry: float | None = None
+    for detail in status.details if status else ():
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            violations += [(v.field, v.description) for v in bad.field_violations]
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            retry = info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    return violations, retry
+
+
+def trailer(error_or_call: Any, key: str) -> str | None:
+    for k, v in error_or_call.trailing_metadata() or ():
+        if k == key:
+            return str(v)
+    return None
+
+
+# -- the transport loads neither torch nor transformers --------------------------------
+
+
+def test_importing_the_transport_loads_no_model_stack() -> None:
+    code = (
+        "import sys\n"
+        "import tokenwire_server.transport.servicer, tokenwire_server.transport.conversion\n"
+        "import tokenwire_server.transport.status, tokenwire_server.transport.calls\n"
+        "import tokenwire_server.backend, tokenwire_server.domain, tokenwire_server.server\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules)\n"
+        "print(','.join(heavy) or 'clean')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "clean", out.stdout + out.stderr
+
+
+# -- conversion: pure functions ---------------------------------------------------------
+
+
+def test_unset_sampling_fields_take_the_models_defaults_and_set_ones_are_kept() -> None:
+    unset = conversion.sampling_options(pb.SamplingParams(), DEFAULTS)
+    assert unset == DEFAULTS
+    explicit = conversion.sampling_options(
+        pb.SamplingParams(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=9), DEFAULTS
+    )
+    assert explicit == SamplingOptions(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=9)
+    mixed = conversion.sampling_options(pb.SamplingParams(top_p=0.5), DEFAULTS)
+    assert (mixed.temperature, mixed.top_k, mixed.top_p, mixed.repetition_penalty) == (0.7, 40, 0.5, 1.1)
+
+
+def test_the_context_rule_in_one_place() -> None:
+    assert fit_to_context(10, None, 16, 64) == 16  # default fits
+    assert fit_to_context(60, None, 16, 64) == 4  # default is shortened to what fits
+    assert fit_to_context(10, 54, 16, 64) == 54  # explicit, exactly full
+    with pytest.raises(PromptTooLong):
+        fit_to_context(10, 55, 16, 64)  # explicit beyond the context: refused, not shortened
+    with pytest.raises(PromptTooLong):
+        fit_to_context(64, None, 16, 64)  # the prompt alone fills it
+
+
+def test_generation_request_maps_every_field() -> None:
+    request = pb.GenerateRequest(
+        prompt="abc",
+        stopping=pb.StoppingCriteria(
+            max_new_tokens=5, min_new_tokens=2, stop_sequences=["x", "y"], include_stop_sequence=True,
+            ignore_eos=True, time_limit_ms=1500,
+        ),
+        output=pb.OutputOptions(top_logprobs=3),
+    )
+    got = conversion.generation_request(request, "r1", [1, 2, 3], description(), arrival=5.0, deadline=9.0)
+    assert got == GenerationRequest(
+        request_id="r1", prompt_ids=[1, 2, 3], sampling=DEFAULTS, max_new_tokens=5, min_new_tokens=2,
+        stop_sequences=("x", "y"), include_stop_sequence=True, ignore_eos=True, time_limit_s=1.5, deadline=9.0,
+        want_tokens=True, want_logprobs=True, top_logprobs=3, arrival=5.0,
+    )
+    plain = conversion.generation_request(pb.GenerateRequest(prompt="a"), "r2", [1], description(), arrival=0, deadline=None)
+    assert (plain.max_new_tokens, plain.time_limit_s, plain.want_tokens, plain.want_logprobs) == (16, None, False, False)
+
+
+def test_prompts_requests_ids_and_chunks() -> None:
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])
+    assert conversion.prompt_of(pb.GenerateRequest(chat=chat)) == ChatPrompt((("user", "hi"),))
+    assert conversion.prompt_of(pb.GenerateRequest(prompt="p")) == TextPrompt("p")
+    assert conversion.prompt_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[4, 5]))) == TokenPrompt((4, 5))
+    assert conversion.prompt_of(pb.TokenizeRequest(text="t")) == TextPrompt("t")
+    assert conversion.request_id("own", [("x-request-id", "md")]) == "own"
+    assert conversion.request_id("", [("x-request-id", "m" * 200)]) == "m" * 128
+    assert len(conversion.request_id("", None)) == 32
+    last = conversion.chunk("r", 3, "end", (TokenInfo(9, "end", -0.5),), FinishReason.STOP_SEQUENCE, USAGE)
+    assert (last.index, last.text, last.finish_reason) == (3, "end", pb.FINISH_REASON_STOP_SEQUENCE)
+    assert last.tokens[0].id == 9 and last.tokens[0].logprob == pytest.approx(-0.5)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 2)
+    assert last.usage.total_time_ms == pytest.approx(3.0)
+    middle = conversion.chunk("r", 0, "a", ())
+    assert middle.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not middle.HasField("usage")
+
+
+def test_model_info_publishes_every_limit_and_the_default_sampling() -> None:
+    info = conversion.model_info(description())
+    limits = info.limits
+    assert (limits.max_new_tokens_limit, limits.default_max_new_tokens, limits.max_stop_sequences) == (48, 16, 3)
+    assert (limits.max_stop_sequence_chars, limits.max_chat_messages, limits.max_top_logprobs) == (10, 4, 5)
+    assert (limits.max_message_bytes, limits.context_length, limits.vocab_size) == (1 << 20, 64, 1000)
+    assert info.default_sampling.top_k == 40 and info.default_sampling.temperature == pytest.approx(0.7)
+    assert (info.max_new_tokens_limit, info.context_length, info.max_active_streams, info.max_queued_requests) == (48, 64, 2, 3)
+
+
+# -- the servicer on a fake backend ----------------------------------------------------------
+
+
+def test_a_stream_its_trailer_metrics_and_log_line(harness: Harness, logs: LogRecords) -> None:
+    call = harness.stub.Generate(pb.GenerateRequest(request_id="ok-1", prompt="hey"), timeout=10)
+    chunks = list(call)
+    assert [(c.index, c.text, c.finish_reason) for c in chunks] == [
+        (0, "he", pb.FINISH_REASON_UNSPECIFIED),
+        (1, "llo", pb.FINISH_REASON_EOS),
+    ]
+    assert trailer(call, "x-request-id") == "ok-1"
+    assert harness.count("Generate", "OK") == 1
+    [record] = logs.finished("ok-1")
+    assert (record.__dict__["code"], record.__dict__["finish_reason"], record.__dict__["completion_tokens"]) == ("OK", "eos", 2)
+    assert "prompt" not in record.__dict__  # prompts are not logged unless asked for
+    [sent] = harness.backend.requests  # type: ignore[union-attr]
+    assert sent.prompt_ids == [ord(c) for c in "hey"] and sent.sampling == DEFAULTS
+
+
+@pytest.mark.parametrize(
+    ("setup", "request_", "code", "field"),
+    [
+        ("none", pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(temperature=-1)), "INVALID_ARGUMENT", "sampling.temperature"),
+        ("none", pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(stop_sequences=["a"] * 4)), "INVALID_ARGUMENT", "stopping.stop_sequences"),
+        ("none", pb.GenerateRequest(prompt="x" * 60, stopping=pb.StoppingCriteria(max_new_tokens=10)), "INVALID_ARGUMENT", "prompt"),
+        ("overloaded", pb.GenerateRequest(prompt="x"), "RESOURCE_EXHAUSTED", None),
+        ("closed", pb.GenerateRequest(prompt="x"), "UNAVAILABLE", None),
+        ("bug", pb.GenerateRequest(prompt="x"), "INTERNAL", None),
+        ("bug-mid-stream", pb.GenerateRequest(prompt="x"), "INTERNAL", None),
+        ("deadline-event", pb.GenerateRequest(prompt="x"), "DEADLINE_EXCEEDED", None),
+        ("oom-event", pb.GenerateRequest(prompt="x"), "RESOURCE_EXHAUSTED", None),
+        ("none", pb.GenerateRequest(), "INVALID_ARGUMENT", "input"),
+    ],
+)
+def test_every_outcome_maps_to_its_status_once(
+    harness: Harness, logs: LogRecords, setup: str, request_: pb.GenerateRequest, code: str, field: str | None
+) -> None:
+    backend = harness.backend
+    assert backend is not None
+
+    def overloaded(r: GenerationRequest) -> FakeSubmission:
+        raise EngineOverloaded("full", 0.25)
+
+    def closed(r: GenerationRequest) -> FakeSubmission:
+        raise EngineClosed("closing")
+
+    def bug(r: GenerationRequest) -> FakeSubmission:
+        raise KeyError("a bug")
+
+    class Broken(FakeSubmission):
+        async def __aiter__(self) -> AsyncIterator[Event]:
+            yield TextEvent("a")
+            raise ValueError("a bug mid-stream")
+
+    behaviours: dict[str, Callable[[GenerationRequest], FakeSubmission]] = {
+        "overloaded": overloaded,
+        "closed": closed,
+        "bug": bug,
+        "bug-mid-stream": lambda r: Broken([]),
+        "deadline-event": lambda r: FakeSubmission([ErrorEvent(ErrorKind.DEADLINE, "too late")]),
+        "oom-event": lambda r: FakeSubmission([ErrorEvent(ErrorKind.OUT_OF_MEMORY, "no memory")]),
+    }
+    if setup in behaviours:
+        backend.behaviour = behaviours[setup]
+    request_.request_id = f"case-{setup}-{code}"
+    with pytest.raises(grpc.RpcError) as caught:
+        list(harness.stub.Generate(request_, timeout=10))
+    error = caught.value
+    assert error.code().name == code  # type: ignore[attr-defined]
+    assert trailer(error, "x-request-id") == request_.request_id
+    violations, retry = status_details(error)
+    if field is not None:
+        assert [f for f, _ in violations] == [field]
+    if code == "RESOURCE_EXHAUSTED":
+        assert retry == pytest.approx(0.25) and trailer(error, "grpc-retry-pushback-ms") == "250"
+    assert [r.__dict__["code"] for r in logs.finished(request_.request_id)] == [code]
+    assert harness.count("Generate", code) == 1
+    if setup.startswith("bug"):
+        assert "internal error" in error.details()  # type: ignore[attr-defined]
+
+
+def test_chat_without_a_template_is_failed_precondition(logs: LogRecords) -> None:
+    h = Harness(FakeBackend(description(has_chat_template=False)))
+    try:
+        chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])
+        with pytest.raises(grpc.RpcError) as caught:
+            list(h.stub.Generate(pb.GenerateRequest(request_id="nochat", chat=chat), timeout=10))
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+        with pytest.raises(grpc.RpcError) as tokenize:
+            h.stub.Tokenize(pb.TokenizeRequest(chat=chat), timeout=10, metadata=[("x-request-id", "nochat-tok")])
+        assert tokenize.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+        assert [r.__dict__["code"] for r in logs.finished("nochat")] == ["FAILED_PRECONDITION"]
+        assert [r.__dict__["code"] for r in logs.finished("nochat-tok")] == ["FAILED_PRECONDITION"]
+        assert h.count("Tokenize", "FAILED_PRECONDITION") == 1
+    finally:
+        h.close()
+
+
+def test_tokenize_and_model_info_go_through_the_same_wrapper(harness: Harness, logs: LogRecords) -> None:
+    response, call = harness.stub.Tokenize.with_call(
+        pb.TokenizeRequest(text="ab", return_tokens=True, return_offsets=True), metadata=[("x-request-id", "tok-1")]
+    )
+    assert list(response.ids) == [97, 98] and list(response.tokens) == ["a", "b"]
+    assert [(o.start, o.end) for o in response.offsets] == [(0, 1), (1, 2)]
+    assert trailer(call, "x-request-id") == "tok-1"
+    [record] = logs.finished("tok-1")
+    assert record.__dict__["code"] == "OK" and record.__dict__["method"] == "Tokenize"
+    info = harness.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10, metadata=[("x-request-id", "info-1")])
+    assert info.limits.max_stop_sequences == 3
+    assert [r.__dict__["method"] for r in logs.finished("info-1")] == ["GetModelInfo"]
+    assert harness.count("GetModelInfo", "OK") == 1
+    with pytest.raises(grpc.RpcError) as caught:
+        harness.stub.Tokenize(pb.TokenizeRequest(chat=pb.Chat()), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+
+
+def test_undecodable_bytes_are_invalid_argument(harness: Harness) -> None:
+    raw = harness.channel.unary_stream(
+        "/tokenwire.v1.TextGeneration/Generate", request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        list(raw(b"\xff\xff\xff", timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert "not a valid tokenwire.v1.GenerateRequest" in caught.value.details()  # type: ignore[attr-defined]
+
+
+def test_a_client_that_leaves_cancels_the_backend_request(harness: Harness, logs: LogRecords) -> None:
+    backend = harness.backend
+    assert backend is not None
+    backend.behaviour = lambda r: FakeSubmission([], forever=True)
+    stream = harness.stub.Generate(pb.GenerateRequest(request_id="leaver", prompt="x"), timeout=30)
+    assert next(stream).text == "x"
+    stream.cancel()
+    assert backend.submissions[0].cancelled.wait(5), "the backend request was not cancelled"
+    assert [r.__dict__["code"] for r in logs.finished("leaver")] == ["CANCELLED"]
+    assert harness.metrics.registry.get_sample_value("tokenwire_cancelled_requests_total") == 1
+    assert harness.servicer.calls.in_flight == 0
+
+
+def test_a_deadline_that_passes_mid_stream_is_deadline_exceeded(harness: Harness, logs: LogRecords) -> None:
+    backend = harness.backend
+    assert backend is not None
+    backend.behaviour = lambda r: FakeSubmission([], forever=True)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(harness.stub.Generate(pb.GenerateRequest(request_id="late", prompt="x"), timeout=0.3))
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+    assert backend.submissions[0].cancelled.wait(5)
+    assert [r.__dict__["code"] for r in logs.finished("late")] == ["DEADLINE_EXCEEDED"]
+    assert backend.requests[0].deadline is not None
+
+
+def test_drain_refuses_new_calls_and_lets_running_ones_finish(harness: Harness, logs: LogRecords) -> None:
+    backend = harness.backend
+    assert backend is not None
+    backend.behaviour = lambda r: FakeSubmission(
+        [TextEvent(str(i)) for i in range(5)] + [FinishEvent("", (), FinishReason.LENGTH, USAGE)], gap_s=0.1
+    )
+    running = harness.stub.Generate(pb.GenerateRequest(request_id="running", prompt="x"), timeout=30)
+    assert next(running).text == "0"
+    harness.servicer.begin_drain()
+    with pytest.raises(grpc.RpcError) as refused:
+        list(harness.stub.Generate(pb.GenerateRequest(prompt="x"), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    assert "draining" in refused.value.details()  # type: ignore[attr-defined]
+    rest = list(running)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and [c.text for c in rest[:-1]] == ["1", "2", "3", "4"]
+    assert harness.call(harness.servicer.calls.wait_idle(5)) is True
+    assert [r.__dict__["code"] for r in logs.finished("running")] == ["OK"]
+
+
+def test_before_the_model_is_ready_calls_are_unavailable() -> None:
+    h = Harness(None)
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            h.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        assert "loading" in caught.value.details()  # type: ignore[attr-defined]
+    finally:
+        h.close()
+
+
+def test_log_prompts_puts_prompt_and_output_on_the_line(logs: LogRecords) -> None:
+    h = Harness(FakeBackend(), log_prompts=True)
+    try:
+        list(h.stub.Generate(pb.GenerateRequest(request_id="logged", prompt="secret"), timeout=10))
+        [record] = logs.finished("logged")
+        assert record.__dict__["prompt"] == "secret" and record.__dict__["output"] == "hello"
+    finally:
+        h.close()
