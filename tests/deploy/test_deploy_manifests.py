@@ -1,28 +1,34 @@
-"""deploy/: every kustomization renders to objects that are valid Kubernetes and that
-agree with the server (health service names, ports, grace period, configuration)."""
+"""deploy/: every kustomization renders (`kubectl kustomize`) to objects that are valid
+Kubernetes and that agree with the server (health service names, ports, grace period,
+configuration, the gauges autoscaling reads); the KEDA overlay swaps the HPA for a
+ScaledObject and changes nothing else."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import kubernetes_validate
 import pytest
 from deploy_support import (
+    CRD_KINDS,
     GRPC_PORT,
+    HPA_WORKLOADS,
     KUSTOMIZATIONS,
     LIVENESS_SERVICE,
     METRICS_PORT,
     READINESS_SERVICE,
+    REPO,
+    WORKLOADS,
     config_fields,
     container_env,
     only,
     pod_containers,
     pod_spec,
-    render,
+    promql_metric_names,
     server_config_from_env,
     server_container,
     server_gauges,
-    strategic_merge,
     tokenwire_env,
 )
 
@@ -31,19 +37,56 @@ from deploy_support import (
 KUBERNETES_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
 ALL = list(KUSTOMIZATIONS)
 Objects = list[dict[str, Any]]
+WORKLOAD_KINDS = {"Deployment", "Service", "PodDisruptionBudget"}
+EXPECTED_KINDS = {
+    "base": WORKLOAD_KINDS | {"HorizontalPodAutoscaler"},
+    "cpu": WORKLOAD_KINDS | {"HorizontalPodAutoscaler"},
+    "keda": WORKLOAD_KINDS | {"ScaledObject"},
+    "monitoring": {"ConfigMap", "PrometheusRule", "ServiceMonitor"},
+}
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def test_every_kustomization_is_tested() -> None:
+    assert set(EXPECTED_KINDS) == set(KUSTOMIZATIONS)
+    on_disk = {path.parent for path in (REPO / "deploy").rglob("kustomization.yaml")}
+    assert on_disk == set(KUSTOMIZATIONS.values()), "add the new kustomization to KUSTOMIZATIONS"
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("name", ALL)
 def test_every_object_is_valid_kubernetes(rendered: dict[str, Objects], name: str, version: str) -> None:
-    kinds = set()
+    """Core kinds against the API's schemas (strict: no unknown fields); CRD kinds are checked below."""
+    validated = 0
     for obj in rendered[name]:
+        if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
+            continue
         kubernetes_validate.validate(obj, version, strict=True)
-        kinds.add(obj["kind"])
-    assert kinds == {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+        validated += 1
+    assert validated > 0
+    assert {obj["kind"] for obj in rendered[name]} == EXPECTED_KINDS[name]
+    keys = [(obj["kind"], obj["metadata"]["name"]) for obj in rendered[name]]
+    assert len(keys) == len(set(keys)), f"duplicate objects: {keys}"
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ["keda", "monitoring"])
+def test_custom_resources_are_well_formed(rendered: dict[str, Objects], name: str) -> None:
+    """kubernetes-validate has no schema for CRD kinds: the shape every custom resource shares
+    (what each kind's operator reads: test_monitoring.py and the KEDA tests below)."""
+    crd_kinds = {kind for _, kind in CRD_KINDS}
+    custom = [obj for obj in rendered[name] if obj["kind"] in crd_kinds]
+    expected = EXPECTED_KINDS[name] & crd_kinds
+    assert expected and {obj["kind"] for obj in custom} == expected
+    for obj in custom:
+        assert (obj["apiVersion"], obj["kind"]) in CRD_KINDS, f"{obj['kind']}: unexpected {obj['apiVersion']}"
+        assert set(obj) == {"apiVersion", "kind", "metadata", "spec"}, obj["kind"]
+        assert set(obj["metadata"]) <= {"name", "namespace", "labels", "annotations"}, obj["metadata"]
+        assert DNS_LABEL.match(obj["metadata"]["name"]), obj["metadata"]["name"]
+        assert obj["metadata"]["labels"]["app.kubernetes.io/name"] == "tokenwire"
+        assert isinstance(obj["spec"], dict) and obj["spec"], f"{obj['kind']}: empty spec"
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
 def test_probes_use_the_servers_health_services(rendered: dict[str, Objects], name: str) -> None:
     container = server_container(rendered[name])
     probes = {kind: container[kind]["grpc"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
@@ -54,14 +97,14 @@ def test_probes_use_the_servers_health_services(rendered: dict[str, Objects], na
     assert {probe["port"] for probe in probes.values()} == {GRPC_PORT}
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", WORKLOADS)
 def test_startup_probe_allows_a_model_load(rendered: dict[str, Objects], name: str) -> None:
     probe = server_container(rendered[name])["startupProbe"]
     budget = probe.get("initialDelaySeconds", 0) + probe["periodSeconds"] * probe["failureThreshold"]
     assert budget >= 180, f"startupProbe gives the model {budget} s to load"
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", WORKLOADS)
 def test_ports_match_the_server(
     rendered: dict[str, Objects], name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -83,21 +126,24 @@ def test_ports_match_the_server(
         assert any(p["name"] == "grpc" for p in service["spec"]["ports"])
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", WORKLOADS)
 def test_termination_grace_outlasts_the_drain(
     rendered: dict[str, Objects], name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (deployment,) = only(rendered[name], "Deployment")
     container = server_container(rendered[name])
     config = server_config_from_env(tokenwire_env(container_env(container)), monkeypatch)
-    pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
-    pre_stop_seconds = int(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0
+    # The preStop sleep keeps the pod serving while its endpoint removal spreads.
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep" and len(pre_stop) == 2, pre_stop
+    pre_stop_seconds = int(pre_stop[1])
+    assert pre_stop_seconds > 0
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     # The kubelet's clock starts before preStop; the server's after it, at SIGTERM.
     assert grace > pre_stop_seconds + config.grace_period, (grace, pre_stop_seconds, config.grace_period)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", WORKLOADS)
 def test_environment_is_a_valid_server_configuration(
     rendered: dict[str, Objects], name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -132,7 +178,7 @@ def _memory_gib(quantity: str) -> float:
     return float(quantity[:-2]) * units[quantity[-2:]]
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", WORKLOADS)
 def test_every_container_is_locked_down(rendered: dict[str, Objects], name: str) -> None:
     (deployment,) = only(rendered[name], "Deployment")
     spec = pod_spec(deployment)
@@ -150,7 +196,7 @@ def test_every_container_is_locked_down(rendered: dict[str, Objects], name: str)
         assert "resources" in container and "limits" in container["resources"], container["name"]
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", WORKLOADS)
 def test_writable_paths_are_emptydir_volumes(rendered: dict[str, Objects], name: str) -> None:
     (deployment,) = only(rendered[name], "Deployment")
     spec = pod_spec(deployment)
@@ -170,7 +216,7 @@ def test_writable_paths_are_emptydir_volumes(rendered: dict[str, Objects], name:
     assert f"cp -R {cache_dir}/. {seed_path}/" in " ".join(seed["command"])
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", WORKLOADS)
 def test_selectors_reach_the_pods(rendered: dict[str, Objects], name: str) -> None:
     objects = rendered[name]
     (deployment,) = only(objects, "Deployment")
@@ -187,75 +233,125 @@ def test_selectors_reach_the_pods(rendered: dict[str, Objects], name: str) -> No
     )
     (pdb,) = only(objects, "PodDisruptionBudget")
     assert selects(pdb["spec"]["selector"]["matchLabels"])
-    (hpa,) = only(objects, "HorizontalPodAutoscaler")
-    target = hpa["spec"]["scaleTargetRef"]
-    assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
 
 
-@pytest.mark.parametrize("name", ALL)
+def scalers(objects: Objects) -> list[dict[str, Any]]:
+    return only(objects, "HorizontalPodAutoscaler") + only(objects, "ScaledObject")
+
+
+def replica_bounds(scaler: dict[str, Any]) -> tuple[int, int]:
+    spec = scaler["spec"]
+    if scaler["kind"] == "ScaledObject":
+        return spec["minReplicaCount"], spec["maxReplicaCount"]
+    return spec["minReplicas"], spec["maxReplicas"]
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_one_autoscaler_targets_the_deployment(rendered: dict[str, Objects], name: str) -> None:
+    objects = rendered[name]
+    (deployment,) = only(objects, "Deployment")
+    (scaler,) = scalers(objects)  # two would fight over the replica count
+    target = scaler["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == (
+        deployment["apiVersion"],
+        "Deployment",
+        deployment["metadata"]["name"],
+    )
+    low, high = replica_bounds(scaler)
+    assert 0 <= low < high
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
 def test_rollout_and_disruption_keep_capacity(rendered: dict[str, Objects], name: str) -> None:
     objects = rendered[name]
     (deployment,) = only(objects, "Deployment")
     rolling = deployment["spec"]["strategy"]["rollingUpdate"]
     assert rolling["maxUnavailable"] == 0 and rolling["maxSurge"] >= 1
     (pdb,) = only(objects, "PodDisruptionBudget")
-    (hpa,) = only(objects, "HorizontalPodAutoscaler")
-    assert pdb["spec"]["maxUnavailable"] < hpa["spec"]["minReplicas"]
-    assert deployment["spec"]["replicas"] >= hpa["spec"]["minReplicas"]
+    (scaler,) = scalers(objects)
+    low, _ = replica_bounds(scaler)
+    # A node drain must leave a replica serving (a scaler that may go to zero has nothing to keep).
+    assert low == 0 or pdb["spec"]["maxUnavailable"] < low
+    if scaler["kind"] == "ScaledObject":
+        assert "replicas" not in deployment["spec"], (
+            "KEDA owns the replica count: `kubectl apply` must not reset it"
+        )
+    else:
+        assert deployment["spec"]["replicas"] >= low
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", HPA_WORKLOADS)
 def test_hpa_scales_on_gauges_the_server_exposes(
     rendered: dict[str, Objects], name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (hpa,) = only(rendered[name], "HorizontalPodAutoscaler")
     metrics = {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in hpa["spec"]["metrics"]}
     assert all(m["type"] == "Pods" for m in hpa["spec"]["metrics"])
-    assert metrics and set(metrics) <= server_gauges(), f"not gauges of the server: {set(metrics)}"
+    assert set(metrics) == {"tokenwire_queue_depth", "tokenwire_active_streams"}
+    assert set(metrics) <= server_gauges(), f"not gauges of the server: {set(metrics)}"
     config = server_config_from_env(
         tokenwire_env(container_env(server_container(rendered[name]))), monkeypatch
     )
-    if "tokenwire_active_streams" in metrics:
-        target = float(metrics["tokenwire_active_streams"]["averageValue"])
-        assert 0 < target < config.max_active, "the active-streams target must be reachable"
+    target = float(metrics["tokenwire_active_streams"]["averageValue"])
+    assert 0 < target < config.max_active, "the active-streams target must be reachable"
+    assert 0 < float(metrics["tokenwire_queue_depth"]["averageValue"]) < config.max_queue
 
 
-def test_images_are_set_by_the_kustomization(rendered: dict[str, Objects]) -> None:
-    for objects in rendered.values():
-        (deployment,) = only(objects, "Deployment")
-        images = {c["image"] for c in pod_containers(deployment, init=True)}
-        assert len(images) == 1 and images.pop().endswith("/tokenwire:0.1.0")
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_images_are_set_by_the_kustomization(rendered: dict[str, Objects], name: str) -> None:
+    (deployment,) = only(rendered[name], "Deployment")
+    images = {c["image"] for c in pod_containers(deployment, init=True)}
+    assert len(images) == 1 and images.pop().endswith("/tokenwire:0.1.0")
 
 
-# --- the renderer itself ---------------------------------------------------------
+# --- KEDA ------------------------------------------------------------------------
 
 
-def test_strategic_merge_follows_kubernetes() -> None:
-    base = {
-        "containers": [{"name": "a", "env": [{"name": "X", "value": "1"}], "args": ["--one"]}],
-        "limits": {"cpu": "1", "nvidia.com/gpu": 1},
-        "tolerations": [{"key": "k"}],
-    }
-    patch = {
-        "containers": [{"name": "a", "env": [{"name": "Y", "value": "2"}], "args": ["--two"]}],
-        "limits": {"nvidia.com/gpu": None},
-        "tolerations": None,
-    }
-    assert strategic_merge(base, patch) == {
-        "containers": [
-            {
-                "name": "a",
-                "env": [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}],
-                "args": ["--two"],
-            }
-        ],
-        "limits": {"cpu": "1"},
-    }
-    with pytest.raises(NotImplementedError):
-        strategic_merge({"ports": [{"containerPort": 1}]}, {"ports": [{"containerPort": 2}]})
+def test_keda_overlay_swaps_the_hpa_for_a_scaledobject(rendered: dict[str, Objects]) -> None:
+    """Everything else is base as it is, except the replica count, which KEDA owns."""
+    base = [obj for obj in rendered["base"] if obj["kind"] != "HorizontalPodAutoscaler"]
+    keda = [obj for obj in rendered["keda"] if obj["kind"] != "ScaledObject"]
+    (deployment,) = only(base, "Deployment")
+    unscaled = {**deployment, "spec": {k: v for k, v in deployment["spec"].items() if k != "replicas"}}
+    expected = [unscaled if obj is deployment else obj for obj in base]
+    key = lambda obj: (obj["kind"], obj["metadata"]["name"])  # noqa: E731
+    assert sorted(keda, key=key) == sorted(expected, key=key)
+    assert only(rendered["base"], "HorizontalPodAutoscaler"), "base keeps its HPA for clusters without KEDA"
+    assert not only(rendered["keda"], "HorizontalPodAutoscaler")
 
 
-def test_renderer_refuses_what_it_cannot_render(tmp_path: Any) -> None:
-    (tmp_path / "kustomization.yaml").write_text("resources: []\nnamePrefix: x-\n")
-    with pytest.raises(NotImplementedError):
-        render(tmp_path)
+def test_keda_scales_on_the_load_per_replica(
+    rendered: dict[str, Objects], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (scaled,) = only(rendered["keda"], "ScaledObject")
+    spec = scaled["spec"]
+    (trigger,) = [t for t in spec["triggers"] if t["type"] == "prometheus"]
+    assert trigger["metricType"] == "AverageValue", "the threshold is per replica"
+    metadata = trigger["metadata"]
+    assert set(metadata) >= {"serverAddress", "query", "threshold"}
+    assert re.match(r"^https?://[^/\s]+", metadata["serverAddress"])
+    # Requests decoding plus requests waiting, over all replicas.
+    assert promql_metric_names(metadata["query"]) == {"tokenwire_active_streams", "tokenwire_queue_depth"}
+    assert promql_metric_names(metadata["query"]) <= server_gauges()
+    assert metadata["query"].count("sum(") == 2
+    config = server_config_from_env(
+        tokenwire_env(container_env(server_container(rendered["keda"]))), monkeypatch
+    )
+    assert 0 < float(metadata["threshold"]) < config.max_active, "the per-replica target must be reachable"
+    assert float(metadata.get("activationThreshold", "0")) >= 0
+    # KEDA's HPA scales like the base HPA: at once up, slowly down (a replica costs a model load).
+    (hpa,) = only(rendered["base"], "HorizontalPodAutoscaler")
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == hpa["spec"]["behavior"]
+    assert spec["maxReplicaCount"] == hpa["spec"]["maxReplicas"]
+    low, high = replica_bounds(scaled)
+    assert low <= spec["fallback"]["replicas"] <= high
+    assert spec["fallback"]["failureThreshold"] >= 1
+
+
+def test_keda_can_wake_from_zero(rendered: dict[str, Objects]) -> None:
+    """At zero replicas no pod exports tokenwire_* gauges: scaling to zero needs a trigger that
+    sees demand without the pods (an ingress metric, the callers' metrics, a cron window)."""
+    (scaled,) = only(rendered["keda"], "ScaledObject")
+    triggers = scaled["spec"]["triggers"]
+    wakers = [t for t in triggers if not promql_metric_names(str(t.get("metadata", {})))]
+    assert scaled["spec"]["minReplicaCount"] >= 1 or wakers, "minReplicaCount 0 would never scale up again"

@@ -1,6 +1,8 @@
 """docs/operations.md documents exactly the server's flags: its configuration table has
 one row per flag of `tokenwire-server --help`, with the right variable and default,
-and every `--flag` it mentions anywhere is a real one (or another tool's, listed below)."""
+and every `--flag` it mentions anywhere is a real one (or another tool's, listed below).
+Every metric it names is one the server exports, every alert of deploy/monitoring has its
+runbook section, and it says how to apply every kustomization in deploy/."""
 
 from __future__ import annotations
 
@@ -10,13 +12,23 @@ import re
 from typing import Any
 
 import pytest
-from deploy_support import REPO, client_cli_help, only, server_config, server_series
+from deploy_support import (
+    HPA_WORKLOADS,
+    KUSTOMIZATIONS,
+    REPO,
+    client_cli_help,
+    gpu_series,
+    only,
+    promql_metric_names,
+    server_config,
+    server_series,
+)
 
 DOC = REPO / "docs" / "operations.md"
 # Flags of other commands the guide shows (docker, kubectl); `tokenwire health`'s come from its --help.
 OTHER_TOOLS_FLAGS = {
     "--build-arg", "--gpus", "--rm", "--stop-timeout",  # docker
-    "--from-file", "--raw",  # kubectl
+    "--from-file", "--raw", "--tail",  # kubectl
 }  # fmt: skip
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
@@ -84,18 +96,18 @@ def test_table_gives_each_flags_variable_and_default(help_text: str) -> None:
 
 def test_every_flag_mentioned_exists(help_text: str) -> None:
     mentioned = set(FLAG.findall(DOC.read_text()))
-    health_help = client_cli_help("health")
-    client_flags = set(FLAG.findall(health_help)) if health_help else {"--target", "--service"}
+    client_flags = set(FLAG.findall(client_cli_help("health")))
+    assert {"--target", "--service"} <= client_flags
     unknown = mentioned - server_flags(help_text) - client_flags - OTHER_TOOLS_FLAGS - {"--help"}
     assert not unknown, f"docs/operations.md mentions flags that no command has: {sorted(unknown)}"
 
 
 def test_guide_names_the_metrics_the_hpa_uses(rendered: dict[str, list[dict[str, Any]]]) -> None:
     text = DOC.read_text()
-    for objects in rendered.values():
-        for hpa in only(objects, "HorizontalPodAutoscaler"):
-            for metric in hpa["spec"]["metrics"]:
-                assert f"`{metric['pods']['metric']['name']}`" in text
+    for name in HPA_WORKLOADS:
+        (hpa,) = only(rendered[name], "HorizontalPodAutoscaler")
+        for metric in hpa["spec"]["metrics"]:
+            assert f"`{metric['pods']['metric']['name']}`" in text
     assert "prometheus-adapter" in text
     assert (
         "histogram_quantile(0.99, sum by (le) (rate(tokenwire_time_to_first_token_seconds_bucket[5m])))"
@@ -105,6 +117,61 @@ def test_guide_names_the_metrics_the_hpa_uses(rendered: dict[str, list[dict[str,
 
 
 def test_every_metric_named_is_one_the_server_exports() -> None:
-    named = set(re.findall(r"\btokenwire_[a-z_]+", DOC.read_text()))
-    unknown = named - server_series()
+    named = promql_metric_names(DOC.read_text())
+    assert len(named) >= 10
+    unknown = named - server_series() - gpu_series()
     assert not unknown, f"docs/operations.md names series the server does not export: {sorted(unknown)}"
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def sections() -> dict[str, list[str]]:
+    """{anchor of each `## ` section: [anchors of its `### ` subsections]}."""
+    found: dict[str, list[str]] = {}
+    current = ""
+    in_code = False
+    for line in DOC.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif in_code:
+            continue
+        elif line.startswith("## "):
+            current = github_anchor(line[3:])
+            assert current not in found, f"two sections named {line}"
+            found[current] = []
+        elif line.startswith("### "):
+            found[current].append(github_anchor(line[4:]))
+    return found
+
+
+def test_every_alert_has_its_runbook(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Each alert's runbook_url points at its own subsection of "Alerts and runbooks", and each
+    subsection there belongs to an alert."""
+    (rule,) = only(rendered["monitoring"], "PrometheusRule")
+    alerts = [r for group in rule["spec"]["groups"] for r in group["rules"]]
+    anchors = {r["alert"]: r["annotations"]["runbook_url"].rpartition("#")[2] for r in alerts}
+    for alert, anchor in anchors.items():
+        assert anchor == alert.lower(), f"{alert}: runbook_url points at #{anchor}"
+    runbooks = sections()["alerts-and-runbooks"]
+    assert sorted(runbooks) == sorted(anchors.values()), "one subsection per alert, named after it"
+    text = DOC.read_text()
+    for alert in anchors:
+        assert f"[{alert}](#{alert.lower()})" in text, f"list {alert} in the table of alerts"
+
+
+def test_guide_covers_monitoring_and_autoscaling() -> None:
+    found = sections()
+    for anchor in ("dashboards", "alerts-and-runbooks", "autoscaling", "autoscaling-keda-or-hpa"):
+        assert anchor in found, f"no section #{anchor}"
+        assert f"](#{anchor})" in DOC.read_text(), f"no link to #{anchor} (table of contents)"
+    text = DOC.read_text()
+    for path in KUSTOMIZATIONS.values():
+        relative = path.relative_to(REPO).as_posix()
+        assert re.search(rf"kubectl apply (-n \S+ )?-k {re.escape(relative)}\b", text), (
+            f"the guide does not say how to apply {relative}"
+        )
+    assert "grafana_dashboard" in text and "disableNameSuffixHash" in text
+    assert "minReplicaCount" in text and "startupProbe" in text and "waitForReady" in text
