@@ -62,6 +62,7 @@ def request(loaded, rid: str, text: str, max_new: int = 16, **kwargs) -> Generat
 def run_all(engine, requests, timeout=60.0):
     recorders = [Recorder() for _ in requests]
     for req, rec in zip(requests, recorders, strict=True):
+        rec.request = req
         engine.submit(req, rec)
     for rec in recorders:
         assert rec.done.wait(timeout), "request did not finish"
@@ -188,16 +189,39 @@ def test_queue_bound_refuses_at_once(loaded):
         eng.close()
 
 
-def test_kv_budget_makes_requests_wait_not_fail(loaded):
+def test_the_kv_budget_admits_a_second_request_only_when_the_first_leaves(loaded):
+    """A budget that holds exactly one request's worst case: with three free slots, the
+    second request still starts only after the first has finished (budget, not slots, and
+    not mere arrival order: all three arrive together)."""
     prompt_len = len(ids(loaded, PROMPTS[0]))
-    budget = prompt_len + 40  # room for one request at a time
+    budget = prompt_len + 40  # one request's worst case: its prompt and its 40 new tokens
     eng = create_engine("batched", loaded, EngineLimits(max_active=4, max_queue=4, kv_cache_tokens=budget), workers=1)
     eng.start()
     try:
         recs = run_all(eng, [request(loaded, f"r{i}", PROMPTS[0], 40, ignore_eos=True) for i in range(3)])
         assert all(isinstance(r.last, FinishEvent) for r in recs)
-        # They ran one after another: each later one queued while the earlier decoded.
-        assert recs[2].last.usage.queue_time_s > recs[0].last.usage.queue_time_s
+        arrivals = [r.request.arrival for r in recs]
+        usage = [r.last.usage for r in recs]
+        started = sorted(a + u.queue_time_s for a, u in zip(arrivals, usage, strict=True))
+        ended = sorted(a + u.total_time_s for a, u in zip(arrivals, usage, strict=True))
+        # Each request is admitted only after the one before it has ended: never two at once.
+        assert started[1] >= ended[0] and started[2] >= ended[1], (started, ended)
+        assert eng.stats().kv_tokens_budget == budget
+    finally:
+        eng.close()
+
+
+def test_two_requests_that_fit_the_budget_together_run_together(loaded):
+    """The control for the test above: with room for both worst cases, both are admitted at once."""
+    prompt_len = len(ids(loaded, PROMPTS[0]))
+    eng = create_engine(
+        "batched", loaded, EngineLimits(max_active=4, max_queue=4, kv_cache_tokens=2 * (prompt_len + 40)), workers=1
+    )
+    eng.start()
+    try:
+        recs = run_all(eng, [request(loaded, f"r{i}", PROMPTS[0], 40, ignore_eos=True) for i in range(2)])
+        first_end = min(r.request.arrival + r.last.usage.total_time_s for r in recs)
+        assert all(r.request.arrival + r.last.usage.queue_time_s < first_end for r in recs)
     finally:
         eng.close()
 
@@ -207,3 +231,32 @@ def test_both_engines_stream_and_finish(engine, loaded):
     assert isinstance(rec.last, FinishEvent) and rec.last.usage.completion_tokens == 10
     assert any(isinstance(e, TextEvent) for e in rec.events)
     assert rec.text == loaded.tokenizer.decode(rec.token_ids, skip_special_tokens=True)
+
+
+def test_start_estimate_is_a_lower_bound_from_known_lengths():
+    from tokenwire_server.engine.estimate import StartEstimator, remaining_steps_lower_bound
+
+    def req(max_new, *, ignore_eos=False, min_new=0, stops=()):
+        return GenerationRequest("r", [1, 2], SamplingOptions(), max_new, min_new_tokens=min_new,
+                                 ignore_eos=ignore_eos, stop_sequences=stops)
+
+    assert remaining_steps_lower_bound(req(100, ignore_eos=True), 30) == 70  # known exactly
+    assert remaining_steps_lower_bound(req(100, ignore_eos=True, stops=("x",)), 30) == 1  # a stop may come
+    assert remaining_steps_lower_bound(req(100, min_new=50), 30) == 20  # EOS blocked until 50
+    assert remaining_steps_lower_bound(req(100), 30) == 1  # EOS may come next
+    estimator = StartEstimator()
+    assert estimator.earliest_first_token_s(10, [], 0, 1) is None  # nothing measured: never refuse
+    for seconds in (0.02, 0.01, 0.03):
+        estimator.decode_step(seconds)
+    estimator.prefill(100, 0.5)  # 200 tokens/s
+    long_running = [(req(1000, ignore_eos=True), 0)]
+    # A free slot: only the prompt's prefill.
+    assert estimator.earliest_first_token_s(20, [], 0, 1) == pytest.approx(0.1)
+    # Behind a 1000-token stream on the only slot: 1000 of the fastest steps, then the prefill.
+    assert estimator.earliest_first_token_s(20, long_running, 0, 1) == pytest.approx(1000 * 0.01 + 0.1)
+    # With a second slot free it could start now.
+    assert estimator.earliest_first_token_s(20, long_running, 0, 2) == pytest.approx(0.1)
+    # A stream that may end at any step bounds nothing.
+    assert estimator.earliest_first_token_s(20, [(req(1000), 0)], 0, 1) == pytest.approx(0.01 + 0.1)
+    # Two queued ahead on one slot: the long stream, then a step for each of them.
+    assert estimator.earliest_first_token_s(20, long_running, 2, 1) == pytest.approx(1002 * 0.01 + 0.1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -45,9 +46,28 @@ def test_streamed_chat_generate(tiny_server):
         chunks.append(obj)
         text = text[end:].strip()
     assert len(chunks) >= 2
-    assert chunks[-1]["finishReason"] == "FINISH_REASON_LENGTH" if "finishReason" in chunks[-1] else chunks[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
-    usage = chunks[-1].get("usage")
-    assert usage and int(usage.get("completionTokens", usage.get("completion_tokens"))) == 6
+    # The installed grpcurl prints the proto's own (snake_case) names, as README shows.
+    assert chunks[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+    assert int(chunks[-1]["usage"]["completion_tokens"]) == 6
+    assert [c.get("index", 0) for c in chunks] == list(range(len(chunks)))
+
+    # Every field README's grpcurl session shows is one grpcurl really prints.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    session = readme[readme.index("## Poke it with grpcurl") :]
+    session = session[: session.index("\n## ", 5)]
+    shown = set(re.findall(r'^\s*"(\w+)":', session, flags=re.M))
+    info = grpcurl(tiny_server.target, "tokenwire.v1.TextGeneration/GetModelInfo")
+    assert info.returncode == 0, info.stderr
+    printed = _keys(chunks) | _keys(json.loads(info.stdout)) | {"status"}
+    assert shown and shown <= printed, shown - printed
+
+
+def _keys(value: object) -> set[str]:
+    if isinstance(value, dict):
+        return set(value) | {k for v in value.values() for k in _keys(v)}
+    if isinstance(value, list):
+        return {k for v in value for k in _keys(v)}
+    return set()
 
 
 def test_health_check(tiny_server):

@@ -143,7 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Stream the completion of PROMPT (or stdin) to stdout as it arrives.",
     )
     gen.add_argument("prompt", nargs="?", help="the prompt; '-' or absent: read stdin")
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    gen.add_argument(
+        "--chat", action="store_true",
+        help="send the prompt as a user message (chat template); without it the prompt is raw text, as in the RPC",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object per chunk")
     gen.add_argument("--token-ids", action="store_true", help="ask for token ids (shown with --json)")
     gen.add_argument("--logprobs", action="store_true", help="ask for log-probabilities (shown with --json)")
@@ -344,6 +347,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return EXIT_INTERRUPTED
         if not args.json and not ended_with_newline and sys.stdout.isatty():
             sys.stdout.write("\n")
+        raw = not (args.chat or args.system)
+        if raw and last is not None and last.usage is not None and last.usage.completion_tokens <= 1:
+            _hint_chat(client, last.usage.completion_tokens)
         if args.usage and last is not None:
             usage = last.usage
             print(f"finish_reason: {last.finish_reason}", file=sys.stderr)
@@ -354,6 +360,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
     return EXIT_OK
+
+
+def _hint_chat(client: Client, tokens: int) -> None:
+    """An instruct model often ends a raw prompt at once: say why nothing was printed."""
+    try:
+        has_template = client.model_info().has_chat_template
+    except TokenwireError:
+        return
+    if has_template:
+        print(
+            f"tokenwire: the model ended this raw prompt after {tokens} token(s). It has a chat template: "
+            "send the prompt as a chat message with --chat (or use `tokenwire chat`).",
+            file=sys.stderr,
+        )
 
 
 CHAT_HELP = "commands: /exit (or Ctrl-D) quits, /reset forgets the conversation; Ctrl-C stops an answer"

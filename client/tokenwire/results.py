@@ -246,6 +246,8 @@ class ModelInfo:
     max_chat_messages: int | None = None
     max_top_logprobs: int | None = None
     max_message_bytes: int | None = None
+    # Most tokens (prompt + completion) one request may hold here: the context or the KV budget.
+    max_request_tokens: int | None = None
 
     @classmethod
     def from_proto(cls, info: pb.ModelInfo) -> ModelInfo:
@@ -282,6 +284,7 @@ class ModelInfo:
             max_chat_messages=published.max_chat_messages if published else None,
             max_top_logprobs=published.max_top_logprobs if published else None,
             max_message_bytes=published.max_message_bytes if published else None,
+            max_request_tokens=published.max_request_tokens if published else None,
         )
 
     def to_dict(self) -> dict[str, Any]:

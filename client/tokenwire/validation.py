@@ -41,7 +41,8 @@ class Rule(str, Enum):
     TOP_LOGPROBS = "must be between 0 and " + str(MAX_TOP_LOGPROBS) + ", got {value}"
     PROMPT_TOO_LONG = (
         "the prompt is {count} tokens; with max_new_tokens={value} it needs {total}, "
-        "above the model's context of {limit} tokens"
+        "above the {limit} tokens one request may hold on this server (the model's context, "
+        "or the KV-cache budget where that is smaller)"
     )
     INVALID_UTF8 = "is not valid text (lone surrogate or NUL character)"
     NO_CHAT_TEMPLATE = "this model has no chat template; send a prompt or token_ids instead"

@@ -38,6 +38,9 @@ class ServerConfig:
     max_stop_sequence_chars: int = 256
     max_chat_messages: int = 256
     max_message_bytes: int = 4 * 1024 * 1024
+    keepalive_time_s: float = 20.0
+    keepalive_timeout_s: float = 10.0
+    min_client_ping_interval_s: float = 10.0
     grace_period: float = 25.0
     stall_timeout: float = 60.0
     retry_after_ms: int = 500
@@ -62,9 +65,10 @@ class ServerConfig:
             return self.kv_cache_tokens
         return self.max_active * min(context_length, 2048)
 
-    def request_limits(self, context_length: int, vocab_size: int) -> RequestLimits:
+    def request_limits(self, context_length: int, vocab_size: int, kv_cache_tokens: int = 0) -> RequestLimits:
         """Every limit a request is checked against, for this configuration and model."""
         return RequestLimits(
+            kv_cache_tokens=kv_cache_tokens,
             context_length=context_length,
             vocab_size=vocab_size,
             default_max_new_tokens=self.default_max_new_tokens,
@@ -100,6 +104,9 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "max_stop_sequence_chars": ("longest stop sequence, in characters", None),
     "max_chat_messages": ("most messages in one chat", None),
     "max_message_bytes": ("largest request message the server receives, in bytes", None),
+    "keepalive_time_s": ("seconds between the server's HTTP/2 keepalive pings on a connection, also while a stream waits in the queue or a prompt is read: keeps load balancers from cutting a silent stream as idle", None),
+    "keepalive_timeout_s": ("seconds to wait for a keepalive ping's answer before the connection counts as dead and its streams are cancelled", None),
+    "min_client_ping_interval_s": ("shortest interval at which clients may send keepalive pings without being disconnected (GOAWAY too_many_pings)", None),
     "grace_period": ("seconds that streams in flight may run on after SIGTERM/SIGINT", None),
     "stall_timeout": ("seconds without engine progress while work is pending before liveness turns NOT_SERVING", None),
     "retry_after_ms": ("retry delay suggested to refused clients (RetryInfo, grpc-retry-pushback-ms)", None),
@@ -186,6 +193,8 @@ def validate_config(config: ServerConfig) -> list[str]:
         errors.append("--tls-client-ca needs --tls-cert and --tls-key")
     if config.batch_window_ms < 0:
         errors.append("--batch-window-ms must not be negative")
+    if min(config.keepalive_time_s, config.keepalive_timeout_s, config.min_client_ping_interval_s) <= 0:
+        errors.append("--keepalive-time-s, --keepalive-timeout-s and --min-client-ping-interval-s must be positive")
     if config.grace_period < 0 or config.stall_timeout <= 0:
         errors.append("--grace-period must not be negative and --stall-timeout must be positive")
     return errors

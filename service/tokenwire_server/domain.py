@@ -64,6 +64,16 @@ class RequestLimits:
     max_chat_messages: int
     max_message_bytes: int
     max_top_logprobs: int = MAX_TOP_LOGPROBS
+    # Most tokens (prompt + completion) one request may hold: the context, or the KV-cache
+    # budget where that is smaller (0: the context). A request that could never fit the
+    # budget is refused like one that does not fit the context, never admitted over it.
+    kv_cache_tokens: int = 0
+
+    @property
+    def max_request_tokens(self) -> int:
+        if self.kv_cache_tokens > 0:
+            return min(self.context_length, self.kv_cache_tokens)
+        return self.context_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +269,7 @@ class EngineObserver(Protocol):
 
     def admitted(self, queue_wait_s: float) -> None: ...
 
-    def prefill_step(self, seconds: float) -> None: ...
+    def prefill_step(self, seconds: float, tokens: int = 0) -> None: ...
 
     def decode_step(self, seconds: float) -> None: ...
 
@@ -268,7 +278,7 @@ class NoObserver:
     def admitted(self, queue_wait_s: float) -> None:
         pass
 
-    def prefill_step(self, seconds: float) -> None:
+    def prefill_step(self, seconds: float, tokens: int = 0) -> None:
         pass
 
     def decode_step(self, seconds: float) -> None:

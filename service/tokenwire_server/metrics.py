@@ -138,7 +138,7 @@ class Metrics:
     def admitted(self, queue_wait_s: float) -> None:
         self.queue_wait.observe(queue_wait_s)
 
-    def prefill_step(self, seconds: float) -> None:
+    def prefill_step(self, seconds: float, tokens: int = 0) -> None:
         self.prefill_step_seconds.observe(seconds)
 
     def decode_step(self, seconds: float) -> None:

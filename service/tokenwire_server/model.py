@@ -83,12 +83,94 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def auto_dtype(device: str, capability: tuple[int, int] | None) -> torch.dtype:
+    """``--dtype auto``: bf16 only where the GPU computes it natively (compute capability 8.0,
+    Ampere, and up), fp16 on older GPUs, float32 on a CPU.
+
+    ``torch.cuda.is_bf16_supported()`` is not the test: it also says yes where bf16 is
+    only emulated (Turing, Volta), which is slower than fp16 there.
+    """
+    if device != "cuda" or capability is None:
+        return torch.float32
+    return torch.bfloat16 if capability >= (8, 0) else torch.float16
+
+
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
-        if device == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
+        capability = torch.cuda.get_device_capability() if device == "cuda" else None
+        return auto_dtype(device, capability)
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def gpu_report() -> list[dict[str, Any]]:
+    """What an operator needs to know of each visible GPU, for the start-up log."""
+    if not torch.cuda.is_available():
+        return []
+    driver = ""
+    try:
+        import pynvml  # type: ignore[import-not-found,unused-ignore]
+
+        pynvml.nvmlInit()
+        driver = str(pynvml.nvmlSystemGetDriverVersion())
+    except Exception:  # NVML is optional (the `gpu` extra)
+        pass
+    out = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        out.append(
+            {
+                "device": f"cuda:{i}",
+                "name": props.name,
+                "compute_capability": f"{props.major}.{props.minor}",
+                "memory_total_gib": round(total / 2**30, 1),
+                "memory_free_gib": round(free / 2**30, 1),
+                "cuda": torch.version.cuda,
+                "driver": driver or "unknown (install nvidia-ml-py to log it)",
+            }
+        )
+    return out
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of KV cache one token takes over all layers (keys and values)."""
+    heads = int(getattr(config, "num_attention_heads", 1))
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+    layers = int(config.num_hidden_layers)
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def fit_kv_budget(tokens: int, derived: bool, bytes_per_token: int, free_bytes: int, headroom: float = 0.9) -> tuple[int, str]:
+    """The KV budget checked against free device memory after loading: (budget, message).
+
+    A derived budget (``--kv-cache-tokens 0``) that does not fit is lowered to what fits in
+    ``headroom`` of the free memory, with a warning. An explicit one that does not fit
+    refuses to start (``ModelLoadError``): the operator asked for it, and serving with less
+    would break their sizing silently.
+    """
+    fits = int(free_bytes * headroom) // max(bytes_per_token, 1)
+    if tokens <= fits:
+        return tokens, ""
+    need_gib = tokens * bytes_per_token / 2**30
+    free_gib = free_bytes / 2**30
+    if not derived:
+        raise ModelLoadError(
+            f"--kv-cache-tokens {tokens} needs {need_gib:.1f} GiB of KV cache, but only {free_gib:.1f} GiB of GPU memory "
+            f"is free after loading the model: lower it to at most {fits}, or lower --max-active"
+        )
+    return fits, (
+        f"the derived KV budget of {tokens} tokens ({need_gib:.1f} GiB) does not fit the {free_gib:.1f} GiB free "
+        f"after loading; lowered to {fits} tokens (set --kv-cache-tokens or --max-active to choose)"
+    )
+
+
+def free_device_memory(loaded: LoadedModel) -> int | None:
+    """Free bytes on the GPU that holds the model's first layer; None off CUDA."""
+    if loaded.device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(loaded.device)
+    return int(free)
 
 
 def default_cache_dir(cache_dir: str = "") -> Path:

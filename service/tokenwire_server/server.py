@@ -65,9 +65,7 @@ class TokenwireServer:
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
-            # Idle clients that vanish without a FIN are noticed and their streams cancelled.
-            ("grpc.keepalive_time_ms", 60_000),
-            ("grpc.keepalive_timeout_ms", 20_000),
+            *keepalive_options(config),
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
         self._servicer.add_to_server(server)
@@ -137,14 +135,30 @@ class TokenwireServer:
         from .engine import create_engine
         from .engine.base import EngineLimits
         from .engine.local import LocalBackend
-        from .model import gpu_memory_probe, load_model
+        from .model import (
+            fit_kv_budget,
+            free_device_memory,
+            gpu_memory_probe,
+            gpu_report,
+            kv_bytes_per_token,
+            load_model,
+        )
 
         config = self.config
+        for gpu in gpu_report():
+            log.info("gpu", extra=gpu)
         loaded = load_model(config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir)
+        kv_tokens = config.effective_kv_cache_tokens(loaded.context_length)
+        free = free_device_memory(loaded)
+        if free is not None:
+            per_token = kv_bytes_per_token(loaded.model.config, loaded.dtype)
+            kv_tokens, warning = fit_kv_budget(kv_tokens, config.kv_cache_tokens == 0, per_token, free)
+            if warning:
+                log.warning(warning)
         limits = EngineLimits(
             max_active=config.max_active,
             max_queue=config.max_queue,
-            kv_cache_tokens=config.effective_kv_cache_tokens(loaded.context_length),
+            kv_cache_tokens=kv_tokens,
             retry_after_s=config.retry_after_ms / 1000,
             max_prefill_tokens=config.max_prefill_tokens,
             batch_window_s=config.batch_window_ms / 1000,
@@ -152,7 +166,8 @@ class TokenwireServer:
         engine = create_engine(config.engine, loaded, limits, config.workers, self.metrics)
         engine.start()
         self.metrics.watch_gpu(gpu_memory_probe(loaded), nvml_probe())
-        return LocalBackend(loaded, engine, config.request_limits(loaded.context_length, loaded.vocab_size))
+        request_limits = config.request_limits(loaded.context_length, loaded.vocab_size, limits.kv_cache_tokens)
+        return LocalBackend(loaded, engine, request_limits)
 
     async def watchdog(self) -> None:
         """Liveness follows the engine loop: no progress while work is pending means wedged."""
@@ -200,6 +215,26 @@ class TokenwireServer:
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+
+def keepalive_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """HTTP/2 keepalive, both ways.
+
+    The server pings every connection every ``--keepalive-time-s`` even while no data
+    flows (a stream queued for a slot, a long prefill), so a load balancer or NAT never
+    sees the connection idle and cuts it; a client that vanished without a FIN is
+    noticed after ``--keepalive-timeout-s`` and its streams are cancelled. Clients may
+    ping as often as every ``--min-client-ping-interval-s`` (gRPC's default is 5 minutes,
+    and a client that pings more often is disconnected with GOAWAY too_many_pings).
+    """
+    return [
+        ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS: its string is this one.
+        ("grpc.http2.min_ping_interval_without_data_ms", int(config.min_client_ping_interval_s * 1000)),
+    ]
 
 
 async def warm_up(backend: GenerationBackend) -> None:

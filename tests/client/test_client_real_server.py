@@ -417,8 +417,13 @@ def test_a_tiny_timeout_on_a_long_generation_is_deadline_exceeded(client, tiny_s
     [record] = finished(tiny_server, request_id)
     assert record["code"] == "DEADLINE_EXCEEDED", record
 
-    # Mid-stream: chunks arrive, then the deadline ends the stream.
-    stream = client.generate("go", timeout=0.5, **LONG)
+    # Mid-stream: chunks arrive, then the deadline ends the stream. The deadline is sized from
+    # this machine's own time to a first chunk (a ratio, not a fixed 0.5 s): three of them
+    # leave room for the first chunks, and 500 tokens take far longer than that.
+    probe_started = time.monotonic()
+    next(iter(client.generate("go", max_new_tokens=1)))
+    first_chunk_s = time.monotonic() - probe_started
+    stream = client.generate("go", timeout=3 * first_chunk_s + 0.2, **LONG)
     seen = 0
     with pytest.raises(tokenwire.DeadlineExceeded):
         for _ in stream:

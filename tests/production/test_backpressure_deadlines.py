@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,14 +59,14 @@ def test_full_server_refuses_fast_with_retry_info(server_name: str, request: pyt
     busy = stub.Generate(long_request(), timeout=30)
     next(busy)  # the only slot is taken
     try:
-        started = time.monotonic()
         refused = stub.Generate(short_request(), timeout=10)
         with pytest.raises(grpc.RpcError) as caught:
             next(refused)  # no message arrives before the status
-        elapsed = time.monotonic() - started
         error = caught.value
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert elapsed < 1.0
+        # Refused without waiting for the slot: the busy stream (1000 tokens) is still
+        # generating after the refusal. Order, not a stopwatch.
+        assert next(busy).finish_reason == pb.FINISH_REASON_UNSPECIFIED
         assert "full" in error.details()
         trailers = dict(error.trailing_metadata())
         assert trailers["grpc-retry-pushback-ms"] == "750"
@@ -86,7 +87,8 @@ def test_deadline_stops_generation_and_frees_the_slot(one_slot_server: ServerPro
     with pytest.raises(grpc.RpcError) as caught:
         list(stub.Generate(long_request(), timeout=0.3))
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - started < 2.0
+    # The 0.3 s deadline ends the call; the bound only catches a hang, not the machine's speed.
+    assert time.monotonic() - started < 20
     # max-active 1 and max-queue 0: a new call is admitted only if the slot came back
     chunks = admitted(stub, short_request(), timeout=2.0)
     assert chunks[-1].usage.completion_tokens >= 1
@@ -100,12 +102,13 @@ def test_time_limit_ends_cleanly_with_the_text_so_far(one_slot_server: ServerPro
     request = pb.GenerateRequest(
         prompt="hello", stopping=pb.StoppingCriteria(max_new_tokens=1000, ignore_eos=True, time_limit_ms=150)
     )
-    started = time.monotonic()
     chunks = admitted(stub, request)
-    assert time.monotonic() - started < 3.0
     last = chunks[-1]
     assert last.finish_reason == pb.FINISH_REASON_TIME_LIMIT
     assert 0 < last.usage.completion_tokens < 1000
+    # The limit counts from admission: the request ran at least that long, and stopped
+    # long before its 1000 tokens (checked above) however fast the machine is.
+    assert last.usage.total_time_ms - last.usage.queue_time_ms >= 150
     assert "".join(c.text for c in chunks)  # the text generated before the limit is all there
     assert [c.index for c in chunks] == list(range(len(chunks)))
 
@@ -137,7 +140,9 @@ def test_cancelled_streams_free_their_slot_and_leave_no_threads(one_slot_server:
     cancel_streams(CANCELLED_STREAMS)
     assert time.monotonic() - started < 60
     assert wait_until(lambda: _idle(stub), 5)
-    assert process_status(pid)["threads"] == threads_before
+    # A leak would add a thread per cancelled stream (CANCELLED_STREAMS of them); grpc's
+    # and the tokenizer pools may settle a thread or two either way.
+    assert process_status(pid)["threads"] <= threads_before + 2 < threads_before + CANCELLED_STREAMS
 
     def cancelled() -> int:
         return sum(r.get("code") == "CANCELLED" for r in one_slot_server.find("request finished"))
@@ -155,3 +160,80 @@ def _idle(stub: object) -> bool:
         if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return False
         raise
+
+
+# -- deadline-aware admission ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["batched", "simple"])
+def queueing_server(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """One slot and room to queue: without deadline-aware admission a late request would wait."""
+    engine_args = ["--engine", "batched", "--max-active", "1"] if request.param == "batched" else [
+        "--engine", "simple", "--workers", "1"]
+    args = ["--model", str(tiny_model_dir), *engine_args, "--max-queue", "4", "--retry-after-ms", "400", "--metrics-port", "-1"]
+    with ServerProcess(args) as server:
+        yield server
+
+
+def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once(queueing_server: ServerProcess) -> None:
+    stub = generation_stub(queueing_server.target)
+    # 1000 tokens that ignore EOS: the slot stays taken for at least 1000 decode steps (~3 s), and
+    # the server knows it. Warm-up steps have been measured already.
+    busy = stub.Generate(long_request(1000), timeout=120)
+    next(busy)
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(short_request(request_id="late-1"), timeout=1.5))
+        elapsed = time.monotonic() - started
+        error = caught.value
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+        assert "cannot start before its deadline" in error.details()
+        assert dict(error.trailing_metadata())["grpc-retry-pushback-ms"] == "400"
+        def records() -> list[dict]:
+            return [r for r in queueing_server.find("request finished") if r.get("request_id") == "late-1"]
+
+        assert wait_until(lambda: bool(records()), 10)  # written just after the status went out
+        [record] = records()
+        assert record["code"] == "RESOURCE_EXHAUSTED"
+        # Refused on arrival, not after waiting: the server's own measure of the call,
+        # and the busy stream is still generating afterwards.
+        assert record["duration_ms"] < 100, record
+        assert elapsed < 1.5
+        assert next(busy).finish_reason == pb.FINISH_REASON_UNSPECIFIED
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{queueing_server.metrics_port}/metrics", timeout=5).read()
+        assert b"tokenwire_deadline_refusals_total 1.0" in metrics
+
+        # A request that can start in time is admitted as before: it waits in the queue.
+        waiting = stub.Generate(short_request(2, request_id="patient-1"), timeout=120)
+        time.sleep(0.2)
+        busy.cancel()
+        assert list(waiting)[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    finally:
+        busy.cancel()
+
+
+def test_a_request_whose_worst_case_exceeds_the_kv_budget_is_refused_or_shortened(tiny_model_dir: Path) -> None:
+    """The design: the KV budget bounds one request like the context does. An explicit
+    max_new_tokens that cannot fit is INVALID_ARGUMENT on the prompt field; the server's
+    default max_new_tokens is shortened to what fits. Never admitted over the budget."""
+    args = ["--model", str(tiny_model_dir), "--kv-cache-tokens", "48", "--default-max-new-tokens", "200"]
+    with ServerProcess(args) as server:
+        stub = generation_stub(server.target)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        assert (info.limits.max_request_tokens, info.limits.context_length) == (48, 1024)
+        prompt_tokens = stub.Tokenize(pb.TokenizeRequest(text="hello"), timeout=10).count
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(long_request(48 - prompt_tokens + 1), timeout=30))
+        error = caught.value
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details() == (
+            f"prompt: the prompt is {prompt_tokens} tokens; with max_new_tokens={48 - prompt_tokens + 1} it needs 49, "
+            "above the 48 tokens one request may hold on this server (the model's context, "
+            "or the KV-cache budget where that is smaller)"
+        )
+        exactly = list(stub.Generate(long_request(48 - prompt_tokens), timeout=30))
+        assert exactly[-1].usage.completion_tokens == 48 - prompt_tokens
+        defaulted = list(stub.Generate(pb.GenerateRequest(prompt="hello", stopping=pb.StoppingCriteria(ignore_eos=True)), timeout=30))
+        assert defaulted[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert defaulted[-1].usage.completion_tokens == 48 - prompt_tokens

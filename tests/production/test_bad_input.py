@@ -123,8 +123,17 @@ def test_bounds_that_are_met_exactly_are_served(limited_server: ServerProcess) -
         output=pb.OutputOptions(top_logprobs=5),
     )
     chunks = list(generation_stub(limited_server.target).Generate(request, timeout=20))
-    assert chunks[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
-    assert all(len(token.top_logprobs) == 5 for chunk in chunks for token in chunk.tokens)
+    last = chunks[-1]
+    assert last.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    tokens = [token for chunk in chunks for token in chunk.tokens]
+    # min = max = 64: exactly 64 tokens unless a stop sequence ended it first, and each carries
+    # its 5 alternatives (checked over a non-empty list: all() of nothing would pass).
+    if last.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE:
+        assert 1 <= last.usage.completion_tokens <= 64
+    else:
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == 64
+    assert len(tokens) == last.usage.completion_tokens
+    assert [len(token.top_logprobs) for token in tokens] == [5] * len(tokens)
 
 
 def test_oversize_message_is_resource_exhausted_from_grpc(limited_server: ServerProcess) -> None:
@@ -180,8 +189,13 @@ def test_tiny_temperature_and_penalty_do_not_break_sampling(limited_server: Serv
         pb.SamplingParams(temperature=1.0, repetition_penalty=1e-45),  # seen tokens' logits overflow to inf
         pb.SamplingParams(temperature=0.5, repetition_penalty=3.4e38),
     ):
-        chunks = list(stub.Generate(pb.GenerateRequest(prompt=P, sampling=sampling, stopping=stopping(max_new_tokens=4)), timeout=10))
-        assert chunks[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        request = pb.GenerateRequest(prompt=P, sampling=sampling, stopping=stopping(max_new_tokens=4), output=pb.OutputOptions(token_ids=True))
+        chunks = list(stub.Generate(request, timeout=10))
+        last = chunks[-1]
+        assert last.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)
+        ids = [token.id for chunk in chunks for token in chunk.tokens]
+        assert len(ids) == last.usage.completion_tokens >= 1
+        assert all(0 <= i < 49152 for i in ids)  # real vocabulary ids, not NaN picks
 
 
 def test_server_is_alive_and_ready_after_all_of_it(limited_server: ServerProcess) -> None:

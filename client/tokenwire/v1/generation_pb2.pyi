@@ -753,6 +753,7 @@ class RequestLimits(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    MAX_REQUEST_TOKENS_FIELD_NUMBER: _builtins.int
     max_new_tokens_limit: _builtins.int
     """Cap on StoppingCriteria.max_new_tokens."""
     default_max_new_tokens: _builtins.int
@@ -773,6 +774,11 @@ class RequestLimits(_message.Message):
     """Maximum tokens of prompt plus completion."""
     vocab_size: _builtins.int
     """Token ids must be below this."""
+    max_request_tokens: _builtins.int
+    """Most tokens (prompt + max_new_tokens) one request may hold: context_length, or the
+    server's KV-cache budget where that is smaller. Beyond it a request with an
+    explicit max_new_tokens is INVALID_ARGUMENT; the default max_new_tokens is shortened.
+    """
     def __init__(
         self,
         *,
@@ -785,10 +791,11 @@ class RequestLimits(_message.Message):
         max_message_bytes: _builtins.int = ...,
         context_length: _builtins.int = ...,
         vocab_size: _builtins.int = ...,
+        max_request_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "max_chat_messages", b"max_chat_messages", "max_message_bytes", b"max_message_bytes", "max_new_tokens_limit", b"max_new_tokens_limit", "max_stop_sequence_chars", b"max_stop_sequence_chars", "max_stop_sequences", b"max_stop_sequences", "max_top_logprobs", b"max_top_logprobs", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "max_chat_messages", b"max_chat_messages", "max_message_bytes", b"max_message_bytes", "max_new_tokens_limit", b"max_new_tokens_limit", "max_request_tokens", b"max_request_tokens", "max_stop_sequence_chars", b"max_stop_sequence_chars", "max_stop_sequences", b"max_stop_sequences", "max_top_logprobs", b"max_top_logprobs", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

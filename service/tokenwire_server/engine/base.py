@@ -29,6 +29,7 @@ from ..domain import (
 )
 from ..model import LoadedModel
 from ..text import SharedTokenizer
+from .estimate import StartEstimator
 from .generation import Generation
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,9 @@ class AdmissionQueue:
         self._closed = False
         self._cond = threading.Condition()
 
-    def put(self, seq: Generation) -> None:
+    def put(self, seq: Generation, check: Callable[[int], None] | None = None) -> None:
+        """Queue ``seq``, or raise: EngineClosed, EngineOverloaded when full, or whatever
+        ``check(queued_ahead)`` raises once there is room (deadline-aware admission)."""
         with self._cond:
             if self._closed:
                 raise EngineClosed("the engine is shutting down")
@@ -65,6 +68,8 @@ class AdmissionQueue:
                     f"(limits {limits.max_active} + {limits.max_queue}); retry later or on another replica",
                     limits.retry_after_s,
                 )
+            if check is not None:
+                check(len(self._waiting))
             self._waiting.append(seq)
             self._cond.notify()
 
@@ -132,6 +137,25 @@ class AdmissionQueue:
         return len(self._waiting)
 
 
+class _Observers:
+    """The engine's observer (the metrics) and its own start estimator, both told of every step."""
+
+    def __init__(self, outer: EngineObserver, estimator: StartEstimator) -> None:
+        self._outer = outer
+        self._estimator = estimator
+
+    def admitted(self, queue_wait_s: float) -> None:
+        self._outer.admitted(queue_wait_s)
+
+    def prefill_step(self, seconds: float, tokens: int = 0) -> None:
+        self._outer.prefill_step(seconds, tokens)
+        self._estimator.prefill(tokens, seconds)
+
+    def decode_step(self, seconds: float) -> None:
+        self._outer.decode_step(seconds)
+        self._estimator.decode_step(seconds)
+
+
 class Engine(abc.ABC):
     """Generates tokens for many requests; one implementation per strategy."""
 
@@ -140,7 +164,8 @@ class Engine(abc.ABC):
     def __init__(self, loaded: LoadedModel, limits: EngineLimits, observer: EngineObserver | None = None) -> None:
         self.loaded = loaded
         self.limits = limits
-        self.observer: EngineObserver = observer or NoObserver()
+        self.estimator = StartEstimator()
+        self.observer: EngineObserver = _Observers(observer or NoObserver(), self.estimator)
         self.queue = AdmissionQueue(limits)
         self.last_progress = time.monotonic()
         # Engine threads decode token text; each gets its own tokenizer (the Rust tokenizer
@@ -152,8 +177,28 @@ class Engine(abc.ABC):
         handle = RequestHandle()
         loaded = self.loaded
         seq = Generation(request, handle, sink, self.tokenizer, loaded.eos_token_ids, loaded.device)
-        self.queue.put(seq)
+        check = (lambda ahead: self._refuse_if_late(request, ahead)) if request.deadline is not None else None
+        self.queue.put(seq, check)
         return handle
+
+    def running(self) -> list[tuple[GenerationRequest, int]]:
+        """The requests generating now, each with the tokens it has generated (for estimates)."""
+        return []
+
+    def _refuse_if_late(self, request: GenerationRequest, queued_ahead: int) -> None:
+        """Deadline-aware admission: refuse at once what cannot start before its deadline."""
+        assert request.deadline is not None
+        estimate = self.estimator.earliest_first_token_s(
+            len(request.prompt_ids), self.running(), queued_ahead, self.limits.max_active
+        )
+        left = request.deadline - time.monotonic()
+        if estimate is not None and estimate > left:
+            raise EngineOverloaded(
+                f"this request cannot start before its deadline: its first token would come in {estimate:.2f} s "
+                f"at the earliest and {max(left, 0):.2f} s remain; retry on another replica",
+                self.limits.retry_after_s,
+                deadline=True,
+            )
 
     def stats(self) -> EngineStats:
         return EngineStats(self.queue.active, self.queue.queued, self.queue.active, 0, self.limits.kv_cache_tokens)

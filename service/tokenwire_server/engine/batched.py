@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ..domain import EngineObserver, EngineStats, ErrorKind, FinishReason
+from ..domain import EngineObserver, EngineStats, ErrorKind, FinishReason, GenerationRequest
 from ..model import LoadedModel
 from .base import Engine, EngineLimits
 from .generation import Generation
@@ -139,6 +139,9 @@ class BatchedEngine(Engine):
             self.queue.active, self.queue.queued, len(self._seqs), self.kv_tokens_reserved(), self.limits.kv_cache_tokens
         )
 
+    def running(self) -> list[tuple[GenerationRequest, int]]:
+        return [(seq.request, len(seq.generated)) for seq in list(self._seqs)]
+
     def kv_tokens_reserved(self) -> int:
         return sum(seq.budget_tokens for seq in self._seqs)
 
@@ -199,7 +202,7 @@ class BatchedEngine(Engine):
         started = time.perf_counter()
         try:
             self._prefill(group)
-            self.observer.prefill_step(time.perf_counter() - started)
+            self.observer.prefill_step(time.perf_counter() - started, sum(seq.prompt_len for seq in group))
         except torch.cuda.OutOfMemoryError:
             self._free_device_memory()
             for seq in group:

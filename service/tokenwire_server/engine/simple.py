@@ -25,7 +25,7 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
-from ..domain import EngineObserver, ErrorKind, FinishReason
+from ..domain import EngineObserver, ErrorKind, FinishReason, GenerationRequest
 from ..model import LoadedModel
 from .base import Engine, EngineLimits
 from .generation import Generation
@@ -57,13 +57,22 @@ class _FeedGeneration(BaseStreamer):
         self._picker = picker
         self._engine = engine
         self._prompt_seen = False
+        self._last = time.perf_counter()
 
     def put(self, value: torch.Tensor) -> None:
+        now = time.perf_counter()
         if not self._prompt_seen:  # the first call carries the prompt
             self._prompt_seen = True
+            self._last = now
             return
         if self._seq.finished or self._seq.handle.cancelled:
             return
+        # One token of one request per step: prefill for the first, decode after.
+        if self._seq.generated:
+            self._engine.observer.decode_step(now - self._last)
+        else:
+            self._engine.observer.prefill_step(now - self._last, self._seq.prompt_len)
+        self._last = now
         token = int(value.reshape(-1)[0])
         _, logprob, top = self._picker.last if self._picker.last is not None else (token, None, ())
         self._seq.add_token(token, logprob, top)
@@ -102,6 +111,8 @@ class SimpleEngine(Engine):
         )
         self._workers = workers
         self._threads: list[threading.Thread] = []
+        self._running: set[Generation] = set()
+        self._running_lock = threading.Lock()  # workers add and remove, submit() reads
         self._sampler = Sampler(loaded.eos_token_ids)
 
     def start(self) -> None:
@@ -116,10 +127,17 @@ class SimpleEngine(Engine):
         for thread in self._threads:
             thread.join(timeout_s)
 
+    def running(self) -> list[tuple[GenerationRequest, int]]:
+        with self._running_lock:
+            running = list(self._running)
+        return [(seq.request, len(seq.generated)) for seq in running]
+
     def _work(self) -> None:
         while not self.queue.closed:
             taken = self.queue.take(lambda seq: True, block=True, max_count=1)
             for seq in taken:
+                with self._running_lock:
+                    self._running.add(seq)
                 try:
                     self._generate(seq)
                 except torch.cuda.OutOfMemoryError:
@@ -130,6 +148,8 @@ class SimpleEngine(Engine):
                     log.exception("generation failed", extra={"request_id": seq.request.request_id})
                     seq.fail(ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
                 finally:
+                    with self._running_lock:
+                        self._running.discard(seq)
                     if seq.handle.cancelled and not seq.finished:
                         seq.abandon()
                     self.queue.release()

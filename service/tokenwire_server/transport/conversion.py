@@ -113,7 +113,7 @@ def generation_request(
         len(prompt_ids),
         stopping.max_new_tokens if stopping.HasField("max_new_tokens") else None,
         limits.default_max_new_tokens,
-        limits.context_length,
+        limits.max_request_tokens,
     )
     return GenerationRequest(
         request_id=request_id,
@@ -231,6 +231,7 @@ def model_info(description: ModelDescription) -> pb.ModelInfo:
             max_message_bytes=limits.max_message_bytes,
             context_length=limits.context_length,
             vocab_size=limits.vocab_size,
+            max_request_tokens=limits.max_request_tokens,
         ),
         default_sampling=sampling_params(description.default_sampling),
     )

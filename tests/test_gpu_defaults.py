@@ -1,0 +1,64 @@
+"""GPU defaults, checked without a GPU: the dtype rule, the KV budget against free memory,
+and the GPU gauges (exported only where there is something to report)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+from tokenwire_server.metrics import CUDA_METRIC_NAMES, NVML_METRIC_NAMES, Metrics
+from tokenwire_server.model import ModelLoadError, auto_dtype, fit_kv_budget, kv_bytes_per_token
+
+
+@pytest.mark.parametrize(
+    ("device", "capability", "expected"),
+    [
+        ("cpu", None, torch.float32),
+        ("cuda", (7, 0), torch.float16),  # V100: bf16 only emulated
+        ("cuda", (7, 5), torch.float16),  # T4
+        ("cuda", (8, 0), torch.bfloat16),  # A100
+        ("cuda", (8, 9), torch.bfloat16),  # L4
+        ("cuda", (9, 0), torch.bfloat16),  # H100/H200
+    ],
+)
+def test_auto_dtype_is_bf16_only_where_the_gpu_computes_it(device, capability, expected):
+    assert auto_dtype(device, capability) is expected
+
+
+def test_kv_bytes_per_token_counts_keys_and_values_of_every_layer():
+    smollm2_135m = types.SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30)
+    assert kv_bytes_per_token(smollm2_135m, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
+    assert kv_bytes_per_token(smollm2_135m, torch.float32) == 2 * 30 * 3 * 64 * 4
+
+
+def test_a_derived_budget_that_does_not_fit_is_lowered_and_an_explicit_one_refuses():
+    per_token = 1000
+    assert fit_kv_budget(500, True, per_token, 1_000_000) == (500, "")  # fits in 90% of 1 MB
+    budget, warning = fit_kv_budget(5000, True, per_token, 1_000_000)
+    assert budget == 900 and "lowered to 900" in warning
+    with pytest.raises(ModelLoadError, match="--kv-cache-tokens 5000 needs .* at most 900"):
+        fit_kv_budget(5000, False, per_token, 1_000_000)
+
+
+def exposition(metrics: Metrics) -> str:
+    return generate_latest(metrics.registry).decode()
+
+
+def test_gpu_gauges_appear_only_with_a_probe():
+    plain = Metrics()
+    plain.watch_gpu(None, None)
+    text = exposition(plain)
+    assert not any(name in text for name in CUDA_METRIC_NAMES + NVML_METRIC_NAMES)
+
+    gpu = Metrics()
+    gpu.watch_gpu(lambda: {"cuda:0": (3 << 30, 4 << 30, 80 << 30)}, lambda: {"cuda:0": (0.75, 5 << 30)})
+    registry = gpu.registry
+    assert registry.get_sample_value("tokenwire_gpu_memory_allocated_bytes", {"device": "cuda:0"}) == 3 << 30
+    assert registry.get_sample_value("tokenwire_gpu_memory_reserved_bytes", {"device": "cuda:0"}) == 4 << 30
+    assert registry.get_sample_value("tokenwire_gpu_memory_total_bytes", {"device": "cuda:0"}) == 80 << 30
+    assert registry.get_sample_value("tokenwire_gpu_utilization_ratio", {"device": "cuda:0"}) == 0.75
+    assert registry.get_sample_value("tokenwire_gpu_memory_used_bytes", {"device": "cuda:0"}) == 5 << 30
+    text = exposition(gpu)
+    assert all(f"# TYPE {name} gauge" in text for name in CUDA_METRIC_NAMES + NVML_METRIC_NAMES)
