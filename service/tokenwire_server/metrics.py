@@ -154,6 +154,10 @@ class Metrics:
         self.max_active.set(max_active)
         self.max_queue.set(max_queue)
 
+    def gauge_function(self, name: str, help_text: str, read: Callable[[], float]) -> None:
+        """An engine-specific gauge read at every scrape (e.g. vLLM's own KV-cache usage)."""
+        Gauge(name, help_text, registry=self.registry).set_function(read)
+
     def watch_gpu(self, memory: GpuMemoryProbe | None, utilisation: GpuUtilisationProbe | None) -> None:
         """Export GPU gauges from these probes (either may be None: its gauges are left out)."""
         if memory is not None or utilisation is not None:

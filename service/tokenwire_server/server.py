@@ -147,6 +147,8 @@ class TokenwireServer:
         config = self.config
         for gpu in gpu_report():
             log.info("gpu", extra=gpu)
+        if config.engine == "vllm":
+            return self._build_vllm_backend()
         loaded = load_model(config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir)
         kv_tokens = config.effective_kv_cache_tokens(loaded.context_length)
         free = free_device_memory(loaded)
@@ -168,6 +170,43 @@ class TokenwireServer:
         self.metrics.watch_gpu(gpu_memory_probe(loaded), nvml_probe())
         request_limits = config.request_limits(loaded.context_length, loaded.vocab_size, limits.kv_cache_tokens)
         return LocalBackend(loaded, engine, request_limits)
+
+    def _build_vllm_backend(self) -> GenerationBackend:
+        """vLLM's engine in this process; the same seam, so the transport does not change."""
+        from .engine.vllm_backend import VllmBackend, VllmSettings
+        from .model import ModelLoadError, kv_bytes_per_token, resolve_model_path
+
+        config = self.config
+        folder, gguf_file, name = resolve_model_path(config.model, config.cache_dir)
+        if gguf_file:
+            raise ModelLoadError("--engine vllm needs a model folder (safetensors), not a .gguf file")
+        kv_bytes = 0
+        on_cpu = config.device == "cpu" or not _cuda_available()
+        if on_cpu or config.kv_cache_tokens:
+            # vLLM would size its KV cache from free memory (most of the RAM on a CPU);
+            # tokenwire's KV budget sizes it instead.
+            from transformers import AutoConfig
+
+            model_config = AutoConfig.from_pretrained(folder)
+            context = int(getattr(model_config, "max_position_embeddings", 2048))
+            import torch
+
+            dtype = torch.float32 if on_cpu else torch.bfloat16
+            kv_bytes = max(256 << 20, config.effective_kv_cache_tokens(context) * kv_bytes_per_token(model_config, dtype))
+        settings = VllmSettings(
+            max_active=config.max_active,
+            max_queue=config.max_queue,
+            retry_after_s=config.retry_after_ms / 1000,
+            tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
+            enforce_eager=config.enforce_eager,
+            dtype="float32" if on_cpu and config.dtype == "auto" else config.dtype,
+            kv_cache_bytes=kv_bytes,
+        )
+        backend = VllmBackend(folder, name, settings, config.request_limits)
+        for metric, (help_text, read) in backend.extra_gauges().items():
+            self.metrics.gauge_function(metric, help_text, read)
+        return backend
 
     async def watchdog(self) -> None:
         """Liveness follows the engine loop: no progress while work is pending means wedged."""
@@ -215,6 +254,12 @@ class TokenwireServer:
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def keepalive_options(config: ServerConfig) -> list[tuple[str, int]]:

@@ -21,7 +21,7 @@ import pytest
 import tokenwire
 from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 from grpc_status import rpc_status
-from servers import READINESS, ServerProcess
+from servers import READINESS, TEST_ENGINE, ServerProcess
 from tokenwire import FinishReason, HealthStatus, RetryPolicy
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
@@ -68,7 +68,7 @@ def client(tiny_server: ServerProcess) -> Iterator[tokenwire.Client]:
 def test_model_info_and_health(client, tiny_server):
     info = client.model_info()
     assert info.name == Path(tiny_server.args[1]).name
-    assert info.engine == "batched" and info.device == "cpu"
+    assert info.engine == TEST_ENGINE and (info.device == "cpu" or info.device.startswith("cuda"))
     assert info.max_new_tokens_limit == LIMIT
     assert info.vocab_size == 49152 and info.context_length == 1024
     assert info.has_chat_template and info.eos_token_ids
@@ -298,7 +298,7 @@ def test_a_mistake_the_client_lets_through_reads_the_same_from_the_server(tiny_s
         with pytest.raises(tokenwire.InvalidArgument) as too_long:
             trusting.generate_text(input_ids=[5] * 1000, max_new_tokens=100)
         [violation] = too_long.value.field_violations
-        assert violation.field == "token_ids" and "context of 1024 tokens" in violation.description
+        assert violation.field == "token_ids" and "above the 1024 tokens one request may hold" in violation.description
 
     # Tokenize: the same words on both sides too.
     with tiny_server.channel() as channel:

@@ -1,15 +1,21 @@
 """Security: TLS, mutual TLS and the bearer token (streaming calls included, health exempt),
 with certificates made here for 127.0.0.1/localhost; and prompts stay out of the logs unless
---log-prompts asks for them."""
+--log-prompts asks for them. The client library (Client, AsyncClient) and the CLI's TLS
+flags are used against the same servers, with right and wrong credentials."""
 
 from __future__ import annotations
 
+import asyncio
+import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
 import pytest
+import tokenwire
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from production_support import SERVING, Pki, generation_stub, short_request, wait_until
 from servers import READINESS, ServerProcess
@@ -143,3 +149,89 @@ def test_prompts_and_outputs_are_logged_only_when_asked(log_prompts: bool, tiny_
     else:
         assert marker not in logged
         assert "prompt" not in finished[0] and "output" not in finished[0]
+
+
+# -- the client library and the CLI against the same servers ----------------------------------
+
+TOKENWIRE = shutil.which("tokenwire", path=str(Path(sys.executable).parent)) or shutil.which("tokenwire")
+
+
+def tls(pki: Pki, *, client: bool = False, ca: Path | None = None) -> tokenwire.TLSConfig:
+    return tokenwire.TLSConfig(
+        root_certificates=ca or pki.ca_cert,
+        client_cert=pki.client_cert if client else None,
+        client_key=pki.client_key if client else None,
+    )
+
+
+def test_client_and_async_client_over_tls(tls_server: SecureServerProcess, pki: Pki) -> None:
+    with tokenwire.Client(tls_server.target, tls=tls(pki), timeout=30) as client:
+        assert client.generate_text("hello", max_new_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+        assert client.model_info().engine == "batched"
+        assert client.health() is tokenwire.HealthStatus.SERVING
+
+    async def main() -> int:
+        async with tokenwire.AsyncClient(tls_server.target, tls=tls(pki), timeout=30) as aclient:
+            return (await aclient.generate_text("hello", max_new_tokens=2, ignore_eos=True)).usage.completion_tokens
+
+    assert asyncio.run(main()) == 2
+
+
+def test_a_client_that_trusts_another_ca_cannot_connect(tls_server: SecureServerProcess, pki: Pki) -> None:
+    with tokenwire.Client(tls_server.target, tls=tls(pki, ca=pki.other_ca_cert), timeout=5, retry=tokenwire.NO_RETRY) as c:
+        with pytest.raises(tokenwire.Unavailable):
+            c.generate_text("hello", max_new_tokens=2)
+    with tokenwire.Client(tls_server.target, timeout=5, retry=tokenwire.NO_RETRY) as plaintext:
+        with pytest.raises(tokenwire.Unavailable):
+            plaintext.model_info()
+
+
+def test_mutual_tls_and_token(mtls_token_server: SecureServerProcess, pki: Pki) -> None:
+    target = mtls_token_server.target
+    with tokenwire.Client(target, tls=tls(pki, client=True), token=TOKEN, timeout=30) as client:
+        assert client.generate_text("hello", max_new_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+        assert client.tokenize("hello").count >= 1
+    with tokenwire.Client(target, tls=tls(pki, client=True), token="wrong", timeout=10) as wrong:
+        with pytest.raises(tokenwire.Unauthenticated):
+            wrong.generate_text("hello", max_new_tokens=2)
+        with pytest.raises(tokenwire.Unauthenticated):
+            wrong.model_info()
+        assert wrong.health() is tokenwire.HealthStatus.SERVING  # probes need no token
+    with tokenwire.Client(target, tls=tls(pki, client=True), timeout=10) as tokenless:
+        with pytest.raises(tokenwire.Unauthenticated):
+            tokenless.generate_text("hello", max_new_tokens=2)
+    with tokenwire.Client(target, tls=tls(pki), token=TOKEN, timeout=5, retry=tokenwire.NO_RETRY) as no_cert:
+        with pytest.raises(tokenwire.Unavailable):  # the handshake fails without a client certificate
+            no_cert.generate_text("hello", max_new_tokens=2)
+
+    async def wrong_async() -> None:
+        async with tokenwire.AsyncClient(target, tls=tls(pki, client=True), token="wrong", timeout=10) as aclient:
+            await aclient.generate_text("hello", max_new_tokens=2)
+
+    with pytest.raises(tokenwire.Unauthenticated):
+        asyncio.run(wrong_async())
+
+
+def test_the_cli_flags_reach_a_mutual_tls_server(mtls_token_server: SecureServerProcess, pki: Pki, tmp_path: Path) -> None:
+    assert TOKENWIRE
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    wrong_file = tmp_path / "wrong"
+    wrong_file.write_text("wrong")
+    base = [TOKENWIRE, "generate", "--target", mtls_token_server.target, "--ca-file", str(pki.ca_cert),
+            "--cert-file", str(pki.client_cert), "--key-file", str(pki.client_key), "--max-new-tokens", "3", "--ignore-eos"]  # fmt: skip
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*base, *extra, "hello"], capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+
+    ok = run("--token-file", str(token_file))
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip()
+    refused = run("--token-file", str(wrong_file))
+    assert refused.returncode == 7, refused.stderr  # UNAUTHENTICATED
+    health = subprocess.run(
+        [TOKENWIRE, "health", "--target", mtls_token_server.target, "--ca-file", str(pki.ca_cert),
+         "--cert-file", str(pki.client_cert), "--key-file", str(pki.client_key)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert health.returncode == 0 and "SERVING" in health.stdout

@@ -192,6 +192,8 @@ class Engine(abc.ABC):
             len(request.prompt_ids), self.running(), queued_ahead, self.limits.max_active
         )
         left = request.deadline - time.monotonic()
+        if left <= 0:
+            return  # already past: the queue fails it as DEADLINE_EXCEEDED, the true outcome
         if estimate is not None and estimate > left:
             raise EngineOverloaded(
                 f"this request cannot start before its deadline: its first token would come in {estimate:.2f} s "

@@ -51,6 +51,7 @@ class Generation:
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.finished = False
+        self.cached_prompt_tokens = 0  # prompt tokens an engine found in its prefix cache
         seed = request.sampling.seed
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
@@ -139,6 +140,7 @@ class Generation:
             queue_time_s=admitted - arrival,
             time_to_first_token_s=first - arrival,
             total_time_s=now - arrival,
+            cached_prompt_tokens=self.cached_prompt_tokens,
         )
         tokens, self._pending_tokens = tuple(self._pending_tokens), []
         self._sink(FinishEvent(text + tail, tokens, reason, usage))

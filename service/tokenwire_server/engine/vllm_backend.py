@@ -1,0 +1,417 @@
+"""``VllmBackend``: vLLM's async engine, in-process, behind the backend seam (``--engine vllm``).
+
+vLLM schedules, batches (PagedAttention, prefix caching, CUDA graphs) and samples;
+tokenwire keeps the contract around it:
+
+- **Text.** vLLM runs with ``detokenize=False`` and streams token ids. Each request's
+  ids go through the same ``Generation`` as on the batched engine (detokenizer, stop
+  matcher, finish rules), so the text rules are byte-for-byte the same on both
+  engines: no half characters, no leaked stop fragments, text == decode(ids). Stop
+  sequences are matched here, and the vLLM request is aborted when one matches.
+- **Admission.** ``--max-active`` is vLLM's ``max_num_seqs``; at most ``--max-queue``
+  more wait (in vLLM's queue); past that ``submit`` raises ``EngineOverloaded`` before
+  any work, as the batched engine does.
+- **Cancellation.** A cancelled submission, a passed time limit or a matched stop
+  sequence aborts the vLLM request at once (``AsyncLLM.abort``).
+- **Health.** ``stalled()`` is true once vLLM's engine has died (``errored``), which
+  turns liveness NOT_SERVING.
+
+Differences from the batched engine are listed in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from ..domain import (
+    Alternative,
+    Encoding,
+    EngineClosed,
+    EngineOverloaded,
+    EngineStats,
+    ErrorEvent,
+    ErrorKind,
+    Event,
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    ModelDescription,
+    Prompt,
+    RequestHandle,
+    SamplingOptions,
+)
+from ..text import PromptEncoder, SharedTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmSettings:
+    max_active: int
+    max_queue: int
+    retry_after_s: float
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enforce_eager: bool = False
+    dtype: str = "auto"
+    kv_cache_bytes: int = 0  # CPU: the KV cache's size (vLLM would take most of the RAM)
+    max_model_len: int = 0  # 0: the model's context
+
+
+def vllm_model_folder(folder: Path) -> Path:
+    """A folder vLLM can load: the same files, without a GGUF ``quantization_config``.
+
+    The default model is converted from GGUF and its config.json still says so; vLLM
+    would then try to load it as GGUF. A sibling folder of links with a cleaned
+    config.json is made once.
+    """
+    config = json.loads((folder / "config.json").read_text())
+    if "quantization_config" not in config or config["quantization_config"].get("quant_method") != "gguf":
+        return folder
+    target = folder.with_name(folder.name + "-vllm")
+    target.mkdir(exist_ok=True)
+    for item in folder.iterdir():
+        link = target / item.name
+        if item.name != "config.json" and not link.exists():
+            link.symlink_to(item.resolve())
+    del config["quantization_config"]
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
+
+
+class _VllmStats:
+    """KV-cache usage and prefix-cache hits, as vLLM's scheduler reports them each step."""
+
+    def __init__(self) -> None:
+        self.kv_cache_usage = 0.0
+        self.running = 0
+        self.waiting = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def prefix_hit_ratio(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        owner = self
+
+        class Logger(StatLoggerBase):  # type: ignore[misc]
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+                if scheduler_stats is None:
+                    return
+                owner.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+                owner.running = int(scheduler_stats.num_running_reqs)
+                owner.waiting = int(scheduler_stats.num_waiting_reqs)
+                prefix = scheduler_stats.prefix_cache_stats
+                if getattr(prefix, "reset", False):
+                    owner.prefix_queries = owner.prefix_hits = 0
+                owner.prefix_queries += int(prefix.queries)
+                owner.prefix_hits += int(prefix.hits)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return Logger(vllm_config, engine_index)
+
+
+class VllmBackend:
+    name = "vllm"
+
+    def __init__(
+        self,
+        folder: Path,
+        display_name: str,
+        settings: VllmSettings,
+        request_limits_for: Any,
+        device: str = "auto",
+    ) -> None:
+        from transformers import AutoTokenizer, GenerationConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from ..model import default_sampling
+
+        self._settings = settings
+        self._folder = vllm_model_folder(folder)
+        tokenizer = AutoTokenizer.from_pretrained(self._folder)
+        self.tokenizer = SharedTokenizer(tokenizer)
+        self.encoder = PromptEncoder(self.tokenizer)
+        self._stats = _VllmStats()
+        kwargs: dict[str, Any] = {
+            "model": str(self._folder),
+            "tokenizer": str(self._folder),
+            "dtype": settings.dtype,
+            "enforce_eager": settings.enforce_eager,
+            "max_num_seqs": settings.max_active,
+            "tensor_parallel_size": settings.tensor_parallel_size,
+            "pipeline_parallel_size": settings.pipeline_parallel_size,
+            "enable_prefix_caching": True,
+            "disable_log_stats": False,
+            "seed": 0,
+        }
+        if settings.max_model_len:
+            kwargs["max_model_len"] = settings.max_model_len
+        if settings.kv_cache_bytes:
+            kwargs["kv_cache_memory_bytes"] = settings.kv_cache_bytes
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[self._stats.factory])
+        model_config = self.engine.model_config
+        self._context = int(model_config.max_model_len)
+        self._vocab = int(model_config.get_vocab_size())
+        try:
+            generation_config = GenerationConfig.from_pretrained(self._folder)
+        except OSError:
+            generation_config = None
+        eos: set[int] = set()
+        for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+            if isinstance(source, int):
+                eos.add(source)
+            elif source:
+                eos.update(int(x) for x in source)
+        self._eos = tuple(sorted(eos))
+        self._description = ModelDescription(
+            name=display_name,
+            engine=self.name,
+            dtype=str(model_config.dtype).removeprefix("torch."),
+            device=_device_name(),
+            vocab_size=self._vocab,
+            eos_token_ids=self._eos,
+            bos_token_id=tokenizer.bos_token_id,
+            has_chat_template=self.encoder.has_chat_template,
+            default_sampling=default_sampling(generation_config),
+            limits=request_limits_for(self._context, self._vocab),
+            max_active=settings.max_active,
+            max_queue=settings.max_queue,
+            notes=(
+                "vllm: a request's tokens may differ alone and in a batch (vLLM does not promise batch invariance)",
+                "vllm: usage.queue_time_ms ends when the request is handed to vLLM; vLLM's own queue counts in the time to first token",
+            ),
+        )
+        self._encode_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenwire-encode")
+        self._in_flight = 0
+        self._closed = False
+        self.last_progress = time.monotonic()
+
+    # -- the seam -------------------------------------------------------------------
+
+    def describe(self) -> ModelDescription:
+        return self._description
+
+    async def encode(self, prompt: Prompt, *, offsets: bool = False, tokens: bool = False) -> Encoding:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._encode_pool, lambda: self.encoder.encode(prompt, offsets=offsets, tokens=tokens)
+        )
+
+    def submit(self, request: GenerationRequest) -> VllmSubmission:
+        settings = self._settings
+        if self._closed or self.engine.errored:
+            raise EngineClosed("the engine is shutting down")
+        if self._in_flight >= settings.max_active + settings.max_queue:
+            raise EngineOverloaded(
+                f"server is full: {self._in_flight} requests in flight "
+                f"(limits {settings.max_active} + {settings.max_queue}); retry later or on another replica",
+                settings.retry_after_s,
+            )
+        self._in_flight += 1
+        return VllmSubmission(self, request)
+
+    def stats(self) -> EngineStats:
+        active = min(self._in_flight, self._settings.max_active)
+        return EngineStats(
+            active=active,
+            queued=self._in_flight - active,
+            batch_size=self._stats.running,
+            kv_tokens_reserved=0,
+            kv_tokens_budget=0,
+        )
+
+    def extra_gauges(self) -> dict[str, tuple[str, Any]]:
+        """vLLM's own KV-cache usage and prefix-cache hit ratio, exported as tokenwire gauges."""
+        return {
+            "tokenwire_vllm_kv_cache_usage_ratio": ("Fraction of vLLM's KV-cache blocks in use", lambda: self._stats.kv_cache_usage),
+            "tokenwire_vllm_prefix_cache_hit_ratio": (
+                "Prompt tokens found in vLLM's prefix cache, of those looked up",
+                lambda: self._stats.prefix_hit_ratio,
+            ),
+        }
+
+    def stalled(self, timeout_s: float) -> bool:
+        return bool(self.engine.errored)
+
+    def stop_admission(self) -> None:
+        self._closed = True
+
+    async def close(self) -> None:
+        self._closed = True
+        self.engine.shutdown()
+        self._encode_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- per request ------------------------------------------------------------------
+
+    def _done(self) -> None:
+        self._in_flight -= 1
+        self.last_progress = time.monotonic()
+
+    def sampling_params(self, request: GenerationRequest) -> Any:
+        """Every GenerateRequest field vLLM should know, as its SamplingParams."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        options: SamplingOptions = request.sampling
+        logprobs: int | None = None
+        if request.top_logprobs:
+            logprobs = request.top_logprobs
+        elif request.want_logprobs:
+            logprobs = 0
+        return SamplingParams(
+            temperature=0.0 if options.greedy else options.temperature,
+            top_k=options.top_k if options.top_k > 0 else 0,
+            top_p=options.top_p,
+            repetition_penalty=options.repetition_penalty,
+            seed=None if options.seed is None else options.seed & 0x7FFF_FFFF_FFFF_FFFF,
+            max_tokens=request.max_new_tokens,
+            min_tokens=min(request.min_new_tokens, request.max_new_tokens),
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+
+def _cpu() -> Any:
+    import torch
+
+    return torch.device("cpu")  # where a sampled request's (unused) generator lives: vLLM samples
+
+
+_CPU = None  # set on first use, so importing this module does not import torch
+
+
+def _device_name() -> str:
+    try:
+        import torch
+
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover - vLLM always brings torch
+        return "cpu"
+
+
+class VllmSubmission:
+    """One request on vLLM: its token ids through tokenwire's own ``Generation``."""
+
+    def __init__(self, backend: VllmBackend, request: GenerationRequest) -> None:
+        from .generation import Generation
+
+        global _CPU
+        if _CPU is None:
+            _CPU = _cpu()
+        self._backend = backend
+        self._request = request
+        self._events: list[Event] = []
+        self._handle = RequestHandle()
+        self._generation = Generation(
+            request, self._handle, self._events.append, backend.tokenizer, backend.describe().eos_token_ids, _CPU
+        )
+        self._vllm_id = f"{request.request_id}-{id(self):x}"  # unique even when callers reuse ids
+        self._task_cancelled = False
+
+    def cancel(self) -> None:
+        if not self._handle.cancelled and not self._generation.finished:
+            self._handle.cancel()
+            asyncio.ensure_future(self._backend.engine.abort(self._vllm_id))
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        from vllm.inputs import TokensPrompt
+
+        backend, request, generation = self._backend, self._request, self._generation
+        tokenizer = backend.tokenizer
+        started = time.monotonic()
+        limit_at = started + request.time_limit_s if request.time_limit_s else None
+        admitted = False
+        try:
+            stream = backend.engine.generate(
+                TokensPrompt(prompt_token_ids=list(request.prompt_ids)), backend.sampling_params(request), self._vllm_id
+            )
+            async with contextlib.aclosing(stream) as outputs:
+                while True:
+                    try:
+                        if limit_at is None:
+                            out = await anext(outputs)
+                        else:
+                            out = await asyncio.wait_for(anext(outputs), max(0.0, limit_at - time.monotonic()))
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        generation.finish(FinishReason.TIME_LIMIT)
+                        break
+                    if self._handle.cancelled:
+                        break
+                    if not admitted:
+                        admitted = True
+                        generation.admit(started)
+                    completion = out.outputs[0]
+                    positions = completion.logprobs or []
+                    for i, token in enumerate(completion.token_ids):
+                        logprob, top = _logprobs(positions[i] if i < len(positions) else None, token, request, tokenizer)
+                        if generation.add_token(int(token), logprob, top):
+                            break
+                    if getattr(out, "num_cached_tokens", None):
+                        generation.cached_prompt_tokens = int(out.num_cached_tokens)
+                    while self._events:
+                        yield self._events.pop(0)
+                    if generation.finished:
+                        break
+                    if limit_at is not None and time.monotonic() >= limit_at:
+                        generation.finish(FinishReason.TIME_LIMIT)
+                        break
+                    if out.finished:  # vLLM ended it (EOS or length) before tokenwire's rules did
+                        generation.finish(FinishReason.LENGTH)
+                        break
+            if not generation.finished and not self._handle.cancelled:
+                generation.finish(FinishReason.LENGTH)
+        except Exception as exc:  # vLLM's errors end the call as a status, never UNKNOWN
+            if not generation.finished:
+                kind = ErrorKind.SHUTDOWN if backend.engine.errored else ErrorKind.INTERNAL
+                generation.fail(kind, f"vLLM: {type(exc).__name__}: {exc}")
+        finally:
+            if not generation.finished or self._handle.cancelled:
+                with contextlib.suppress(Exception):
+                    await backend.engine.abort(self._vllm_id)
+            backend._done()
+        while self._events:
+            event = self._events.pop(0)
+            yield event
+            if isinstance(event, FinishEvent | ErrorEvent):
+                return
+
+
+def _logprobs(
+    position: Any, token: int, request: GenerationRequest, tokenizer: SharedTokenizer
+) -> tuple[float | None, tuple[Alternative, ...]]:
+    """vLLM's {token_id: Logprob} for one position as tokenwire's (logprob, alternatives)."""
+    if position is None or not (request.want_logprobs or request.top_logprobs):
+        return None, ()
+    chosen = position.get(token)
+    logprob = float(chosen.logprob) if chosen is not None else None
+    ranked = sorted(((entry.rank, tid, entry.logprob) for tid, entry in position.items() if entry.rank is not None))
+    top = tuple(
+        Alternative(int(tid), tokenizer.decode([int(tid)], skip_special_tokens=False), float(lp))
+        for _, tid, lp in ranked[: request.top_logprobs]
+    )
+    return logprob, top

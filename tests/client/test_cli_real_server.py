@@ -1,0 +1,81 @@
+"""Every `tokenwire` command against a real server (the tiny model), run as a user runs
+it: the installed console script in a subprocess, reading its stdout, stderr and exit status."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from servers import ServerProcess
+
+TOKENWIRE = shutil.which("tokenwire", path=str(Path(sys.executable).parent)) or shutil.which("tokenwire")
+
+
+def tokenwire(*args: str, stdin: str = "", timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    assert TOKENWIRE, "the tokenwire console script comes with the package (`make setup`)"
+    return subprocess.run(
+        [TOKENWIRE, *args], input=stdin, capture_output=True, text=True, timeout=timeout, env={"PATH": "/usr/bin:/bin"}
+    )
+
+
+@pytest.fixture(scope="module")
+def target(tiny_server: ServerProcess) -> str:
+    return tiny_server.target
+
+
+def test_generate_streams_text_and_reports_usage(target: str) -> None:
+    done = tokenwire("generate", "--target", target, "--temperature", "0", "--max-new-tokens", "8", "--ignore-eos",
+                     "--usage", "Once upon a time")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+    assert "finish_reason: length" in done.stderr.lower() and "completion_tokens=8" in done.stderr
+
+
+def test_generate_json_chunks_are_the_stream(target: str) -> None:
+    done = tokenwire("generate", "--target", target, "--json", "--token-ids", "--temperature", "0",
+                     "--max-new-tokens", "5", "--ignore-eos", "--chat", "Hello")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    chunks = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [c["index"] for c in chunks] == list(range(len(chunks)))
+    assert sum(len(c["tokens"]) for c in chunks) == 5
+
+
+def test_generate_exit_status_follows_the_grpc_code(target: str) -> None:
+    bad = tokenwire("generate", "--target", target, "--temperature", "-1", "hi")
+    assert bad.returncode == 2 and "temperature" in bad.stderr
+    unreachable = tokenwire("generate", "--target", "127.0.0.1:1", "--timeout", "5", "--retries", "0", "hi")
+    assert unreachable.returncode == 4
+
+
+def test_chat_repl_keeps_the_conversation(target: str) -> None:
+    done = tokenwire("chat", "--target", target, "--temperature", "0", "--max-new-tokens", "6",
+                     stdin="Hello!\nAnd again?\n/exit\n")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "tokenwire chat with" in done.stderr
+    assert done.stdout.strip()  # the two answers
+
+
+def test_info_tokenize_health_and_bench(target: str) -> None:
+    info = tokenwire("info", "--target", target, "--json")
+    assert info.returncode == 0, info.stderr
+    described = json.loads(info.stdout)
+    assert described["engine"] == "batched" and described["limits"]["max_new_tokens_limit"] == 512
+
+    tokens = tokenwire("tokenize", "--target", target, "--tokens", "Hello world")
+    assert tokens.returncode == 0, tokens.stderr
+    assert "Hello" in tokens.stdout
+
+    health = tokenwire("health", "--target", target)
+    assert health.returncode == 0 and "SERVING" in health.stdout
+    unknown = tokenwire("health", "--target", target, "--service", "no.such.Service")
+    assert unknown.returncode != 0
+
+    bench = tokenwire("bench", "--target", target, "-c", "2", "-n", "4", "--max-new-tokens", "8", "--json", "--no-progress")
+    assert bench.returncode == 0, bench.stderr
+    report = json.loads(bench.stdout)
+    assert (report["requests"], report["succeeded"], report["failed"], report["errors"]) == (4, 4, 0, {})
+    assert report["output_tokens"] == 4 * 8 and report["output_tokens_per_s"] > 0
