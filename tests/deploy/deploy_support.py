@@ -30,12 +30,13 @@ KUSTOMIZATIONS = {
     "base": DEPLOY / "base",
     "cpu": DEPLOY / "overlays" / "cpu",
     "keda": DEPLOY / "overlays" / "keda",
+    "vllm": DEPLOY / "overlays" / "vllm",
     "monitoring": DEPLOY / "monitoring",
 }
 # The kustomizations that run the server (a Deployment and its Services), and which
 # of them scale with the HorizontalPodAutoscaler of deploy/base or with KEDA.
-WORKLOADS = ("base", "cpu", "keda")
-HPA_WORKLOADS = ("base", "cpu")
+WORKLOADS = ("base", "cpu", "keda", "vllm")
+HPA_WORKLOADS = ("base", "cpu", "vllm")
 # Kinds from CustomResourceDefinitions (Prometheus Operator, KEDA): kubernetes-validate
 # has no schema for them, so tests/deploy checks their structure itself.
 CRD_KINDS = {
@@ -124,6 +125,18 @@ def gpu_series() -> set[str]:
     from tokenwire_server import metrics
 
     return set(metrics.CUDA_METRIC_NAMES) | set(getattr(metrics, "NVML_METRIC_NAMES", ()))
+
+
+def vllm_series() -> set[str]:
+    """Gauges that only a server on --engine vllm exports: the names VllmBackend.extra_gauges
+    registers at start-up (read without vLLM: the method only names them; nothing is read)."""
+    from types import SimpleNamespace
+
+    from tokenwire_server.engine.vllm_backend import VllmBackend
+
+    names = set(VllmBackend.extra_gauges(SimpleNamespace(_stats=None)))  # type: ignore[arg-type]
+    assert names and all(n.startswith("tokenwire_vllm_") for n in names), names
+    return names
 
 
 def server_gauges() -> set[str]:
@@ -278,8 +291,8 @@ class Stage:
         return env
 
 
-def read_dockerfile(path: Path = DOCKERFILE) -> list[Stage]:
-    """The Dockerfile's stages, with continuation lines joined and comments dropped."""
+def _logical_lines(path: Path) -> list[tuple[int, str]]:
+    """(first line number, instruction text) with continuation lines joined and comments dropped."""
     logical: list[tuple[int, str]] = []
     pending: list[str] = []
     start = 0
@@ -298,8 +311,13 @@ def read_dockerfile(path: Path = DOCKERFILE) -> list[Stage]:
         logical.append((start, " ".join(part for part in pending if part)))
         pending = []
     assert not pending, "the Dockerfile ends inside a continued line"
+    return logical
+
+
+def read_dockerfile(path: Path = DOCKERFILE) -> list[Stage]:
+    """The Dockerfile's stages, with continuation lines joined and comments dropped."""
     stages: list[Stage] = []
-    for number, text in logical:
+    for number, text in _logical_lines(path):
         keyword, _, args = text.partition(" ")
         instruction = Instruction(keyword.upper(), args.strip(), number)
         if instruction.keyword == "FROM":
@@ -309,3 +327,28 @@ def read_dockerfile(path: Path = DOCKERFILE) -> list[Stage]:
         elif stages:
             stages[-1].instructions.append(instruction)
     return stages
+
+
+def global_args(path: Path = DOCKERFILE) -> dict[str, str]:
+    """The ARGs declared before the first FROM (usable in FROM lines): {name: default}."""
+    args: dict[str, str] = {}
+    for _, text in _logical_lines(path):
+        keyword, _, rest = text.partition(" ")
+        if keyword.upper() == "FROM":
+            break
+        if keyword.upper() == "ARG":
+            name, _, default = rest.strip().partition("=")
+            args[name] = default.strip('"')
+    return args
+
+
+def resolve_stage(stages: list[Stage], name: str, args: dict[str, str]) -> list[Stage]:
+    """The chain of stages that stage `name` builds on, itself first, with FROM's
+    ${VARIABLES} replaced from `args` (the build arguments); an external image ends it."""
+    by_name = {s.name: s for s in stages}
+    chain: list[Stage] = []
+    while name in by_name:
+        stage = by_name[name]
+        chain.append(stage)
+        name = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), stage.base)
+    return chain

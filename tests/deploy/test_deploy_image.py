@@ -1,11 +1,13 @@
 """The Dockerfile: hadolint-clean, built with the Makefile targets CI runs, and in
 agreement with the server (health service, drain signal, ports, configuration) and
-with the Kubernetes manifests (user, cache directory)."""
+with the Kubernetes manifests (user, cache directory). ENGINE=batched (the default)
+and ENGINE=vllm build the same stages with a different install and runtime base."""
 
 from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +24,11 @@ from deploy_support import (
     Stage,
     client_cli_accepts,
     container_env,
+    global_args,
     only,
     pod_spec,
+    resolve_stage,
+    server_config,
     server_config_from_env,
     server_container,
     tokenwire_env,
@@ -35,6 +40,11 @@ FORBIDDEN_IN_RUNTIME = re.compile(
     r"\b(gcc|g\+\+|clang|build-essential|make|cmake|openssh[\w-]*|ssh|jupyter\w*|notebook|ipykernel|"
     r"python3-dev|python3-pip|python3-venv|pip)\b"
 )
+# The image's engines (build argument ENGINE), the default first.
+ENGINES = ("batched", "vllm")
+# What the vllm runtime adds, and nothing more: torch.compile (Inductor) and Triton
+# compile each kernel's launcher at run time with a C compiler against Python's headers.
+VLLM_RUNTIME_PACKAGES = {"gcc", "libc6-dev", "python3-dev"}
 
 
 def runtime(stages: list[Stage]) -> Stage:
@@ -83,19 +93,135 @@ def test_builder_uses_the_makefile_targets_ci_runs(stages: list[Stage]) -> None:
     for target in ("setup", "model"):
         assert re.search(rf"^{target}:", makefile, re.M)
     args = {i.args.split("=")[0] for i in stage(stages, "builder").all("ARG")}
-    assert {"BAKE_MODEL", "MODEL", "TORCH_INDEX_URL"} <= args
+    assert {"BAKE_MODEL", "MODEL", "TORCH_INDEX_URL", "ENGINE"} <= args
 
 
-def test_runtime_has_the_builders_python_and_nothing_to_build_with(stages: list[Stage]) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_runtime_has_the_builders_python_and_nothing_to_build_with(stages: list[Stage], engine: str) -> None:
     builder, final = stage(stages, "builder"), runtime(stages)
-    assert final.base == builder.base, "the venv's interpreter must be the same in both stages"
+    chain = resolve_stage(stages, final.name, {"ENGINE": engine})
+    assert [s.name for s in chain] == ["runtime", f"runtime-{engine}", builder.base], (
+        "the venv's interpreter must be the same in both stages"
+    )
     copies = [i.args for i in final.all("COPY")]
     assert any(c.split()[:3] == ["--from=builder", "/opt/tokenwire", "/opt/tokenwire"] for c in copies)
-    for instruction in final.all("RUN"):
-        assert not FORBIDDEN_IN_RUNTIME.search(instruction.args), (
-            f"line {instruction.line}: {instruction.args}"
-        )
+    engine_base = chain[1]
+    if engine == "batched":
+        assert not engine_base.instructions, "the batched runtime is the python stage as it is"
+    for instruction in final.all("RUN") + engine_base.all("RUN"):
+        text = instruction.args
+        if engine == "vllm":
+            for package in VLLM_RUNTIME_PACKAGES:
+                text = re.sub(rf"(?<![\w-]){re.escape(package)}(?![\w-])", "", text)
+        assert not FORBIDDEN_IN_RUNTIME.search(text), f"line {instruction.line}: {instruction.args}"
     assert "PATH" in final.env() and final.env()["PATH"].startswith("/opt/tokenwire/bin:")
+
+
+def test_vllm_runtime_adds_only_a_c_compiler_and_pythons_headers(stages: list[Stage]) -> None:
+    (install,) = stage(stages, "runtime-vllm").all("RUN")
+    (command,) = [c for c in install.args.split("&&") if "apt-get install" in c]
+    packages = {w for w in shlex.split(command)[2:] if not w.startswith("-")}
+    assert packages == VLLM_RUNTIME_PACKAGES
+
+
+def test_engine_defaults_to_batched_and_picks_the_runtime(stages: list[Stage]) -> None:
+    assert global_args()["ENGINE"] == "batched" == ENGINES[0]
+    assert server_config.ServerConfig().engine == "batched", "the default image runs the default engine"
+    assert runtime(stages).base == "runtime-${ENGINE}"
+    assert {s.name for s in stages if s.name.startswith("runtime-")} == {f"runtime-{e}" for e in ENGINES}
+    engine_choices = server_config.build_parser()._option_string_actions["--engine"].choices
+    assert engine_choices is not None and set(ENGINES) <= set(engine_choices)
+    for name in ("builder", "runtime"):
+        assert any(i.args == "ENGINE" for i in stage(stages, name).all("ARG")), (
+            f"{name}: `ARG ENGINE` (no default) takes the global one"
+        )
+
+
+def builder_make_commands(stages: list[Stage]) -> dict[str, list[str]]:
+    """{engine: the make command the builder runs for it}, from the case over ${ENGINE}."""
+    runs = " ".join(i.args for i in stage(stages, "builder").all("RUN"))
+    (case,) = re.findall(r'case "\$\{ENGINE\}" in (.*?) esac', runs)
+    arms = dict(re.findall(r"(\w+)\) (make [^;]*?) ;;", case))
+    return {engine: shlex.split(command) for engine, command in arms.items()}
+
+
+def test_each_engine_installs_through_its_makefile_target(stages: list[Stage]) -> None:
+    commands = builder_make_commands(stages)
+    assert set(commands) == set(ENGINES)
+    assert " ".join(commands["batched"]).startswith("make setup VENV=/opt/tokenwire EXTRAS=server EDITABLE= ")
+    vllm = " ".join(commands["vllm"])
+    # The CUDA vllm package from PyPI (it brings its own CUDA torch), server extra only.
+    assert vllm.startswith(
+        "make setup-vllm VLLM_VENV=/opt/tokenwire VLLM_PACKAGE=vllm VLLM_EXTRAS=server EDITABLE= "
+    )
+    assert "make setup " not in vllm
+    makefile = (REPO / "Makefile").read_text()
+    for variable in ("VLLM_VENV", "VLLM_PACKAGE", "VLLM_EXTRAS"):
+        assert re.search(rf"^{variable} \?=", makefile, re.M), f"the Makefile has no overridable {variable}"
+    assert re.search(r"^setup-vllm:", makefile, re.M)
+    assert not re.search(r"^override ", makefile, re.M), (
+        "the build overrides Makefile variables on the command line"
+    )
+
+
+def builder_arg_defaults(stages: list[Stage]) -> dict[str, str]:
+    defaults = {}
+    for instruction in stage(stages, "builder").all("ARG"):
+        name, _, default = instruction.args.partition("=")
+        defaults[name] = default.strip('"')
+    return defaults
+
+
+def dry_run(argv: list[str], venv: Path, build_args: dict[str, str]) -> list[str]:
+    """The recipe lines `make -n` prints for argv (a command of the builder, its ${ARGS}
+    at their defaults), with /opt/tokenwire moved to venv."""
+    make = shutil.which("make")
+    if make is None:  # pragma: no cover - CI has make (it runs the Makefile targets)
+        pytest.skip("no make on this host")
+    args = [
+        re.sub(r"\$\{(\w+)\}", lambda m: build_args[m.group(1)], a).replace("/opt/tokenwire", str(venv))
+        for a in argv[1:]
+    ]
+    result = subprocess.run(
+        [make, "-n", "--no-print-directory", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [line for line in result.stdout.splitlines() if line.strip() and not line.startswith("#")]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_model_bakes_into_the_venv_the_engine_installed(
+    stages: list[Stage], engine: str, tmp_path: Path
+) -> None:
+    """`make model VENV=/opt/tokenwire` after each engine's setup runs only the server's
+    --prepare-only from that venv: the setup target wrote the stamp that `model` depends on,
+    so make does not run `make setup`'s recipe (a second install) over it."""
+    venv = tmp_path / "opt-tokenwire"
+    build_args = builder_arg_defaults(stages)
+    setup = dry_run(builder_make_commands(stages)[engine], venv, build_args)
+    assert setup[-1] == f"touch {venv}/.tokenwire-setup", setup
+    if engine == "vllm":
+        # A GPU build with no GPU visible (docker build): no CPU torch, no removal of
+        # torchvision & co., which the CUDA vllm package needs.
+        assert any(re.search(r"pip install -q vllm$", line) for line in setup), setup
+        assert not any("torch==" in line or "uninstall" in line for line in setup), setup
+    venv.mkdir()
+    (venv / ".tokenwire-setup").touch()
+    runs = " ".join(i.args for i in stage(stages, "builder").all("RUN"))
+    (model,) = re.findall(r"make model [^;]*", runs)
+    assert dry_run(shlex.split(model), venv, build_args) == [
+        f"{venv}/bin/tokenwire-server --model {build_args['MODEL']} --prepare-only"
+    ]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_image_environment_selects_the_engine(
+    stages: list[Stage], engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = runtime(stages).env()
+    assert env["TOKENWIRE_ENGINE"] == "${ENGINE}", "ARG ENGINE -> ENV TOKENWIRE_ENGINE"
+    resolved = {k: v.replace("${ENGINE}", engine) for k, v in tokenwire_env(env).items()}
+    assert server_config_from_env(resolved, monkeypatch).engine == engine
 
 
 def test_runtime_runs_as_the_manifests_non_root_user(

@@ -1,10 +1,13 @@
 """deploy/: every kustomization renders (`kubectl kustomize`) to objects that are valid
 Kubernetes and that agree with the server (health service names, ports, grace period,
 configuration, the gauges autoscaling reads); the KEDA overlay swaps the HPA for a
-ScaledObject and changes nothing else."""
+ScaledObject and changes nothing else; the vLLM overlay runs --engine vllm over as many
+GPUs as its tensor-parallel size, with shared memory and a longer start, and is
+otherwise base."""
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -42,6 +45,7 @@ EXPECTED_KINDS = {
     "base": WORKLOAD_KINDS | {"HorizontalPodAutoscaler"},
     "cpu": WORKLOAD_KINDS | {"HorizontalPodAutoscaler"},
     "keda": WORKLOAD_KINDS | {"ScaledObject"},
+    "vllm": WORKLOAD_KINDS | {"HorizontalPodAutoscaler"},
     "monitoring": {"ConfigMap", "PrometheusRule", "ServiceMonitor"},
 }
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -99,8 +103,7 @@ def test_probes_use_the_servers_health_services(rendered: dict[str, Objects], na
 
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_startup_probe_allows_a_model_load(rendered: dict[str, Objects], name: str) -> None:
-    probe = server_container(rendered[name])["startupProbe"]
-    budget = probe.get("initialDelaySeconds", 0) + probe["periodSeconds"] * probe["failureThreshold"]
+    budget = _startup_budget_s(server_container(rendered[name]))
     assert budget >= 180, f"startupProbe gives the model {budget} s to load"
 
 
@@ -176,6 +179,11 @@ def test_base_runs_on_a_gpu_and_cpu_overlay_on_cpu(
 def _memory_gib(quantity: str) -> float:
     units = {"Gi": 1.0, "Mi": 1 / 1024}
     return float(quantity[:-2]) * units[quantity[-2:]]
+
+
+def _startup_budget_s(container: dict[str, Any]) -> int:
+    probe = container["startupProbe"]
+    return int(probe.get("initialDelaySeconds", 0) + probe["periodSeconds"] * probe["failureThreshold"])
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
@@ -297,11 +305,16 @@ def test_hpa_scales_on_gauges_the_server_exposes(
     assert 0 < float(metrics["tokenwire_queue_depth"]["averageValue"]) < config.max_queue
 
 
+# The image each workload runs: the vLLM overlay needs the `--build-arg ENGINE=vllm` build.
+IMAGE_TAGS = {"vllm": "0.1.0-vllm"}
+
+
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_images_are_set_by_the_kustomization(rendered: dict[str, Objects], name: str) -> None:
     (deployment,) = only(rendered[name], "Deployment")
     images = {c["image"] for c in pod_containers(deployment, init=True)}
-    assert len(images) == 1 and images.pop().endswith("/tokenwire:0.1.0")
+    tag = IMAGE_TAGS.get(name, "0.1.0")
+    assert len(images) == 1 and images.pop().endswith(f"/tokenwire:{tag}")
 
 
 # --- KEDA ------------------------------------------------------------------------
@@ -355,3 +368,86 @@ def test_keda_can_wake_from_zero(rendered: dict[str, Objects]) -> None:
     triggers = scaled["spec"]["triggers"]
     wakers = [t for t in triggers if not promql_metric_names(str(t.get("metadata", {})))]
     assert scaled["spec"]["minReplicaCount"] >= 1 or wakers, "minReplicaCount 0 would never scale up again"
+
+
+# --- vLLM ------------------------------------------------------------------------
+
+
+def test_vllm_overlay_runs_the_vllm_engine_on_tensor_parallel_gpus(
+    rendered: dict[str, Objects], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    container = server_container(rendered["vllm"])
+    env = container_env(container)
+    assert env["TOKENWIRE_ENGINE"] == "vllm"
+    config = server_config_from_env(tokenwire_env(env), monkeypatch)
+    assert (config.engine, config.device) == ("vllm", "cuda")
+    assert "TOKENWIRE_TENSOR_PARALLEL_SIZE" in env
+    # One pod, one node: tensor parallelism only (pipeline stages across nodes need Ray).
+    assert config.pipeline_parallel_size == 1
+    assert config.tensor_parallel_size > 1, "the example splits the model over several GPUs"
+    resources = container["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == config.tensor_parallel_size
+    assert resources["limits"]["nvidia.com/gpu"] == config.tensor_parallel_size
+
+
+def test_vllm_overlay_gives_the_workers_shared_memory(rendered: dict[str, Objects]) -> None:
+    (deployment,) = only(rendered["vllm"], "Deployment")
+    spec = pod_spec(deployment)
+    assert spec is not None
+    container = server_container(rendered["vllm"])
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert "/dev/shm" in mounts and not mounts["/dev/shm"].get("readOnly", False)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    empty_dir = volumes[mounts["/dev/shm"]["name"]]["emptyDir"]
+    assert empty_dir["medium"] == "Memory", "/dev/shm must be RAM-backed (tmpfs)"
+    shm_gib = _memory_gib(empty_dir["sizeLimit"])
+    assert shm_gib >= 1, "a container's own /dev/shm is 64 MiB"
+    # A Memory emptyDir counts against the container's memory limit: what is left for the
+    # processes must still be at least what base gives one.
+    limit_gib = _memory_gib(container["resources"]["limits"]["memory"])
+    base_gib = _memory_gib(server_container(rendered["base"])["resources"]["limits"]["memory"])
+    assert limit_gib - shm_gib >= base_gib
+
+
+def test_vllm_startup_allows_compilation_and_cuda_graph_capture(rendered: dict[str, Objects]) -> None:
+    vllm, base = server_container(rendered["vllm"]), server_container(rendered["base"])
+    budget = _startup_budget_s(vllm)
+    assert budget >= 15 * 60, f"startupProbe gives vLLM {budget} s to load, compile and capture"
+    assert vllm["startupProbe"]["grpc"] == base["startupProbe"]["grpc"]
+    assert vllm["livenessProbe"] == base["livenessProbe"]
+    assert vllm["readinessProbe"] == base["readinessProbe"]
+
+
+# The fields the vLLM overlay changes in base's Deployment; everything else, including every
+# securityContext, must stay base's.
+VLLM_CONTAINER_CHANGES = ("env", "image", "resources", "startupProbe", "volumeMounts")
+
+
+def test_vllm_overlay_is_base_but_for_the_engine_gpus_memory_and_start(rendered: dict[str, Objects]) -> None:
+    base, vllm = rendered["base"], rendered["vllm"]
+    key = lambda obj: (obj["kind"], obj["metadata"]["name"])  # noqa: E731
+    others = sorted((o for o in vllm if o["kind"] != "Deployment"), key=key)
+    assert others == sorted((o for o in base if o["kind"] != "Deployment"), key=key)
+    (base_deployment,) = only(base, "Deployment")
+    (vllm_deployment,) = only(vllm, "Deployment")
+    base_spec, vllm_spec = pod_spec(base_deployment), pod_spec(vllm_deployment)
+    assert base_spec is not None and vllm_spec is not None
+    # Env and mounts: base's entries are all kept, with base's values but the engine's own.
+    vllm_env = container_env(server_container(vllm))
+    for name, value in container_env(server_container(base)).items():
+        assert vllm_env[name] == value, name
+    vllm_mounts = server_container(vllm)["volumeMounts"]
+    assert all(m in vllm_mounts for m in server_container(base)["volumeMounts"])
+    base_volumes = {v["name"] for v in base_spec["volumes"]}
+    assert base_volumes < {v["name"] for v in vllm_spec["volumes"]}
+    # Everything else: put base's values back into the changed fields, and compare.
+    restored = copy.deepcopy(vllm_deployment)
+    restored_spec = pod_spec(restored)
+    assert restored_spec is not None
+    restored_spec["volumes"] = base_spec["volumes"]
+    for index, container in enumerate(restored_spec["containers"]):
+        for field in VLLM_CONTAINER_CHANGES:
+            container[field] = base_spec["containers"][index][field]
+    for index, container in enumerate(restored_spec["initContainers"]):
+        container["image"] = base_spec["initContainers"][index]["image"]
+    assert restored == base_deployment

@@ -22,12 +22,13 @@ from deploy_support import (
     promql_metric_names,
     server_config,
     server_series,
+    vllm_series,
 )
 
 DOC = REPO / "docs" / "operations.md"
 # Flags of other commands the guide shows (docker, kubectl); `tokenwire health`'s come from its --help.
 OTHER_TOOLS_FLAGS = {
-    "--build-arg", "--gpus", "--rm", "--stop-timeout",  # docker
+    "--build-arg", "--gpus", "--ipc", "--rm", "--shm-size", "--stop-timeout",  # docker
     "--from-file", "--raw", "--tail",  # kubectl
 }  # fmt: skip
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
@@ -119,8 +120,22 @@ def test_guide_names_the_metrics_the_hpa_uses(rendered: dict[str, list[dict[str,
 def test_every_metric_named_is_one_the_server_exports() -> None:
     named = promql_metric_names(DOC.read_text())
     assert len(named) >= 10
-    unknown = named - server_series() - gpu_series()
+    # Engine-specific names count too: the tokenwire_vllm_* gauges exist only on a server
+    # started with --engine vllm (registered from VllmBackend.extra_gauges), so a
+    # Metrics() built here does not have them.
+    unknown = named - server_series() - gpu_series() - vllm_series()
     assert not unknown, f"docs/operations.md names series the server does not export: {sorted(unknown)}"
+
+
+def test_guide_documents_the_vllm_engine() -> None:
+    assert "vllm-engine" in sections(), "no section #vllm-engine"
+    text = DOC.read_text()
+    assert "](#vllm-engine)" in text, "no link to #vllm-engine (table of contents)"
+    for needle in ("make setup-vllm", "--build-arg ENGINE=vllm", "--tensor-parallel-size",
+                   "--pipeline-parallel-size", "--enforce-eager", "KubeRay", "/dev/shm"):  # fmt: skip
+        assert needle in text, f"the vLLM section does not mention {needle}"
+    for name in vllm_series():
+        assert f"`{name}`" in text, f"document the vllm engine's gauge {name}"
 
 
 def github_anchor(heading: str) -> str:
