@@ -106,6 +106,27 @@ def test_slots_are_allocated_on_each_layers_device() -> None:
         assert tuple(layer.keys.shape) == (3, 2, 17, 8)  # capacity + the scratch column
 
 
+def test_slot_writes_land_in_their_slot_and_column() -> None:
+    cache = SlotCache(slots=3, capacity=8, kv_heads=2, head_dim=4, placements=[(torch.device("cpu"), torch.float32)])
+    cache.ensure_clean(8)
+    keys = torch.randn(2, 2, 3, 4)  # [rows, heads, queries, dim]
+    values = torch.randn(2, 2, 3, 4)
+    cols = torch.tensor([[0, 1, 2], [5, 6, cache.scratch]])  # the second row's last query is padding
+    cache.plan.set([2, 0], cols, columns=7)
+    read_k, read_v = cache.update(keys, values, 0)
+    layer = cache.layers[0]
+    assert torch.equal(layer.keys[2, :, 0:3], keys[0]) and torch.equal(layer.values[2, :, 0:3], values[0])
+    assert torch.equal(layer.keys[0, :, 5:7], keys[1, :, :2])
+    assert not layer.keys[1, :, :8].any()  # the slot nobody wrote to
+    assert torch.equal(layer.keys[0, :, cache.scratch], keys[1, :, 2])
+    assert tuple(read_k.shape) == (2, 2, 7, 4)  # the slots gathered in the plan's order
+    assert torch.equal(read_k[0], layer.keys[2, :, :7]) and torch.equal(read_v[1], layer.values[0, :, :7])
+    cache.plan.set([0, 1], torch.tensor([[3], [4]]), columns=5)
+    read_k, _ = cache.update(keys[:, :, :1], values[:, :, :1], 0)
+    assert read_k.data_ptr() == layer.keys.data_ptr()  # a range of slots is read as a view, not a copy
+    assert torch.equal(layer.keys[1, :, 4], keys[1, :, 0])
+
+
 def test_layer_placements_fall_back_to_the_model_device() -> None:
     placements = layer_placements(object(), 2, torch.device("cpu"), torch.bfloat16)
     assert placements == [(torch.device("cpu"), torch.bfloat16)] * 2

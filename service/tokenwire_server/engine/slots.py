@@ -80,7 +80,7 @@ class StepPlan:
         self.write_rows = torch.zeros((0, 1), dtype=torch.long)  # [batch, 1] slot of each row
         self.write_cols = torch.zeros((0, 1), dtype=torch.long)  # [batch, queries] column of each query
         self.columns = 0  # how many columns attention reads
-        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def set(self, slots: list[int], write_cols: torch.Tensor, columns: int) -> None:
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
@@ -91,15 +91,15 @@ class StepPlan:
         self.columns = columns
         self._on = {}
 
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The plan's index tensors on ``device`` (copied once per step per device)."""
+    def on(self, device: torch.device, heads: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The plan's indices on ``device`` (built once per step per device): where each
+        (row, query, head) vector goes in the buffer flattened to ``[slots * heads * width, dim]``,
+        and the slots to gather (None for a range)."""
         found = self._on.get(device)
         if found is None:
-            found = (
-                self.write_rows.to(device),
-                self.write_cols.to(device),
-                None if self.index is None else self.index.to(device),
-            )
+            head = torch.arange(heads, dtype=torch.long).view(1, 1, heads)
+            flat = ((self.write_rows.unsqueeze(-1) * heads + head) * width + self.write_cols.unsqueeze(-1)).reshape(-1)
+            found = (flat.to(device), None if self.index is None else self.index.to(device))
             self._on[device] = found
         return found
 
@@ -124,10 +124,12 @@ class SlotLayer(CacheLayerMixin):  # type: ignore[misc]
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.keys is not None and self.values is not None
         plan = self._plan
-        rows, cols, index = plan.on(self.keys.device)
-        # [batch, heads, queries, dim] -> [batch, queries, heads, dim], the shape of buf[rows, :, cols]
-        self.keys[rows, :, cols] = key_states.transpose(1, 2).to(self.keys.dtype)
-        self.values[rows, :, cols] = value_states.transpose(1, 2).to(self.values.dtype)
+        _, heads, width, dim = self.keys.shape
+        flat, index = plan.on(self.keys.device, heads, width)
+        # [batch, heads, queries, dim] -> [batch, queries, heads, dim]: one vector per flat index
+        # (index_copy_ on the flattened buffer: far cheaper on a CPU than advanced-index assignment)
+        self.keys.view(-1, dim).index_copy_(0, flat, key_states.transpose(1, 2).reshape(-1, dim).to(self.keys.dtype))
+        self.values.view(-1, dim).index_copy_(0, flat, value_states.transpose(1, 2).reshape(-1, dim).to(self.values.dtype))
         if index is None:
             return (
                 self.keys[plan.start : plan.stop, :, : plan.columns],
