@@ -1,38 +1,58 @@
 """The `batched` engine: continuous batching in one loop that owns the model.
 
-Every step advances all active sequences with one forward pass. Between steps,
-finished, cancelled and expired sequences leave the batch (their KV-cache rows
-are dropped at once) and waiting requests join: they are prefilled together and
-their caches are merged into the batch's. Generations are left-padded to a common
-length; the attention mask hides the padding and each row keeps its own
-position ids, so a row computes what it would alone.
+The KV cache is a set of fixed slots allocated once (``slots.SlotCache``): one
+slot per active stream, ``max_active`` of them, each ``min(context_length,
+kv_cache_tokens)`` tokens long, so any admitted request's worst case (prompt +
+max_new_tokens) fits its slot. A request joins by taking a free slot (the lowest
+one) and leaves by giving it back; the other rows are never copied.
+
+Each step of the loop:
+
+1. Finished, cancelled and expired requests leave (their slots free at once), and
+   waiting requests take free slots while the KV budget allows
+   (``--kv-cache-tokens`` stays an admission limit: a request waits until its worst
+   case fits).
+2. Prefill: prompts are read into their slots. While other rows decode, at most
+   ``max_prefill_tokens`` prompt tokens are read per step (chunked prefill), so a long
+   prompt slows the others a little at each step instead of freezing them for its
+   whole prefill. With nobody decoding, the waiting prompts are read at once.
+3. Decode: one forward pass for slots ``[0, highest in use]``, one token per row.
+   Idle slots in that range (rare: the lowest free slot is always taken first) are
+   masked out and write to a scratch column.
+
+Rows are at different lengths: each row has its own position ids and a 4D attention
+mask hides the columns past its own length, so a row computes what it would alone.
+Tokens are chosen for all rows at once by the shared ``Sampler``.
 
 Why not transformers' ``ContinuousBatchingManager``: it samples with one
 generation config for the whole batch (no per-request seed, top_k/top_p,
 repetition penalty or min_new_tokens), reports no log-probabilities, and sizes
-its paged cache from free memory. Here every request keeps its own parameters
-(the shared ``Sampler``) and the KV budget is an admission limit
-(``--kv-cache-tokens``): a request waits until its worst case fits.
+its paged cache from free memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import threading
 import time
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
 
 from ..domain import EngineObserver, EngineStats, ErrorKind, FinishReason, GenerationRequest
 from ..model import LoadedModel
 from .base import Engine, EngineLimits
 from .generation import Generation
 from .sampling import Sampler
+from .slots import SlotCache, layer_placements
 
 log = logging.getLogger(__name__)
+
+# With no stream decoding, waiting prompts are read at once, but at most this many
+# prompt tokens per forward pass (bounds the attention matrix of a very long prompt).
+IDLE_PREFILL_TOKENS = 2048
 
 
 def cache_argument(model: object) -> str:
@@ -41,68 +61,21 @@ def cache_argument(model: object) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-class BatchCache:
-    """The batch's KV cache: one row per active sequence, left-padded to a common length."""
+def slot_capacity(context_length: int, kv_cache_tokens: int) -> int:
+    """Tokens per slot: every admissible request (prompt + max_new_tokens <= context) fits,
+    and no slot is longer than the whole KV budget."""
+    return max(1, min(context_length, kv_cache_tokens))
 
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self.cache: DynamicCache | None = None
-        self.mask = torch.zeros((0, 0), dtype=torch.long, device=device)  # [batch, length]
 
-    @property
-    def rows(self) -> int:
-        return int(self.mask.shape[0])
+@dataclasses.dataclass
+class Row:
+    """One request in its slot."""
 
-    @property
-    def length(self) -> int:
-        return int(self.mask.shape[1])
-
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        assert self.cache is not None
-        return [(layer.keys, layer.values) for layer in self.cache.layers]
-
-    def append(self, cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Add the rows of a freshly prefilled group."""
-        new_layers = [(layer.keys, layer.values) for layer in cache.layers]
-        if self.cache is None or self.rows == 0:
-            self.cache = DynamicCache(ddp_cache_data=new_layers)
-            self.mask = mask
-            return
-        length = max(self.length, int(mask.shape[1]))
-
-        def pad(t: torch.Tensor, to: int) -> torch.Tensor:
-            extra = to - t.shape[-2]
-            return F.pad(t, (0, 0, extra, 0)) if extra else t
-
-        merged = [
-            (torch.cat([pad(k, length), pad(nk, length)]), torch.cat([pad(v, length), pad(nv, length)]))
-            for (k, v), (nk, nv) in zip(self.layers(), new_layers, strict=True)
-        ]
-        self.cache = DynamicCache(ddp_cache_data=merged)
-        self.mask = torch.cat(
-            [F.pad(self.mask, (length - self.length, 0)), F.pad(mask, (length - int(mask.shape[1]), 0))]
-        )
-
-    def keep(self, rows: list[int]) -> None:
-        """Keep only these rows (in this order), then drop columns that are padding everywhere."""
-        if not rows:
-            self.cache = None
-            self.mask = torch.zeros((0, 0), dtype=torch.long, device=self._device)
-            return
-        index = torch.tensor(rows, dtype=torch.long, device=self._device)
-        mask = self.mask.index_select(0, index)
-        used = mask.any(dim=0).nonzero()
-        start = int(used[0]) if used.numel() else mask.shape[1]
-        layers = [
-            (k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:]) for k, v in self.layers()
-        ]
-        self.cache = DynamicCache(ddp_cache_data=layers)
-        self.mask = mask[:, start:]
-
-    def grow(self) -> torch.Tensor:
-        """Extend the mask by the column the next decode step writes; return the step's mask."""
-        self.mask = F.pad(self.mask, (0, 1), value=1)
-        return self.mask
+    seq: Generation
+    slot: int
+    length: int = 0  # tokens whose keys/values are in the slot
+    decoding: bool = False  # the prompt is read; the next token is ``last``
+    last: int = 0
 
 
 class BatchedEngine(Engine):
@@ -111,15 +84,22 @@ class BatchedEngine(Engine):
     def __init__(self, loaded: LoadedModel, limits: EngineLimits, observer: EngineObserver | None = None) -> None:
         super().__init__(loaded, limits, observer)
         self._sampler = Sampler(loaded.eos_token_ids)
-        self._seqs: list[Generation] = []
-        self._kv = BatchCache(loaded.device)
-        self._next = torch.zeros((0, 1), dtype=torch.long, device=loaded.device)  # last token per row
-        self._positions = torch.zeros((0,), dtype=torch.long, device=loaded.device)
+        self._rows: list[Row] = []  # in admission order
+        self._free = list(range(limits.max_active))
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.steps = 0
+        self.steps = 0  # decode steps
+        self.prefill_steps = 0
         self._last_busy_rows = 0  # most rows in the batch since it was last empty
         self._cache_arg = cache_argument(loaded.model)
+        config = loaded.model.config
+        layers = int(config.num_hidden_layers)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.capacity = slot_capacity(loaded.context_length, limits.kv_cache_tokens)
+        placements = layer_placements(loaded.model, layers, loaded.device, loaded.model.dtype)
+        self._cache = SlotCache(limits.max_active, self.capacity, kv_heads, head_dim, placements)
+        self._mask_dtype = loaded.model.dtype if loaded.model.dtype.is_floating_point else torch.float32
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -136,59 +116,54 @@ class BatchedEngine(Engine):
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            self.queue.active, self.queue.queued, len(self._seqs), self.kv_tokens_reserved(), self.limits.kv_cache_tokens
+            self.queue.active, self.queue.queued, len(self._rows), self.kv_tokens_reserved(), self.limits.kv_cache_tokens
         )
 
     def running(self) -> list[tuple[GenerationRequest, int]]:
-        return [(seq.request, len(seq.generated)) for seq in list(self._seqs)]
+        return [(row.seq.request, len(row.seq.generated)) for row in list(self._rows)]
 
     def kv_tokens_reserved(self) -> int:
-        return sum(seq.budget_tokens for seq in self._seqs)
+        return sum(row.seq.budget_tokens for row in list(self._rows))
 
     # -- the loop ------------------------------------------------------------------
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._join()
                 self._retire(expire=True)
-                if self._seqs:
+                self._join()
+                if any(not row.decoding for row in self._rows):
+                    self._prefill()
+                if any(row.decoding for row in self._rows):
                     self._decode()
             except Exception as exc:  # a failed step fails its batch, never the loop
-                self._fail_batch(exc)
+                self._fail(self._rows, exc)
             self._mark_progress()
-        for seq in self._seqs:
-            seq.fail(ErrorKind.SHUTDOWN, "the server stopped before this request finished")
-        self._release(list(range(len(self._seqs))))
+        for row in self._rows:
+            row.seq.fail(ErrorKind.SHUTDOWN, "the server stopped before this request finished")
+        self._leave(list(self._rows))
 
     def _join(self) -> None:
         reserved = self.kv_tokens_reserved()
         budget = self.limits.kv_cache_tokens
-        room = self.limits.max_active - len(self._seqs)
+        room = len(self._free)
         if room <= 0:
             return
-        # While others decode, a join costs them a stall as long as its prefill: read at
-        # most max_prefill_tokens of prompt per step (always at least one request).
-        prefill_limit = self.limits.max_prefill_tokens if self._seqs else None
-        prefill = 0
+        busy = bool(self._rows)
         taken = 0
 
         def fits(seq: Generation) -> bool:
-            nonlocal reserved, prefill, taken
-            if taken or self._seqs:
-                if reserved + seq.budget_tokens > budget:
-                    return False
-                if taken and prefill_limit is not None and prefill + seq.prompt_len > prefill_limit:
-                    return False
+            nonlocal reserved, taken
+            if (taken or busy) and reserved + seq.budget_tokens > budget:
+                return False
             reserved += seq.budget_tokens
-            prefill += seq.prompt_len
             taken += 1
             return True
 
-        group = self.queue.take(fits, block=not self._seqs, max_count=room)
+        group = self.queue.take(fits, block=not busy, max_count=room)
         if not group:
             return
-        if not self._seqs and (self._last_busy_rows > 1 or len(group) > 1):
+        if not busy and (self._last_busy_rows > 1 or len(group) > 1):
             # Under concurrent load, a batch that starts from empty waits a moment for the
             # requests still arriving, so they share one prefill instead of each stalling
             # the others later (a dynamic batcher's queue delay). A lone stream never waits.
@@ -199,98 +174,158 @@ class BatchedEngine(Engine):
                     break
                 group += more
         self._admit(group)
+        if not self._rows:
+            self._last_busy_rows = 0
+        for seq in group:
+            if seq.budget_tokens > self.capacity:  # only possible when the KV budget is below the context
+                seq.fail(
+                    ErrorKind.INTERNAL,
+                    f"the request needs {seq.budget_tokens} KV-cache tokens, more than the whole budget "
+                    f"({self.capacity}, --kv-cache-tokens)",
+                )
+                self.queue.release()
+                continue
+            self._free.sort()
+            self._rows.append(Row(seq, self._free.pop(0)))
+        self._last_busy_rows = max(self._last_busy_rows, len(self._rows))
+
+    # -- prefill -------------------------------------------------------------------
+
+    def _prefill(self) -> None:
+        """Read the next chunk of waiting prompts into their slots; rows whose prompt is
+        complete pick their first token and start decoding."""
+        waiting = [row for row in self._rows if not row.decoding]
+        decoding = any(row.decoding for row in self._rows)
+        budget = self.limits.max_prefill_tokens if decoding else max(IDLE_PREFILL_TOKENS, self.limits.max_prefill_tokens)
+        chunks: list[tuple[Row, int]] = []
+        used = 0
+        for row in waiting:
+            count = min(row.seq.prompt_len - row.length, budget - used)
+            if count <= 0:
+                break
+            chunks.append((row, count))
+            used += count
+        if not chunks:
+            return
         started = time.perf_counter()
         try:
-            self._prefill(group)
-            self.observer.prefill_step(time.perf_counter() - started, sum(seq.prompt_len for seq in group))
+            self._prefill_chunks(chunks)
+            self.observer.prefill_step(time.perf_counter() - started, used)
         except torch.cuda.OutOfMemoryError:
             self._free_device_memory()
-            for seq in group:
-                seq.fail(ErrorKind.OUT_OF_MEMORY, "the device ran out of memory while reading the prompt")
-            self.queue.release(len(group))
+            group = [row for row, _ in chunks]
+            for row in group:
+                row.seq.fail(ErrorKind.OUT_OF_MEMORY, "the device ran out of memory while reading the prompt")
+            self._leave(group)
         except Exception as exc:
             log.exception("prefill failed")
-            for seq in group:
-                seq.fail(ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
-            self.queue.release(len(group))
+            group = [row for row, _ in chunks]
+            for row in group:
+                row.seq.fail(ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
+            self._leave(group)
 
     @torch.inference_mode()
-    def _prefill(self, group: list[Generation]) -> None:
-        device = self.loaded.device
-        length = max(seq.prompt_len for seq in group)
-        pad = self.loaded.pad_token_id
-        ids = torch.full((len(group), length), pad, dtype=torch.long)
-        mask = torch.zeros((len(group), length), dtype=torch.long)
-        for row, seq in enumerate(group):
-            ids[row, length - seq.prompt_len :] = torch.tensor(seq.request.prompt_ids)
-            mask[row, length - seq.prompt_len :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.loaded.model.config)
-        out = self.loaded.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            **{self._cache_arg: cache},
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        picks = self._sampler(out.logits[:, -1, :], group)
-        keep: list[int] = []
-        for row, (seq, (token, logprob, top)) in enumerate(zip(group, picks, strict=True)):
-            if seq.handle.cancelled:
-                seq.abandon()
-            elif not seq.add_token(token, logprob, top):
-                keep.append(row)
-        finished = len(group) - len(keep)
-        if finished:
-            self.queue.release(finished)
-        if not keep:
+    def _prefill_chunks(self, chunks: list[tuple[Row, int]]) -> None:
+        rows = len(chunks)
+        width = max(count for _, count in chunks)
+        ids = torch.full((rows, width), self.loaded.pad_token_id, dtype=torch.long)
+        positions = torch.zeros((rows, width), dtype=torch.long)
+        write_cols = torch.full((rows, width), self._cache.scratch, dtype=torch.long)
+        last = torch.zeros((rows, 1), dtype=torch.long)
+        for b, (row, count) in enumerate(chunks):
+            start = row.length
+            ids[b, :count] = torch.tensor(row.seq.request.prompt_ids[start : start + count], dtype=torch.long)
+            span = torch.arange(start, start + count)
+            positions[b, :count] = span
+            positions[b, count:] = start + count - 1  # padding queries: attend like the last real one
+            write_cols[b, :count] = span
+            last[b, 0] = count - 1
+        columns = max(row.length + count for row, count in chunks)
+        mask = self._mask(positions, columns)
+        self._cache.ensure_clean(columns)
+        self._cache.plan.set([row.slot for row, _ in chunks], write_cols, columns)
+        out = self._forward(ids, mask, positions, logits_to_keep=last.to(self.loaded.device))
+        self.prefill_steps += 1
+        done: list[int] = []
+        for b, (row, count) in enumerate(chunks):
+            row.length += count
+            if row.length == row.seq.prompt_len:
+                done.append(b)
+        if not done:
             return
-        if len(keep) < len(group):  # rows that finished on their first token never join
-            joining = BatchCache(device)
-            joining.append(cache, mask)
-            joining.keep(keep)
-            assert joining.cache is not None
-            cache, mask = joining.cache, joining.mask
-        kept = [group[row] for row in keep]
-        self._kv.append(cache, mask)
-        if not self._seqs:
-            self._last_busy_rows = 0
-        self._seqs.extend(kept)
-        self._last_busy_rows = max(self._last_busy_rows, len(self._seqs))
-        self._next = torch.cat([self._next, torch.tensor([[seq.generated[-1]] for seq in kept], device=device)])
-        self._positions = torch.cat(
-            [self._positions, torch.tensor([seq.prompt_len for seq in kept], dtype=torch.long, device=device)]
-        )
+        logits = out.logits[:, -1, :]
+        if len(done) < rows:
+            logits = logits.index_select(0, torch.tensor(done, dtype=torch.long, device=logits.device))
+        ready = [chunks[b][0] for b in done]
+        picks = self._sampler(logits, [row.seq for row in ready])
+        gone: list[Row] = []
+        for row, (token, logprob, top) in zip(ready, picks, strict=True):
+            if row.seq.handle.cancelled:
+                row.seq.abandon()
+            elif not row.seq.add_token(token, logprob, top):
+                row.decoding, row.last = True, token
+                continue
+            gone.append(row)  # finished on its first token (or cancelled): it never decodes
+        self._leave(gone)
+
+    # -- decode --------------------------------------------------------------------
 
     @torch.inference_mode()
     def _decode(self) -> None:
         started = time.perf_counter()
-        mask = self._kv.grow()
-        assert self._kv.cache is not None
-        out = self.loaded.model(
-            input_ids=self._next,
-            attention_mask=mask,
-            position_ids=self._positions.unsqueeze(1),
-            **{self._cache_arg: self._kv.cache},
-            use_cache=True,
-        )
+        active = sorted((row for row in self._rows if row.decoding), key=lambda row: row.slot)
+        top = active[-1].slot + 1
+        by_slot: dict[int, Row] = {row.slot: row for row in active}
+        pad, scratch = self.loaded.pad_token_id, self._cache.scratch
+        ids = [[by_slot[s].last if s in by_slot else pad] for s in range(top)]
+        lengths = [by_slot[s].length if s in by_slot else 0 for s in range(top)]
+        write = [[by_slot[s].length if s in by_slot else scratch] for s in range(top)]
+        columns = max(row.length for row in active) + 1
+        positions = torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
+        mask = self._mask(positions, columns)
+        self._cache.ensure_clean(columns)
+        self._cache.plan.set(list(range(top)), torch.tensor(write, dtype=torch.long), columns)
+        out = self._forward(torch.tensor(ids, dtype=torch.long), mask, positions)
         self.steps += 1
-        picks = self._sampler(out.logits[:, -1, :], self._seqs)
+        logits = out.logits[:, -1, :]
+        if len(active) < top:  # idle slots in the range: drop their rows
+            index = torch.tensor([row.slot for row in active], dtype=torch.long, device=logits.device)
+            logits = logits.index_select(0, index)
+        picks = self._sampler(logits, [row.seq for row in active])
         self.observer.decode_step(time.perf_counter() - started)
-        self._positions = self._positions + 1
-        self._next = torch.tensor([[token] for token, _, _ in picks], device=self.loaded.device)
-        for seq, (token, logprob, top) in zip(self._seqs, picks, strict=True):
-            if not seq.finished and not seq.handle.cancelled:
-                seq.add_token(token, logprob, top)
+        for row, (token, logprob, top_alternatives) in zip(active, picks, strict=True):
+            row.length += 1
+            row.last = token
+            if not row.seq.finished and not row.seq.handle.cancelled:
+                row.seq.add_token(token, logprob, top_alternatives)
         self._retire(expire=False)
 
+    # -- shared --------------------------------------------------------------------
+
+    def _mask(self, positions: torch.Tensor, columns: int) -> torch.Tensor:
+        """The additive 4D mask ``[rows, 1, queries, columns]``: query at position p sees columns 0..p."""
+        allowed = torch.arange(columns).view(1, 1, columns) <= positions.unsqueeze(-1)
+        blocked = torch.finfo(self._mask_dtype).min
+        mask = torch.zeros(allowed.shape, dtype=self._mask_dtype).masked_fill_(~allowed, blocked)
+        return mask.unsqueeze(1).to(self.loaded.device)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, **extra: object) -> Any:
+        device = self.loaded.device
+        return self.loaded.model(
+            input_ids=ids.to(device),
+            attention_mask=mask,
+            position_ids=positions.to(device),
+            **{self._cache_arg: self._cache},
+            use_cache=True,
+            **extra,
+        )
+
     def _retire(self, expire: bool) -> None:
-        """Drop finished, cancelled and (between steps) expired sequences from the batch."""
+        """Drop finished, cancelled and (between steps) expired requests; their slots free at once."""
         now = time.monotonic()
-        keep: list[int] = []
-        for row, seq in enumerate(self._seqs):
+        gone: list[Row] = []
+        for row in self._rows:
+            seq = row.seq
             if not seq.finished and seq.handle.cancelled:
                 seq.abandon()
             elif not seq.finished and expire:
@@ -299,37 +334,30 @@ class BatchedEngine(Engine):
                     seq.fail(ErrorKind.DEADLINE, "the call's deadline passed during generation")
                 elif expired is FinishReason.TIME_LIMIT:
                     seq.finish(FinishReason.TIME_LIMIT)
-            if not seq.finished:
-                keep.append(row)
-        if len(keep) == len(self._seqs):
+            if seq.finished:
+                gone.append(row)
+        self._leave(gone)
+
+    def _leave(self, rows: list[Row]) -> None:
+        """Give the rows' slots back and release their admission."""
+        if not rows:
             return
-        gone = [row for row in range(len(self._seqs)) if row not in set(keep)]
-        self._release(gone)
-        self._seqs = [self._seqs[row] for row in keep]
-        self._kv.keep(keep)
-        index = torch.tensor(keep, dtype=torch.long, device=self.loaded.device)
-        self._next = self._next.index_select(0, index)
-        self._positions = self._positions.index_select(0, index)
+        leaving = {id(row) for row in rows}
+        self._rows = [row for row in self._rows if id(row) not in leaving]
+        self._free.extend(row.slot for row in rows)
+        self.queue.release(len(rows))
 
-    def _release(self, rows: list[int]) -> None:
-        if rows:
-            self.queue.release(len(rows))
-
-    def _fail_batch(self, exc: Exception) -> None:
-        oom = isinstance(exc, torch.cuda.OutOfMemoryError)
-        if oom:
+    def _fail(self, rows: list[Row], exc: Exception) -> None:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
             self._free_device_memory()
             message, kind = "the device ran out of memory during generation", ErrorKind.OUT_OF_MEMORY
         else:
             log.exception("decode step failed")
             message, kind = f"generation failed: {type(exc).__name__}: {exc}", ErrorKind.INTERNAL
-        for seq in self._seqs:
-            seq.fail(kind, message)
-        self._release(list(range(len(self._seqs))))
-        self._seqs = []
-        self._kv.keep([])
-        self._next = self._next[:0]
-        self._positions = self._positions[:0]
+        rows = list(rows)
+        for row in rows:
+            row.seq.fail(kind, message)
+        self._leave(rows)
 
     def _free_device_memory(self) -> None:
         if torch.cuda.is_available():

@@ -53,12 +53,8 @@ class Generation:
         self.finished = False
         self.cached_prompt_tokens = 0  # prompt tokens an engine found in its prefix cache
         seed = request.sampling.seed
-        if seed is None:
-            seed = int.from_bytes(os.urandom(8), "little")
-        self.generator: torch.Generator | None = None
-        if not request.sampling.greedy:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+        # The sampler's noise is a function of (seed, step): an unseeded request draws its own seed.
+        self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
 
     # -- state the engines look at -------------------------------------------------
 

@@ -1,8 +1,15 @@
-"""Choosing the next token for each sequence of a batch, each with its own parameters.
+"""Choosing the next token for every row of a batch at once, each row with its own parameters.
 
-Greedy rows share one argmax; sampled rows each use their own seeded generator,
-so a request's tokens depend on its seed, not on what else is in the batch. Both
-engines use this, so the same request gives the same tokens on either engine.
+All rows are handled as tensors: repetition penalty, EOS blocking (min_new_tokens),
+temperature, top_k, top_p, the draw and the log-probabilities; the results come
+back to the host in one transfer per step. Greedy rows take the exact argmax.
+
+Sampled rows draw with the Gumbel-max trick: ``argmax(logits / T + G)`` where the
+noise ``G`` of each (row, token) comes from a counter-based hash of (seed, step,
+token id), computed as tensor operations. The noise depends only on the request's
+seed and how many tokens it has generated, never on which other rows share the
+batch or where the row sits, so a seeded request gives the same tokens alone and
+in any batch, and on either engine (both use this sampler).
 """
 
 from __future__ import annotations
@@ -15,88 +22,163 @@ from ..domain import Alternative
 from .generation import Generation
 
 NEG_INF = float("-inf")
+_M32 = 0xFFFF_FFFF
+# Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so the
+# int64 tensor arithmetic never overflows (torch has no unsigned 64-bit multiply).
+_K1 = 0x7FEB_352D
+_K2 = 0x5A6C_A68B
+_K3 = 0x2C1B_3C6D
 
 
-def _overflow_safe(row: torch.Tensor) -> torch.Tensor:
-    """A tiny temperature or repetition penalty overflows logits to +inf (and inf - inf to NaN),
-    which softmax turns into NaN: then the overflowed tokens share the draw, the rest drop out."""
-    top = torch.isposinf(row)
-    if bool(top.any()):
-        return torch.where(top, 0.0, NEG_INF)
-    return torch.nan_to_num(row, nan=NEG_INF)
+def mix32(x: int) -> int:
+    """A 32-bit integer hash (xor-shift-multiply rounds); the scalar twin of ``_mix32``."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * _K1) & _M32
+    x ^= x >> 15
+    x = (x * _K2) & _M32
+    x ^= x >> 16
+    x = (x * _K3) & _M32
+    x ^= x >> 15
+    return x
 
 
-def _filter_top_k_top_p(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if 0 < top_k < row.shape[-1]:
-        kth = torch.topk(row, top_k).values[-1]
-        row = row.masked_fill(row < kth, NEG_INF)
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        # Drop a token once the mass before it already reaches top_p (the first token always stays).
-        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        row = row.masked_fill(drop, NEG_INF)
-    return row
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """``mix32`` on an int64 tensor of values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _K1) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _K2) & _M32
+    x = x ^ (x >> 16)
+    x = (x * _K3) & _M32
+    return x ^ (x >> 15)
+
+
+def row_keys(seed: int, step: int) -> tuple[int, int]:
+    """Two 32-bit keys for one row's draw at ``step`` (tokens generated so far)."""
+    seed &= 0xFFFF_FFFF_FFFF_FFFF
+    base = mix32(mix32(seed >> 32) ^ (seed & _M32))
+    first = mix32(base ^ mix32(step & _M32))
+    second = mix32(first ^ 0x9E37_79B9)
+    return first, second
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``[rows, vocab]`` from per-row keys ``[rows, 2]`` (int64): a pure function of key and token id."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device).unsqueeze(0)
+    h = _mix32(ids ^ keys[:, :1])
+    h = _mix32(h ^ keys[:, 1:])
+    uniform = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits, strictly inside (0, 1)
+    return -torch.log(-torch.log(uniform))
+
+
+def _overflow_safe(rows: torch.Tensor) -> torch.Tensor:
+    """A tiny temperature or repetition penalty overflows logits to +inf (and inf - inf to NaN).
+    In a row with +inf, the overflowed tokens share the draw and the rest drop out; NaN drops out."""
+    top = torch.isposinf(rows)
+    has_top = top.any(dim=-1, keepdim=True)
+    cleaned = torch.where(torch.isnan(rows), NEG_INF, rows)
+    only_top = torch.where(top, 0.0, NEG_INF)
+    return torch.where(has_top, only_top, cleaned)
+
+
+Pick = tuple[int, float | None, tuple[Alternative, ...]]
 
 
 class Sampler:
     def __init__(self, eos_token_ids: Sequence[int]) -> None:
         self._eos = list(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, seqs: Sequence[Generation]) -> list[tuple[int, float | None, tuple[Alternative, ...]]]:
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[Generation]) -> list[Pick]:
         """Pick one token per row of ``logits`` ([batch, vocab]) for ``seqs`` in the same order."""
+        device = logits.device
         logits = logits.float()
-        want_logprobs = any(s.request.want_logprobs or s.request.top_logprobs for s in seqs)
-        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        rows, vocab = int(logits.shape[0]), int(logits.shape[1])
+        requests = [seq.request for seq in seqs]
 
+        # Repetition penalty and EOS blocking change the logits of some rows (a copy).
         processed = logits
-        copied = False
-        for i, seq in enumerate(seqs):
-            penalty = seq.request.sampling.repetition_penalty
-            block_eos = not seq.eos_allowed and not seq.request.ignore_eos
-            if penalty == 1.0 and not block_eos:
-                continue
-            if not copied:
-                processed = logits.clone()
-                copied = True
-            if penalty != 1.0:
-                ids = torch.tensor(sorted(set(seq.seen_ids())), device=logits.device, dtype=torch.long)
-                values = processed[i, ids]
-                processed[i, ids] = torch.where(values > 0, values / penalty, values * penalty)
-            if block_eos:
-                processed[i, self._eos] = NEG_INF
+        penalised = [i for i, r in enumerate(requests) if r.sampling.repetition_penalty != 1.0]
+        blocked = [i for i, (s, r) in enumerate(zip(seqs, requests, strict=True)) if not s.eos_allowed and not r.ignore_eos]
+        if penalised or (blocked and self._eos):
+            processed = logits.clone()
+        if penalised:
+            row_index: list[int] = []
+            col_index: list[int] = []
+            factors: list[float] = []
+            for i in penalised:
+                seen = set(seqs[i].seen_ids())
+                row_index += [i] * len(seen)
+                col_index += seen
+                factors += [requests[i].sampling.repetition_penalty] * len(seen)
+            r_idx = torch.tensor(row_index, dtype=torch.long, device=device)
+            c_idx = torch.tensor(col_index, dtype=torch.long, device=device)
+            factor = torch.tensor(factors, dtype=torch.float32, device=device)
+            values = processed[r_idx, c_idx]
+            processed[r_idx, c_idx] = torch.where(values > 0, values / factor, values * factor)
+        if blocked and self._eos:
+            b_idx = torch.tensor(blocked, dtype=torch.long, device=device).unsqueeze(1)
+            e_idx = torch.tensor(self._eos, dtype=torch.long, device=device).unsqueeze(0)
+            processed[b_idx, e_idx] = NEG_INF
 
-        picks = [0] * len(seqs)
-        greedy_rows = [i for i, s in enumerate(seqs) if s.request.sampling.greedy]
-        if greedy_rows:
-            if len(greedy_rows) == len(seqs):
-                chosen = torch.argmax(processed, dim=-1).tolist()
-            else:
-                chosen = torch.argmax(processed[greedy_rows], dim=-1).tolist()
-            for row, token in zip(greedy_rows, chosen, strict=True):
-                picks[row] = token
-        for i, seq in enumerate(seqs):
-            options = seq.request.sampling
-            if options.greedy:
-                continue
-            scaled = _overflow_safe(processed[i] / options.temperature)
-            filtered = _filter_top_k_top_p(scaled, options.top_k, options.top_p)
-            probs = torch.softmax(filtered, dim=-1)
-            picks[i] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
+        chosen = torch.argmax(processed, dim=-1)  # greedy rows keep this, exactly
+        sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy]
+        if sampled:
+            chosen[torch.tensor(sampled, dtype=torch.long, device=device)] = self._draw(
+                processed, sampled, seqs, vocab
+            )
 
-        out: list[tuple[int, float | None, tuple[Alternative, ...]]] = []
-        for i, (seq, token) in enumerate(zip(seqs, picks, strict=True)):
+        # Log-probabilities are of the model's distribution (before penalties and temperature).
+        want_logprobs = [r.want_logprobs or r.top_logprobs > 0 for r in requests]
+        top_n = max((r.top_logprobs for r in requests), default=0)
+        parts = [chosen.to(torch.float64).unsqueeze(1)]
+        if any(want_logprobs):
+            logprobs = torch.log_softmax(logits, dim=-1)
+            parts.append(logprobs.gather(1, chosen.unsqueeze(1)).to(torch.float64))
+            if top_n:
+                values, ids = torch.topk(logprobs, top_n, dim=-1)
+                parts += [ids.to(torch.float64), values.to(torch.float64)]
+        host = torch.cat(parts, dim=1).tolist()  # the one device -> host transfer of the step
+
+        out: list[Pick] = []
+        for i in range(rows):
+            line = host[i]
+            token = int(line[0])
             logprob: float | None = None
             top: tuple[Alternative, ...] = ()
-            if logprobs is not None and (seq.request.want_logprobs or seq.request.top_logprobs):
-                logprob = float(logprobs[i, token])
-                k = seq.request.top_logprobs
+            if want_logprobs[i]:
+                logprob = float(line[1])
+                k = requests[i].top_logprobs
                 if k:
-                    values, ids = torch.topk(logprobs[i], k)
+                    ids_row, values_row = line[2 : 2 + top_n], line[2 + top_n : 2 + 2 * top_n]
                     top = tuple(
-                        Alternative(int(t), seq.token_text(int(t)), float(v))
-                        for t, v in zip(ids.tolist(), values.tolist(), strict=True)
+                        Alternative(int(t), seqs[i].token_text(int(t)), float(v))
+                        for t, v in zip(ids_row[:k], values_row[:k], strict=True)
                     )
             out.append((token, logprob, top))
         return out
+
+    def _draw(self, processed: torch.Tensor, sampled: list[int], seqs: Sequence[Generation], vocab: int) -> torch.Tensor:
+        device = processed.device
+        index = torch.tensor(sampled, dtype=torch.long, device=device)
+        options = [seqs[i].request.sampling for i in sampled]
+        temperature = torch.tensor([o.temperature for o in options], dtype=torch.float32, device=device).unsqueeze(1)
+        scaled = _overflow_safe(processed.index_select(0, index) / temperature)
+        keys = torch.tensor(
+            [row_keys(seqs[i].seed, len(seqs[i].generated)) for i in sampled], dtype=torch.int64, device=device
+        )
+        noise = gumbel_noise(keys, vocab)
+        if not any(0 < o.top_k < vocab or o.top_p < 1.0 for o in options):
+            return torch.argmax(scaled + noise, dim=-1)
+        top_k = torch.tensor([o.top_k if 0 < o.top_k < vocab else vocab for o in options], device=device).unsqueeze(1)
+        top_p = torch.tensor([o.top_p for o in options], dtype=torch.float32, device=device).unsqueeze(1)
+        limited_p = torch.tensor([o.top_p < 1.0 for o in options], device=device).unsqueeze(1)
+        ordered, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab, device=device).unsqueeze(0)
+        ordered = ordered.masked_fill(rank >= top_k, NEG_INF)
+        probs = torch.softmax(ordered, dim=-1)
+        # Drop a token once the mass before it already reaches top_p (the first token always stays).
+        before = probs.cumsum(dim=-1) - probs
+        ordered = ordered.masked_fill(limited_p & (before >= top_p) & (rank > 0), NEG_INF)
+        picked = torch.argmax(ordered + noise.gather(1, order), dim=-1, keepdim=True)
+        return order.gather(1, picked).squeeze(1)

@@ -1,0 +1,300 @@
+"""The batched engine's slots, chunked prefill and vectorised sampler.
+
+- KV slots live on the device of their layer's weights (a fake device map, CPU only).
+- A prompt read in chunks (while others decode, or forced) gives the tokens a one-shot read gives.
+- The sampler's seeded draw depends on (seed, step) only, never on the batch.
+- On the real default model: greedy and seeded requests give the same tokens alone and
+  in a concurrent batch of 12 with mixed parameters, and the streamed text is decode(ids).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from tokenwire_server.domain import (
+    ErrorEvent,
+    FinishEvent,
+    GenerationRequest,
+    RequestHandle,
+    SamplingOptions,
+)
+from tokenwire_server.engine import batched, create_engine
+from tokenwire_server.engine.base import EngineLimits
+from tokenwire_server.engine.generation import Generation
+from tokenwire_server.engine.sampling import Sampler, gumbel_noise, row_keys
+from tokenwire_server.engine.slots import SlotCache, layer_placements
+from tokenwire_server.model import LoadedModel, load_model
+
+pytestmark = pytest.mark.timeout(600)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.done = threading.Event()
+
+    def __call__(self, event: Any) -> None:
+        self.events.append(event)
+        if isinstance(event, FinishEvent | ErrorEvent):
+            self.done.set()
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events if not isinstance(e, ErrorEvent))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.id for e in self.events if not isinstance(e, ErrorEvent) for t in e.tokens]
+
+
+def make_request(rid: str, prompt: list[int], max_new: int, sampling: SamplingOptions | None = None) -> GenerationRequest:
+    return GenerationRequest(
+        rid, list(prompt), sampling or SamplingOptions(temperature=0.0), max_new, ignore_eos=True, want_tokens=True
+    )
+
+
+def run_all(engine: Any, requests: list[GenerationRequest], timeout: float = 300.0) -> list[Recorder]:
+    recorders = [Recorder() for _ in requests]
+    for req, rec in zip(requests, recorders, strict=True):
+        engine.submit(req, rec)
+    for rec in recorders:
+        assert rec.done.wait(timeout), "request did not finish"
+        assert isinstance(rec.events[-1], FinishEvent), rec.events[-1]
+    return recorders
+
+
+# -- slots on their layer's device ------------------------------------------------------
+
+
+class FakeLinear:
+    def __init__(self, device: str) -> None:
+        self.weight = torch.empty((1, 1), device=device)  # "meta" stands in for a second GPU
+
+
+class FakeLayer:
+    def __init__(self, device: str) -> None:
+        self.self_attn = SimpleNamespace(k_proj=FakeLinear(device))
+
+    def parameters(self) -> Any:
+        return iter([self.self_attn.k_proj.weight])
+
+
+class FakeModel:
+    """What ``layer_placements`` looks at: ``get_decoder().layers`` with weights on several devices."""
+
+    def __init__(self, devices: list[str]) -> None:
+        self._decoder = SimpleNamespace(layers=[FakeLayer(d) for d in devices])
+
+    def get_decoder(self) -> Any:
+        return self._decoder
+
+
+def test_slots_are_allocated_on_each_layers_device() -> None:
+    model = FakeModel(["cpu", "cpu", "meta", "meta"])
+    placements = layer_placements(model, 4, torch.device("cpu"), torch.float32)
+    assert [device.type for device, _ in placements] == ["cpu", "cpu", "meta", "meta"]
+    cache = SlotCache(slots=3, capacity=16, kv_heads=2, head_dim=8, placements=placements)
+    assert [d.type for d in cache.devices] == ["cpu", "cpu", "meta", "meta"]
+    for layer in cache.layers:
+        assert layer.keys.device == layer.values.device == layer.device
+        assert tuple(layer.keys.shape) == (3, 2, 17, 8)  # capacity + the scratch column
+
+
+def test_slot_writes_land_in_their_slot_and_column() -> None:
+    cache = SlotCache(slots=3, capacity=8, kv_heads=2, head_dim=4, placements=[(torch.device("cpu"), torch.float32)])
+    cache.ensure_clean(8)
+    keys = torch.randn(2, 2, 3, 4)  # [rows, heads, queries, dim]
+    values = torch.randn(2, 2, 3, 4)
+    cols = torch.tensor([[0, 1, 2], [5, 6, cache.scratch]])  # the second row's last query is padding
+    cache.plan.set([2, 0], cols, columns=7)
+    read_k, read_v = cache.update(keys, values, 0)
+    layer = cache.layers[0]
+    assert torch.equal(layer.keys[2, :, 0:3], keys[0]) and torch.equal(layer.values[2, :, 0:3], values[0])
+    assert torch.equal(layer.keys[0, :, 5:7], keys[1, :, :2])
+    assert not layer.keys[1, :, :8].any()  # the slot nobody wrote to
+    assert torch.equal(layer.keys[0, :, cache.scratch], keys[1, :, 2])
+    assert tuple(read_k.shape) == (2, 2, 7, 4)  # the slots gathered in the plan's order
+    assert torch.equal(read_k[0], layer.keys[2, :, :7]) and torch.equal(read_v[1], layer.values[0, :, :7])
+    cache.plan.set([0, 1], torch.tensor([[3], [4]]), columns=5)
+    read_k, _ = cache.update(keys[:, :, :1], values[:, :, :1], 0)
+    assert read_k.data_ptr() == layer.keys.data_ptr()  # a range of slots is read as a view, not a copy
+    assert torch.equal(layer.keys[1, :, 4], keys[1, :, 0])
+
+
+def test_layer_placements_fall_back_to_the_model_device() -> None:
+    placements = layer_placements(object(), 2, torch.device("cpu"), torch.bfloat16)
+    assert placements == [(torch.device("cpu"), torch.bfloat16)] * 2
+
+
+def test_real_model_slots_follow_its_layers(tiny_model_dir: Path) -> None:
+    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    placements = layer_placements(loaded.model, loaded.model.config.num_hidden_layers, torch.device("meta"), torch.float16)
+    assert placements == [(torch.device("cpu"), torch.float32)] * loaded.model.config.num_hidden_layers
+
+
+# -- chunked prefill ------------------------------------------------------------------------
+
+
+def long_prompt(loaded: LoadedModel, tokens: int) -> list[int]:
+    text = " ".join(f"Step {i}: add {i * 3 % 11} apples to the basket." for i in range(200))
+    ids: list[int] = loaded.tokenizer(text)["input_ids"]
+    assert len(ids) >= tokens
+    return ids[:tokens]
+
+
+def chunked_equals_one_shot(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, prompt_tokens: int, new: int) -> None:
+    prompt = long_prompt(loaded, prompt_tokens)
+    limits = EngineLimits(max_active=4, max_queue=4, kv_cache_tokens=4 * 1024, max_prefill_tokens=16)
+    engine = create_engine("batched", loaded, limits, workers=1)
+    engine.start()
+    try:
+        # Alone, nobody decodes: the whole prompt in one forward pass.
+        before = engine.prefill_steps  # type: ignore[attr-defined]
+        one_shot = run_all(engine, [make_request("one-shot", prompt, new)])[0]
+        assert engine.prefill_steps - before == 1  # type: ignore[attr-defined]
+
+        # Alone but forced to read 16 tokens per pass.
+        monkeypatch.setattr(batched, "IDLE_PREFILL_TOKENS", 16)
+        before = engine.prefill_steps  # type: ignore[attr-defined]
+        forced = run_all(engine, [make_request("forced", prompt, new)])[0]
+        assert engine.prefill_steps - before == -(-prompt_tokens // 16)  # type: ignore[attr-defined]
+        monkeypatch.undo()
+
+        # While another stream decodes: chunks of max_prefill_tokens, the other keeps going.
+        busy = Recorder()
+        engine.submit(make_request("busy", prompt[:10], 400), busy)
+        while len(busy.token_ids) < 3:
+            time.sleep(0.005)
+        steps_before = engine.steps  # type: ignore[attr-defined]
+        during = run_all(engine, [make_request("during", prompt, new)])[0]
+        assert engine.steps - steps_before >= -(-prompt_tokens // 16)  # type: ignore[attr-defined]  # decoding went on
+        assert busy.done.wait(300)
+    finally:
+        engine.close()
+    assert forced.token_ids == one_shot.token_ids
+    assert during.token_ids == one_shot.token_ids
+    assert len(one_shot.token_ids) == new
+
+
+def test_chunked_prefill_equals_one_shot_tiny(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    chunked_equals_one_shot(loaded, monkeypatch, prompt_tokens=200, new=24)
+
+
+@pytest.mark.e2e
+def test_chunked_prefill_equals_one_shot_default_model(default_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = load_model(str(default_model_dir), device="cpu", dtype="float32")
+    chunked_equals_one_shot(loaded, monkeypatch, prompt_tokens=150, new=16)
+
+
+# -- the sampler -------------------------------------------------------------------------
+
+
+def generation(prompt: list[int], sampling: SamplingOptions, generated: list[int] | None = None) -> Generation:
+    request = make_request("s", prompt, 8, sampling)
+    seq = Generation(request, RequestHandle(), lambda event: None, None, (2,), torch.device("cpu"))
+    seq.generated = list(generated or [])
+    return seq
+
+
+def test_noise_is_a_function_of_seed_step_and_token() -> None:
+    keys = torch.tensor([row_keys(7, 3), row_keys(8, 3), row_keys(7, 4)], dtype=torch.int64)
+    noise = gumbel_noise(keys, 1000)
+    again = gumbel_noise(keys[[2, 0]], 1000)
+    assert torch.equal(noise[0], again[1]) and torch.equal(noise[2], again[0])
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    # Gumbel(0, 1): mean ~0.577, variance ~pi^2/6
+    big = gumbel_noise(torch.tensor([row_keys(1, 0)], dtype=torch.int64), 200_000)
+    assert abs(float(big.mean()) - 0.5772) < 0.02 and abs(float(big.var()) - 1.6449) < 0.05
+
+
+def test_sampled_rows_do_not_depend_on_their_neighbours() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 500) * 3
+    sampler = Sampler([2])
+    rows = [
+        generation([5, 6], SamplingOptions(temperature=0.9, top_p=0.8, seed=11)),
+        generation([5], SamplingOptions(temperature=0.0)),
+        generation([7, 7, 9], SamplingOptions(temperature=1.2, top_k=20, repetition_penalty=1.3, seed=12), [9, 4]),
+        generation([1], SamplingOptions(temperature=0.7, seed=13)),
+    ]
+    together = [pick[0] for pick in sampler(logits, rows)]
+    alone = [sampler(logits[i : i + 1], [rows[i]])[0][0] for i in range(4)]
+    assert together == alone
+    assert together[1] == int(torch.argmax(logits[1]))  # greedy is the exact argmax
+
+
+def test_sampling_distribution_follows_top_k_and_top_p() -> None:
+    sampler = Sampler([])
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    counts = {"k2": [0] * 4, "p": [0] * 4, "free": [0] * 4}
+    for seed in range(3000):
+        for name, options in (
+            ("k2", SamplingOptions(temperature=1.0, top_k=2, seed=seed)),
+            ("p", SamplingOptions(temperature=1.0, top_p=0.7, seed=seed)),
+            ("free", SamplingOptions(temperature=1.0, seed=seed)),
+        ):
+            counts[name][sampler(logits, [generation([0], options)])[0][0]] += 1
+    assert counts["k2"][2] == counts["k2"][3] == 0 and abs(counts["k2"][0] / 3000 - 0.625) < 0.04
+    assert counts["p"][2] == counts["p"][3] == 0  # 0.5 + 0.3 reaches 0.7
+    assert abs(counts["free"][0] / 3000 - 0.5) < 0.04 and abs(counts["free"][3] / 3000 - 0.05) < 0.02
+
+
+def test_eos_is_blocked_until_min_new_tokens_and_logprobs_come_back() -> None:
+    sampler = Sampler([2])
+    logits = torch.zeros(2, 10)
+    logits[:, 2] = 10.0
+    request = GenerationRequest("m", [1], SamplingOptions(temperature=0.0), 8, min_new_tokens=2, want_logprobs=True, top_logprobs=3)
+    blocked = Generation(request, RequestHandle(), lambda event: None, SimpleNamespace(decode=lambda ids, **kw: "x"), (2,), torch.device("cpu"))
+    free = generation([1], SamplingOptions(temperature=0.0))
+    (token_a, logprob_a, top_a), (token_b, logprob_b, top_b) = sampler(logits, [blocked, free])
+    assert token_a != 2 and token_b == 2
+    assert logprob_a is not None and logprob_a < -9 and logprob_b is None
+    assert [alt.id for alt in top_a][0] == 2 and len(top_a) == 3 and top_b == ()
+
+
+# -- the real model, alone and in a mixed batch -----------------------------------------
+
+
+@pytest.mark.e2e
+def test_default_model_alone_equals_batch_of_12_mixed(default_model_dir: Path) -> None:
+    loaded = load_model(str(default_model_dir), device="cpu", dtype="float32")
+    tok = loaded.tokenizer
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about rain.",
+        "Explain photosynthesis briefly.",
+        "List three primary colors.",
+        "Why is the sky blue?",
+        "Give me a tip for learning Python.",
+    ]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for q in questions
+    ]
+    kinds = [
+        SamplingOptions(temperature=0.0),
+        SamplingOptions(temperature=0.8, top_p=0.9, seed=1234),
+        SamplingOptions(temperature=1.0, top_k=40, repetition_penalty=1.3, seed=99),
+    ]
+    requests = [make_request(f"r{i}", prompts[i % len(prompts)], 24 + i % 3 * 4, kinds[i % 3]) for i in range(12)]
+    engine = create_engine("batched", loaded, EngineLimits(16, 16, 16 * 2048), workers=1)
+    engine.start()
+    try:
+        alone = [run_all(engine, [req])[0] for req in requests]
+        together = run_all(engine, requests)
+    finally:
+        engine.close()
+    for req, a, t in zip(requests, alone, together, strict=True):
+        assert t.token_ids == a.token_ids, req.sampling
+        assert t.text == tok.decode(t.token_ids, skip_special_tokens=True)
+        assert len(t.token_ids) == req.max_new_tokens
+    sampled = [a.token_ids for a, req in zip(alone, requests, strict=True) if not req.sampling.greedy]
+    greedy = [a.token_ids for a, req in zip(alone, requests, strict=True) if req.sampling.greedy]
+    assert sampled and greedy and sampled[0] != greedy[0]
