@@ -1,10 +1,18 @@
 """Property: whatever GenerateRequest arrives (random fields, extreme values, odd Unicode,
 NaN and infinite floats), the call ends in OK, INVALID_ARGUMENT or FAILED_PRECONDITION, never
-UNKNOWN or INTERNAL, and the one server that took them all is still SERVING afterwards."""
+UNKNOWN or INTERNAL, and the one server that took them all is still SERVING afterwards.
+
+A concurrent variant sends generated requests 8 to 12 at a time, so extreme sampling values
+share a batch, and checks each stream's shape, its stops, its text against its ids, and that
+a seed gives the same tokens in the batch as alone. Tokenize is fuzzed too.
+
+Under CI (CI=true) the search is derandomised (tests/conftest.py); run this file locally for
+a fresh random search, or with HYPOTHESIS_PROFILE=ci to replay CI's examples."""
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +23,7 @@ from hypothesis import strategies as st
 from production_support import LIVENESS, READINESS, SERVING, generation_stub, health_status
 from servers import ServerProcess
 from tokenwire.v1 import generation_pb2 as pb
+from tokenwire.validation import Limits, validate_generate_request
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -160,3 +169,107 @@ def test_any_generate_request_ends_in_a_deliberate_status(property_server: Serve
     assert health_status(property_server.target, READINESS) == SERVING
     assert health_status(property_server.target, LIVENESS) == SERVING
     assert property_server.proc.poll() is None
+
+
+@st.composite
+def concurrent_requests(draw: st.DrawFn) -> pb.GenerateRequest:
+    """Valid requests at the edges, with ids asked for and no time limit (so a rerun alone must
+    give the same tokens)."""
+    request = draw(edge_requests().filter(lambda r: not validate_generate_request(r, Limits())))
+    request.stopping.time_limit_ms = 0
+    request.output.token_ids = True
+    return request
+
+
+def check_stream(request: pb.GenerateRequest, chunks: list[pb.TokenChunk], decode: object) -> list[int]:
+    """Every per-call property of a finished stream; returns its token ids."""
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    reasons = [c.finish_reason for c in chunks]
+    assert reasons[-1] != pb.FINISH_REASON_UNSPECIFIED and reasons[:-1] == [pb.FINISH_REASON_UNSPECIFIED] * (len(chunks) - 1)
+    assert [c.HasField("usage") for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    last = chunks[-1]
+    ids = [t.id for c in chunks for t in c.tokens]
+    assert len(ids) == last.usage.completion_tokens <= request.stopping.max_new_tokens
+    text = "".join(c.text for c in chunks)
+    stops = [s for s in request.stopping.stop_sequences if s]
+    if last.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE and request.stopping.include_stop_sequence:
+        assert any(text.endswith(s) for s in stops)
+        assert not any(s in text[:-1] for s in stops)  # the first complete stop ends the stream
+    else:
+        assert not any(s in text for s in stops)
+    if last.finish_reason != pb.FINISH_REASON_STOP_SEQUENCE:
+        assert text == decode(ids)  # type: ignore[operator]
+    return ids
+
+
+def test_concurrent_generated_requests_keep_every_stream_property(
+    property_server: ServerProcess, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def decode(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+
+    stub = generation_stub(property_server.target)
+    pool = concurrent.futures.ThreadPoolExecutor(12)
+    batches = 0
+
+    @settings(max_examples=30, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(batch=st.lists(concurrent_requests(), min_size=8, max_size=12))
+    def call(batch: list[pb.GenerateRequest]) -> None:
+        nonlocal batches
+        batches += 1
+        together = list(pool.map(lambda r: list(stub.Generate(r, timeout=60)), batch))
+        together_ids = [check_stream(r, chunks, decode) for r, chunks in zip(batch, together, strict=True)]
+        for request, ids in zip(batch, together_ids, strict=True):
+            alone = check_stream(request, list(stub.Generate(request, timeout=60)), decode)
+            assert alone == ids, f"seeded/greedy tokens differ alone and in a batch for {request!r}"
+
+    try:
+        call()
+    finally:
+        pool.shutdown()
+    assert batches >= 30
+    assert health_status(property_server.target, LIVENESS) == SERVING
+
+
+tokenize_requests = st.builds(
+    pb.TokenizeRequest,
+    text=text,
+    return_tokens=st.booleans(),
+    return_offsets=st.booleans(),
+) | st.builds(
+    lambda messages, tokens, offsets: pb.TokenizeRequest(chat=pb.Chat(messages=messages), return_tokens=tokens, return_offsets=offsets),
+    st.lists(message, max_size=6),
+    st.booleans(),
+    st.booleans(),
+)
+
+
+def test_any_tokenize_request_ends_in_a_deliberate_status(property_server: ServerProcess) -> None:
+    stub = generation_stub(property_server.target)
+    seen: collections.Counter[str] = collections.Counter()
+
+    @settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(request=tokenize_requests)
+    def call(request: pb.TokenizeRequest) -> None:
+        try:
+            response = stub.Tokenize(request, timeout=10)
+        except grpc.RpcError as error:
+            assert error.code() in ACCEPTABLE, f"{error.code()}: {error.details()} for {request!r}"
+            seen[error.code().name] += 1
+            return
+        seen["OK"] += 1
+        assert response.count == len(response.ids)
+        assert len(response.tokens) == (response.count if request.return_tokens else 0)
+        if request.return_offsets:
+            assert len(response.offsets) == response.count
+            assert all(0 <= o.start <= o.end <= len(response.text) for o in response.offsets)
+        if request.WhichOneof("input") == "text":
+            assert response.text == request.text
+
+    call()
+    assert seen["OK"] > 50 and seen["INVALID_ARGUMENT"] > 10
+    assert health_status(property_server.target, READINESS) == SERVING
