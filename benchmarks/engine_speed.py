@@ -48,6 +48,7 @@ def child(case: str, max_new: int) -> dict[str, Any]:
         def __init__(self) -> None:
             self.times: list[float] = []
             self.done = threading.Event()
+            self.handle: Any = None
 
         def __call__(self, event: object) -> None:
             if isinstance(event, TextEvent | FinishEvent):
@@ -58,7 +59,7 @@ def child(case: str, max_new: int) -> dict[str, Any]:
     def submit(rid: str, ids: list[int], new: int) -> Sink:
         sink = Sink()
         req = GenerationRequest(rid, list(ids), SamplingOptions(temperature=0.0), new, ignore_eos=True, want_tokens=True)
-        engine.submit(req, sink)
+        sink.handle = engine.submit(req, sink)
         return sink
 
     try:
@@ -81,8 +82,10 @@ def child(case: str, max_new: int) -> dict[str, Any]:
         big = submit("long", long_ids, 4)
         big.done.wait(600)
         first_token = big.times[0] - arrived if big.times else None
+        time.sleep(0.5)  # a few more steps after the long prompt's last token, then stop the 8
         for s in sinks:
-            s.done.wait(600)
+            s.handle.cancel()
+            s.handle.done.wait(60)
         gaps_before: list[float] = []
         worst = 0.0
         for s in sinks:

@@ -168,13 +168,15 @@ def chunked_equals_one_shot(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
 
         # While another stream decodes: chunks of max_prefill_tokens, the other keeps going.
         busy = Recorder()
-        engine.submit(make_request("busy", prompt[:10], 400), busy)
+        busy_handle = engine.submit(make_request("busy", prompt[:10], 400), busy)
         while len(busy.token_ids) < 3:
             time.sleep(0.005)
         steps_before = engine.steps  # type: ignore[attr-defined]
         during = run_all(engine, [make_request("during", prompt, new)])[0]
         assert engine.steps - steps_before >= -(-prompt_tokens // 16)  # type: ignore[attr-defined]  # decoding went on
-        assert busy.done.wait(300)
+        assert not busy.done.is_set()  # it decoded all along, and is still going
+        busy_handle.cancel()
+        assert busy_handle.done.wait(60)
     finally:
         engine.close()
     assert forced.token_ids == one_shot.token_ids
@@ -298,3 +300,18 @@ def test_default_model_alone_equals_batch_of_12_mixed(default_model_dir: Path) -
     sampled = [a.token_ids for a, req in zip(alone, requests, strict=True) if not req.sampling.greedy]
     greedy = [a.token_ids for a, req in zip(alone, requests, strict=True) if req.sampling.greedy]
     assert sampled and greedy and sampled[0] != greedy[0]
+
+
+def test_empty_prompt_fails_and_the_engine_goes_on(tiny_model_dir: Path) -> None:
+    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    engine = create_engine("batched", loaded, EngineLimits(2, 2, 2048), workers=1)
+    engine.start()
+    try:
+        empty = Recorder()
+        engine.submit(make_request("empty", [], 4), empty)
+        assert empty.done.wait(30) and isinstance(empty.events[-1], ErrorEvent)
+        after = run_all(engine, [make_request("after", [1, 2, 3], 4)])[0]
+        assert len(after.token_ids) == 4
+        assert engine.stats().active == 0
+    finally:
+        engine.close()

@@ -177,6 +177,10 @@ class BatchedEngine(Engine):
         if not self._rows:
             self._last_busy_rows = 0
         for seq in group:
+            if seq.prompt_len == 0:  # the transport never sends one; nothing to read, nothing to predict from
+                seq.fail(ErrorKind.INTERNAL, "the prompt has no tokens")
+                self.queue.release()
+                continue
             if seq.budget_tokens > self.capacity:  # only possible when the KV budget is below the context
                 seq.fail(
                     ErrorKind.INTERNAL,
