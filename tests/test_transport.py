@@ -27,6 +27,7 @@ from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 from tokenwire_server.domain import (
     ChatPrompt,
+    EmptyPrompt,
     Encoding,
     EngineClosed,
     EngineOverloaded,
@@ -131,6 +132,8 @@ class FakeBackend:
             return Encoding(list(prompt.ids))
         else:
             text = prompt.text
+        if text == "<encodes to nothing>":
+            return Encoding([], text)
         ids = [ord(c) % 1000 for c in text]
         return Encoding(ids, text, [(i, i + 1) for i in range(len(text))] if offsets else [], list(text) if tokens else [])
 
@@ -291,6 +294,8 @@ def test_the_context_rule_in_one_place() -> None:
         fit_to_context(10, 55, 16, 64)  # explicit beyond the context: refused, not shortened
     with pytest.raises(PromptTooLong):
         fit_to_context(64, None, 16, 64)  # the prompt alone fills it
+    with pytest.raises(EmptyPrompt):
+        fit_to_context(0, None, 16, 64)  # nothing to continue: INVALID_ARGUMENT, never an engine error
 
 
 def test_generation_request_maps_every_field() -> None:
@@ -372,6 +377,7 @@ def test_a_stream_its_trailer_metrics_and_log_line(harness: Harness, logs: LogRe
         ("deadline-event", pb.GenerateRequest(prompt="x"), "DEADLINE_EXCEEDED", None),
         ("oom-event", pb.GenerateRequest(prompt="x"), "RESOURCE_EXHAUSTED", None),
         ("none", pb.GenerateRequest(), "INVALID_ARGUMENT", "input"),
+        ("none", pb.GenerateRequest(prompt="<encodes to nothing>"), "INVALID_ARGUMENT", "prompt"),
     ],
 )
 def test_every_outcome_maps_to_its_status_once(

@@ -109,6 +109,10 @@ class PromptTooLong(ValueError):
         self.context_length = context_length
 
 
+class EmptyPrompt(ValueError):
+    """The prompt encodes to no tokens: there is nothing to continue."""
+
+
 def fit_to_context(prompt_tokens: int, max_new_tokens: int | None, default_max_new_tokens: int, context_length: int) -> int:
     """The context rule, in one place: how many tokens a request may generate.
 
@@ -117,6 +121,8 @@ def fit_to_context(prompt_tokens: int, max_new_tokens: int | None, default_max_n
     (``max_new_tokens`` unset) is clamped to what fits instead. Engines trust the
     result: a request never asks for more than the context holds.
     """
+    if prompt_tokens == 0:
+        raise EmptyPrompt("the prompt encodes to no tokens")
     wanted = default_max_new_tokens if max_new_tokens is None else max_new_tokens
     if prompt_tokens >= context_length or (max_new_tokens is not None and prompt_tokens + max_new_tokens > context_length):
         raise PromptTooLong(prompt_tokens, wanted, context_length)

@@ -16,7 +16,7 @@ from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-unty
 from grpc_status import rpc_status
 from tokenwire.validation import FieldViolation, Rule
 
-from ..domain import EngineClosed, EngineOverloaded, ErrorKind, NoChatTemplate, PromptTooLong
+from ..domain import EmptyPrompt, EngineClosed, EngineOverloaded, ErrorKind, NoChatTemplate, PromptTooLong
 
 ERROR_CODES = {
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
@@ -95,6 +95,8 @@ def failure_of(exc: BaseException, input_field: str = "input") -> RpcFailure | N
         return RpcFailure(grpc.StatusCode.UNAVAILABLE, DRAINING)
     if isinstance(exc, NoChatTemplate):
         return RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, Rule.NO_CHAT_TEMPLATE.error())
+    if isinstance(exc, EmptyPrompt):
+        return invalid_argument([FieldViolation(input_field, "encodes to no tokens: there is nothing to continue")])
     if isinstance(exc, PromptTooLong):
         description = Rule.PROMPT_TOO_LONG.error(
             count=exc.prompt_tokens,
