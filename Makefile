@@ -28,7 +28,7 @@ SERVER_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.tokenwire-setup
 
-.PHONY: help setup model run test test-fast proto check-proto lint bench soak clean setup-vllm test-vllm js-deps
+.PHONY: help setup model run test test-fast proto check-proto lint bench soak clean setup-vllm test-vllm js-deps test-gpu
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -61,6 +61,9 @@ js-deps: $(JS_STAMP) ## install the grpc-js client the tests use (npm ci in test
 
 test: model $(JS_STAMP) ## run the whole test suite (creates everything it needs)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-gpu: model ## the GPU subset: the contract on CUDA in bf16, batched == alone, OOM, drain (skipped without a GPU)
+	$(PY) -m pytest tests/gpu $(PYTEST_ARGS)
 
 test-fast: setup $(JS_STAMP) ## run the suite without the end-to-end tests on the real model
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)

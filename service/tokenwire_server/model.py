@@ -206,6 +206,7 @@ def prepare_default_model(cache_dir: str = "") -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quiet_transformers()
     gguf = default_gguf_path()
     started = time.monotonic()
     log.info("converting the default model", extra={"source": str(gguf), "target": str(target)})
@@ -247,8 +248,19 @@ def resolve_model_path(model: str, cache_dir: str = "") -> tuple[Path, str | Non
     return path, None, path.name
 
 
+def quiet_transformers() -> None:
+    """No progress bars from transformers or the hub: the server's stderr is its log, one
+    JSON object a line, and a tqdm bar is not one."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def load_model(model: str, *, device: str = "auto", dtype: str = "auto", cache_dir: str = "") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
 
     folder, gguf_file, name = resolve_model_path(model, cache_dir)
     device_name = resolve_device(device)
