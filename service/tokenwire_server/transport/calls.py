@@ -29,6 +29,8 @@ from .status import RpcFailure, failure_of, invalid_argument
 
 log = logging.getLogger("tokenwire.requests")
 
+DEADLINE_SKEW_S = 1.0
+
 Request = TypeVar("Request")
 Response = TypeVar("Response")
 if TYPE_CHECKING:  # generic only in the type stubs
@@ -159,7 +161,10 @@ class Calls:
         if code is grpc.StatusCode.OK and not call.completed:  # closed early: the client went away
             code = grpc.StatusCode.CANCELLED
         remaining = context.time_remaining()
-        if code is grpc.StatusCode.CANCELLED and remaining is not None and remaining <= 0:
+        # The client's deadline passes first on the client, which then cancels; here the
+        # same deadline ends later by the request's transit time. A cancel that close to
+        # the deadline is the deadline.
+        if code is grpc.StatusCode.CANCELLED and remaining is not None and remaining <= DEADLINE_SKEW_S:
             code = grpc.StatusCode.DEADLINE_EXCEEDED
         elapsed = time.monotonic() - call.started
         metrics = self._metrics
