@@ -108,7 +108,7 @@ def test_slots_are_allocated_on_each_layers_device() -> None:
 
 def test_slot_writes_land_in_their_slot_and_column() -> None:
     cache = SlotCache(slots=3, capacity=8, kv_heads=2, head_dim=4, placements=[(torch.device("cpu"), torch.float32)])
-    cache.ensure_clean(8)
+    cache.ensure_clean([0, 1, 2], 8)
     keys = torch.randn(2, 2, 3, 4)  # [rows, heads, queries, dim]
     values = torch.randn(2, 2, 3, 4)
     cols = torch.tensor([[0, 1, 2], [5, 6, cache.scratch]])  # the second row's last query is padding

@@ -246,7 +246,7 @@ class BatchedEngine(Engine):
             last[b, 0] = count - 1
         columns = max(row.length + count for row, count in chunks)
         mask = self._mask(positions, columns)
-        self._cache.ensure_clean(columns)
+        self._cache.ensure_clean([row.slot for row, _ in chunks], columns)
         self._cache.plan.set([row.slot for row, _ in chunks], write_cols, columns)
         out = self._forward(ids, mask, positions, logits_to_keep=last.to(self.loaded.device))
         self.prefill_steps += 1
@@ -287,7 +287,7 @@ class BatchedEngine(Engine):
         columns = max(row.length for row in active) + 1
         positions = torch.tensor(lengths, dtype=torch.long).unsqueeze(1)
         mask = self._mask(positions, columns)
-        self._cache.ensure_clean(columns)
+        self._cache.ensure_clean(list(range(top)), columns)
         self._cache.plan.set(list(range(top)), torch.tensor(write, dtype=torch.long), columns)
         out = self._forward(torch.tensor(ids, dtype=torch.long), mask, positions)
         self.steps += 1

@@ -16,7 +16,7 @@ are read. The attention mask (built by the engine) hides, for each row, every
 column past its own length, so a row computes what it would alone.
 
 Columns past a row's length hold whatever an earlier occupant left there, or
-zeros: the buffers are zeroed lazily up to the longest length seen so far
+zeros: each slot is zeroed lazily, up to the longest length read from it so far
 (``ensure_clean``), so masked columns are always finite (uninitialised memory
 could hold NaN, and NaN times a zero attention weight is still NaN), and on a CPU
 only the pages in use become resident.
@@ -68,6 +68,9 @@ def layer_placements(model: Any, count: int, default_device: torch.device, defau
                     dtype = weight.dtype
         placements.append((torch.device(device), dtype))
     return placements
+
+
+CLEAN_STEP = 128
 
 
 class StepPlan:
@@ -166,7 +169,7 @@ class SlotCache(Cache):  # type: ignore[misc]
         self.slots = slots
         self.capacity = capacity
         self.scratch = capacity  # the column that padding and idle slots write to
-        self._clean = 0  # columns [0, _clean) are zeroed (or written) in every slot
+        self._clean = [0] * slots  # per slot: columns [0, clean) are zeroed or written
         layers: list[Any] = []
         for device, dtype in placements:
             shape = (slots, kv_heads, capacity + 1, head_dim)
@@ -182,15 +185,23 @@ class SlotCache(Cache):  # type: ignore[misc]
     def devices(self) -> list[torch.device]:
         return [layer.device for layer in self.layers]
 
-    def ensure_clean(self, columns: int) -> None:
-        """Zero every slot's columns up to ``columns`` (in growing blocks) before attention reads them."""
-        if columns <= self._clean:
-            return
-        upto = min(self.capacity, max(columns, 2 * self._clean, 256))
-        for layer in self.layers:
-            layer.keys[:, :, self._clean : upto].zero_()
-            layer.values[:, :, self._clean : upto].zero_()
-        self._clean = upto
+    def ensure_clean(self, slots: list[int], columns: int) -> None:
+        """Zero these slots' columns up to ``columns`` before attention reads them.
+
+        Per slot and in steps of ``CLEAN_STEP`` columns, so a long prompt read in chunks
+        zeroes (and, on a CPU, first-touches) a little at a time instead of stalling one
+        step. Only columns past the slot's frontier are zeroed: everything ever written
+        lies below it.
+        """
+        upto = min(self.capacity, -(-columns // CLEAN_STEP) * CLEAN_STEP)
+        for slot in slots:
+            start = self._clean[slot]
+            if start >= columns:
+                continue
+            for layer in self.layers:
+                layer.keys[slot, :, start:upto].zero_()
+                layer.values[slot, :, start:upto].zero_()
+            self._clean[slot] = upto
 
     def nbytes(self) -> int:
         return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)
