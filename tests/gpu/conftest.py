@@ -10,11 +10,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "production"))
 
 
+HERE = Path(__file__).resolve().parent
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # This hook sees the whole session's items, not only this folder's: mark ours alone.
     import torch
 
     skip = pytest.mark.skip(reason="no CUDA device: `make test-gpu` runs on a GPU host")
     for item in items:
+        if HERE not in Path(str(item.path)).resolve().parents:
+            continue
         item.add_marker(pytest.mark.gpu)
         if not torch.cuda.is_available():
             item.add_marker(skip)
