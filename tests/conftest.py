@@ -86,7 +86,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 
 @pytest.fixture(scope="session")
 def tiny_model_no_template_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-no-template"), default_model_dir, chat_template=False)
+    head_dim = 64 if TEST_ENGINE == "vllm" else 16
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-no-template"), default_model_dir, chat_template=False, head_dim=head_dim
+    )
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
-from servers import TEST_ENGINE, ServerProcess
+from servers import ENGINE_ARGS, TEST_ENGINE, ServerProcess
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
@@ -235,7 +235,9 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub, request_kwargs, fi
 
 
 def test_chat_without_template_is_failed_precondition(tiny_model_no_template_dir):
-    with ServerProcess(["--model", str(tiny_model_no_template_dir)]) as server, server.channel() as channel:
+    # On the engine under test (batched here, vllm under `make test-vllm`).
+    args = ["--model", str(tiny_model_no_template_dir), *ENGINE_ARGS]
+    with ServerProcess(args, ready_timeout=400) as server, server.channel() as channel:
         stub = pb_grpc.TextGenerationStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             collect(stub, pb.GenerateRequest(chat=CHAT))
