@@ -329,10 +329,20 @@ class VllmSubmission:
             request, self._handle, self._events.append, backend.tokenizer, backend.describe().eos_token_ids, _CPU
         )
         self._vllm_id = f"{request.request_id}-{id(self):x}"  # unique even when callers reuse ids
-        self._task_cancelled = False
+        self._started = False
+        self._released = False
+
+    def _release(self) -> None:
+        """Give back this request's place in the count of requests in flight, once."""
+        if not self._released:
+            self._released = True
+            self._backend._done()
 
     def cancel(self) -> None:
-        if not self._handle.cancelled and not self._generation.finished:
+        if not self._started:  # cancelled before its stream was read: vLLM never saw it
+            self._handle.cancel()
+            self._release()
+        elif not self._handle.cancelled and not self._generation.finished:
             self._handle.cancel()
             asyncio.ensure_future(self._backend.engine.abort(self._vllm_id))
 
@@ -340,6 +350,9 @@ class VllmSubmission:
         from vllm.inputs import TokensPrompt
 
         backend, request, generation = self._backend, self._request, self._generation
+        if self._released:
+            return
+        self._started = True
         tokenizer = backend.tokenizer
         started = time.monotonic()
         limit_at = started + request.time_limit_s if request.time_limit_s else None
@@ -393,7 +406,7 @@ class VllmSubmission:
             if not generation.finished or self._handle.cancelled:
                 with contextlib.suppress(Exception):
                     await backend.engine.abort(self._vllm_id)
-            backend._done()
+            self._release()
         while self._events:
             event = self._events.pop(0)
             yield event
