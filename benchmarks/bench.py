@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.doc import replace_section
+
 CONCURRENCY = (1, 4, 16)
 
 
@@ -128,7 +130,9 @@ def through_server(engine: str, model_name: str, max_new: int, requests_per_stre
 
     rows = []
     args = ["--model", model_name, "--engine", engine, *extra]
-    with ServerProcess(args, ready_timeout=600) as server:
+    # The vllm engine runs in its own venv (`make setup-vllm`): vLLM pins its own torch and transformers.
+    python = os.environ.get("VLLM_PYTHON", ".venv-vllm/bin/python") if engine == "vllm" else None
+    with ServerProcess(args, ready_timeout=900, python=python) as server:
         # One short warm-up round so lazy initialisation is not counted.
         run_bench(server.target, concurrency=1, requests=1, max_new_tokens=4)
         for concurrency in CONCURRENCY:
@@ -313,9 +317,9 @@ def targets(rows: list[Row], ab: SingleStreamAB | None) -> list[tuple[str, str, 
 
 def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
     lines = [
-        "# Benchmarks",
+        "## In-process `generate` and the tokenwire engines (`make bench`)",
         "",
-        "Written by `make bench` (`python -m benchmarks.bench`); do not edit by hand.",
+        f"Written by `{meta['command']}`; do not edit by hand.",
         "Every row ran in the same invocation on the same machine, one after another; the",
         "machine is shared and noisy, so compare the ratios, not the absolute figures.",
         "",
@@ -325,7 +329,7 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
         "`generate` it is the batch size (static batch: all rows start and end together).",
         "Latencies are milliseconds, seen by the client. ITL = gap between streamed tokens.",
         "",
-        "## Machine",
+        "### Machine",
         "",
         "| | |",
         "|---|---|",
@@ -333,7 +337,7 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
     lines += [f"| {k} | {v} |" for k, v in meta["machine"].items()]
     lines += [f"| run at | {meta['when']} |", f"| model | {meta['model']} (float32) |", ""]
     lines += [
-        "## Results",
+        "### Results",
         "",
         "| engine | c | requests | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p50 | e2e p99 | peak RSS MB | errors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -344,7 +348,7 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
             f"| {r.engine} | {r.concurrency} | {r.requests} | {r.tokens_per_s:.1f} | {_fmt(r.ttft_p50)} | {_fmt(r.ttft_p99)} "
             f"| {_fmt(r.itl_p50)} | {_fmt(r.itl_p99)} | {_fmt(r.e2e_p50, 0)} | {_fmt(r.e2e_p99, 0)} | {_fmt(r.peak_rss_mb, 0)} | {errors} |"
         )
-    lines += ["", "## Ratios", ""]
+    lines += ["", "### Ratios", ""]
     base_simple = {r.concurrency: r for r in rows if r.engine == "server --engine simple"}
     lines += ["| c | batched / simple | batched / in-process generate |", "|---:|---:|---:|"]
     for c in CONCURRENCY:
@@ -357,7 +361,7 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
         )
     lines += [
         "",
-        "## Targets",
+        "### Targets",
         "",
         "The single-stream targets compare the batched server with in-process `generate` in",
         "interleaved pairs (one request each, same prompt, alternating), because two runs minutes",
@@ -370,8 +374,8 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
         lines.append(f"| {name} | {measured} | {'yes' if met else 'NO'} |")
     lines += ["", "![throughput and inter-token latency against concurrency](benchmarks.png)", ""]
     if meta.get("notes"):
-        lines += ["## Notes", ""] + [f"- {n}" for n in meta["notes"]] + [""]
-    path.write_text("\n".join(lines))
+        lines += ["### Notes", ""] + [f"- {n}" for n in meta["notes"]] + [""]
+    replace_section(path, "bench", "\n".join(lines))
 
 
 def plot(path: Path, rows: list[Row]) -> None:
@@ -434,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"server --engine {engine} ...", file=sys.stderr, flush=True)
         rows.extend(through_server(engine, args.model, args.max_new_tokens, args.requests_per_stream, args.server_arg))
     meta = {
+        "command": ("python -m benchmarks.bench " + " ".join(argv if argv is not None else sys.argv[1:])).strip(),
         "machine": machine(),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "model": args.model if args.model != "default" else "SmolLM2-135M-Instruct (default)",

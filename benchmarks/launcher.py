@@ -6,6 +6,7 @@ It listens on 127.0.0.1 port 0; the bound port is read back from the server's ow
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,13 +35,25 @@ def health_check(
 class ServerProcess:
     """A `python -m tokenwire_server` child process with JSON logs captured."""
 
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, ready_timeout: float = 180.0) -> None:
-        cmd = [sys.executable, "-m", "tokenwire_server", "--host", "127.0.0.1", "--port", "0", "--log-format", "json", *args]
+    def __init__(
+        self,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        ready_timeout: float = 180.0,
+        python: str | None = None,
+    ) -> None:
+        """``python``: the interpreter to run it with (another venv's, e.g. .venv-vllm's);
+        this one by default. The server leads its own process group, so that stopping it
+        also stops the processes it started (vLLM's engine core and workers)."""
+        python = python or sys.executable
+        cmd = [python, "-m", "tokenwire_server", "--host", "127.0.0.1", "--port", "0", "--log-format", "json", *args]
         full_env = dict(os.environ)
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self.args = list(args)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
+        )
         self.lines: list[str] = []
         self.records: list[dict] = []
         self.port = 0
@@ -108,6 +121,8 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever it started and left behind
 
     def __enter__(self) -> ServerProcess:
         return self

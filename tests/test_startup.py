@@ -57,15 +57,21 @@ def test_bad_flag_values_are_usage_errors():
     result = run_server("--default-max-new-tokens", "5000", "--max-new-tokens-limit", "100")
     assert result.returncode == 2
     assert "--default-max-new-tokens must not exceed" in result.stderr
+    result = run_server("--torch-threads", "-1")
+    assert result.returncode == 2
+    assert "--torch-threads must not be negative" in result.stderr
 
 
 def test_prints_resolved_configuration_once(tiny_model_dir: Path):
     from servers import ServerProcess
 
-    with ServerProcess(["--model", str(tiny_model_dir), "--max-queue", "5"], env={"TOKENWIRE_WORKERS": "3"}) as server:
+    args = ["--model", str(tiny_model_dir), "--max-queue", "5", "--torch-threads", "1"]
+    with ServerProcess(args, env={"TOKENWIRE_WORKERS": "3"}) as server:
         lines = [line for line in server.lines if line.startswith("tokenwire-server configuration:")]
         assert len(lines) == 1
         assert '"max_queue": 5' in lines[0] and '"workers": 3' in lines[0]
+        # --torch-threads is applied, not only parsed: the server reports what torch uses
+        assert [record["threads"] for record in server.find("torch")] == [1]
 
 
 def test_readme_configuration_table_lists_every_flag():

@@ -48,6 +48,26 @@ def small_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
         yield server
 
 
+def gauge(server: ServerProcess, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not exported")
+
+
+def wait_for_gauges(server: ServerProcess, active: int, queued: int, within_s: float = 30) -> None:
+    """Wait until the server itself reports these counts (a fixed sleep raced on a loaded CI machine)."""
+    deadline = time.monotonic() + within_s
+    seen = (-1.0, -1.0)
+    while time.monotonic() < deadline:
+        seen = (gauge(server, "tokenwire_active_streams"), gauge(server, "tokenwire_queue_depth"))
+        if seen == (active, queued):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"active/queued stayed {seen}, expected {(active, queued)}")
+
+
 def test_model_info_names_the_vllm_engine(small_server: ServerProcess) -> None:
     with grpc.insecure_channel(small_server.target) as channel:
         info = pb_grpc.TextGenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
@@ -59,10 +79,12 @@ def test_model_info_names_the_vllm_engine(small_server: ServerProcess) -> None:
 def test_past_active_plus_queue_is_resource_exhausted_before_the_first_chunk(small_server: ServerProcess) -> None:
     with grpc.insecure_channel(small_server.target) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
-        held = [stub.Generate(long_request(), timeout=300) for _ in range(4)]
+        # 1,000 tokens (the tiny model's context is 1,024) keep the two slots busy for
+        # far longer than the check below takes, even on a fast machine.
+        held = [stub.Generate(long_request(1000), timeout=300) for _ in range(4)]
         for call in held[:2]:
             next(call)
-        time.sleep(0.5)  # the other two are queued
+        wait_for_gauges(small_server, active=2, queued=2)
         with pytest.raises(grpc.RpcError) as caught:
             list(stub.Generate(long_request(4), timeout=30))
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -97,6 +119,22 @@ def test_vllm_gauges_are_exported(small_server: ServerProcess) -> None:
     assert "tokenwire_vllm_kv_cache_usage_ratio" in text
     assert "tokenwire_vllm_prefix_cache_hit_ratio" in text
     assert 'tokenwire_requests_total{code="OK",method="Generate"}' in text
+
+
+def test_kv_gauges_follow_vllm_cache_so_the_kv_alert_works(small_server: ServerProcess) -> None:
+    # The KV alert divides tokenwire_kv_cache_tokens_reserved by _budget: both must be live on vLLM.
+    budget = gauge(small_server, "tokenwire_kv_cache_tokens_budget")
+    assert budget > 0
+    with grpc.insecure_channel(small_server.target) as channel:
+        call = pb_grpc.TextGenerationStub(channel).Generate(long_request(1000), timeout=120)
+        next(call)
+        deadline = time.monotonic() + 30
+        reserved = 0.0
+        while time.monotonic() < deadline and reserved == 0:
+            reserved = gauge(small_server, "tokenwire_kv_cache_tokens_reserved")
+            time.sleep(0.1)
+        call.cancel()
+    assert 0 < reserved <= budget
 
 
 def test_drain_lets_the_stream_in_flight_finish(tiny_model_dir: Path) -> None:

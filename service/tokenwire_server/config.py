@@ -35,6 +35,7 @@ class ServerConfig:
     kv_cache_tokens: int = 0
     max_prefill_tokens: int = 64
     batch_window_ms: float = 10.0
+    torch_threads: int = 0
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 2048
     max_stop_sequences: int = 16
@@ -108,6 +109,7 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "kv_cache_tokens": ("KV-cache budget in tokens over all active streams (0: max_active x min(context, 2048))", None),
     "max_prefill_tokens": ("batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new arrival causes them)", None),
     "batch_window_ms": ("batched engine: under concurrent load, how long a batch starting from empty waits for requests still arriving, so they share one prefill (0: never wait)", None),
+    "torch_threads": ("batched and simple engines: threads torch computes with (0: torch's default, one per core); on a small machine one fewer leaves a core to the gRPC loop", None),
     "default_max_new_tokens": ("max_new_tokens when a request leaves it unset", None),
     "max_new_tokens_limit": ("cap on max_new_tokens; above it is INVALID_ARGUMENT", None),
     "max_stop_sequences": ("most stop sequences per request", None),
@@ -191,6 +193,8 @@ def validate_config(config: ServerConfig) -> list[str]:
     for name in ("workers", "tensor_parallel_size", "pipeline_parallel_size", "max_active", "max_prefill_tokens", "default_max_new_tokens", "max_new_tokens_limit", "max_message_bytes"):
         if getattr(config, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be at least 1")
+    if config.torch_threads < 0:
+        errors.append("--torch-threads must not be negative")
     if config.max_queue < 0 or config.kv_cache_tokens < 0:
         errors.append("--max-queue and --kv-cache-tokens must not be negative")
     if config.metrics_port < -1:

@@ -149,6 +149,11 @@ class TokenwireServer:
             log.info("gpu", extra=gpu)
         if config.engine == "vllm":
             return self._build_vllm_backend()
+        import torch
+
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        log.info("torch", extra={"version": torch.__version__, "threads": torch.get_num_threads()})
         loaded = load_model(config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir)
         kv_tokens = config.effective_kv_cache_tokens(loaded.context_length)
         free = free_device_memory(loaded)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,22 +29,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture
-def in_process_server(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
-    """Factory of servers in this process (for fault injection into their model); drained after."""
-    from typing import Any
+def in_process_server(tiny_model_dir: Path) -> Iterator[Callable[..., Any]]:
+    """The production tests' factory of in-process servers (production_support.py)."""
+    from production_support import in_process_servers
 
-    from production_support import InProcessServer
-    from tokenwire_server.config import ServerConfig
-
-    started: list[InProcessServer] = []
-
-    def start(**overrides: Any) -> InProcessServer:
-        fields: dict[str, Any] = dict(model=str(tiny_model_dir), host="127.0.0.1", port=0, grace_period=5.0)
-        fields.update(overrides)
-        server = InProcessServer(ServerConfig(**fields))
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.close()
+    with in_process_servers(tiny_model_dir) as start:
+        yield start

@@ -5,31 +5,19 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from production_support import InProcessServer, Pki, make_pki  # noqa: E402
-from tokenwire_server.config import ServerConfig  # noqa: E402
+from production_support import InProcessServer, Pki, in_process_servers, make_pki  # noqa: E402
 
 
 @pytest.fixture
 def in_process_server(tiny_model_dir: Path) -> Iterator[Callable[..., InProcessServer]]:
     """Factory: ``in_process_server(engine="simple", stall_timeout=1.0)``; each server is drained after the test."""
-    started: list[InProcessServer] = []
-
-    def start(**overrides: Any) -> InProcessServer:
-        fields: dict[str, Any] = dict(model=str(tiny_model_dir), host="127.0.0.1", port=0, grace_period=5.0)
-        fields.update(overrides)
-        server = InProcessServer(ServerConfig(**fields))
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.close()
+    with in_process_servers(tiny_model_dir) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,12 @@ themselves are registered in conftest.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import ipaddress
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,26 @@ class Pki:
             key, chain = self.client_key.read_bytes(), self.client_cert.read_bytes()
             return grpc.ssl_channel_credentials(self.ca_cert.read_bytes(), key, chain)
         return grpc.ssl_channel_credentials(self.ca_cert.read_bytes())
+
+
+@contextlib.contextmanager
+def in_process_servers(model_dir: Path) -> Iterator[Callable[..., InProcessServer]]:
+    """A factory of servers in this process, ``start(engine="simple", stall_timeout=1.0)``,
+    each drained at the end (for fault injection into their model)."""
+    started: list[InProcessServer] = []
+
+    def start(**overrides: Any) -> InProcessServer:
+        fields: dict[str, Any] = dict(model=str(model_dir), host="127.0.0.1", port=0, grace_period=5.0)
+        fields.update(overrides)
+        server = InProcessServer(ServerConfig(**fields))
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.close()
 
 
 def make_pki(folder: Path) -> Pki:

