@@ -13,6 +13,7 @@ import os
 import pty
 import subprocess
 import sys
+import time
 
 import pexpect
 import pytest
@@ -39,6 +40,28 @@ class Terminal:
         finally:
             os.close(slave)
         self.io = fdpexpect.fdspawn(master, encoding="utf-8", timeout=10)
+
+    def wait_until_reading(self, timeout: float = 10.0) -> None:
+        """Wait until the child's main thread blocks for terminal input (readline's select).
+
+        The prompt is written just before that wait begins. A SIGINT landing in between
+        only sets Python's flag, and nothing looks at it until a key arrives: a Ctrl-C sent
+        the moment "> " shows can be lost on a loaded machine (a person is never that
+        fast). So Ctrl-C at the prompt is sent once the child is really waiting."""
+        wchan = f"/proc/{self.process.pid}/task/{self.process.pid}/wchan"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                where = open(wchan).read()
+            except OSError:
+                where = ""
+            if "poll" in where or "select" in where:
+                return
+            if where in ("", "0"):  # this kernel does not say: give it a moment instead
+                time.sleep(0.5)
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"the chat never waited for input ({where!r})")
 
     def exit_status(self) -> int:
         self.io.expect(pexpect.EOF)
@@ -97,6 +120,7 @@ def test_ctrl_c_cancels_the_answer_not_the_session(terminal, fake):
     roles = [m.role for m in fake.servicer.requests[-1].chat.messages]
     assert roles == ["system", "user"]
     # Ctrl-C at the prompt does not quit either; Ctrl-D does.
+    terminal.wait_until_reading()
     chat.send(CTRL_C)
     chat.expect_exact("> ")
     chat.send(CTRL_D)

@@ -26,11 +26,15 @@ PINGING_CLIENT = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-ONE_SLOT = ["--max-active", "1", "--max-queue", "3"]
+ONE_SLOT = ["--max-active", "1", "--max-queue", "8"]
+# The strict server cuts the pinging client at about its fourth ping (one allowed, then
+# three strikes): some 4 s. Eight 1000-token streams ahead keep the short request waiting
+# well past that on any machine (three did not always: a fast run served it at ~4 s).
+BUSY_STREAMS = 8
 
 
 def wait_behind_long_streams(server: ServerProcess) -> tuple[grpc.StatusCode, list[pb.TokenChunk]]:
-    """Hold the only slot with three 1000-token streams (one running, two queued) on one channel,
+    """Hold the only slot with BUSY_STREAMS 1000-token streams (one running, the rest queued) on one channel,
     then send a short request on a pinging channel: it waits silently in the queue behind them,
     long enough for the pinging client to send more pings than a strict server tolerates
     (gRPC closes the connection after its third early ping)."""
@@ -38,7 +42,7 @@ def wait_behind_long_streams(server: ServerProcess) -> tuple[grpc.StatusCode, li
         server.target, options=PINGING_CLIENT
     ) as pinging:
         busy_stub = pb_grpc.TextGenerationStub(busy_channel)
-        busy = [busy_stub.Generate(long_request(1000), timeout=120) for _ in range(3)]
+        busy = [busy_stub.Generate(long_request(1000), timeout=120) for _ in range(BUSY_STREAMS)]
         next(busy[0])
         try:
             chunks = list(pb_grpc.TextGenerationStub(pinging).Generate(short_request(), timeout=120))
