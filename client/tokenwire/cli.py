@@ -385,6 +385,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
+        if threading.current_thread() is threading.main_thread():
+            # An interactive session owns Ctrl-C: it cancels an answer or clears the line.
+            # A process started in the background by a non-interactive shell (a CI job,
+            # `cmd &` in a script) inherits SIGINT ignored, and Ctrl-C at the prompt
+            # would then do nothing.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     options = _options(args)
     start: list[Message] = [Message("system", args.system)] if args.system else []
     history = list(start)
