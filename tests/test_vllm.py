@@ -77,11 +77,16 @@ def test_model_info_names_the_vllm_engine(small_server: ServerProcess) -> None:
 
 
 def test_past_active_plus_queue_is_resource_exhausted_before_the_first_chunk(small_server: ServerProcess) -> None:
-    with grpc.insecure_channel(small_server.target) as channel:
+    # vLLM runs the tiny model so fast that 1,000 tokens can be done in about a second,
+    # before the check below. So the held calls are made unable to finish: their client
+    # reads nothing, and with a small receive window (no BDP growth) and ~200-byte chunks
+    # (ids and 5 alternatives per token) the server's writes stall after a few chunks.
+    # Until a stream is written out it counts as in flight, whatever vLLM has computed.
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    with grpc.insecure_channel(small_server.target, options=options) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
-        # 1,000 tokens (the tiny model's context is 1,024) keep the two slots busy for
-        # far longer than the check below takes, even on a fast machine.
-        held = [stub.Generate(long_request(1000), timeout=300) for _ in range(4)]
+        heavy = pb.OutputOptions(token_ids=True, logprobs=True, top_logprobs=5)
+        held = [stub.Generate(long_request(1000, output=heavy), timeout=300) for _ in range(4)]
         for call in held[:2]:
             next(call)
         wait_for_gauges(small_server, active=2, queued=2)
