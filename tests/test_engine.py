@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+from engine_support import Recorder, run_all
 from tokenwire_server.domain import (
     EngineOverloaded,
-    ErrorEvent,
     FinishEvent,
     FinishReason,
     GenerationRequest,
@@ -27,29 +27,6 @@ def loaded(tiny_model_dir: Path):
     return load_model(str(tiny_model_dir))
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list = []
-        self.done = threading.Event()
-
-    def __call__(self, event) -> None:
-        self.events.append(event)
-        if isinstance(event, FinishEvent | ErrorEvent):
-            self.done.set()
-
-    @property
-    def text(self) -> str:
-        return "".join(e.text for e in self.events if not isinstance(e, ErrorEvent))
-
-    @property
-    def last(self):
-        return self.events[-1]
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t.id for e in self.events if not isinstance(e, ErrorEvent) for t in e.tokens]
-
-
 def ids(loaded, text: str) -> list[int]:
     return loaded.tokenizer(text)["input_ids"]
 
@@ -57,16 +34,6 @@ def ids(loaded, text: str) -> list[int]:
 def request(loaded, rid: str, text: str, max_new: int = 16, **kwargs) -> GenerationRequest:
     sampling = kwargs.pop("sampling", SamplingOptions(temperature=0.0))
     return GenerationRequest(rid, ids(loaded, text), sampling, max_new, want_tokens=True, **kwargs)
-
-
-def run_all(engine, requests, timeout=60.0):
-    recorders = [Recorder() for _ in requests]
-    for req, rec in zip(requests, recorders, strict=True):
-        rec.request = req
-        engine.submit(req, rec)
-    for rec in recorders:
-        assert rec.done.wait(timeout), "request did not finish"
-    return recorders
 
 
 @pytest.fixture(params=["batched", "simple"])

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from engine_support import Recorder
+from engine_support import run_all as run_requests
 from tokenwire_server.domain import (
     ErrorEvent,
     FinishEvent,
@@ -34,25 +35,6 @@ from tokenwire_server.model import LoadedModel, load_model
 pytestmark = pytest.mark.timeout(600)
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-        self.done = threading.Event()
-
-    def __call__(self, event: Any) -> None:
-        self.events.append(event)
-        if isinstance(event, FinishEvent | ErrorEvent):
-            self.done.set()
-
-    @property
-    def text(self) -> str:
-        return "".join(e.text for e in self.events if not isinstance(e, ErrorEvent))
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t.id for e in self.events if not isinstance(e, ErrorEvent) for t in e.tokens]
-
-
 def make_request(rid: str, prompt: list[int], max_new: int, sampling: SamplingOptions | None = None) -> GenerationRequest:
     return GenerationRequest(
         rid, list(prompt), sampling or SamplingOptions(temperature=0.0), max_new, ignore_eos=True, want_tokens=True
@@ -60,12 +42,10 @@ def make_request(rid: str, prompt: list[int], max_new: int, sampling: SamplingOp
 
 
 def run_all(engine: Any, requests: list[GenerationRequest], timeout: float = 300.0) -> list[Recorder]:
-    recorders = [Recorder() for _ in requests]
-    for req, rec in zip(requests, recorders, strict=True):
-        engine.submit(req, rec)
+    """engine_support.run_all, and each request must have finished (no error)."""
+    recorders = run_requests(engine, requests, timeout)
     for rec in recorders:
-        assert rec.done.wait(timeout), "request did not finish"
-        assert isinstance(rec.events[-1], FinishEvent), rec.events[-1]
+        assert isinstance(rec.last, FinishEvent), rec.last
     return recorders
 
 

@@ -1,0 +1,47 @@
+"""What the engine tests share: a sink that records a request's events, and a helper
+that runs requests on an engine and waits for all of them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from tokenwire_server.domain import ErrorEvent, FinishEvent, GenerationRequest
+
+
+class Recorder:
+    """An engine sink: every event of one request, and ``done`` once it ends."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.done = threading.Event()
+        self.request: GenerationRequest | None = None
+
+    def __call__(self, event: Any) -> None:
+        self.events.append(event)
+        if isinstance(event, FinishEvent | ErrorEvent):
+            self.done.set()
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events if not isinstance(e, ErrorEvent))
+
+    @property
+    def last(self) -> Any:
+        return self.events[-1]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.id for e in self.events if not isinstance(e, ErrorEvent) for t in e.tokens]
+
+
+def run_all(engine: Any, requests: Sequence[GenerationRequest], timeout: float = 60.0) -> list[Recorder]:
+    """Submit every request at once; wait until each has ended."""
+    recorders = [Recorder() for _ in requests]
+    for req, rec in zip(requests, recorders, strict=True):
+        rec.request = req
+        engine.submit(req, rec)
+    for rec in recorders:
+        assert rec.done.wait(timeout), "request did not finish"
+    return recorders
