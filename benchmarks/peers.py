@@ -104,12 +104,13 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and all its descendants (launcher.process_status each)."""
+    from benchmarks.launcher import process_status
+
     total = 0
     for p in process_tree(pid):
         with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
+            total += process_status(p).get("rss_kib", 0)
     return total / 1024
 
 
