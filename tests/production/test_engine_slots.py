@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import engine_support
 import pytest
 from tokenwire_server.domain import (
     ErrorEvent,
@@ -37,18 +38,17 @@ def engine(loaded: LoadedModel) -> Iterator[object]:
     engine.close()
 
 
-class Recorder:
+class Recorder(engine_support.Recorder):
+    """The engine tests' recorder, plus ``first_text``: set at the first streamed text."""
+
     def __init__(self) -> None:
-        self.events: list[object] = []
+        super().__init__()
         self.first_text = threading.Event()
-        self.done = threading.Event()
 
     def __call__(self, event: object) -> None:
-        self.events.append(event)
+        super().__call__(event)
         if isinstance(event, TextEvent):
             self.first_text.set()
-        if isinstance(event, FinishEvent | ErrorEvent):
-            self.done.set()
 
 
 def request(request_id: str, tokens: int, deadline: float | None = None) -> GenerationRequest:
