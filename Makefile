@@ -91,7 +91,7 @@ lint: $(STAMP) ## ruff, mypy strict (client and server), buf lint, hadolint
 	$(BIN)/buf lint
 	$(BIN)/hadolint Dockerfile
 
-bench: model ## benchmark in-process generate vs the simple and batched engines; writes docs/benchmarks.md
+bench: model ## benchmark in-process generate vs the simple and batched engines (BENCH_ARGS="--engines simple,batched,vllm"); writes its section of docs/benchmarks.md
 	$(PY) -m benchmarks.bench $(BENCH_ARGS)
 
 bench-levers: model ## do torch.compile / int8 weights pay on this CPU? decode-step speed and int8 quality; writes its section of docs/benchmarks.md
