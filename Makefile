@@ -28,7 +28,7 @@ SERVER_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.tokenwire-setup
 
-.PHONY: help setup model run test test-fast proto check-proto lint bench bench-peers bench-levers soak clean setup-vllm test-vllm js-deps test-gpu
+.PHONY: help setup model run test test-fast proto check-proto lint bench bench-peers bench-levers bench-kernels soak clean setup-vllm test-vllm js-deps test-gpu
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -96,6 +96,9 @@ bench: model ## benchmark in-process generate vs the simple and batched engines 
 
 bench-levers: model ## do torch.compile / int8 weights pay on this CPU? decode-step speed and int8 quality; writes its section of docs/benchmarks.md
 	$(PY) -m benchmarks.cpu_levers $(LEVERS_ARGS)
+
+bench-kernels: model ## which GEMM reads the model's weights fastest on this CPU (F.linear, oneDNN-packed, int8, int4)? writes its section of docs/benchmarks.md
+	$(PY) -m benchmarks.cpu_kernels $(KERNELS_ARGS)
 
 soak: model ## N minutes of mixed traffic against a local server; writes docs/reliability.md figures
 	$(PY) -m benchmarks.soak $(SOAK_ARGS)

@@ -35,13 +35,24 @@ def child(case: str, max_new: int) -> dict[str, Any]:
     from tokenwire_server.engine.base import EngineLimits
     from tokenwire_server.model import load_model, prepare_default_model
 
-    loaded = load_model(str(prepare_default_model()), device="cpu", dtype="float32")
+    built: dict[str, Any] = {}
+
+    def build() -> None:
+        # In a thread that ends, as the server does (server.in_passing_thread): a thread
+        # that ran torch in parallel and lives on keeps a second OpenMP pool, which
+        # slows the engine loop's.
+        built["loaded"] = load_model(str(prepare_default_model()), device="cpu", dtype="float32")
+        built["engine"] = create_engine("batched", built["loaded"], EngineLimits(16, 16, 16 * 2048), workers=1)
+
+    loader = threading.Thread(target=build)
+    loader.start()
+    loader.join()
+    loaded, engine = built["loaded"], built["engine"]
     tok = loaded.tokenizer
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False)
         for p in DEFAULT_PROMPTS
     ]
-    engine = create_engine("batched", loaded, EngineLimits(16, 16, 16 * 2048), workers=1)
     engine.start()
 
     class Sink:

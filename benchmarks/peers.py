@@ -39,10 +39,11 @@ from typing import Any
 from benchmarks.bench import in_process, machine
 from benchmarks.doc import replace_section
 
-SYSTEMS = ("generate", "batched", "batched-1t", "tokenwire-vllm", "vllm-openai")
+SYSTEMS = ("generate", "batched", "batched-hf", "batched-1t", "tokenwire-vllm", "vllm-openai")
 LABELS = {
     "generate": "in-process `generate`",
     "batched": "tokenwire batched (gRPC)",
+    "batched-hf": "tokenwire batched, transformers' forward (gRPC)",
     "batched-1t": "tokenwire batched, 1 torch thread (gRPC)",
     "tokenwire-vllm": "tokenwire on vLLM (gRPC)",
     "vllm-openai": "vLLM OpenAI server (HTTP)",
@@ -419,11 +420,9 @@ def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) 
     try:
         for system in systems:
             began = time.monotonic()
-            if system in ("batched", "batched-1t"):
-                threads = ["--torch-threads", "1"] if system == "batched-1t" else []
-                servers[system] = ServerProcess(
-                    ["--model", args.model, "--engine", "batched", *threads], ready_timeout=900
-                )
+            if system in ("batched", "batched-hf", "batched-1t"):
+                extra = {"batched": [], "batched-hf": ["--forward", "transformers"], "batched-1t": ["--torch-threads", "1"]}[system]
+                servers[system] = ServerProcess(["--model", args.model, "--engine", "batched", *extra], ready_timeout=900)
             elif system == "tokenwire-vllm":
                 servers[system] = ServerProcess(
                     ["--model", args.model, "--engine", "vllm", "--kv-cache-tokens", str(args.kv_cache_tokens), *eager],

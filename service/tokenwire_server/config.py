@@ -33,9 +33,10 @@ class ServerConfig:
     max_active: int = 16
     max_queue: int = 64
     kv_cache_tokens: int = 0
-    max_prefill_tokens: int = 64
+    max_prefill_tokens: int = 24
     batch_window_ms: float = 10.0
     torch_threads: int = 0
+    forward: str = "auto"
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 2048
     max_stop_sequences: int = 16
@@ -110,6 +111,12 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "max_prefill_tokens": ("batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new arrival causes them)", None),
     "batch_window_ms": ("batched engine: under concurrent load, how long a batch starting from empty waits for requests still arriving, so they share one prefill (0: never wait)", None),
     "torch_threads": ("batched and simple engines: threads torch computes with (0: torch's default, one per core); on a small machine one fewer leaves a core to the gRPC loop", None),
+    "forward": (
+        "batched engine: auto: on a CPU, its own forward pass for Llama-shaped models (prompt chunks and decode rows "
+        "in one pass, oneDNN-prepacked fp32 weights), else transformers' forward; native: insist on it (also on a GPU); "
+        "transformers: always the model's own forward",
+        ("auto", "native", "transformers"),
+    ),
     "default_max_new_tokens": ("max_new_tokens when a request leaves it unset", None),
     "max_new_tokens_limit": ("cap on max_new_tokens; above it is INVALID_ARGUMENT", None),
     "max_stop_sequences": ("most stop sequences per request", None),

@@ -74,8 +74,10 @@ def test_out_of_memory_is_resource_exhausted_and_the_server_goes_on(
     in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server = in_process_server(device="cuda")
-    model = server.backend.loaded.model
-    forward = model.forward
+    engine = server.backend.engine
+    # the batched engine's own pass where it runs one, else the model's forward
+    owner, name = (engine, "_native") if getattr(engine, "forward", None) == "native" else (server.backend.loaded.model, "forward")
+    forward = getattr(owner, name)
     calls = {"n": 0}
 
     def failing(*args: object, **kwargs: object) -> object:
@@ -84,7 +86,7 @@ def test_out_of_memory_is_resource_exhausted_and_the_server_goes_on(
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", failing)
+    monkeypatch.setattr(owner, name, failing)
     stub = generation_stub(server.target)
     with pytest.raises(grpc.RpcError) as caught:
         list(stub.Generate(short_request(), timeout=30))

@@ -37,11 +37,12 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class ForwardFault:
-    """Stands in for ``model.forward``: raises ``error`` on call number ``at`` (counted from arming),
-    or blocks while ``gate`` is closed; otherwise runs the real forward."""
+    """Stands in for the engine's forward pass (the batched engine's native pass, or
+    ``model.forward``): raises ``error`` on call number ``at`` (counted from arming), or
+    blocks while ``gate`` is closed; otherwise runs the real forward."""
 
-    def __init__(self, model: Any) -> None:
-        self._forward = model.forward
+    def __init__(self, forward: Any) -> None:
+        self._forward = forward
         self.calls = 0
         self.error: BaseException | None = None
         self.at = 0
@@ -61,8 +62,13 @@ class ForwardFault:
 
 
 def inject(server: InProcessServer, monkeypatch: pytest.MonkeyPatch) -> ForwardFault:
+    engine = server.backend.engine
+    if getattr(engine, "forward", None) == "native":  # the batched engine's own pass
+        fault = ForwardFault(engine._native)
+        monkeypatch.setattr(engine, "_native", fault)
+        return fault
     model = server.backend.loaded.model
-    fault = ForwardFault(model)
+    fault = ForwardFault(model.forward)
     monkeypatch.setattr(model, "forward", fault)
     return fault
 

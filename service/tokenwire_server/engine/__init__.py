@@ -18,12 +18,20 @@ ENGINES = ("batched", "simple")
 
 
 def create_engine(
-    name: str, loaded: LoadedModel, limits: EngineLimits, workers: int, observer: EngineObserver | None = None
+    name: str,
+    loaded: LoadedModel,
+    limits: EngineLimits,
+    workers: int,
+    observer: EngineObserver | None = None,
+    forward: str = "auto",
+    own_weights: bool = False,
 ) -> Engine:
+    """``own_weights``: the engine may drop the model's plain weights where it keeps its
+    own (packed) copy; the model's own ``forward`` cannot run afterwards."""
     if name == "batched":
         from .batched import BatchedEngine
 
-        return BatchedEngine(loaded, limits, observer)
+        return BatchedEngine(loaded, limits, observer, forward=forward, own_weights=own_weights)
     if name == "simple":
         from .simple import SimpleEngine
 

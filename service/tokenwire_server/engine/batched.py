@@ -12,13 +12,18 @@ Each step of the loop:
    waiting requests take free slots while the KV budget allows
    (``--kv-cache-tokens`` stays an admission limit: a request waits until its worst
    case fits).
-2. Prefill: prompts are read into their slots. While other rows decode, at most
-   ``max_prefill_tokens`` prompt tokens are read per step (chunked prefill), so a long
-   prompt slows the others a little at each step instead of freezing them for its
-   whole prefill. With nobody decoding, the waiting prompts are read at once.
-3. Decode: one forward pass for slots ``[0, highest in use]``, one token per row.
-   Idle slots in that range (rare: the lowest free slot is always taken first) are
-   masked out and write to a scratch column.
+2. One forward pass (``--forward native``, the default for Llama-shaped models,
+   ``native.NativeForward``): every decoding row's next token and, while anyone
+   decodes, up to ``max_prefill_tokens`` tokens of waiting prompts (chunked prefill),
+   together, so a long prompt slows the others a little at each step instead of
+   freezing them. With nobody decoding, the waiting prompts are read at once. Rows
+   that decoded and rows whose prompt this chunk completed pick their tokens together.
+
+   With transformers' forward (``--forward transformers``, or a model the native pass
+   does not know) the step runs two passes: the prompt chunks, then one decode pass for
+   slots ``[0, highest in use]``, one token per row; idle slots in that range (rare:
+   the lowest free slot is always taken first) are masked out and write to a scratch
+   column.
 
 Rows are at different lengths: each row has its own position ids and a 4D attention
 mask hides the columns past its own length, so a row computes what it would alone.
@@ -45,6 +50,7 @@ from ..domain import EngineObserver, EngineStats, ErrorKind, FinishReason, Gener
 from ..model import LoadedModel
 from .base import Engine, EngineLimits
 from .generation import Generation
+from .native import NativeForward, Segment, unsupported_reason
 from .sampling import Sampler
 from .slots import SlotCache, layer_placements
 
@@ -53,6 +59,11 @@ log = logging.getLogger(__name__)
 # With no stream decoding, waiting prompts are read at once, but at most this many
 # prompt tokens per forward pass (bounds the attention matrix of a very long prompt).
 IDLE_PREFILL_TOKENS = 2048
+
+# ``auto``: the engine's own pass (``native.NativeForward``) where the model is
+# Llama-shaped, else transformers' forward; ``native`` insists; ``transformers``
+# always takes the model's own forward (one prefill pass, then one decode pass).
+FORWARDS = ("auto", "native", "transformers")
 
 
 def _per_row_logits() -> bool:
@@ -93,8 +104,17 @@ class Row:
 class BatchedEngine(Engine):
     name = "batched"
 
-    def __init__(self, loaded: LoadedModel, limits: EngineLimits, observer: EngineObserver | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        limits: EngineLimits,
+        observer: EngineObserver | None = None,
+        forward: str = "auto",
+        own_weights: bool = False,
+    ) -> None:
         super().__init__(loaded, limits, observer)
+        if forward not in FORWARDS:
+            raise ValueError(f"unknown forward {forward!r}; expected one of {', '.join(FORWARDS)}")
         self._sampler = Sampler(loaded.eos_token_ids)
         self._rows: list[Row] = []  # in admission order
         self._free = list(range(limits.max_active))
@@ -112,6 +132,25 @@ class BatchedEngine(Engine):
         placements = layer_placements(loaded.model, layers, loaded.device, loaded.model.dtype)
         self._cache = SlotCache(limits.max_active, self.capacity, kv_heads, head_dim, placements)
         self._mask_dtype = loaded.model.dtype if loaded.model.dtype.is_floating_point else torch.float32
+        reason = unsupported_reason(loaded.model)
+        if forward == "native" and reason is not None:
+            raise ValueError(f"--forward native cannot run this model: {reason}")
+        self._native: NativeForward | None = None
+        if forward == "auto" and reason is None and loaded.device.type != "cpu":
+            # Measured and tested on a CPU only; on a GPU ``auto`` keeps transformers'
+            # forward until the native pass has been run there (``--forward native`` opts in).
+            reason = f"auto takes the native pass on a CPU only (device {loaded.device.type})"
+        if forward != "transformers" and reason is None:
+            self._native = NativeForward(loaded.model, self._cache, limits.max_active, release_weights=own_weights)
+        self.forward = "native" if self._native is not None else "transformers"
+        log.info(
+            "batched engine forward pass",
+            extra={
+                "forward": self.forward,
+                "onednn_packed": bool(self._native and self._native.packed),
+                "why_not_native": reason if self._native is None else None,
+            },
+        )
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -144,13 +183,18 @@ class BatchedEngine(Engine):
             try:
                 self._retire(expire=True)
                 self._join()
+                if self._native is not None:
+                    if self._rows:
+                        self._step()
+                    continue
                 if any(not row.decoding for row in self._rows):
                     self._prefill()
                 if any(row.decoding for row in self._rows):
                     self._decode()
             except Exception as exc:  # a failed step fails its batch, never the loop
                 self._fail(self._rows, exc)
-            self._mark_progress()
+            finally:
+                self._mark_progress()
         for row in self._rows:
             row.seq.fail(ErrorKind.SHUTDOWN, "the server stopped before this request finished")
         self._leave(list(self._rows))
@@ -204,6 +248,72 @@ class BatchedEngine(Engine):
             self._free.sort()
             self._rows.append(Row(seq, self._free.pop(0)))
         self._last_busy_rows = max(self._last_busy_rows, len(self._rows))
+
+    # -- one step of the native pass: decode rows and prompt chunks together -----------
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        """One forward pass over every decoding row (one token each) and the next chunks
+        of waiting prompts (up to ``max_prefill_tokens`` while anyone decodes): prefill
+        rides along with decoding instead of stopping it. Rows that decode, and rows whose
+        prompt this chunk completes, pick their next token together."""
+        started = time.perf_counter()
+        decoding = sorted((row for row in self._rows if row.decoding), key=lambda row: row.slot)
+        budget = self.limits.max_prefill_tokens if decoding else max(IDLE_PREFILL_TOKENS, self.limits.max_prefill_tokens)
+        chunks: list[tuple[Row, int]] = []
+        used = 0
+        for row in self._rows:
+            if row.decoding:
+                continue
+            count = min(row.seq.prompt_len - row.length, budget - used)
+            if count <= 0:
+                break
+            chunks.append((row, count))
+            used += count
+        if not decoding and not chunks:
+            return
+        # One-token segments first (they attend as one batch), then the longer chunks.
+        parts: list[tuple[Row, int, bool]] = [(row, 1, True) for row in decoding]
+        parts += [(row, count, False) for row, count in chunks if count == 1]
+        parts += [(row, count, False) for row, count in chunks if count > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[Segment] = []
+        emit: list[int] = []
+        emitters: list[Row] = []
+        for row, count, decodes in parts:
+            start = row.length
+            segments.append(Segment(row.slot, start, count))
+            if decodes:
+                ids.append(row.last)
+            else:
+                ids.extend(row.seq.request.prompt_ids[start : start + count])
+            positions.extend(range(start, start + count))
+            if decodes or start + count == row.seq.prompt_len:
+                emit.append(len(ids) - 1)
+                emitters.append(row)
+        self._cache.ensure_clean([segment.slot for segment in segments], max(s.start + s.count for s in segments))
+        assert self._native is not None
+        logits = self._native(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), segments, emit)
+        for row, count in chunks:
+            row.length += count
+        picks = self._sampler(logits, [row.seq for row in emitters]) if emitters else []
+        elapsed = time.perf_counter() - started
+        if decoding:
+            self.steps += 1
+            self.observer.decode_step(elapsed)
+        if chunks:
+            self.prefill_steps += 1
+            # The pass also decoded: count all its tokens, so the prefill rate the
+            # deadline estimator takes stays optimistic (a lower bound on the time).
+            self.observer.prefill_step(elapsed, used + len(decoding))
+        for row, (token, logprob, top_alternatives) in zip(emitters, picks, strict=True):
+            if row.decoding:
+                row.length += 1
+            row.decoding, row.last = True, token
+            if not row.seq.finished and not row.seq.handle.cancelled:
+                row.seq.add_token(token, logprob, top_alternatives)
+        self._retire(expire=False)
 
     # -- prefill -------------------------------------------------------------------
 

@@ -1,0 +1,155 @@
+"""`make bench-kernels`: which GEMM reads the default model's weights fastest on this CPU?
+
+Every linear layer of the default model (q/k/v and gate/up fused, as the batched
+engine's native pass runs them, and the vocabulary projection), once each, at 1 row
+and at 16 rows; the time of the whole set is about what the weights cost one decode
+step. Four kernels, all from stock torch:
+
+- ``F.linear``: float32, what transformers' forward calls;
+- ``onednn``: float32, weights reordered once for oneDNN
+  (``torch.ops.mkldnn._reorder_linear_weight``, ``_linear_pointwise``): what
+  ``--forward native`` runs on a CPU;
+- ``int8``: ``torch.ops.aten._weight_int8pack_mm``, int8 weights per output channel,
+  float32 activations;
+- ``int4``: ``torch.ops.aten._weight_int4pack_mm_for_cpu``, 4-bit weights in groups of
+  32 with a scale and a minimum: exactly the default checkpoint's Q4_1 numbers.
+
+Each repeat times every kernel in turn (the machine is shared: compare within a
+repeat); min/median/max over the repeats. The computation runs in a thread that is
+not the one that loaded the model, as the server's engine loop does. The result
+replaces the "cpu-kernels" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.doc import replace_section
+from benchmarks.peers import spread
+
+SECTION = "cpu-kernels"
+KERNELS = ("F.linear", "onednn", "int8", "int4")
+
+
+def weights() -> list[Any]:
+    import torch
+    from tokenwire_server.model import load_model, prepare_default_model
+
+    model = load_model(str(prepare_default_model()), device="cpu", dtype="float32").model
+    out = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        out += [
+            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
+            a.o_proj.weight.detach(),
+            torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(),
+            m.down_proj.weight.detach(),
+        ]
+    out.append(model.get_output_embeddings().weight.detach())
+    return out
+
+
+def prepare(kernel: str, w: Any) -> Any:
+    """A callable x -> x @ w.T for this kernel."""
+    import torch
+    import torch.nn.functional as F
+
+    if kernel == "F.linear":
+        return lambda x: F.linear(x, w)
+    if kernel == "onednn":
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    if kernel == "int8":
+        scale = w.abs().amax(1).clamp(min=1e-12) / 127
+        q = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
+        return lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale)
+    n, k = w.shape
+    groups = w.view(n, k // 32, 32)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)
+
+
+def measure(repeats: int, rows_list: list[int], calls: int) -> dict[tuple[str, int], list[float]]:
+    import torch
+
+    ws = weights()
+    results: dict[tuple[str, int], list[float]] = {}
+
+    def run() -> None:
+        with torch.inference_mode():
+            prepared = {kernel: [prepare(kernel, w) for w in ws] for kernel in KERNELS}
+            for _ in range(repeats):
+                for rows in rows_list:
+                    inputs = {k: torch.randn(rows, k) for k in {int(w.shape[1]) for w in ws}}
+                    for kernel in KERNELS:
+                        fns = prepared[kernel]
+                        for fn, w in zip(fns, ws, strict=True):  # warm
+                            fn(inputs[int(w.shape[1])])
+                        started = time.perf_counter()
+                        for _ in range(calls):
+                            for fn, w in zip(fns, ws, strict=True):
+                                fn(inputs[int(w.shape[1])])
+                        results.setdefault((kernel, rows), []).append((time.perf_counter() - started) / calls * 1000)
+                        print(f"  {kernel} rows={rows}: {results[(kernel, rows)][-1]:.1f} ms", file=sys.stderr, flush=True)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    return results
+
+
+def render(results: dict[tuple[str, int], list[float]], rows_list: list[int], command: str, meta: str) -> str:
+    lines = [
+        "## CPU kernels: which GEMM reads the weights fastest",
+        "",
+        f"Command: `{command}` ({meta}). Every linear layer of the default model once "
+        "(q/k/v and gate/up fused, plus the vocabulary projection), ms per pass, "
+        "min/median/max over the repeats; ratio: median of F.linear / median of the kernel.",
+        "",
+        "| kernel | " + " | ".join(f"{r} row{'s' if r > 1 else ''} ms | ratio" for r in rows_list) + " |",
+        "|---|" + "---:|---:|" * len(rows_list),
+    ]
+    for kernel in KERNELS:
+        cells = []
+        for rows in rows_list:
+            values = results[(kernel, rows)]
+            base = statistics.median(results[("F.linear", rows)])
+            cells.append(f"{spread(values)} | {base / statistics.median(values):.2f}×")
+        lines.append(f"| {kernel} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", default="1,16")
+    parser.add_argument("--calls", type=int, default=5, help="passes timed per kernel and repeat")
+    parser.add_argument("--out", default="docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    import platform
+
+    import torch
+
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results = measure(args.repeats, rows_list, args.calls)
+    meta = f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, {platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    command = "make bench-kernels" + (f" KERNELS_ARGS=\"{' '.join(argv)}\"" if argv else "")
+    text = render(results, rows_list, command, meta)
+    print(text)
+    if args.out:
+        replace_section(Path(args.out), SECTION, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

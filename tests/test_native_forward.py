@@ -1,0 +1,166 @@
+"""The batched engine's own forward pass (``engine/native.py``) against transformers' forward.
+
+- Its logits match the model's own forward: a prompt read at once, the same prompt
+  read in two chunks, and a mixed step (two decode rows and a third row's prompt chunk
+  in one pass), on the tiny model and on the real default model.
+- The engine gives the same greedy tokens with ``--forward native`` and
+  ``--forward transformers`` on the real model, for requests decoded together while a
+  long prompt is read alongside them.
+- ``auto`` falls back to transformers' forward for a model it does not know; ``native``
+  refuses it by name; a server-owned engine drops the plain weights it packed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from engine_support import Recorder, run_all
+from tokenwire_server.domain import FinishEvent, GenerationRequest, SamplingOptions
+from tokenwire_server.engine import create_engine
+from tokenwire_server.engine.base import EngineLimits
+from tokenwire_server.engine.native import NativeForward, Segment, onednn_available, unsupported_reason
+from tokenwire_server.engine.slots import SlotCache
+from tokenwire_server.model import load_model
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def fresh_cache(model, slots: int = 4, capacity: int = 256) -> SlotCache:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers = config.num_hidden_layers
+    cache = SlotCache(slots, capacity, config.num_key_value_heads, head_dim, [(torch.device("cpu"), torch.float32)] * layers)
+    cache.ensure_clean(list(range(slots)), capacity)
+    return cache
+
+
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def check_against_transformers(model_dir: Path, tolerance: float) -> None:
+    loaded = load_model(str(model_dir))
+    model = loaded.model
+    native = NativeForward(model, fresh_cache(model), batch_hint=4)
+    vocab = loaded.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    first = torch.randint(10, vocab, (37,), generator=generator).tolist()
+    second = torch.randint(10, vocab, (23,), generator=generator).tolist()
+    want_first = reference_logits(model, first)
+    want_second = reference_logits(model, second)
+
+    # slot 0: the whole prompt at once, every position's logits
+    got = native(torch.tensor(first), torch.arange(37), [Segment(0, 0, 37)], list(range(37)))
+    assert (got - want_first).abs().max().item() < tolerance
+    # slot 1: the same prompt in two chunks
+    native(torch.tensor(first[:20]), torch.arange(20), [Segment(1, 0, 20)], [19])
+    got = native(torch.tensor(first[20:]), torch.arange(20, 37), [Segment(1, 20, 17)], [16])
+    assert (got[0] - want_first[-1]).abs().max().item() < tolerance
+
+    # One mixed step: slots 0 and 1 decode their next token while slot 2 reads a chunk.
+    next_token = int(want_first[-1].argmax())
+    want_next = reference_logits(model, [*first, next_token])[-1]
+    ids = torch.tensor([next_token, next_token, *second[:15]])
+    positions = torch.tensor([37, 37, *range(15)])
+    got = native(ids, positions, [Segment(0, 37, 1), Segment(1, 37, 1), Segment(2, 0, 15)], [0, 1, 16])
+    assert (got[0] - want_next).abs().max().item() < tolerance
+    assert (got[1] - want_next).abs().max().item() < tolerance
+    assert (got[2] - want_second[14]).abs().max().item() < tolerance
+    # Non-adjacent one-token rows (slots 0 and 2: gathered, not a view) and a one-token chunk.
+    got = native(
+        torch.tensor([second[15], first[0]]), torch.tensor([15, 0]), [Segment(2, 15, 1), Segment(3, 0, 1)], [0, 1]
+    )
+    assert (got[0] - want_second[15]).abs().max().item() < tolerance
+    assert (got[1] - want_first[0]).abs().max().item() < tolerance
+
+
+def test_native_logits_match_transformers_on_the_tiny_model(tiny_model_dir: Path) -> None:
+    check_against_transformers(tiny_model_dir, 1e-3)
+
+
+def test_native_logits_match_transformers_on_the_default_model(default_model_dir: Path) -> None:
+    # fp32 logits of a 30-layer model agree to ~1e-4 (only the GEMM blocking differs)
+    check_against_transformers(default_model_dir, 2e-3)
+
+
+def test_on_this_cpu_the_native_pass_packs_its_weights_for_onednn(tiny_model_dir: Path) -> None:
+    loaded = load_model(str(tiny_model_dir))
+    native = NativeForward(loaded.model, fresh_cache(loaded.model), batch_hint=4)
+    assert native.packed == onednn_available(torch.device("cpu"))
+    if torch.backends.mkldnn.is_available():  # every x86 CPU wheel of torch has it
+        assert native.layers[0].qkv.weight.is_mkldnn
+
+
+def test_an_engine_that_owns_the_model_drops_the_plain_weights_it_packed(tiny_model_dir: Path) -> None:
+    loaded = load_model(str(tiny_model_dir))
+    layer = loaded.model.model.layers[0]
+    engine = create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1, own_weights=True)
+    try:
+        assert engine.forward == "native"  # type: ignore[attr-defined]
+        if onednn_available(torch.device("cpu")):
+            assert layer.self_attn.q_proj.weight.numel() == 0
+            assert layer.mlp.down_proj.weight.numel() == 0
+        assert loaded.model.model.embed_tokens.weight.numel() > 0  # still read for the lookup
+        engine.start()
+        prompt = loaded.tokenizer("Hello there")["input_ids"]
+        [rec] = run_all(engine, [GenerationRequest("r", prompt, SamplingOptions(temperature=0.0), 8, ignore_eos=True, want_tokens=True)])
+        assert isinstance(rec.last, FinishEvent) and len(rec.token_ids) == 8
+    finally:
+        engine.close()
+
+
+def test_auto_falls_back_to_transformers_for_a_model_it_does_not_know(tiny_model_dir: Path) -> None:
+    loaded = load_model(str(tiny_model_dir))
+    loaded.model.config.model_type = "not-llama"
+    assert "not-llama" in (unsupported_reason(loaded.model) or "")
+    engine = create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1)
+    try:
+        assert engine.forward == "transformers"  # type: ignore[attr-defined]
+        engine.start()
+        prompt = loaded.tokenizer("Hello there")["input_ids"]
+        [rec] = run_all(engine, [GenerationRequest("r", prompt, SamplingOptions(temperature=0.0), 6, ignore_eos=True, want_tokens=True)])
+        assert isinstance(rec.last, FinishEvent) and len(rec.token_ids) == 6
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="--forward native cannot run this model: model_type 'not-llama'"):
+        create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1, forward="native")
+
+
+def test_both_forwards_give_the_same_greedy_tokens_with_a_long_prompt_read_alongside(default_model_dir: Path) -> None:
+    """Four requests decode while a 300-token prompt is read in 64-token chunks beside them
+    (native: in the same passes; transformers: in passes of its own): same tokens either way."""
+    loaded = load_model(str(default_model_dir))
+    tok = loaded.tokenizer
+    prompts = [tok(text)["input_ids"] for text in ("The capital of France is", "def fib(n):", "Water boils at", "1, 2, 3, 4,")]
+    long_prompt = tok(" ".join(f"item {i}," for i in range(100)))["input_ids"][:300]
+    assert len(long_prompt) == 300
+
+    greedy = SamplingOptions(temperature=0.0)
+    results = {}
+    for forward in ("native", "transformers"):
+        engine = create_engine("batched", loaded, EngineLimits(8, 8, 8 * 1024, max_prefill_tokens=64), workers=1, forward=forward)
+        engine.start()
+        try:
+            recorders = [Recorder() for _ in range(5)]
+            for i, (prompt, rec) in enumerate(zip(prompts, recorders, strict=False)):
+                engine.submit(GenerationRequest(f"r{i}", prompt, greedy, 40, ignore_eos=True, want_tokens=True), rec)
+            deadline = time.monotonic() + 120
+            while not all(rec.token_ids for rec in recorders[:4]):  # all four are decoding
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            prefill_steps = engine.prefill_steps  # type: ignore[attr-defined]
+            engine.submit(GenerationRequest("long", long_prompt, greedy, 8, ignore_eos=True, want_tokens=True), recorders[4])
+            for rec in recorders:
+                assert rec.done.wait(300)
+                assert isinstance(rec.last, FinishEvent), rec.last
+            # the long prompt was read in 64-token chunks while the others decoded
+            assert engine.prefill_steps - prefill_steps >= 300 // 64  # type: ignore[attr-defined]
+            assert len(recorders[0].token_ids) == 40
+            results[forward] = [rec.token_ids for rec in recorders]
+        finally:
+            engine.close()
+    assert results["native"] == results["transformers"]
