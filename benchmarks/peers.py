@@ -5,7 +5,10 @@ new tokens (``ignore_eos``, greedy) and the same concurrency:
 
 - ``generate``: transformers ``model.generate`` in this process (batch 1; static batch = c);
 - ``batched``: a tokenwire server, ``--engine batched``, over gRPC;
-- ``batched-1t``: the same with ``--torch-threads 1`` (one core left to the gRPC loop);
+- ``batched-hf``: the same with ``--forward transformers`` (the model's own forward, a
+  prefill pass of its own between decode passes: the engine before its native pass);
+- ``batched-1t``: ``batched`` with ``--torch-threads 1`` (one core left to the gRPC loop;
+  not run unless named: it did not pay);
 - ``tokenwire-vllm``: a tokenwire server, ``--engine vllm`` (run by .venv-vllm's python), over gRPC;
 - ``vllm-openai``: vLLM's own OpenAI-compatible server (``python -m
   vllm.entrypoints.openai.api_server``, same venv), streaming ``/v1/chat/completions``.
@@ -40,6 +43,7 @@ from benchmarks.bench import in_process, machine
 from benchmarks.doc import replace_section
 
 SYSTEMS = ("generate", "batched", "batched-hf", "batched-1t", "tokenwire-vllm", "vllm-openai")
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "batched-1t")  # one torch thread did not pay: on request
 LABELS = {
     "generate": "in-process `generate`",
     "batched": "tokenwire batched (gRPC)",
@@ -483,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument(
-        "--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}"
+        "--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}"
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
