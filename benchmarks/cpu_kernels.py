@@ -15,9 +15,10 @@ step. Four kernels, all from stock torch:
   32 with a scale and a minimum: exactly the default checkpoint's Q4_1 numbers.
 
 Each repeat times every kernel in turn (the machine is shared: compare within a
-repeat); min/median/max over the repeats. The computation runs in a thread that is
-not the one that loaded the model, as the server's engine loop does. The result
-replaces the "cpu-kernels" section of docs/benchmarks.md.
+repeat); min/median/max over the repeats. Loading and timing run in one thread of
+their own, the only one that ever runs torch in parallel (as the server's engine
+loop is: a second OpenMP pool alive slows the first). The result replaces the
+"cpu-kernels" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -82,10 +83,10 @@ def prepare(kernel: str, w: Any) -> Any:
 def measure(repeats: int, rows_list: list[int], calls: int) -> dict[tuple[str, int], list[float]]:
     import torch
 
-    ws = weights()
     results: dict[tuple[str, int], list[float]] = {}
 
     def run() -> None:
+        ws = weights()
         with torch.inference_mode():
             prepared = {kernel: [prepare(kernel, w) for w in ws] for kernel in KERNELS}
             for _ in range(repeats):

@@ -16,8 +16,8 @@ each prompt chunk attends alone, causally, over its own slot.
 On a CPU the weights of every linear layer are prepacked once for oneDNN
 (``torch.ops.mkldnn._reorder_linear_weight``), a blocked layout its fp32 GEMM reads
 without reordering per call: measured on a 2-core AVX2 machine over the default
-model's weights, all linear layers of one step take 30 ms instead of 53 at one row
-and 58 ms instead of 107 at 16 rows. When the engine owns the model (the server),
+model's weights (``make bench-kernels``), all linear layers of one step take 34 ms
+instead of 55 at one row and 60 ms instead of 86 at 16 rows. When the engine owns the model (the server),
 the packed copies replace the plain weights layer by layer (``release_weights``;
 the embedding table stays plain, for the lookup), so memory does not grow and the
 model's own ``forward`` can no longer run. Elsewhere (CUDA, or fp16/bf16), plain
