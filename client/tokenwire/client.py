@@ -147,7 +147,9 @@ class ChunkStream(Iterator[Chunk]):
                 message = next(self._call)
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error, request_id=self.request_id)
-                delay = None if self._started else self._retry.backoff(self.attempts, error, self._rng)
+                delay = (
+                    None if self._started else self._retry.backoff(self.attempts, error, self._rng, cancelled_here=self._done)
+                )
                 if delay is None or not self._deadline.allows(delay):
                     raise error from None
                 self._call = None
@@ -305,7 +307,7 @@ class Client:
                 return call(deadline.remaining())
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
-                delay = self.retry.backoff(attempt, error)
+                delay = self.retry.backoff(attempt, error, cancelled_here=False)  # a caller leaving raises no RpcError
                 if delay is None or not deadline.allows(delay):
                     raise error from None
             time.sleep(delay)

@@ -5,6 +5,11 @@ that has delivered a chunk is never replayed (the caller has already seen part o
 an answer that a replay would not reproduce). RESOURCE_EXHAUSTED (a full replica)
 and UNAVAILABLE (a draining or unreachable one) are retried by default; with the
 ``round_robin`` policy the next attempt goes to the next replica.
+
+A CANCELLED that this side did not ask for, before any chunk, counts as UNAVAILABLE:
+the server dropped the call unanswered, which happens to a call that reaches a
+replica in the moment it stops (after its drain, grpc cancels what it had not yet
+handed to the servicer).
 """
 
 from __future__ import annotations
@@ -46,10 +51,16 @@ class RetryPolicy:
         if not 0 <= self.jitter <= 1:
             raise ValueError("jitter must be in [0, 1]")
 
-    def backoff(self, attempt: int, error: TokenwireError, rng: random.Random | None = None) -> float | None:
+    def backoff(
+        self, attempt: int, error: TokenwireError, rng: random.Random | None = None, *, cancelled_here: bool = True
+    ) -> float | None:
         """Seconds to wait before the attempt after ``attempt`` (1-based) failed with ``error``;
-        None when it must not be retried."""
-        if error.code not in self.retry_codes or attempt >= self.max_attempts:
+        None when it must not be retried. ``cancelled_here``: whether this side cancelled the
+        call (if not, a CANCELLED came from the server and is retried like UNAVAILABLE)."""
+        code = error.code
+        if code == grpc.StatusCode.CANCELLED and not cancelled_here:
+            code = grpc.StatusCode.UNAVAILABLE
+        if code not in self.retry_codes or attempt >= self.max_attempts:
             return None
         uniform = (rng or random).uniform
         if error.retry_after is not None:

@@ -156,6 +156,19 @@ def test_retry_before_first_chunk_but_no_replay_after(fake):
     assert fake.servicer.generate_calls == 4  # 3 attempts + 1 stream, never replayed
 
 
+def test_a_call_the_server_cancelled_before_the_first_chunk_is_retried(fake):
+    """As in the sync client: CANCELLED that this side did not ask for is a dropped call."""
+    fake.script.refuse_next = 1
+    fake.script.refuse_code = grpc.StatusCode.CANCELLED
+
+    async def main():
+        async with client_for(fake) as client:
+            stream = client.generate("again please")
+            return (await stream.text()).text, stream.attempts
+
+    assert run(main()) == ("again please", 2)
+
+
 def test_bounded_attempts_and_retry_after(fake):
     fake.script.refuse_always = True
     fake.script.retry_after_ms = 20

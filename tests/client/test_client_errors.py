@@ -111,6 +111,9 @@ def test_backoff_follows_the_server_and_only_for_retryable_codes():
     for error in (tokenwire.Internal("x"), tokenwire.InvalidArgument("x"), tokenwire.DeadlineExceeded("x")):
         assert policy.backoff(1, error) is None
     assert tokenwire.NO_RETRY.backoff(1, tokenwire.Unavailable("x")) is None
+    # CANCELLED: not retried when this side cancelled (the default), retried when the server did
+    assert policy.backoff(1, tokenwire.Cancelled("x")) is None
+    assert policy.backoff(1, tokenwire.Cancelled("x"), cancelled_here=False) is not None
     with pytest.raises(ValueError):
         RetryPolicy(max_attempts=0)
 

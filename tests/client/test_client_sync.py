@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import re
+import threading
 import time
 
 import grpc
@@ -268,6 +269,25 @@ def test_unavailable_before_first_chunk_is_retried(client, fake):
     fake.script.refuse_code = grpc.StatusCode.UNAVAILABLE
     assert client.generate_text("again").text == "again"
     assert fake.servicer.generate_calls == 2
+
+
+def test_a_call_the_server_cancelled_before_the_first_chunk_is_retried(client, fake):
+    """A replica that stops cancels the call it had not yet answered: a CANCELLED this side
+    did not ask for is retried like UNAVAILABLE (the drain race of a stopping replica)."""
+    fake.script.refuse_next = 1
+    fake.script.refuse_code = grpc.StatusCode.CANCELLED
+    assert client.generate_text("once more").text == "once more"
+    assert fake.servicer.generate_calls == 2
+
+
+def test_a_call_this_side_cancelled_before_the_first_chunk_is_not_retried(client, fake):
+    stream = client.generate("slow:2.0 never arrives")
+    canceller = threading.Timer(0.3, stream.cancel)  # while next() waits for the first chunk
+    canceller.start()
+    with pytest.raises(tokenwire.Cancelled):
+        next(stream)
+    canceller.join()
+    assert fake.servicer.generate_calls == 1
 
 
 def test_unary_calls_are_retried_too(fake):
