@@ -82,3 +82,31 @@ def test_a_target_is_met_by_the_median_of_the_repeats_not_the_best() -> None:
     values, met = {n: (v, m) for n, v, m in targets(rows)}["#11 c=16: tokenwire on vLLM ≥ 0.95× vLLM OpenAI server"]
     assert values == pytest.approx([1.3, 0.9, 0.8]) and met is False  # the lucky 1.3 does not carry it
     assert found["#10 CPU c=1: batched ≥ 1.2× in-process generate"] == ([], None)  # not run: no verdict
+
+
+def test_the_gpu_bench_counts_the_default_models_weights_exactly(default_model_dir: Path) -> None:
+    """MBU's numerator: ``weight_bytes("135m")`` is the real default model's parameter count."""
+    from tokenwire_server.model import load_model
+
+    from benchmarks.gpu_bench import kv_bytes_per_token, weight_bytes
+
+    model = load_model(str(default_model_dir)).model
+    assert weight_bytes("135m", model.config.vocab_size, 1) == sum(p.numel() for p in model.parameters())
+    assert kv_bytes_per_token("135m", 2) == 2 * 30 * 3 * 64 * 2
+
+
+def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Path) -> None:
+    """The same code `benchmarks/gpu-check.sh` runs on a GPU, on the tiny shape on this CPU:
+    a random-weight model folder, a server, two concurrencies, the server's step time, MBU."""
+    from benchmarks.gpu_bench import main
+
+    out = tmp_path / "cuda.md"
+    argv = ["--random-weights", "tiny", "--device", "cpu", "--concurrency", "1,2", "--max-new-tokens", "8",
+            "--requests-per-stream", "1", "--peak-gbs", "10", "--cache", str(tmp_path), "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert (tmp_path / "random-tiny" / "config.json").exists()
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| tiny")]
+    assert [int(r[1]) for r in rows] == [1, 2]
+    for row in rows:
+        tokens_per_s, step_ms, mbu = float(row[2]), float(row[6]), float(row[8])
+        assert tokens_per_s > 0 and step_ms > 0 and mbu > 0

@@ -1,0 +1,244 @@
+"""The batched engine on a GPU with random weights in a real shape: tokens/s, ITL, GPU busy, MBU.
+
+    python -m benchmarks.gpu_bench --random-weights 1b --device cuda --concurrency 1,16,64,128
+
+Speed does not depend on the weights' values, so a model built from a config with
+random weights (and the default model's tokenizer) measures throughput without
+downloading anything (``--random-weights 135m`` is SmolLM2-135M's shape, ``1b`` a
+Llama of hidden 2048, 16 layers, 32 heads / 8 KV heads, intermediate 8192). For each
+shape: a server (``--engine batched``, ``--max-active`` = the largest concurrency) and,
+at each concurrency, greedy ``ignore_eos`` streams of ``--max-new-tokens`` over gRPC,
+then:
+
+- tokens/s, TTFT and ITL p50/p99 (the client's view);
+- GPU busy: NVML's utilisation sampled every 100 ms during the run (``nvidia-ml-py``;
+  "-" without it);
+- the decode step: the server's own ``tokenwire_decode_step_seconds`` (mean over the
+  run, from /metrics);
+- MBU: bytes one decode step must read (every weight once, plus the KV cache of the
+  rows in the batch) ÷ the step time ÷ the device's peak memory bandwidth
+  (``--peak-gbs``, or known from the device name).
+
+``benchmarks/gpu-check.sh`` runs it on a lent GPU machine and writes
+docs/benchmarks-cuda.md. On a CPU (``--device cpu``) the same code runs, for a smoke
+test; no MBU then unless ``--peak-gbs`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # SmolLM2-135M-Instruct
+    "135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": True},
+    # a Llama-3.2-1B-like shape (the issue's "1B shape")
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True},
+    # a few layers, for tests
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True},
+}
+
+PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10G": 600.0, "L4": 300.0}
+
+
+def build_random_model(shape: str, folder: Path, dtype: str = "bfloat16") -> Path:
+    """A Llama of ``shape`` with random weights and the default model's tokenizer and chat
+    template, saved to ``folder`` (reused when already there)."""
+    if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
+        return folder
+    import torch
+    from tokenwire_server.model import prepare_default_model
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    source = prepare_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        **SHAPES[shape],
+    )
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    for name in ("chat_template.jinja", "generation_config.json"):
+        if (source / name).exists() and not (folder / name).exists():
+            (folder / name).write_bytes((source / name).read_bytes())
+    return folder
+
+
+def weight_bytes(shape: str, vocab: int, element: int) -> int:
+    s = SHAPES[shape]
+    h, i, layers = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
+    q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+    embed = vocab * h * (1 if s["tie_word_embeddings"] else 2)
+    return (layers * per_layer + embed + h) * element
+
+
+def kv_bytes_per_token(shape: str, element: int) -> int:
+    s = SHAPES[shape]
+    return 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * s["head_dim"] * element
+
+
+class GpuSampler:
+    """NVML utilisation of device 0, sampled every 100 ms while running (None without NVML)."""
+
+    def __init__(self) -> None:
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml  # nvidia-ml-py
+
+            pynvml.nvmlInit()
+            self._handle: Any = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._nvml: Any = pynvml
+        except Exception:  # no NVML here: no utilisation figure
+            self._nvml = None
+
+    def __enter__(self) -> GpuSampler:
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            self.samples.append(int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def mean(self) -> float | None:
+        return sum(self.samples) / len(self.samples) if self.samples else None
+
+
+def decode_step_totals(metrics_port: int) -> tuple[float, int]:
+    """(sum of seconds, count) of the server's ``tokenwire_decode_step_seconds``."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    total = re.search(r"^tokenwire_decode_step_seconds_sum (\S+)$", text, re.M)
+    count = re.search(r"^tokenwire_decode_step_seconds_count (\S+)$", text, re.M)
+    return (float(total.group(1)) if total else 0.0, int(float(count.group(1))) if count else 0)
+
+
+@dataclasses.dataclass
+class Result:
+    shape: str
+    concurrency: int
+    tokens_per_s: float
+    ttft_p50: float | None
+    itl_p50: float | None
+    itl_p99: float | None
+    step_ms: float | None
+    gpu_busy: float | None
+    mbu: float | None
+
+
+def run_shape(shape: str, args: argparse.Namespace) -> list[Result]:
+    from tokenwire.bench import run_bench
+
+    from benchmarks.launcher import ServerProcess
+
+    folder = build_random_model(shape, Path(args.cache) / f"random-{shape}", "float32" if args.device == "cpu" else "bfloat16")
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    element = 4 if args.device == "cpu" else 2
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    weights = weight_bytes(shape, vocab, element)
+    per_token_kv = kv_bytes_per_token(shape, element)
+    peak = args.peak_gbs
+    server_args = [
+        "--model", str(folder), "--engine", "batched", "--device", args.device, "--max-active", str(max(concurrency)),
+        "--max-queue", str(2 * max(concurrency)), "--metrics-port", "-1", *args.server_arg,
+    ]  # fmt: skip
+    results: list[Result] = []
+    with ServerProcess(server_args, ready_timeout=900) as server:
+        if peak is None and args.device == "cuda":
+            name = next((r.get("name", "") for r in server.records if r.get("msg") == "gpu"), "")
+            peak = next((gbs for key, gbs in PEAK_GBS.items() if key in str(name)), None)
+        run_bench(server.target, concurrency=1, requests=1, max_new_tokens=4)  # warm
+        for c in concurrency:
+            before = decode_step_totals(server.metrics_port)
+            with GpuSampler() as gpu:
+                report = run_bench(
+                    server.target, concurrency=c, requests=c * args.requests_per_stream, max_new_tokens=args.max_new_tokens, timeout=3600
+                )
+            after = decode_step_totals(server.metrics_port)
+            steps = after[1] - before[1]
+            step_s = (after[0] - before[0]) / steps if steps else None
+            mbu = None
+            if step_s and peak:
+                context = 40 + args.max_new_tokens / 2  # mean tokens in a row's cache over the run
+                mbu = (weights + c * context * per_token_kv) / step_s / (peak * 1e9)
+            results.append(
+                Result(shape, c, report.output_tokens_per_s, report.ttft_ms.p50, report.itl_ms.p50, report.itl_ms.p99,
+                       step_s * 1000 if step_s else None, gpu.mean(), mbu)  # fmt: skip
+            )
+            print(f"  {shape} c={c}: {report.output_tokens_per_s:.0f} tok/s, step {results[-1].step_ms} ms", file=sys.stderr, flush=True)
+    return results
+
+
+def render(results: list[Result], command: str, note: str) -> str:
+    def f(value: float | None, digits: int = 1, scale: float = 1.0) -> str:
+        return "-" if value is None else f"{value * scale:.{digits}f}"
+
+    lines = [
+        "# Benchmarks on a GPU",
+        "",
+        f"Written by `{command}` ({note}). Random weights in the named shape, the default",
+        "model's tokenizer; greedy, `ignore_eos`; one run. MBU: bytes a decode step reads",
+        "(weights + the batch's KV cache) ÷ step time ÷ peak bandwidth.",
+        "",
+        "| shape | c | tokens/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | decode step ms | GPU busy % | MBU % |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.shape} | {r.concurrency} | {r.tokens_per_s:.0f} | {f(r.ttft_p50)} | {f(r.itl_p50, 2)} | {f(r.itl_p99, 2)} "
+            f"| {f(r.step_ms, 2)} | {f(r.gpu_busy, 0)} | {f(r.mbu, 1, 100)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--random-weights", default="135m,1b", help=f"comma-separated shapes, from {', '.join(SHAPES)}")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--concurrency", default="1,16,64,128")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--peak-gbs", type=float, default=None, help="peak memory bandwidth, GB/s (default: from the GPU's name)")
+    parser.add_argument("--cache", default="/tmp/tokenwire-random-models")
+    parser.add_argument("--server-arg", action="append", default=[], help="extra server flag (repeatable)")
+    parser.add_argument("--out", default="docs/benchmarks-cuda.md")
+    args = parser.parse_args(argv)
+    results: list[Result] = []
+    for shape in args.random_weights.split(","):
+        results += run_shape(shape, args)
+    command = "python -m benchmarks.gpu_bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = render(results, command.strip(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
