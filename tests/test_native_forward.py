@@ -95,22 +95,27 @@ def test_on_this_cpu_the_native_pass_packs_its_weights_for_onednn(tiny_model_dir
         assert native.layers[0].qkv.weight.is_mkldnn
 
 
+def serves_one_request(engine, loaded, tokens: int) -> None:
+    """The engine, started, answers one greedy request with ``tokens`` tokens; then it is closed."""
+    try:
+        engine.start()
+        prompt = loaded.tokenizer("Hello there")["input_ids"]
+        [rec] = run_all(engine, [GenerationRequest("r", prompt, SamplingOptions(temperature=0.0), tokens, ignore_eos=True, want_tokens=True)])
+        assert isinstance(rec.last, FinishEvent) and len(rec.token_ids) == tokens
+    finally:
+        engine.close()
+
+
 def test_an_engine_that_owns_the_model_drops_the_plain_weights_it_packed(tiny_model_dir: Path) -> None:
     loaded = load_model(str(tiny_model_dir))
     layer = loaded.model.model.layers[0]
     engine = create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1, own_weights=True)
-    try:
-        assert engine.forward == "native"  # type: ignore[attr-defined]
-        if onednn_available(torch.device("cpu")):
-            assert layer.self_attn.q_proj.weight.numel() == 0
-            assert layer.mlp.down_proj.weight.numel() == 0
-        assert loaded.model.model.embed_tokens.weight.numel() > 0  # still read for the lookup
-        engine.start()
-        prompt = loaded.tokenizer("Hello there")["input_ids"]
-        [rec] = run_all(engine, [GenerationRequest("r", prompt, SamplingOptions(temperature=0.0), 8, ignore_eos=True, want_tokens=True)])
-        assert isinstance(rec.last, FinishEvent) and len(rec.token_ids) == 8
-    finally:
-        engine.close()
+    assert engine.forward == "native"  # type: ignore[attr-defined]
+    if onednn_available(torch.device("cpu")):
+        assert layer.self_attn.q_proj.weight.numel() == 0
+        assert layer.mlp.down_proj.weight.numel() == 0
+    assert loaded.model.model.embed_tokens.weight.numel() > 0  # still read for the lookup
+    serves_one_request(engine, loaded, 8)
 
 
 def test_auto_falls_back_to_transformers_for_a_model_it_does_not_know(tiny_model_dir: Path) -> None:
@@ -118,14 +123,8 @@ def test_auto_falls_back_to_transformers_for_a_model_it_does_not_know(tiny_model
     loaded.model.config.model_type = "not-llama"
     assert "not-llama" in (unsupported_reason(loaded.model) or "")
     engine = create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1)
-    try:
-        assert engine.forward == "transformers"  # type: ignore[attr-defined]
-        engine.start()
-        prompt = loaded.tokenizer("Hello there")["input_ids"]
-        [rec] = run_all(engine, [GenerationRequest("r", prompt, SamplingOptions(temperature=0.0), 6, ignore_eos=True, want_tokens=True)])
-        assert isinstance(rec.last, FinishEvent) and len(rec.token_ids) == 6
-    finally:
-        engine.close()
+    assert engine.forward == "transformers"  # type: ignore[attr-defined]
+    serves_one_request(engine, loaded, 6)
     with pytest.raises(ValueError, match="--forward native cannot run this model: model_type 'not-llama'"):
         create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1, forward="native")
 
