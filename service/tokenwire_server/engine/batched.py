@@ -12,8 +12,8 @@ Each step of the loop:
    waiting requests take free slots while the KV budget allows
    (``--kv-cache-tokens`` stays an admission limit: a request waits until its worst
    case fits).
-2. One forward pass (``--forward native``, the default for Llama-shaped models,
-   ``native.NativeForward``): every decoding row's next token and, while anyone
+2. One forward pass (``native.NativeForward``; ``--forward auto``, the default, takes it
+   for Llama-shaped models on a CPU): every decoding row's next token and, while anyone
    decodes, up to ``max_prefill_tokens`` tokens of waiting prompts (chunked prefill),
    together, so a long prompt slows the others a little at each step instead of
    freezing them. With nobody decoding, the waiting prompts are read at once. Rows
@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 IDLE_PREFILL_TOKENS = 2048
 
 # ``auto``: the engine's own pass (``native.NativeForward``) where the model is
-# Llama-shaped, else transformers' forward; ``native`` insists; ``transformers``
+# Llama-shaped and runs on a CPU, else transformers' forward; ``native`` insists; ``transformers``
 # always takes the model's own forward (one prefill pass, then one decode pass).
 FORWARDS = ("auto", "native", "transformers")
 
