@@ -38,7 +38,7 @@ def child(case: str, max_new: int) -> dict[str, Any]:
     built: dict[str, Any] = {}
 
     def build() -> None:
-        # In a thread that ends, as the server does (server.in_passing_thread): a thread
+        # In a thread that ends, as the server does (TokenwireServer.load): a thread
         # that ran torch in parallel and lives on keeps a second OpenMP pool, which
         # slows the engine loop's.
         built["loaded"] = load_model(str(prepare_default_model()), device="cpu", dtype="float32")

@@ -11,16 +11,15 @@ streams in flight run on for up to ``--grace-period``, then the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
@@ -110,7 +109,17 @@ class TokenwireServer:
         config = self.config
         loop = asyncio.get_running_loop()
         started = time.monotonic()
-        backend = await in_passing_thread(loop, self._build_backend, "tokenwire-load")
+        # A thread of its own that ends once the model is loaded, not the loop's default
+        # executor: libgomp (torch's OpenMP) keeps a pool of worker threads for every thread
+        # that ever ran torch in parallel, for as long as that thread lives. With a second
+        # pool alive beside the engine loop's it finds more threads than cores and stops
+        # spinning between parallel regions, so every layer of every step pays a futex
+        # wake-up (2 cores: a one-row decode step of the default model 59 ms instead of 45).
+        loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenwire-load")
+        try:
+            backend = await loop.run_in_executor(loader, self._build_backend)
+        finally:
+            loader.shutdown(wait=False)  # its thread, and with it its OpenMP pool, ends
         self.backend = backend
         description = backend.describe()
         self.metrics.watch(backend.stats, description.max_active, description.max_queue)
@@ -294,46 +303,6 @@ def keepalive_options(config: ServerConfig) -> list[tuple[str, int]]:
         # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS: its string is this one.
         ("grpc.http2.min_ping_interval_without_data_ms", int(config.min_client_ping_interval_s * 1000)),
     ]
-
-
-T = TypeVar("T")
-
-
-def in_passing_thread(loop: asyncio.AbstractEventLoop, work: Callable[[], T], name: str) -> asyncio.Future[T]:
-    """Run ``work`` in a thread of its own that ends with it, not in the loop's executor.
-
-    Loading the model runs torch operations in parallel, and libgomp (torch's OpenMP)
-    keeps a pool of worker threads for every thread that ever did so, for as long as
-    that thread lives. With a second pool alive beside the engine loop's, libgomp finds
-    more of its threads than cores and stops spinning between parallel regions, so every
-    layer of every step pays a futex wake-up: measured on 2 cores, a one-row decode step
-    of the default model took 59 ms instead of 45 when the loading thread stayed alive
-    (an executor thread does). A thread that ends takes its pool with it.
-    """
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def run() -> None:
-        result: T | None = None
-        error: BaseException | None = None
-        try:
-            result = work()
-        except BaseException as exc:  # handed to the awaiting coroutine
-            error = exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop closed meanwhile (the server stopped while loading)
-            pass
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
 
 
 async def warm_up(backend: GenerationBackend) -> None:
