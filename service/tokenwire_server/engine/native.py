@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import logging
 import mmap
 import sys
 from typing import Any
@@ -41,9 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .slots import SlotCache
-
-log = logging.getLogger(__name__)
+from .slots import SlotCache, flat_index, read_slots, slot_range
 
 SUPPORTED_TYPES = frozenset({"llama"})
 
@@ -82,7 +79,6 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, batch_hint: int) -> None:
         weight = weight.detach().contiguous()
-        self.out_features = int(weight.shape[0])
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packed = packed
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if packed else weight
@@ -237,7 +233,7 @@ class NativeForward:
         assert segments[: len(singles)] == singles, "one-token segments come first"
         width = self.cache.capacity + 1
         flat = self._write_index(segments, width, kv_heads)
-        singles_view = self._singles_view(singles)
+        singles_view = self._singles_view(singles)  # a range of slots, or their index
         single_mask = self._single_mask(singles) if singles else None
         chunk_masks = [self._chunk_mask(segment) for segment in chunks]
 
@@ -257,7 +253,8 @@ class NativeForward:
             if singles:
                 rows = len(singles)
                 columns = single_mask.shape[-1]  # type: ignore[union-attr]
-                sk, sv = self._gather(keys, values, singles_view, columns)
+                assert singles_view is not None
+                sk, sv = read_slots(keys, values, singles_view, columns)
                 out = F.scaled_dot_product_attention(
                     q[:rows].unsqueeze(2), sk, sv, attn_mask=single_mask, scale=self.scale, enable_gqa=kv_heads != heads
                 )  # [rows, heads, 1, dim]
@@ -283,25 +280,16 @@ class NativeForward:
     # -- step geometry ---------------------------------------------------------------
 
     def _write_index(self, segments: list[Segment], width: int, kv_heads: int) -> torch.Tensor:
-        """Where each (token, kv head) vector goes in a layer's buffer flattened to ``[slots * kv_heads * width, dim]``."""
+        """Where each (token, kv head) vector goes in a layer's buffer (``slots.flat_index``)."""
         slot = torch.tensor([s.slot for s in segments for _ in range(s.count)], dtype=torch.long)
         column = torch.cat([torch.arange(s.start, s.start + s.count) for s in segments])
-        head = torch.arange(kv_heads, dtype=torch.long).view(1, kv_heads)
-        return ((slot.view(-1, 1) * kv_heads + head) * width + column.view(-1, 1)).reshape(-1).to(self.device)
+        return flat_index(slot.view(-1, 1), column.view(-1, 1), kv_heads, width).to(self.device)
 
     def _singles_view(self, singles: list[Segment]) -> tuple[int, int] | torch.Tensor | None:
         if not singles:
             return None
         slots = [s.slot for s in singles]
-        if slots == list(range(slots[0], slots[0] + len(slots))):
-            return slots[0], slots[0] + len(slots)
-        return torch.tensor(slots, dtype=torch.long, device=self.device)
-
-    @staticmethod
-    def _gather(keys: torch.Tensor, values: torch.Tensor, view: Any, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(view, tuple):
-            return keys[view[0] : view[1], :, :columns], values[view[0] : view[1], :, :columns]
-        return keys[:, :, :columns].index_select(0, view), values[:, :, :columns].index_select(0, view)
+        return slot_range(slots) or torch.tensor(slots, dtype=torch.long, device=self.device)
 
     def _single_mask(self, singles: list[Segment]) -> torch.Tensor:
         """``[rows, 1, 1, columns]`` bool: each one-token row sees its own columns 0..start."""

@@ -73,6 +73,30 @@ def layer_placements(model: Any, count: int, default_device: torch.device, defau
 CLEAN_STEP = 128
 
 
+def slot_range(slots: list[int]) -> tuple[int, int] | None:
+    """``(start, stop)`` when the slots are consecutive (read as a view), else None (gathered)."""
+    return (slots[0], slots[0] + len(slots)) if slots == list(range(slots[0], slots[0] + len(slots))) else None
+
+
+def flat_index(rows: torch.Tensor, cols: torch.Tensor, heads: int, width: int) -> torch.Tensor:
+    """Where each (row, query, head) vector goes in a layer's buffer flattened to
+    ``[slots * heads * width, dim]``: ``rows`` ``[n, 1]`` is each row's slot, ``cols``
+    ``[n, queries]`` each query's column; the order is row, query, head."""
+    head = torch.arange(heads, dtype=torch.long).view(1, 1, heads)
+    return ((rows.unsqueeze(-1) * heads + head) * width + cols.unsqueeze(-1)).reshape(-1)
+
+
+def read_slots(
+    keys: torch.Tensor, values: torch.Tensor, slots: tuple[int, int] | torch.Tensor, columns: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``columns`` columns of these slots: a view of a range ``(start, stop)``,
+    or gathered for an index tensor."""
+    if isinstance(slots, tuple):
+        start, stop = slots
+        return keys[start:stop, :, :columns], values[start:stop, :, :columns]
+    return keys[:, :, :columns].index_select(0, slots), values[:, :, :columns].index_select(0, slots)
+
+
 class StepPlan:
     """Where one forward pass reads and writes: set by the engine before each call."""
 
@@ -86,9 +110,8 @@ class StepPlan:
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def set(self, slots: list[int], write_cols: torch.Tensor, columns: int) -> None:
-        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
         self.start, self.stop = slots[0], slots[0] + len(slots)
-        self.index = None if contiguous else torch.tensor(slots, dtype=torch.long)
+        self.index = None if slot_range(slots) else torch.tensor(slots, dtype=torch.long)
         self.write_rows = torch.tensor(slots, dtype=torch.long).unsqueeze(1)
         self.write_cols = write_cols
         self.columns = columns
@@ -100,8 +123,7 @@ class StepPlan:
         and the slots to gather (None for a range)."""
         found = self._on.get(device)
         if found is None:
-            head = torch.arange(heads, dtype=torch.long).view(1, 1, heads)
-            flat = ((self.write_rows.unsqueeze(-1) * heads + head) * width + self.write_cols.unsqueeze(-1)).reshape(-1)
+            flat = flat_index(self.write_rows, self.write_cols, heads, width)
             found = (flat.to(device), None if self.index is None else self.index.to(device))
             self._on[device] = found
         return found
@@ -133,15 +155,7 @@ class SlotLayer(CacheLayerMixin):  # type: ignore[misc]
         # (index_copy_ on the flattened buffer: far cheaper on a CPU than advanced-index assignment)
         self.keys.view(-1, dim).index_copy_(0, flat, key_states.transpose(1, 2).reshape(-1, dim).to(self.keys.dtype))
         self.values.view(-1, dim).index_copy_(0, flat, value_states.transpose(1, 2).reshape(-1, dim).to(self.values.dtype))
-        if index is None:
-            return (
-                self.keys[plan.start : plan.stop, :, : plan.columns],
-                self.values[plan.start : plan.stop, :, : plan.columns],
-            )
-        return (
-            self.keys[:, :, : plan.columns].index_select(0, index),
-            self.values[:, :, : plan.columns].index_select(0, index),
-        )
+        return read_slots(self.keys, self.values, (plan.start, plan.stop) if index is None else index, plan.columns)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._plan.columns, 0
