@@ -249,16 +249,9 @@ class BatchedEngine(Engine):
             self._rows.append(Row(seq, self._free.pop(0)))
         self._last_busy_rows = max(self._last_busy_rows, len(self._rows))
 
-    # -- one step of the native pass: decode rows and prompt chunks together -----------
-
-    @torch.inference_mode()
-    def _step(self) -> None:
-        """One forward pass over every decoding row (one token each) and the next chunks
-        of waiting prompts (up to ``max_prefill_tokens`` while anyone decodes): prefill
-        rides along with decoding instead of stopping it. Rows that decode, and rows whose
-        prompt this chunk completes, pick their next token together."""
-        started = time.perf_counter()
-        decoding = sorted((row for row in self._rows if row.decoding), key=lambda row: row.slot)
+    def _next_chunks(self, decoding: bool) -> tuple[list[tuple[Row, int]], int]:
+        """The next chunks of waiting prompts, in admission order, and their token count:
+        at most ``max_prefill_tokens`` while any row decodes, else up to IDLE_PREFILL_TOKENS."""
         budget = self.limits.max_prefill_tokens if decoding else max(IDLE_PREFILL_TOKENS, self.limits.max_prefill_tokens)
         chunks: list[tuple[Row, int]] = []
         used = 0
@@ -270,6 +263,19 @@ class BatchedEngine(Engine):
                 break
             chunks.append((row, count))
             used += count
+        return chunks, used
+
+    # -- one step of the native pass: decode rows and prompt chunks together -----------
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        """One forward pass over every decoding row (one token each) and the next chunks
+        of waiting prompts (up to ``max_prefill_tokens`` while anyone decodes): prefill
+        rides along with decoding instead of stopping it. Rows that decode, and rows whose
+        prompt this chunk completes, pick their next token together."""
+        started = time.perf_counter()
+        decoding = sorted((row for row in self._rows if row.decoding), key=lambda row: row.slot)
+        chunks, used = self._next_chunks(decoding=bool(decoding))
         if not decoding and not chunks:
             return
         # One-token segments first (they attend as one batch), then the longer chunks.
@@ -320,17 +326,7 @@ class BatchedEngine(Engine):
     def _prefill(self) -> None:
         """Read the next chunk of waiting prompts into their slots; rows whose prompt is
         complete pick their first token and start decoding."""
-        waiting = [row for row in self._rows if not row.decoding]
-        decoding = any(row.decoding for row in self._rows)
-        budget = self.limits.max_prefill_tokens if decoding else max(IDLE_PREFILL_TOKENS, self.limits.max_prefill_tokens)
-        chunks: list[tuple[Row, int]] = []
-        used = 0
-        for row in waiting:
-            count = min(row.seq.prompt_len - row.length, budget - used)
-            if count <= 0:
-                break
-            chunks.append((row, count))
-            used += count
+        chunks, used = self._next_chunks(decoding=any(row.decoding for row in self._rows))
         if not chunks:
             return
         started = time.perf_counter()
