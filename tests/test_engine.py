@@ -227,3 +227,37 @@ def test_start_estimate_is_a_lower_bound_from_known_lengths():
     assert estimator.earliest_first_token_s(20, [(req(1000), 0)], 0, 1) == pytest.approx(0.01 + 0.1)
     # Two queued ahead on one slot: the long stream, then a step for each of them.
     assert estimator.earliest_first_token_s(20, long_running, 2, 1) == pytest.approx(1002 * 0.01 + 0.1)
+
+
+@pytest.mark.parametrize("want_tokens", [True, False])
+def test_a_stream_that_asked_for_tokens_gets_each_one_when_it_is_made(loaded, want_tokens):
+    """With tokens asked for, every token is its own event, even one whose text is not out
+    yet (a special token, the possible start of a stop sequence): the stream's timing is the
+    engine's. Without, an event carries text, so a token with none waits for the next."""
+    import torch
+    from tokenwire_server.domain import RequestHandle
+    from tokenwire_server.engine.generation import Generation
+
+    tok = loaded.tokenizer
+    special = tok.convert_tokens_to_ids("<|im_end|>")
+    words = ids(loaded, " red green blue")
+    events: list[object] = []
+    req = GenerationRequest(
+        "t", ids(loaded, "Colours:"), SamplingOptions(temperature=0.0), 8, stop_sequences=(" green yellow",),
+        ignore_eos=True, want_tokens=want_tokens,
+    )  # fmt: skip
+    seq = Generation(req, RequestHandle(), events.append, tok, (special,), torch.device("cpu"))
+    # " red", then the special token (no text), then " green" (held: it may start the stop), " blue"
+    for token in [words[0], special, *words[1:]]:
+        assert not seq.add_token(token)
+    seq.finish(FinishReason.LENGTH)
+    texts = [e.text for e in events]
+    assert "".join(texts) == " red green blue"
+    if want_tokens:
+        assert [len(e.tokens) for e in events[:-1]] == [1, 1, 1, 1]
+        assert [t.id for e in events for t in e.tokens] == [words[0], special, *words[1:]]
+        assert texts[1] == "" and texts[2] == ""  # the special token, then " green" held back
+        assert isinstance(events[-1], FinishEvent)
+    else:
+        assert all(e.tokens == () for e in events)
+        assert all(text for text in texts[:-1])  # no empty event before the last

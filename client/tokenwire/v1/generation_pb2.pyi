@@ -378,14 +378,18 @@ class TokenChunk(_message.Message):
     """Position of this chunk in the stream: 0, 1, 2, ..."""
     text: _builtins.str
     """The text added since the previous chunk. Never splits a UTF-8 character and
-    never holds the start of a stop sequence that later matches; may be empty on
-    the last chunk. The concatenation of all chunks' text is the completion.
+    never holds the start of a stop sequence that later matches. The concatenation
+    of all chunks' text is the completion. May be empty on the last chunk, and on a
+    chunk whose tokens have no text out yet (a special token, part of a UTF-8
+    character, the possible start of a stop sequence): that text comes later.
     """
     finish_reason: Global___FinishReason.ValueType
     """FINISH_REASON_UNSPECIFIED on every chunk but the last."""
     @_builtins.property
     def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___Token]:
-        """The tokens generated since the previous chunk, when OutputOptions asked for them."""
+        """The tokens generated since the previous chunk, when OutputOptions asked for them.
+        A stream that asked for them gets one chunk per token, sent when it is generated.
+        """
 
     @_builtins.property
     def usage(self) -> Global___Usage:

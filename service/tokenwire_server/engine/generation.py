@@ -111,7 +111,10 @@ class Generation:
         if len(self.generated) >= request.max_new_tokens:
             self.finish(FinishReason.LENGTH, text)
             return True
-        if text:
+        if text or self._pending_tokens:
+            # A caller that asked for tokens gets each one in the step that made it, even
+            # when its text is not out yet (a special token, part of a UTF-8 character, the
+            # possible start of a stop sequence): the stream's timing is the engine's.
             tokens, self._pending_tokens = tuple(self._pending_tokens), []
             self._sink(TextEvent(text, tokens))
         return False
