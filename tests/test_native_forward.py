@@ -21,7 +21,14 @@ from engine_support import Recorder, run_all
 from tokenwire_server.domain import FinishEvent, GenerationRequest, SamplingOptions
 from tokenwire_server.engine import create_engine
 from tokenwire_server.engine.base import EngineLimits
-from tokenwire_server.engine.native import NativeForward, Segment, onednn_available, unsupported_reason
+from tokenwire_server.engine.native import (
+    ATTENTION_CALL_COST,
+    NativeForward,
+    Segment,
+    onednn_available,
+    single_groups,
+    unsupported_reason,
+)
 from tokenwire_server.engine.slots import SlotCache
 from tokenwire_server.model import load_model
 
@@ -70,7 +77,7 @@ def check_against_transformers(model_dir: Path, tolerance: float) -> None:
     assert (got[0] - want_next).abs().max().item() < tolerance
     assert (got[1] - want_next).abs().max().item() < tolerance
     assert (got[2] - want_second[14]).abs().max().item() < tolerance
-    # Non-adjacent one-token rows (slots 0 and 2: gathered, not a view) and a one-token chunk.
+    # One-token rows of different lengths in adjacent slots (2 and 3), the second a one-token chunk.
     got = native(
         torch.tensor([second[15], first[0]]), torch.tensor([15, 0]), [Segment(2, 15, 1), Segment(3, 0, 1)], [0, 1]
     )
@@ -85,6 +92,39 @@ def test_native_logits_match_transformers_on_the_tiny_model(tiny_model_dir: Path
 def test_native_logits_match_transformers_on_the_default_model(default_model_dir: Path) -> None:
     # fp32 logits of a 30-layer model agree to ~1e-4 (only the GEMM blocking differs)
     check_against_transformers(default_model_dir, 2e-3)
+
+
+def test_one_token_rows_split_into_the_attention_calls_that_read_the_fewest_columns() -> None:
+    def rows(*pairs: tuple[int, int]) -> list[Segment]:
+        return [Segment(slot, start, 1) for slot, start in pairs]
+
+    # similar lengths in consecutive slots: one call
+    assert single_groups(rows((0, 100), (1, 120), (2, 90))) == [(0, 3, 0)]
+    # one long row among short ones: a call of its own, so the short ones read their own length
+    assert single_groups(rows((0, 100), (1, 1500), (2, 90), (3, 95))) == [(0, 1, 0), (1, 1, 1), (2, 2, 2)]
+    # a gap between slots always cuts (a call reads its slots as one view)
+    assert single_groups(rows((0, 10), (2, 10))) == [(0, 1, 0), (1, 1, 2)]
+    # rows out of slot order (a prompt's last token after the decode rows) cut too
+    assert single_groups(rows((1, 10), (0, 10))) == [(0, 1, 1), (1, 1, 0)]
+    # the split is worth it only past the cost of a call
+    short, long = 50, 50 + ATTENTION_CALL_COST // 2
+    assert single_groups(rows((0, short), (1, long))) == [(0, 2, 0)]
+    assert single_groups([]) == []
+
+
+def test_rows_of_very_different_lengths_attend_in_separate_calls_and_match_transformers(tiny_model_dir: Path) -> None:
+    loaded = load_model(str(tiny_model_dir))
+    model = loaded.model
+    native = NativeForward(model, fresh_cache(model), batch_hint=4)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, loaded.vocab_size, (n,), generator=generator).tolist() for n in (5, 200, 7)]
+    for slot, prompt in enumerate(prompts):
+        native(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), [Segment(slot, 0, len(prompt) - 1)], [len(prompt) - 2])
+    step = [Segment(slot, len(prompt) - 1, 1) for slot, prompt in enumerate(prompts)]
+    assert len(single_groups(step)) == 3  # the 200-token row does not make the others read 200 columns
+    got = native(torch.tensor([p[-1] for p in prompts]), torch.tensor([len(p) - 1 for p in prompts]), step, [0, 1, 2])
+    for row, prompt in enumerate(prompts):
+        assert (got[row] - reference_logits(model, prompt)[-1]).abs().max().item() < 1e-3
 
 
 def test_on_this_cpu_the_native_pass_packs_its_weights_for_onednn(tiny_model_dir: Path) -> None:
