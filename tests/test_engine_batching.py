@@ -175,6 +175,32 @@ def test_chunked_prefill_equals_one_shot_default_model(default_model_dir: Path, 
     chunked_equals_one_shot(loaded, monkeypatch, prompt_tokens=150, new=16)
 
 
+def test_while_rows_decode_a_chunk_deep_into_a_long_prompt_gets_fewer_tokens(tiny_model_dir: Path) -> None:
+    """A prompt token read at column c counts 1 + c / span against --max-prefill-tokens
+    (its attention reads the c columns before it); with nobody decoding, depth is free."""
+    smollm2 = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536)
+    assert 1300 < batched.prefill_span_columns(smollm2) < 1400  # the figure docs/architecture.md gives
+
+    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    engine: Any = create_engine("batched", loaded, EngineLimits(4, 4, 4 * 1024, max_prefill_tokens=24), workers=1)
+    span = engine._span_columns
+    assert span == batched.prefill_span_columns(loaded.model.config)
+
+    def waiting(length: int, left: int = 10_000) -> SimpleNamespace:
+        return SimpleNamespace(decoding=False, length=length, seq=SimpleNamespace(prompt_len=length + left))
+
+    decoding = SimpleNamespace(decoding=True, length=50, seq=SimpleNamespace(prompt_len=10))
+    start, deep, deeper, bottom = waiting(0), waiting(int(span)), waiting(int(3 * span)), waiting(int(100 * span))
+    for row, tokens in ((start, 24), (deep, 12), (deeper, 6), (bottom, 1)):
+        engine._rows = [decoding, row]
+        assert engine._next_chunks(decoding=True) == ([(row, tokens)], tokens)
+        assert engine._next_chunks(decoding=False) == ([(row, batched.IDLE_PREFILL_TOKENS)], batched.IDLE_PREFILL_TOKENS)
+    # the budget left after one prompt's last tokens goes to the next, at its own depth
+    short, after = waiting(0, left=10), waiting(int(span))
+    engine._rows = [decoding, short, after]
+    assert engine._next_chunks(decoding=True) == ([(short, 10), (after, 7)], 17)
+
+
 # -- the sampler -------------------------------------------------------------------------
 
 

@@ -108,7 +108,7 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "max_active": ("batched engine: most streams decoded together in one batch", None),
     "max_queue": ("requests that may wait for a slot; past active + queued, RESOURCE_EXHAUSTED", None),
     "kv_cache_tokens": ("KV-cache budget in tokens over all active streams (0: max_active x min(context, 2048))", None),
-    "max_prefill_tokens": ("batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new arrival causes them)", None),
+    "max_prefill_tokens": ("batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new arrival causes them; a token deep into a long prompt counts more, for its attention)", None),
     "batch_window_ms": ("batched engine: under concurrent load, how long a batch starting from empty waits for requests still arriving, so they share one prefill (0: never wait)", None),
     "torch_threads": ("batched and simple engines: threads torch computes with (0: torch's default, one per core); on a small machine one fewer leaves a core to the gRPC loop", None),
     "forward": (
