@@ -295,3 +295,10 @@ def test_tokenize_and_generate_concurrently_share_no_tokenizer_state(stub):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, range(200)))
     assert results == [True] * 200
+
+
+def test_the_objects_alive_at_readiness_are_out_of_the_collectors_reach(tiny_server):
+    """A full collection over the loaded model's objects takes ~200 ms with the GIL held
+    (every stream stalls); the server freezes them once loaded (``server.settle_heap``)."""
+    [ready] = tiny_server.find("ready")
+    assert ready["gc_frozen_objects"] > 50_000

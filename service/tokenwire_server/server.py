@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -38,6 +39,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenwire.server")
 
 WATCHDOG_INTERVAL_S = 1.0
+
+
+def settle_heap() -> None:
+    """Move every object alive once the model is loaded out of the garbage collector's reach.
+
+    The loaded model, tokenizer and libraries leave ~370,000 tracked objects; a full
+    collection walks them all, ~200 ms on the 2-core CPU, holding the GIL: every stream's
+    next token waits that long each time one runs (one every few seconds under load).
+    ``gc.freeze`` puts them in a permanent generation that collections skip (they live as
+    long as the process anyway); what requests allocate afterwards is collected as before.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 class TokenwireServer:
@@ -138,9 +152,10 @@ class TokenwireServer:
         )
         if config.warmup:
             await warm_up(backend)
+        settle_heap()
         self._servicer.attach(backend)
         await self.health.set_ready(True)
-        log.info("ready", extra={"seconds": round(time.monotonic() - started, 2)})
+        log.info("ready", extra={"seconds": round(time.monotonic() - started, 2), "gc_frozen_objects": gc.get_freeze_count()})
 
     def _build_backend(self) -> GenerationBackend:
         """The model room and an engine, behind the seam (runs in a thread: it is slow)."""
