@@ -62,9 +62,10 @@ IDLE_PREFILL_TOKENS = 2048
 
 # How many times more a FLOP of attention costs than a FLOP of the linear layers, for a
 # prompt chunk read beside decoding rows. Measured on a 2-core AVX2 CPU, default model,
-# 8 decode rows: a chunk token adds 1.9 ms at column 0 and 1.4 us more per column before
-# it (24 tokens: 1.76x a decode-only step at column 0, 2.60x at column 1,476), where the
-# FLOP counts alone would say 2.1 us per 1,000 columns: 2.3x.
+# 8 decode rows: a chunk token adds 1.9 ms at column 0 (its 212 MFLOP of linear layers)
+# and 1.44 us more per column before it (24 tokens: 1.76x a decode-only step at column
+# 0, 2.60x at column 1,476); a column's 69 kFLOP of attention at the linear layers' rate
+# would take 0.62 us: 2.3x.
 ATTENTION_FLOP_COST = 2.3
 
 
@@ -74,7 +75,7 @@ def prefill_span_columns(config: Any) -> float:
     While rows decode, a prompt token read at column ``c`` counts ``1 + c / span`` against
     ``--max-prefill-tokens``: its attention reads the ``c`` columns before it, so a chunk
     deep into a long prompt gets fewer tokens and a step costs about the same multiple of
-    a decode step at any depth (default model: ~1,330 columns; a 24-token budget reads 24
+    a decode step at any depth (default model: 1,336 columns; a 24-token budget reads 24
     tokens at column 0, 11 at 1,500).
     """
     hidden = int(config.hidden_size)
