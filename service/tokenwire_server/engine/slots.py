@@ -73,11 +73,6 @@ def layer_placements(model: Any, count: int, default_device: torch.device, defau
 CLEAN_STEP = 128
 
 
-def slot_range(slots: list[int]) -> tuple[int, int] | None:
-    """``(start, stop)`` when the slots are consecutive (read as a view), else None (gathered)."""
-    return (slots[0], slots[0] + len(slots)) if slots == list(range(slots[0], slots[0] + len(slots))) else None
-
-
 def flat_index(rows: torch.Tensor, cols: torch.Tensor, heads: int, width: int) -> torch.Tensor:
     """Where each (row, query, head) vector goes in a layer's buffer flattened to
     ``[slots * heads * width, dim]``: ``rows`` ``[n, 1]`` is each row's slot, ``cols``
@@ -111,7 +106,8 @@ class StepPlan:
 
     def set(self, slots: list[int], write_cols: torch.Tensor, columns: int) -> None:
         self.start, self.stop = slots[0], slots[0] + len(slots)
-        self.index = None if slot_range(slots) else torch.tensor(slots, dtype=torch.long)
+        contiguous = slots == list(range(self.start, self.stop))
+        self.index = None if contiguous else torch.tensor(slots, dtype=torch.long)
         self.write_rows = torch.tensor(slots, dtype=torch.long).unsqueeze(1)
         self.write_cols = write_cols
         self.columns = columns
