@@ -35,6 +35,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -89,11 +90,6 @@ def weight_bytes(shape: str, vocab: int, element: int) -> int:
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
     embed = vocab * h * (1 if s["tie_word_embeddings"] else 2)
     return (layers * per_layer + embed + h) * element
-
-
-def kv_bytes_per_token(shape: str, element: int) -> int:
-    s = SHAPES[shape]
-    return 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * s["head_dim"] * element
 
 
 class GpuSampler:
@@ -153,7 +149,9 @@ class Result:
 
 
 def run_shape(shape: str, args: argparse.Namespace) -> list[Result]:
+    import torch
     from tokenwire.bench import run_bench
+    from tokenwire_server.model import kv_bytes_per_token
 
     from benchmarks.launcher import ServerProcess
 
@@ -162,7 +160,7 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[Result]:
     element = 4 if args.device == "cpu" else 2
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     weights = weight_bytes(shape, vocab, element)
-    per_token_kv = kv_bytes_per_token(shape, element)
+    per_token_kv = kv_bytes_per_token(SimpleNamespace(**SHAPES[shape]), torch.float32 if element == 4 else torch.bfloat16)
     peak = args.peak_gbs
     server_args = [
         "--model", str(folder), "--engine", "batched", "--device", args.device, "--max-active", str(max(concurrency)),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -86,13 +87,16 @@ def test_a_target_is_met_by_the_median_of_the_repeats_not_the_best() -> None:
 
 def test_the_gpu_bench_counts_the_default_models_weights_exactly(default_model_dir: Path) -> None:
     """MBU's numerator: ``weight_bytes("135m")`` is the real default model's parameter count."""
-    from tokenwire_server.model import load_model
+    import torch
+    from tokenwire_server.model import kv_bytes_per_token, load_model
 
-    from benchmarks.gpu_bench import kv_bytes_per_token, weight_bytes
+    from benchmarks.gpu_bench import SHAPES, weight_bytes
 
     model = load_model(str(default_model_dir)).model
     assert weight_bytes("135m", model.config.vocab_size, 1) == sum(p.numel() for p in model.parameters())
-    assert kv_bytes_per_token("135m", 2) == 2 * 30 * 3 * 64 * 2
+    # the KV bytes per token it reads from the shape (run_shape), and from the real model's config
+    assert kv_bytes_per_token(SimpleNamespace(**SHAPES["135m"]), torch.bfloat16) == 2 * 30 * 3 * 64 * 2
+    assert kv_bytes_per_token(model.config, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
 
 
 def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Path) -> None:

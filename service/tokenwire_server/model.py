@@ -132,11 +132,18 @@ def gpu_report() -> list[dict[str, Any]]:
     return out
 
 
-def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Bytes of KV cache one token takes over all layers (keys and values)."""
+def attention_shape(config: Any) -> tuple[int, int, int]:
+    """``(query heads, key/value heads, head dim)`` of a transformers config (no GQA: as many
+    KV heads as query heads; no ``head_dim``: hidden size / heads)."""
     heads = int(getattr(config, "num_attention_heads", 1))
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+    return heads, kv_heads, head_dim
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of KV cache one token takes over all layers (keys and values)."""
+    _, kv_heads, head_dim = attention_shape(config)
     layers = int(config.num_hidden_layers)
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from ..domain import EngineObserver, EngineStats, ErrorKind, FinishReason, GenerationRequest
-from ..model import LoadedModel
+from ..model import LoadedModel, attention_shape
 from .base import Engine, EngineLimits
 from .generation import Generation
 from .native import NativeForward, Segment, unsupported_reason
@@ -79,9 +79,7 @@ def prefill_span_columns(config: Any) -> float:
     tokens at column 0, 11 at 1,500).
     """
     hidden = int(config.hidden_size)
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    heads, kv_heads, head_dim = attention_shape(config)
     intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
     linear = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * intermediate
     per_column = 4 * heads * head_dim  # q·k and p·v, per layer
@@ -153,8 +151,7 @@ class BatchedEngine(Engine):
         self._cache_arg = cache_argument(loaded.model)
         config = loaded.model.config
         layers = int(config.num_hidden_layers)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        _, kv_heads, head_dim = attention_shape(config)
         self.capacity = slot_capacity(loaded.context_length, limits.kv_cache_tokens)
         self._span_columns = prefill_span_columns(config)
         placements = layer_placements(loaded.model, layers, loaded.device, loaded.model.dtype)

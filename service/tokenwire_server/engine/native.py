@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..model import attention_shape
 from .slots import SlotCache, flat_index, read_slots
 
 SUPPORTED_TYPES = frozenset({"llama"})
@@ -188,9 +189,7 @@ class NativeForward:
         inner = model.model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.heads, self.kv_heads, self.head_dim = attention_shape(config)
         self.eps = float(config.rms_norm_eps)
         self.scale = self.head_dim**-0.5
         self.cache = cache
