@@ -53,7 +53,7 @@ ARG DEBIAN_FRONTEND=noninteractive
 # DL3008: as above.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3-venv make \
+ && apt-get install -y --no-install-recommends python3-venv make g++ \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY Makefile pyproject.toml constraints.txt README.md ./
@@ -81,10 +81,16 @@ ARG MODEL=default
 # DL3064 (sensitive data in ENV): a false positive on the product name; TOKENWIRE_*
 # variables here hold paths and ports, never secrets (those are files: --auth-token-file).
 # hadolint ignore=DL3064
-ENV TOKENWIRE_CACHE_DIR=/var/cache/tokenwire
+ENV TOKENWIRE_CACHE_DIR=/var/cache/tokenwire \
+    TOKENWIRE_KERNEL_DIR=/var/cache/tokenwire/kernels
 RUN mkdir -p "${TOKENWIRE_CACHE_DIR}" \
  && if [ "${BAKE_MODEL}" = "1" ]; then \
       make model VENV=/opt/tokenwire EXTRAS=server EDITABLE= MODEL="${MODEL}"; \
+    fi
+# The batched engine's decode attention kernel, compiled here (g++ stays in this stage):
+# the runtime has no compiler, and finds it built under TOKENWIRE_KERNEL_DIR.
+RUN if [ "${ENGINE}" = "batched" ]; then \
+      make kernels VENV=/opt/tokenwire EXTRAS=server EDITABLE=; \
     fi
 
 # The runtime's base, by ENGINE. BuildKit builds only the one `runtime` names.
@@ -129,6 +135,7 @@ ENV PATH=/opt/tokenwire/bin:${PATH} \
     TOKENWIRE_METRICS_PORT=9090 \
     TOKENWIRE_LOG_FORMAT=json \
     TOKENWIRE_CACHE_DIR=/var/cache/tokenwire \
+    TOKENWIRE_KERNEL_DIR=/var/cache/tokenwire/kernels \
     TOKENWIRE_ENGINE=${ENGINE}
 USER 10001:10001
 WORKDIR /home/tokenwire

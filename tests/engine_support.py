@@ -45,3 +45,11 @@ def run_all(engine: Any, requests: Sequence[GenerationRequest], timeout: float =
     for rec in recorders:
         assert rec.done.wait(timeout), "request did not finish"
     return recorders
+
+
+def kernel_unbuildable() -> str | None:
+    """Why this machine cannot build the decode attention kernel (no AVX2+FMA x86 CPU, no
+    C++ compiler); None where it can, and then tests that use it must find it built."""
+    from tokenwire_server.engine import kernels
+
+    return kernels.cpu_reason() or (None if kernels.compiler() else "no C++ compiler")

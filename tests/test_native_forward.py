@@ -2,7 +2,8 @@
 
 - Its logits match the model's own forward: a prompt read at once, the same prompt
   read in two chunks, and a mixed step (two decode rows and a third row's prompt chunk
-  in one pass), on the tiny model and on the real default model.
+  in one pass), on the tiny model and on the real default model; with the one-token
+  rows attending through the compiled kernel (``engine/kernels``) and through SDPA.
 - The engine gives the same greedy tokens with ``--forward native`` and
   ``--forward transformers`` on the real model, for requests decoded together while a
   long prompt is read alongside them.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_support import Recorder, run_all
+from engine_support import Recorder, kernel_unbuildable, run_all
 from tokenwire_server.domain import FinishEvent, GenerationRequest, SamplingOptions
 from tokenwire_server.engine import create_engine
 from tokenwire_server.engine.base import EngineLimits
@@ -49,10 +50,20 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
-def check_against_transformers(model_dir: Path, tolerance: float) -> None:
+# Both ways the one-token rows attend: the compiled kernel (where this machine can build it)
+# and SDPA.
+KERNEL_REASON = kernel_unbuildable()
+DECODE_ATTENTIONS = [
+    pytest.param("kernel", marks=pytest.mark.skipif(KERNEL_REASON is not None, reason=f"decode attention kernel: {KERNEL_REASON}")),
+    "sdpa",
+]
+
+
+def check_against_transformers(model_dir: Path, tolerance: float, decode_attention: str) -> None:
     loaded = load_model(str(model_dir))
     model = loaded.model
-    native = NativeForward(model, fresh_cache(model), batch_hint=4)
+    native = NativeForward(model, fresh_cache(model), batch_hint=4, decode_attention=decode_attention)
+    assert (native.kernel is not None) == (decode_attention == "kernel")
     vocab = loaded.vocab_size
     generator = torch.Generator().manual_seed(1)
     first = torch.randint(10, vocab, (37,), generator=generator).tolist()
@@ -85,13 +96,15 @@ def check_against_transformers(model_dir: Path, tolerance: float) -> None:
     assert (got[1] - want_first[0]).abs().max().item() < tolerance
 
 
-def test_native_logits_match_transformers_on_the_tiny_model(tiny_model_dir: Path) -> None:
-    check_against_transformers(tiny_model_dir, 1e-3)
+@pytest.mark.parametrize("decode_attention", DECODE_ATTENTIONS)
+def test_native_logits_match_transformers_on_the_tiny_model(tiny_model_dir: Path, decode_attention: str) -> None:
+    check_against_transformers(tiny_model_dir, 1e-3, decode_attention)
 
 
-def test_native_logits_match_transformers_on_the_default_model(default_model_dir: Path) -> None:
+@pytest.mark.parametrize("decode_attention", DECODE_ATTENTIONS)
+def test_native_logits_match_transformers_on_the_default_model(default_model_dir: Path, decode_attention: str) -> None:
     # fp32 logits of a 30-layer model agree to ~1e-4 (only the GEMM blocking differs)
-    check_against_transformers(default_model_dir, 2e-3)
+    check_against_transformers(default_model_dir, 2e-3, decode_attention)
 
 
 def test_one_token_rows_split_into_the_attention_calls_that_read_the_fewest_columns() -> None:
@@ -112,10 +125,11 @@ def test_one_token_rows_split_into_the_attention_calls_that_read_the_fewest_colu
     assert single_groups([]) == []
 
 
-def test_rows_of_very_different_lengths_attend_in_separate_calls_and_match_transformers(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("decode_attention", DECODE_ATTENTIONS)
+def test_rows_of_very_different_lengths_attend_in_separate_calls_and_match_transformers(tiny_model_dir: Path, decode_attention: str) -> None:
     loaded = load_model(str(tiny_model_dir))
     model = loaded.model
-    native = NativeForward(model, fresh_cache(model), batch_hint=4)
+    native = NativeForward(model, fresh_cache(model), batch_hint=4, decode_attention=decode_attention)
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(10, loaded.vocab_size, (n,), generator=generator).tolist() for n in (5, 200, 7)]
     for slot, prompt in enumerate(prompts):

@@ -9,12 +9,14 @@ over all of them (decode rows and prompt chunks together: prefill rides along wi
 decoding instead of stopping it), and only the rows that must pick a token go
 through the final norm and the vocabulary projection.
 
-Attention is per segment kind: the one-token rows attend together, as batched
+Attention is per segment kind. The one-token rows attend together: on an AVX2+FMA CPU
+in float32 through the compiled kernel (``kernels``, ``--decode-attention``), each row
+over its own slot's columns and no more; elsewhere as batched
 ``scaled_dot_product_attention`` calls over their slots with a per-row length mask (the
 query heads that share a KV head go in as that head's query rows, so each row's keys
 and values are read once; rows of very different lengths go in separate calls, so a
-short row does not read up to the longest one's length: ``single_groups``); each
-prompt chunk attends alone, causally, over its own slot.
+short row does not read up to the longest one's length: ``single_groups``). Each
+prompt chunk attends alone, causally, over its own slot, through SDPA.
 
 On a CPU the weights of every linear layer are prepacked once for oneDNN
 (``torch.ops.mkldnn._reorder_linear_weight``), a blocked layout its fp32 GEMM reads
@@ -38,15 +40,20 @@ import ctypes
 import dataclasses
 import mmap
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..model import attention_shape
+from . import kernels
 from .slots import SlotCache, flat_index, read_slots
 
 SUPPORTED_TYPES = frozenset({"llama"})
+# How the one-token rows attend: ``auto``: the compiled kernel (``kernels``) where it builds
+# and runs (float32 on an AVX2+FMA CPU), else SDPA; ``kernel``: insist; ``sdpa``: never.
+DECODE_ATTENTIONS = ("auto", "kernel", "sdpa")
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -184,7 +191,9 @@ def single_groups(singles: list[Segment]) -> list[tuple[int, int, int]]:
 class NativeForward:
     """The forward pass of a Llama-shaped model over a ``SlotCache``; weights taken from the loaded model."""
 
-    def __init__(self, model: Any, cache: SlotCache, batch_hint: int, release_weights: bool = False) -> None:
+    def __init__(self, model: Any, cache: SlotCache, batch_hint: int, release_weights: bool = False, decode_attention: str = "auto") -> None:
+        if decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(f"unknown decode attention {decode_attention!r}; expected one of {', '.join(DECODE_ATTENTIONS)}")
         config = model.config
         inner = model.model
         self.device = next(model.parameters()).device
@@ -241,6 +250,22 @@ class NativeForward:
         self.embed_scale = float(getattr(inner.embed_tokens, "embed_scale", 1.0) or 1.0)
         self.rotary = inner.rotary_emb
         self.intermediate = int(config.intermediate_size)
+        self.kernel, self.kernel_reason = self._decode_kernel(decode_attention)
+
+    def _decode_kernel(self, choice: str) -> tuple[Callable[..., torch.Tensor] | None, str | None]:
+        """The compiled decode attention (``kernels``) where asked for and able, else None and why."""
+        if choice == "sdpa":
+            return None, "--decode-attention sdpa"
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            reason = f"the kernel runs float32 on a CPU (here {self.dtype} on {self.device.type})"
+        else:
+            loaded = kernels.decode_attention()
+            if loaded.op is not None:
+                return loaded.op, None
+            reason = loaded.reason or "unavailable"
+        if choice == "kernel":
+            raise ValueError(f"--decode-attention kernel: {reason}")
+        return None, reason
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Llama's RMSNorm, computed in float32 whatever the weights' dtype (as transformers does)."""
@@ -274,7 +299,14 @@ class NativeForward:
         assert segments[: len(singles)] == singles, "one-token segments come first"
         width = self.cache.capacity + 1
         flat = self._write_index(segments, width, kv_heads)
-        groups = [(first, rows, slot, self._single_mask(singles[first : first + rows])) for first, rows, slot in single_groups(singles)]
+        kernel = self.kernel if singles else None
+        if kernel is not None:
+            # Each one-token row reads its own slot's columns 0..start, no more: no groups, no mask.
+            single_slots = torch.tensor([s.slot for s in singles], dtype=torch.long)
+            single_lengths = torch.tensor([s.start + 1 for s in singles], dtype=torch.long)
+            groups = []
+        else:
+            groups = [(first, rows, slot, self._single_mask(singles[first : first + rows])) for first, rows, slot in single_groups(singles)]
         chunk_masks = [self._chunk_mask(segment) for segment in chunks]
 
         for index, layer in enumerate(self.layers):
@@ -290,6 +322,8 @@ class NativeForward:
             keys.view(-1, dim).index_copy_(0, flat, k.reshape(-1, dim).to(keys.dtype))
             values.view(-1, dim).index_copy_(0, flat, v.reshape(-1, dim).to(values.dtype))
             attended: list[torch.Tensor] = []  # [count, heads, dim] per segment kind, in token order
+            if kernel is not None:
+                attended.append(kernel(q[: len(singles)].contiguous(), keys, values, single_slots, single_lengths, self.scale))
             for first, rows, slot, mask in groups:
                 sk, sv = read_slots(keys, values, (slot, slot + rows), mask.shape[-1])
                 # The query heads that share a KV head are that head's query rows: each

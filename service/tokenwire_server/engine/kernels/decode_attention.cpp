@@ -1,0 +1,178 @@
+// Decode attention over the slot cache, for the batched engine's native pass on x86 CPUs.
+//
+// Each one-token row attends over the first `lengths[r]` columns of its own slot, and
+// nothing else: no padding to the longest row, no mask, so a row computes the same
+// numbers whatever else is in the step. The query heads that share a KV head are done
+// together (each key and value vector is read once for all of them), and the work is
+// split over (row, KV head) pairs on torch's intra-op threads.
+//
+// Plain softmax in two passes over a row's columns: the scores (one read of the keys),
+// then max, exp and sum, then the weighted sum of values (one read of the values).
+// Built with -mavx2 -mfma by kernels/__init__.py, loaded only where the CPU has both.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x) for 8 floats: Cephes' expf, the range reduction x = n ln2 + r with ln2 split
+// in two, a degree-5 polynomial for e^r and 2^n put into the exponent (error ~1 ulp).
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 lo = _mm256_set1_ps(-88.3762626647949f);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Eight horizontal sums at once: lane j of the result is the sum of v[j]'s lanes.
+inline __m256 hsum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // a = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low/high 128-bit halves of each sum), likewise b.
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+constexpr int kMaxGroup = 16;  // query heads per KV head
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(), "q [rows, heads, dim]; keys, values [slots, kv_heads, capacity, dim]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous(), "contiguous tensors only");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong, "slots and lengths are int64");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = keys.size(1), capacity = keys.size(2);
+  TORCH_CHECK(keys.size(3) == dim && dim % 8 == 0, "head dim must match and be a multiple of 8");
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(slots.numel() == rows && lengths.numel() == rows, "one slot and one length per row");
+  const int64_t group = heads / kv_heads;
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < keys.size(0), "slot out of range");
+    TORCH_CHECK(length[r] >= 1 && length[r] <= capacity, "length out of range");
+  }
+  at::Tensor out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t lanes = dim / 8;
+
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads, n = length[r];
+      const float* k = kp + ((slot[r] * kv_heads + h) * capacity) * dim;
+      const float* v = vp + ((slot[r] * kv_heads + h) * capacity) * dim;
+      const float* qh = qp + (r * heads + h * group) * dim;
+      float* oh = op + (r * heads + h * group) * dim;
+      scores.resize(static_cast<size_t>(group * n));
+      // Pass 1: scores of every query head of the group, each key read once. Eight
+      // columns at a time: eight dot products, reduced together into one vector.
+      int64_t c = 0;
+      for (; c + 8 <= n; c += 8) {
+        const float* kc = k + c * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qh + g * dim;
+          __m256 acc[8];
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+          for (int64_t l = 0; l < lanes; ++l) {
+            const __m256 ql = _mm256_loadu_ps(qg + 8 * l);
+            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(kc + j * dim + 8 * l), acc[j]);
+          }
+          _mm256_storeu_ps(scores.data() + g * n + c, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(fscale)));
+        }
+      }
+      for (; c < n; ++c) {
+        const float* kc = k + c * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qh + g * dim;
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t l = 0; l < lanes; ++l) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * l), _mm256_loadu_ps(kc + 8 * l), acc);
+          scores[g * n + c] = hsum(acc) * fscale;
+        }
+      }
+      // Softmax per query head.
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * n;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < n; ++c) top = s[c] > top ? s[c] : top;
+        const __m256 vtop = _mm256_set1_ps(top);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t c = 0;
+        for (; c + 8 <= n; c += 8) {
+          __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), vtop));
+          _mm256_storeu_ps(s + c, e);
+          vsum = _mm256_add_ps(vsum, e);
+        }
+        float total = hsum(vsum);
+        if (c < n) {
+          alignas(32) float tail[8];
+          for (int64_t i = 0; i < 8; ++i) tail[i] = c + i < n ? s[c + i] - top : -std::numeric_limits<float>::infinity();
+          __m256 e = exp8(_mm256_load_ps(tail));
+          _mm256_store_ps(tail, e);
+          for (int64_t i = 0; c + i < n; ++i) {
+            s[c + i] = tail[i];
+            total += tail[i];
+          }
+        }
+        const float inv = 1.0f / total;
+        for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+      }
+      // Pass 2: the weighted sum of values, per query head, in registers (a row's
+      // values are read from memory once; the next heads find them in cache).
+      for (int64_t g = 0; g < group; ++g) {
+        const float* p = scores.data() + g * n;
+        float* og = oh + g * dim;
+        for (int64_t base = 0; base < lanes; base += 8) {
+          const int64_t width = lanes - base < 8 ? lanes - base : 8;
+          __m256 acc[8];
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+          for (int64_t c = 0; c < n; ++c) {
+            const float* vc = v + c * dim + 8 * base;
+            const __m256 pc = _mm256_set1_ps(p[c]);
+            for (int64_t j = 0; j < width; ++j) acc[j] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vc + 8 * j), acc[j]);
+          }
+          for (int64_t j = 0; j < width; ++j) _mm256_storeu_ps(og + 8 * (base + j), acc[j]);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenwire, m) {
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor slots, Tensor lengths, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+}
