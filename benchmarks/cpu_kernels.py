@@ -22,7 +22,7 @@ Decode attention: 16 one-token rows over the default model's 30 layers of slot c
   kernel (the rows' query heads grouped by KV head, a length mask, a view of the
   slots' first columns);
 - ``kernel``: ``torch.ops.tokenwire.decode_attention`` (``engine/kernels``), what
-  ``--decode-attention auto`` runs where it builds.
+  ``--kernels auto`` runs where the compiled ops build.
 
 Each row shows the time for all 30 layers and the keys and values read per
 second (the bytes a step must read at least: the rows' columns).
@@ -133,10 +133,10 @@ def attention(repeats: int, calls: int, results: dict[tuple[str, int], list[floa
     import torch.nn.functional as F
     from tokenwire_server.engine import kernels
 
-    loaded = kernels.decode_attention()
-    if loaded.op is None:
-        raise SystemExit(f"the decode attention kernel is unavailable: {loaded.reason}")
-    op = loaded.op
+    loaded = kernels.load()
+    if loaded.ops is None:
+        raise SystemExit(f"the compiled CPU ops are unavailable: {loaded.reason}")
+    op = loaded.ops.decode_attention
     top = max(CONTEXTS)
     layers = []
     for _ in range(LAYERS):  # only the columns read are ever touched

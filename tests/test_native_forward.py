@@ -3,7 +3,8 @@
 - Its logits match the model's own forward: a prompt read at once, the same prompt
   read in two chunks, and a mixed step (two decode rows and a third row's prompt chunk
   in one pass), on the tiny model and on the real default model; with the one-token
-  rows attending through the compiled kernel (``engine/kernels``) and through SDPA.
+  work around the GEMMs done by the compiled CPU ops (``engine/kernels``) and by stock
+  torch ops.
 - The engine gives the same greedy tokens with ``--forward native`` and
   ``--forward transformers`` on the real model, for requests decoded together while a
   long prompt is read alongside them.
@@ -50,20 +51,20 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
-# Both ways the one-token rows attend: the compiled kernel (where this machine can build it)
-# and SDPA.
+# Both ways the work around the GEMMs runs: the compiled CPU ops (where this machine can
+# build them) and stock torch ops.
 KERNEL_REASON = kernel_unbuildable()
-DECODE_ATTENTIONS = [
-    pytest.param("kernel", marks=pytest.mark.skipif(KERNEL_REASON is not None, reason=f"decode attention kernel: {KERNEL_REASON}")),
-    "sdpa",
+KERNELS = [
+    pytest.param("compiled", marks=pytest.mark.skipif(KERNEL_REASON is not None, reason=f"compiled CPU ops: {KERNEL_REASON}")),
+    "torch",
 ]
 
 
-def check_against_transformers(model_dir: Path, tolerance: float, decode_attention: str) -> None:
+def check_against_transformers(model_dir: Path, tolerance: float, kernels: str) -> None:
     loaded = load_model(str(model_dir))
     model = loaded.model
-    native = NativeForward(model, fresh_cache(model), batch_hint=4, decode_attention=decode_attention)
-    assert (native.kernel is not None) == (decode_attention == "kernel")
+    native = NativeForward(model, fresh_cache(model), batch_hint=4, ops=kernels)
+    assert (native.ops is not None) == (kernels == "compiled")
     vocab = loaded.vocab_size
     generator = torch.Generator().manual_seed(1)
     first = torch.randint(10, vocab, (37,), generator=generator).tolist()
@@ -96,15 +97,15 @@ def check_against_transformers(model_dir: Path, tolerance: float, decode_attenti
     assert (got[1] - want_first[0]).abs().max().item() < tolerance
 
 
-@pytest.mark.parametrize("decode_attention", DECODE_ATTENTIONS)
-def test_native_logits_match_transformers_on_the_tiny_model(tiny_model_dir: Path, decode_attention: str) -> None:
-    check_against_transformers(tiny_model_dir, 1e-3, decode_attention)
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_native_logits_match_transformers_on_the_tiny_model(tiny_model_dir: Path, kernels: str) -> None:
+    check_against_transformers(tiny_model_dir, 1e-3, kernels)
 
 
-@pytest.mark.parametrize("decode_attention", DECODE_ATTENTIONS)
-def test_native_logits_match_transformers_on_the_default_model(default_model_dir: Path, decode_attention: str) -> None:
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_native_logits_match_transformers_on_the_default_model(default_model_dir: Path, kernels: str) -> None:
     # fp32 logits of a 30-layer model agree to ~1e-4 (only the GEMM blocking differs)
-    check_against_transformers(default_model_dir, 2e-3, decode_attention)
+    check_against_transformers(default_model_dir, 2e-3, kernels)
 
 
 def test_one_token_rows_split_into_the_attention_calls_that_read_the_fewest_columns() -> None:
@@ -125,11 +126,11 @@ def test_one_token_rows_split_into_the_attention_calls_that_read_the_fewest_colu
     assert single_groups([]) == []
 
 
-@pytest.mark.parametrize("decode_attention", DECODE_ATTENTIONS)
-def test_rows_of_very_different_lengths_attend_in_separate_calls_and_match_transformers(tiny_model_dir: Path, decode_attention: str) -> None:
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_rows_of_very_different_lengths_attend_in_separate_calls_and_match_transformers(tiny_model_dir: Path, kernels: str) -> None:
     loaded = load_model(str(tiny_model_dir))
     model = loaded.model
-    native = NativeForward(model, fresh_cache(model), batch_hint=4, decode_attention=decode_attention)
+    native = NativeForward(model, fresh_cache(model), batch_hint=4, ops=kernels)
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(10, loaded.vocab_size, (n,), generator=generator).tolist() for n in (5, 200, 7)]
     for slot, prompt in enumerate(prompts):

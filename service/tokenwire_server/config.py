@@ -37,7 +37,7 @@ class ServerConfig:
     batch_window_ms: float = 10.0
     torch_threads: int = 0
     forward: str = "auto"
-    decode_attention: str = "auto"
+    kernels: str = "auto"
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 2048
     max_stop_sequences: int = 16
@@ -118,10 +118,11 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         "transformers: always the model's own forward",
         ("auto", "native", "transformers"),
     ),
-    "decode_attention": (
-        "native pass: how one-token rows attend. auto: a compiled kernel (built once with the host's C++ compiler, "
-        "cached; float32 on an AVX2+FMA CPU) where it builds, else SDPA; kernel: insist on it; sdpa: never",
-        ("auto", "kernel", "sdpa"),
+    "kernels": (
+        "native pass: the work around its GEMMs (decode attention, RMSNorm, RoPE, SiLU*up). auto: compiled CPU ops "
+        "(built once with the host's C++ compiler, cached; float32 on an AVX2+FMA CPU) where they build, else stock "
+        "torch ops; compiled: insist on them; torch: never",
+        ("auto", "compiled", "torch"),
     ),
     "default_max_new_tokens": ("max_new_tokens when a request leaves it unset", None),
     "max_new_tokens_limit": ("cap on max_new_tokens; above it is INVALID_ARGUMENT", None),

@@ -197,7 +197,7 @@ class TokenwireServer:
             max_prefill_tokens=config.max_prefill_tokens,
             batch_window_s=config.batch_window_ms / 1000,
         )
-        engine = create_engine(config.engine, loaded, limits, config.workers, self.metrics, forward=config.forward, own_weights=True, decode_attention=config.decode_attention)
+        engine = create_engine(config.engine, loaded, limits, config.workers, self.metrics, forward=config.forward, own_weights=True, kernels=config.kernels)
         engine.start()
         self.metrics.watch_gpu(gpu_memory_probe(loaded), nvml_probe())
         request_limits = config.request_limits(loaded.context_length, loaded.vocab_size, limits.kv_cache_tokens)

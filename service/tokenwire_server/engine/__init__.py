@@ -25,14 +25,14 @@ def create_engine(
     observer: EngineObserver | None = None,
     forward: str = "auto",
     own_weights: bool = False,
-    decode_attention: str = "auto",
+    kernels: str = "auto",
 ) -> Engine:
     """``own_weights``: the engine may drop the model's plain weights where it keeps its
     own (packed) copy; the model's own ``forward`` cannot run afterwards."""
     if name == "batched":
         from .batched import BatchedEngine
 
-        return BatchedEngine(loaded, limits, observer, forward=forward, own_weights=own_weights, decode_attention=decode_attention)
+        return BatchedEngine(loaded, limits, observer, forward=forward, own_weights=own_weights, kernels=kernels)
     if name == "simple":
         from .simple import SimpleEngine
 

@@ -136,7 +136,7 @@ class BatchedEngine(Engine):
         observer: EngineObserver | None = None,
         forward: str = "auto",
         own_weights: bool = False,
-        decode_attention: str = "auto",
+        kernels: str = "auto",
     ) -> None:
         super().__init__(loaded, limits, observer)
         if forward not in FORWARDS:
@@ -168,18 +168,18 @@ class BatchedEngine(Engine):
             reason = f"auto takes the native pass on a CPU only (device {loaded.device.type})"
         if forward != "transformers" and reason is None:
             self._native = NativeForward(
-                loaded.model, self._cache, limits.max_active, release_weights=own_weights, decode_attention=decode_attention
+                loaded.model, self._cache, limits.max_active, release_weights=own_weights, ops=kernels
             )
         self.forward = "native" if self._native is not None else "transformers"
-        # How the one-token rows attend in the native pass (None: transformers' forward).
-        self.decode_attention = None if self._native is None else "kernel" if self._native.kernel is not None else "sdpa"
+        # What the native pass runs around its GEMMs (None: transformers' forward).
+        self.kernels = None if self._native is None else "compiled" if self._native.ops is not None else "torch"
         log.info(
             "batched engine forward pass",
             extra={
                 "forward": self.forward,
                 "onednn_packed": bool(self._native and self._native.packed),
-                "decode_attention": self.decode_attention,
-                "why_not_kernel": self._native.kernel_reason if self._native is not None else None,
+                "kernels": self.kernels,
+                "why_not_compiled": self._native.ops_reason if self._native is not None else None,
                 "why_not_native": reason if self._native is None else None,
             },
         )

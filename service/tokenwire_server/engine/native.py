@@ -10,13 +10,14 @@ decoding instead of stopping it), and only the rows that must pick a token go
 through the final norm and the vocabulary projection.
 
 Attention is per segment kind. The one-token rows attend together: on an AVX2+FMA CPU
-in float32 through the compiled kernel (``kernels``, ``--decode-attention``), each row
-over its own slot's columns and no more; elsewhere as batched
+in float32 through the compiled ``decode_attention`` (``kernels``, ``--kernels``), each
+row over its own slot's columns and no more; elsewhere as batched
 ``scaled_dot_product_attention`` calls over their slots with a per-row length mask (the
 query heads that share a KV head go in as that head's query rows, so each row's keys
 and values are read once; rows of very different lengths go in separate calls, so a
 short row does not read up to the longest one's length: ``single_groups``). Each
-prompt chunk attends alone, causally, over its own slot, through SDPA.
+prompt chunk attends alone, causally, over its own slot, through SDPA. The same
+compiled library does RMSNorm, RoPE (in place) and SiLU(gate)*up in one call each.
 
 On a CPU the weights of every linear layer are prepacked once for oneDNN
 (``torch.ops.mkldnn._reorder_linear_weight``), a blocked layout its fp32 GEMM reads
@@ -40,7 +41,6 @@ import ctypes
 import dataclasses
 import mmap
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,9 +51,10 @@ from . import kernels
 from .slots import SlotCache, flat_index, read_slots
 
 SUPPORTED_TYPES = frozenset({"llama"})
-# How the one-token rows attend: ``auto``: the compiled kernel (``kernels``) where it builds
-# and runs (float32 on an AVX2+FMA CPU), else SDPA; ``kernel``: insist; ``sdpa``: never.
-DECODE_ATTENTIONS = ("auto", "kernel", "sdpa")
+# The work around the GEMMs (decode attention, RMSNorm, RoPE, SiLU*up): ``auto``: the
+# compiled CPU ops (``kernels``) where they build and run (float32 on an AVX2+FMA CPU),
+# else stock torch ops; ``compiled``: insist; ``torch``: never.
+KERNEL_CHOICES = ("auto", "compiled", "torch")
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -191,9 +192,9 @@ def single_groups(singles: list[Segment]) -> list[tuple[int, int, int]]:
 class NativeForward:
     """The forward pass of a Llama-shaped model over a ``SlotCache``; weights taken from the loaded model."""
 
-    def __init__(self, model: Any, cache: SlotCache, batch_hint: int, release_weights: bool = False, decode_attention: str = "auto") -> None:
-        if decode_attention not in DECODE_ATTENTIONS:
-            raise ValueError(f"unknown decode attention {decode_attention!r}; expected one of {', '.join(DECODE_ATTENTIONS)}")
+    def __init__(self, model: Any, cache: SlotCache, batch_hint: int, release_weights: bool = False, ops: str = "auto") -> None:
+        if ops not in KERNEL_CHOICES:
+            raise ValueError(f"unknown kernels {ops!r}; expected one of {', '.join(KERNEL_CHOICES)}")
         config = model.config
         inner = model.model
         self.device = next(model.parameters()).device
@@ -250,25 +251,30 @@ class NativeForward:
         self.embed_scale = float(getattr(inner.embed_tokens, "embed_scale", 1.0) or 1.0)
         self.rotary = inner.rotary_emb
         self.intermediate = int(config.intermediate_size)
-        self.kernel, self.kernel_reason = self._decode_kernel(decode_attention)
+        self.ops, self.ops_reason = self._compiled_ops(ops)
 
-    def _decode_kernel(self, choice: str) -> tuple[Callable[..., torch.Tensor] | None, str | None]:
-        """The compiled decode attention (``kernels``) where asked for and able, else None and why."""
-        if choice == "sdpa":
-            return None, "--decode-attention sdpa"
+    def _compiled_ops(self, choice: str) -> tuple[Any | None, str | None]:
+        """The compiled CPU ops (``kernels``) where asked for and able, else None and why."""
+        if choice == "torch":
+            return None, "--kernels torch"
         if self.device.type != "cpu" or self.dtype != torch.float32:
-            reason = f"the kernel runs float32 on a CPU (here {self.dtype} on {self.device.type})"
+            reason = f"they run float32 on a CPU (here {self.dtype} on {self.device.type})"
+        elif self.head_dim % 16:
+            reason = f"head dim {self.head_dim} is not a multiple of 16"
         else:
-            loaded = kernels.decode_attention()
-            if loaded.op is not None:
-                return loaded.op, None
+            loaded = kernels.load()
+            if loaded.ops is not None:
+                return loaded.ops, None
             reason = loaded.reason or "unavailable"
-        if choice == "kernel":
-            raise ValueError(f"--decode-attention kernel: {reason}")
+        if choice == "compiled":
+            raise ValueError(f"--kernels compiled: {reason}")
         return None, reason
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Llama's RMSNorm, computed in float32 whatever the weights' dtype (as transformers does)."""
+        if self.ops is not None:
+            norm: torch.Tensor = self.ops.rms_norm(x, weight, self.eps)
+            return norm
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * h.to(x.dtype)
@@ -285,13 +291,17 @@ class NativeForward:
         hidden = F.embedding(ids, self.embed)
         if self.embed_scale != 1.0:
             hidden = hidden * self.embed_scale
+        ops = self.ops
         cos, sin = self.rotary(hidden, positions.unsqueeze(0))
-        cos = cos[0].unsqueeze(1)  # [tokens, 1, dim]
         half = self.head_dim // 2
-        # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated): the
-        # same products, one op (a flip over the two halves) instead of slice, neg and cat.
-        sin = sin[0].unsqueeze(1).clone()
-        sin[..., :half] = -sin[..., :half]
+        if ops is not None:
+            cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [tokens, dim]
+        else:
+            cos = cos[0].unsqueeze(1)  # [tokens, 1, dim]
+            # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated): the
+            # same products, one op (a flip over the two halves) instead of slice, neg and cat.
+            sin = sin[0].unsqueeze(1).clone()
+            sin[..., :half] = -sin[..., :half]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
 
         singles = [segment for segment in segments if segment.count == 1]
@@ -299,7 +309,7 @@ class NativeForward:
         assert segments[: len(singles)] == singles, "one-token segments come first"
         width = self.cache.capacity + 1
         flat = self._write_index(segments, width, kv_heads)
-        kernel = self.kernel if singles else None
+        kernel = ops if singles else None
         if kernel is not None:
             # Each one-token row reads its own slot's columns 0..start, no more: no groups, no mask.
             single_slots = torch.tensor([s.slot for s in singles], dtype=torch.long)
@@ -313,8 +323,11 @@ class NativeForward:
             normed = self._norm(hidden, layer.input_norm)
             qkv = layer.qkv(normed)
             qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)  # RoPE on q and k at once
-            swapped = qk.view(tokens, heads + kv_heads, 2, half).flip(-2).flatten(-2)
-            qk = qk * cos + swapped * sin
+            if ops is not None:
+                ops.rope_(qk, cos, sin)
+            else:
+                swapped = qk.view(tokens, heads + kv_heads, 2, half).flip(-2).flatten(-2)
+                qk = qk * cos + swapped * sin
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
             slot_layer = self.cache.layers[index]
@@ -323,7 +336,7 @@ class NativeForward:
             values.view(-1, dim).index_copy_(0, flat, v.reshape(-1, dim).to(values.dtype))
             attended: list[torch.Tensor] = []  # [count, heads, dim] per segment kind, in token order
             if kernel is not None:
-                attended.append(kernel(q[: len(singles)].contiguous(), keys, values, single_slots, single_lengths, self.scale))
+                attended.append(kernel.decode_attention(q[: len(singles)].contiguous(), keys, values, single_slots, single_lengths, self.scale))
             for first, rows, slot, mask in groups:
                 sk, sv = read_slots(keys, values, (slot, slot + rows), mask.shape[-1])
                 # The query heads that share a KV head are that head's query rows: each
@@ -344,7 +357,10 @@ class NativeForward:
             hidden = hidden + layer.out(joined.reshape(tokens, heads * dim))
             normed = self._norm(hidden, layer.post_norm)
             gate_up = layer.gate_up(normed)
-            activated = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+            if ops is not None:
+                activated = ops.silu_mul(gate_up, self.intermediate)
+            else:
+                activated = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
             hidden = hidden + layer.down(activated)
 
         picked = hidden if emit == list(range(tokens)) else hidden.index_select(0, torch.tensor(emit, dtype=torch.long, device=device))

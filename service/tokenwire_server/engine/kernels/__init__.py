@@ -1,18 +1,23 @@
-"""Compiled CPU kernels of the native pass, built once with the host's C++ compiler.
+"""Compiled CPU operations of the native pass, built once with the host's C++ compiler.
 
-``decode_attention.cpp`` is the one-token rows' attention over the slot cache (see its
-header). ``torch.nn.functional.scaled_dot_product_attention`` does the same work at
-about half the memory bandwidth on a small x86 CPU: each call pads every row to the
-longest one's columns behind a mask, and its flash kernel is tuned for long query
-blocks, not the three query rows a decode step gives each KV head. Measured over the
-default model's 30 layers, 16 rows (``make bench-kernels``): see docs/benchmarks.md.
+``cpu_ops.cpp`` holds the work around the GEMMs of a step, each as one call:
 
-The source is compiled on first use (about 12 s on 2 cores) into
+- ``decode_attention``: the one-token rows' attention over the slot cache.
+  ``scaled_dot_product_attention`` does the same work at about half the memory
+  bandwidth on a small x86 CPU: each call pads every row to the longest one's columns
+  behind a mask, and its flash kernel is tuned for long query blocks, not the three
+  query rows a decode step gives each KV head (``make bench-kernels``, docs/benchmarks.md);
+- ``rms_norm``, ``silu_mul`` and ``rope_``: Llama's RMSNorm, SiLU(gate)*up and the rotary
+  embedding, which stock torch runs as 3-8 small ops each (with a dispatch, an
+  allocation and often a strided copy apiece): ~2,000 ops a step at 16 rows.
+
+The source is compiled on first use (about 15 s on 2 cores) into
 ``<cache>/kernels/<key>/`` (``$TOKENWIRE_KERNEL_DIR``, else the model cache), keyed by
 the source, torch's version and the flags, and loaded as ``torch.ops.tokenwire``. Where
-there is no compiler, no AVX2+FMA, or the build fails, ``decode_attention()`` says why
-and the native pass keeps SDPA (``--decode-attention auto``). ``python -m
-tokenwire_server.engine.kernels`` builds it ahead of time (the container image does).
+there is no compiler, no AVX2+FMA, or the build fails, ``load()`` says why and the
+native pass keeps stock torch ops (``--kernels auto``). ``python -m
+tokenwire_server.engine.kernels`` (``make kernels``) builds it ahead of time; the
+container image does so in its builder stage.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,16 +41,17 @@ from ...model import default_cache_dir
 
 log = logging.getLogger("tokenwire.engine")
 
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+LIBRARY = "cpu_ops.so"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-fPIC", "-shared", "-w")
 KERNEL_DIR_ENV = "TOKENWIRE_KERNEL_DIR"
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """The loaded op, or None and why not."""
+    """The loaded ops (``torch.ops.tokenwire``), or None and why not."""
 
-    op: Callable[..., torch.Tensor] | None
+    ops: Any | None
     reason: str | None = None
     path: Path | None = None
     built_s: float = 0.0  # compile time in this process (0: found built)
@@ -107,7 +113,7 @@ def build_key() -> str:
 def build(directory: Path | None = None) -> tuple[Path, float]:
     """The built library's path and the seconds spent compiling it (0: already built)."""
     target_dir = (directory or kernel_dir()) / build_key()
-    target = target_dir / "decode_attention.so"
+    target = target_dir / LIBRARY
     if target.exists():
         return target, 0.0
     cxx = compiler()
@@ -118,7 +124,7 @@ def build(directory: Path | None = None) -> tuple[Path, float]:
     # Built beside the target under a temporary name, then renamed: a process that loads
     # it never sees half a file, and two that build at once both end with a whole one.
     with tempfile.TemporaryDirectory(dir=target_dir) as scratch:
-        partial = Path(scratch) / "decode_attention.so"
+        partial = Path(scratch) / LIBRARY
         done = subprocess.run(command(cxx, SOURCE, partial), capture_output=True, text=True, check=False, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
@@ -126,8 +132,8 @@ def build(directory: Path | None = None) -> tuple[Path, float]:
     return target, time.perf_counter() - started
 
 
-def decode_attention() -> Kernel:
-    """``torch.ops.tokenwire.decode_attention``, built and loaded once per process."""
+def load() -> Kernel:
+    """``torch.ops.tokenwire``, built and loaded once per process."""
     global _loaded
     with _lock:
         if _loaded is None:
@@ -143,14 +149,14 @@ def _load() -> Kernel:
         path, seconds = build()
         torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("decode attention kernel unavailable", extra={"error": str(exc)})
+        log.warning("compiled CPU ops unavailable", extra={"error": str(exc)})
         return Kernel(None, f"build or load failed: {exc}")
-    return Kernel(torch.ops.tokenwire.decode_attention, None, path, seconds)
+    return Kernel(torch.ops.tokenwire, None, path, seconds)
 
 
 def main() -> int:
-    kernel = decode_attention()
-    if kernel.op is None:
+    kernel = load()
+    if kernel.ops is None:
         print(f"not built: {kernel.reason}")
         return 1
     how = f"built in {kernel.built_s:.1f} s" if kernel.built_s else "already built"

@@ -1,6 +1,7 @@
-// Decode attention over the slot cache, for the batched engine's native pass on x86 CPUs.
+// The batched engine's native pass on x86 CPUs (AVX2+FMA, float32): the operations
+// around its GEMMs, each one call instead of several stock torch ops.
 //
-// Each one-token row attends over the first `lengths[r]` columns of its own slot, and
+// decode_attention: each one-token row attends over the first `lengths[r]` columns of its own slot, and
 // nothing else: no padding to the longest row, no mask, so a row computes the same
 // numbers whatever else is in the step. The query heads that share a KV head are done
 // together (each key and value vector is read once for all of them), and the work is
@@ -8,6 +9,13 @@
 //
 // Plain softmax in two passes over a row's columns: the scores (one read of the keys),
 // then max, exp and sum, then the weighted sum of values (one read of the values).
+//
+// rms_norm: Llama's RMSNorm of each row, w * (x / sqrt(mean(x^2) + eps)).
+// silu_mul: SiLU(gate) * up over the fused gate/up GEMM's output, without slicing it.
+// rope_: rotary embedding of q and k in place (x*cos + rotate_half(x)*sin), over the
+//   fused q/k/v GEMM's output rows.
+// A row's result never depends on the other rows: the work is split over rows only.
+//
 // Built with -mavx2 -mfma by kernels/__init__.py, loaded only where the CPU has both.
 
 #include <ATen/ATen.h>
@@ -15,6 +23,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -54,6 +63,98 @@ inline __m256 hsum8(const __m256* v) {
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   // a = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low/high 128-bit halves of each sum), likewise b.
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// Rows per task for a row-wise op: enough work per task to be worth a thread.
+int64_t grain(int64_t per_row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(per_row, 1)); }
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name, ": a contiguous float32 [rows, n] tensor");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == at::kFloat && weight.is_contiguous(), "rms_norm weight: float32 [n]");
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* r = xp + t * n;
+      float* o = op + t * n;
+      __m256 acc = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(r + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      float squares = hsum(acc);
+      for (; i < n; ++i) squares += r[i] * r[i];
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(n) + feps);
+      const __m256 vinv = _mm256_set1_ps(inv);
+      i = 0;
+      for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(wp + i), _mm256_mul_ps(_mm256_loadu_ps(r + i), vinv)));
+      for (; i < n; ++i) o[i] = wp[i] * (r[i] * inv);
+    }
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate) {
+  check_rows(gate_up, "silu_mul gate_up");
+  TORCH_CHECK(intermediate > 0 && gate_up.size(1) == 2 * intermediate, "silu_mul: gate_up must be [rows, 2 * intermediate]");
+  const int64_t rows = gate_up.size(0), n = intermediate;
+  at::Tensor out = at::empty({rows, n}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t t = begin; t < end; ++t) {
+      const float* gate = gp + t * 2 * n;
+      const float* up = gate + n;
+      float* o = op + t * n;
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(gate + i);
+        const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+      }
+      for (; i < n; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
+void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "rope_ x: float32 [rows, heads, dim], dim contiguous");
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK(dim % 16 == 0, "rope_: head dim must be a multiple of 16");
+  check_rows(cos, "rope_ cos");
+  check_rows(sin, "rope_ sin");
+  TORCH_CHECK(cos.size(0) == rows && cos.size(1) == dim && sin.sizes() == cos.sizes(), "rope_: cos and sin are [rows, dim]");
+  const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, rows, grain(heads * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * dim;
+      const float* s = sp + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = xp + t * row_stride + h * head_stride;
+        for (int64_t i = 0; i < half; i += 8) {
+          const __m256 x1 = _mm256_loadu_ps(v + i), x2 = _mm256_loadu_ps(v + half + i);
+          // [x1, x2] * cos + [-x2, x1] * sin
+          _mm256_storeu_ps(v + i, _mm256_sub_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + i)), _mm256_mul_ps(x2, _mm256_loadu_ps(s + i))));
+          _mm256_storeu_ps(v + half + i, _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(c + half + i)), _mm256_mul_ps(x1, _mm256_loadu_ps(s + half + i))));
+        }
+      }
+    }
+  });
 }
 
 constexpr int kMaxGroup = 16;  // query heads per KV head
@@ -171,8 +272,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 
 TORCH_LIBRARY(tokenwire, m) {
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor slots, Tensor lengths, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up, int intermediate) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_", &rope_);
 }

@@ -1,0 +1,229 @@
+"""The compiled CPU ops (``engine/kernels``) against stock torch, and how the native pass picks them.
+
+- ``decode_attention``: each one-token row attends over its own slot's first ``length``
+  columns: the same numbers as ``scaled_dot_product_attention`` over those columns
+  (grouped query heads, ragged lengths on both sides of the 8-column blocks, slots in
+  any order). A row's output does not depend on the other rows of the call, nor on what
+  lies past its length (NaN there changes nothing): batch invariance by construction.
+- ``rms_norm``, ``silu_mul``, ``rope_``: transformers' Llama RMSNorm, SiLU(gate)*up and
+  ``apply_rotary_pos_emb``, to float32 rounding, on sizes with and without a tail past
+  the 8-lane vectors; each row alone gives the same bits as among others.
+- Bad arguments are errors with a reason, never a crash.
+- ``--kernels auto`` keeps stock torch ops where the library is unavailable and says
+  why; ``compiled`` refuses to start without it; ``torch`` never takes it.
+
+On a machine with a C++ compiler and an AVX2+FMA x86 CPU (CI's) the library must build:
+those tests fail rather than skip if it does not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_support import kernel_unbuildable
+from tokenwire_server.engine import create_engine, kernels
+from tokenwire_server.engine.base import EngineLimits
+from tokenwire_server.engine.native import NativeForward
+from tokenwire_server.engine.slots import SlotCache
+from tokenwire_server.model import load_model
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def compiled_ops():
+    """``torch.ops.tokenwire``; skipped only where the machine cannot build it (no compiler, no AVX2+FMA)."""
+    reason = kernel_unbuildable()
+    if reason:
+        pytest.skip(f"compiled CPU ops: {reason}")
+    loaded = kernels.load()
+    assert loaded.ops is not None, loaded.reason
+    return loaded.ops
+
+
+def kernel_op():
+    return compiled_ops().decode_attention
+
+
+def reference(q, keys, values, slots, lengths, scale):
+    rows, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    out = torch.empty_like(q)
+    for r in range(rows):
+        s, n = int(slots[r]), int(lengths[r])
+        grouped = q[r].view(kv_heads, heads // kv_heads, dim)
+        out[r] = F.scaled_dot_product_attention(grouped, keys[s, :, :n], values[s, :, :n], scale=scale).reshape(heads, dim)
+    return out
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 16)])
+def test_the_kernel_gives_sdpa_numbers_over_each_rows_own_columns(heads: int, kv_heads: int, dim: int) -> None:
+    op = kernel_op()
+    generator = torch.Generator().manual_seed(0)
+    slots_n, capacity = 6, 320
+    keys = torch.randn(slots_n, kv_heads, capacity, dim, generator=generator)
+    values = torch.randn(slots_n, kv_heads, capacity, dim, generator=generator)
+    lengths = torch.tensor([1, 7, 8, 9, 300, 64], dtype=torch.long)  # around the 8-column blocks
+    slots = torch.tensor([4, 0, 5, 2, 1, 3], dtype=torch.long)  # any order
+    q = torch.randn(6, heads, dim, generator=generator) * 3  # large scores: softmax's max matters
+    got = op(q, keys, values, slots, lengths, dim**-0.5)
+    want = reference(q, keys, values, slots, lengths, dim**-0.5)
+    assert got.shape == q.shape
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_a_row_gives_the_same_bits_alone_as_among_others_and_never_reads_past_its_length() -> None:
+    op = kernel_op()
+    generator = torch.Generator().manual_seed(1)
+    keys = torch.randn(4, 3, 200, 64, generator=generator)
+    values = torch.randn(4, 3, 200, 64, generator=generator)
+    q = torch.randn(4, 9, 64, generator=generator)
+    slots = torch.tensor([0, 1, 2, 3])
+    lengths = torch.tensor([17, 150, 3, 90])
+    together = op(q, keys, values, slots, lengths, 0.125)
+    keys[:, :, 150:] = float("nan")  # past every row's length
+    values[:, :, 150:] = float("nan")
+    keys[2, :, 3:] = float("nan")  # past row 2's
+    for row in range(4):
+        alone = op(q[row : row + 1].contiguous(), keys, values, slots[row : row + 1], lengths[row : row + 1], 0.125)
+        assert torch.equal(alone[0], together[row])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"slots": torch.tensor([0, 9])}, "slot out of range"),
+        ({"lengths": torch.tensor([0, 4])}, "length out of range"),
+        ({"lengths": torch.tensor([4, 65])}, "length out of range"),
+        ({"lengths": torch.tensor([4])}, "one slot and one length per row"),
+        ({"q": torch.randn(2, 9, 64, dtype=torch.float64)}, "float32 only"),
+        ({"q": torch.randn(2, 8, 64)}, "multiple of KV heads"),
+        ({"q": torch.randn(9, 2, 64).transpose(0, 1)}, "contiguous"),
+    ],
+)
+def test_bad_arguments_are_errors_that_say_which(change: dict, message: str) -> None:
+    op = kernel_op()
+    args = {
+        "q": torch.randn(2, 9, 64),
+        "keys": torch.zeros(2, 3, 64, 64),
+        "values": torch.zeros(2, 3, 64, 64),
+        "slots": torch.tensor([0, 1]),
+        "lengths": torch.tensor([4, 4]),
+    }
+    args.update(change)
+    with pytest.raises(RuntimeError, match=message):
+        op(args["q"], args["keys"], args["values"], args["slots"], args["lengths"], 0.125)
+
+
+def test_a_built_kernel_is_found_again_without_compiling() -> None:
+    kernel_op()
+    path, seconds = kernels.build()
+    assert seconds == 0.0 and path == kernels.load().path and path.is_file()
+
+
+def cache_for(model) -> SlotCache:
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    return SlotCache(2, 64, config.num_key_value_heads, head_dim, [(torch.device("cpu"), torch.float32)] * config.num_hidden_layers)
+
+
+def test_auto_keeps_torch_ops_where_the_library_is_unavailable_and_compiled_refuses_to_start(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = load_model(str(tiny_model_dir))
+    monkeypatch.setattr(kernels, "load", lambda: kernels.Kernel(None, "no C++ compiler (test)"))
+    native = NativeForward(loaded.model, cache_for(loaded.model), batch_hint=2)
+    assert native.ops is None and native.ops_reason == "no C++ compiler (test)"
+    with pytest.raises(ValueError, match=r"--kernels compiled: no C\+\+ compiler \(test\)"):
+        NativeForward(loaded.model, cache_for(loaded.model), batch_hint=2, ops="compiled")
+    with pytest.raises(ValueError, match="unknown kernels 'fast'"):
+        NativeForward(loaded.model, cache_for(loaded.model), batch_hint=2, ops="fast")
+
+
+def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    if kernels.cpu_reason():
+        pytest.skip(kernels.cpu_reason() or "")
+
+    def broken(directory=None):
+        raise RuntimeError("c++ failed (1): error: something")
+
+    monkeypatch.setattr(kernels, "build", broken)
+    loaded = kernels._load()
+    assert loaded.ops is None and "c++ failed (1)" in (loaded.reason or "")
+
+
+def test_the_engine_takes_the_compiled_ops_on_this_cpu_and_torch_ops_when_told(tiny_model_dir: Path) -> None:
+    compiled_ops()
+    loaded = load_model(str(tiny_model_dir))
+    engine = create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1)
+    assert engine._native.ops is not None and engine.kernels == "compiled"  # type: ignore[attr-defined]
+    engine = create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1, kernels="torch")
+    assert engine._native.ops is None and engine.kernels == "torch"  # type: ignore[attr-defined]
+
+
+# -- the row-wise ops ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [576, 13])  # the default model's hidden size; a tail past the 8-lane vectors
+def test_rms_norm_is_llamas(width: int) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    ops = compiled_ops()
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, width, generator=generator) * 4
+    norm = LlamaRMSNorm(width, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(width, generator=generator) + 0.5)
+        want = norm(x)
+    got = ops.rms_norm(x, norm.weight.detach(), 1e-5)
+    assert (got - want).abs().max().item() < 1e-5
+    assert torch.equal(ops.rms_norm(x[2:3].contiguous(), norm.weight.detach(), 1e-5)[0], got[2])
+
+
+@pytest.mark.parametrize("intermediate", [1536, 21])
+def test_silu_mul_is_silu_of_the_gate_times_the_up_half(intermediate: int) -> None:
+    ops = compiled_ops()
+    generator = torch.Generator().manual_seed(4)
+    gate_up = torch.randn(6, 2 * intermediate, generator=generator) * 6  # past exp's comfortable range too
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    got = ops.silu_mul(gate_up, intermediate)
+    want = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+    assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    assert torch.equal(ops.silu_mul(gate_up[4:5].contiguous(), intermediate)[0], got[4])
+
+
+@pytest.mark.parametrize(("heads", "dim"), [(12, 64), (3, 16)])
+def test_rope_in_place_is_transformers_rotary_embedding(heads: int, dim: int) -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    ops = compiled_ops()
+    generator = torch.Generator().manual_seed(5)
+    tokens = 7
+    angles = torch.arange(tokens).view(-1, 1) * (10000.0 ** (-torch.arange(0, dim, 2) / dim)).view(1, -1)
+    angles = torch.cat([angles, angles], -1)
+    cos, sin = angles.cos(), angles.sin()
+    # Rows of a wider tensor (the fused q/k/v output): rope_ writes q and k, leaves v alone.
+    qkv = torch.randn(tokens, heads + 2, dim, generator=generator)
+    x = qkv[:, :heads]
+    batched = x.transpose(0, 1).unsqueeze(0)  # [1, heads, tokens, dim], as transformers holds it
+    want, _ = apply_rotary_pos_emb(batched, batched, cos.unsqueeze(0), sin.unsqueeze(0))
+    untouched = qkv[:, heads:].clone()
+    ops.rope_(x, cos, sin)
+    assert (x - want[0].transpose(0, 1)).abs().max().item() < 1e-5
+    assert torch.equal(qkv[:, heads:], untouched)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda ops: ops.rms_norm(torch.randn(2, 8), torch.ones(9), 1e-5), "rms_norm weight"),
+        (lambda ops: ops.rms_norm(torch.randn(8, 2).t(), torch.ones(8), 1e-5), "contiguous float32"),
+        (lambda ops: ops.silu_mul(torch.randn(2, 9), 4), "2 \\* intermediate"),
+        (lambda ops: ops.rope_(torch.randn(2, 3, 24), torch.ones(2, 24), torch.ones(2, 24)), "multiple of 16"),
+        (lambda ops: ops.rope_(torch.randn(2, 3, 16), torch.ones(3, 16), torch.ones(3, 16)), "cos and sin"),
+    ],
+)
+def test_bad_arguments_to_the_row_wise_ops_are_errors_that_say_which(call, message: str) -> None:
+    ops = compiled_ops()
+    with pytest.raises(RuntimeError, match=message):
+        call(ops)
