@@ -213,9 +213,27 @@ def test_rope_in_place_is_transformers_rotary_embedding(heads: int, dim: int) ->
     assert torch.equal(qkv[:, heads:], untouched)
 
 
+def test_store_kv_writes_each_tokens_key_and_value_where_index_copy_would() -> None:
+    ops = compiled_ops()
+    generator = torch.Generator().manual_seed(6)
+    heads, kv_heads, dim, tokens = 9, 3, 64, 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)
+    keys, values = torch.zeros(4, kv_heads, 33, dim), torch.zeros(4, kv_heads, 33, dim)
+    slots, columns = torch.tensor([2, 0, 0, 0, 3]), torch.tensor([7, 0, 1, 2, 32])
+    ops.store_kv(qkv, keys, values, slots, columns, heads)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    for t in range(tokens):
+        assert torch.equal(keys[slots[t], :, columns[t]], k[t]) and torch.equal(values[slots[t], :, columns[t]], v[t])
+    assert int((keys != 0).any(-1).sum()) == tokens * kv_heads  # nothing else written
+    with pytest.raises(RuntimeError, match="slot or column out of range"):
+        ops.store_kv(qkv, keys, values, slots, torch.tensor([7, 0, 1, 2, 33]), heads)
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
+        (lambda ops: ops.store_kv(torch.randn(2, 64), torch.zeros(1, 1, 4, 16), torch.zeros(1, 1, 4, 16), torch.tensor([0, 0]), torch.tensor([0, 1]), 1), "qkv must be"),
         (lambda ops: ops.rms_norm(torch.randn(2, 8), torch.ones(9), 1e-5), "rms_norm weight"),
         (lambda ops: ops.rms_norm(torch.randn(8, 2).t(), torch.ones(8), 1e-5), "contiguous float32"),
         (lambda ops: ops.silu_mul(torch.randn(2, 9), 4), "2 \\* intermediate"),

@@ -101,6 +101,13 @@ class Linear:
             return out
         return F.linear(x, self.weight, self.bias)
 
+    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``; on oneDNN the add rides on the GEMM (a post-op), no separate pass."""
+        if self.packed:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+            return out
+        return residual + F.linear(x, self.weight, self.bias)
+
 
 _MADV_PAGEOUT = 21  # Linux 5.4+
 
@@ -308,7 +315,11 @@ class NativeForward:
         chunks = [segment for segment in segments if segment.count > 1]
         assert segments[: len(singles)] == singles, "one-token segments come first"
         width = self.cache.capacity + 1
-        flat = self._write_index(segments, width, kv_heads)
+        if ops is not None:
+            token_slots = torch.tensor([s.slot for s in segments for _ in range(s.count)], dtype=torch.long)
+            token_columns = torch.cat([torch.arange(s.start, s.start + s.count) for s in segments])
+        else:
+            flat = self._write_index(segments, width, kv_heads)
         kernel = ops if singles else None
         if kernel is not None:
             # Each one-token row reads its own slot's columns 0..start, no more: no groups, no mask.
@@ -332,8 +343,11 @@ class NativeForward:
             v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
             slot_layer = self.cache.layers[index]
             keys, values = slot_layer.keys, slot_layer.values
-            keys.view(-1, dim).index_copy_(0, flat, k.reshape(-1, dim).to(keys.dtype))
-            values.view(-1, dim).index_copy_(0, flat, v.reshape(-1, dim).to(values.dtype))
+            if ops is not None:
+                ops.store_kv(qkv, keys, values, token_slots, token_columns, heads)
+            else:
+                keys.view(-1, dim).index_copy_(0, flat, k.reshape(-1, dim).to(keys.dtype))
+                values.view(-1, dim).index_copy_(0, flat, v.reshape(-1, dim).to(values.dtype))
             attended: list[torch.Tensor] = []  # [count, heads, dim] per segment kind, in token order
             if kernel is not None:
                 attended.append(kernel.decode_attention(q[: len(singles)].contiguous(), keys, values, single_slots, single_lengths, self.scale))
@@ -354,14 +368,14 @@ class NativeForward:
                 attended.append(out[0].transpose(0, 1))
                 offset += segment.count
             joined = attended[0] if len(attended) == 1 else torch.cat(attended)
-            hidden = hidden + layer.out(joined.reshape(tokens, heads * dim))
+            hidden = layer.out.plus(joined.reshape(tokens, heads * dim), hidden)
             normed = self._norm(hidden, layer.post_norm)
             gate_up = layer.gate_up(normed)
             if ops is not None:
                 activated = ops.silu_mul(gate_up, self.intermediate)
             else:
                 activated = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-            hidden = hidden + layer.down(activated)
+            hidden = layer.down.plus(activated, hidden)
 
         picked = hidden if emit == list(range(tokens)) else hidden.index_select(0, torch.tensor(emit, dtype=torch.long, device=device))
         return self.lm_head(self._norm(picked, self.norm)).float()

@@ -14,6 +14,8 @@
 // silu_mul: SiLU(gate) * up over the fused gate/up GEMM's output, without slicing it.
 // rope_: rotary embedding of q and k in place (x*cos + rotate_half(x)*sin), over the
 //   fused q/k/v GEMM's output rows.
+// store_kv: this step's keys and values (the roped k and the v of the fused q/k/v
+//   output) into each token's slot and column of the cache, one copy per vector.
 // A row's result never depends on the other rows: the work is split over rows only.
 //
 // Built with -mavx2 -mfma by kernels/__init__.py, loaded only where the CPU has both.
@@ -25,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -157,6 +160,36 @@ void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+void store_kv(const at::Tensor& qkv, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+              const at::Tensor& columns, int64_t heads) {
+  check_rows(qkv, "store_kv qkv");
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat &&
+                  keys.is_contiguous() && values.is_contiguous(),
+              "store_kv: keys, values are contiguous float32 [slots, kv_heads, capacity, dim]");
+  const int64_t tokens = qkv.size(0), kv_heads = keys.size(1), capacity = keys.size(2), dim = keys.size(3);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim, "store_kv: qkv must be [tokens, (heads + 2 * kv_heads) * dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && columns.scalar_type() == at::kLong && slots.numel() == tokens && columns.numel() == tokens,
+              "store_kv: one int64 slot and column per token");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* column = columns.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < keys.size(0) && column[t] >= 0 && column[t] < capacity, "store_kv: slot or column out of range");
+  }
+  const float* src = qkv.data_ptr<float>();
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  const int64_t width = qkv.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* k = src + t * width + heads * dim;
+    const float* v = k + kv_heads * dim;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t at = ((slot[t] * kv_heads + h) * capacity + column[t]) * dim;
+      std::memcpy(kp + at, k + h * dim, sizeof(float) * dim);
+      std::memcpy(vp + at, v + h * dim, sizeof(float) * dim);
+    }
+  }
+}
+
 constexpr int kMaxGroup = 16;  // query heads per KV head
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
@@ -275,6 +308,7 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up, int intermediate) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("store_kv(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor columns, int heads) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
@@ -282,4 +316,5 @@ TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_", &rope_);
+  m.impl("store_kv", &store_kv);
 }
