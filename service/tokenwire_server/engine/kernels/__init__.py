@@ -7,9 +7,10 @@
   bandwidth on a small x86 CPU: each call pads every row to the longest one's columns
   behind a mask, and its flash kernel is tuned for long query blocks, not the three
   query rows a decode step gives each KV head (``make bench-kernels``, docs/benchmarks.md);
-- ``rms_norm``, ``silu_mul`` and ``rope_``: Llama's RMSNorm, SiLU(gate)*up and the rotary
-  embedding, which stock torch runs as 3-8 small ops each (with a dispatch, an
-  allocation and often a strided copy apiece): ~2,000 ops a step at 16 rows.
+- ``rms_norm``, ``silu_mul``, ``rope_`` and ``store_kv``: Llama's RMSNorm, SiLU(gate)*up,
+  the rotary embedding and the K/V cache write, which stock torch runs as 2-8 small ops
+  each (with a dispatch, an allocation and often a strided copy apiece): ~2,000 ops a
+  step at 16 rows.
 
 The source is compiled on first use (about 15 s on 2 cores) into
 ``<cache>/kernels/<key>/`` (``$TOKENWIRE_KERNEL_DIR``, else the model cache), keyed by
