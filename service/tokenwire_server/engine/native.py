@@ -17,7 +17,8 @@ query heads that share a KV head go in as that head's query rows, so each row's 
 and values are read once; rows of very different lengths go in separate calls, so a
 short row does not read up to the longest one's length: ``single_groups``). Each
 prompt chunk attends alone, causally, over its own slot, through SDPA. The same
-compiled library does RMSNorm, RoPE (in place) and SiLU(gate)*up in one call each.
+compiled library does RMSNorm, RoPE (in place), SiLU(gate)*up and the K/V cache write
+in one call each.
 
 On a CPU the weights of every linear layer are prepacked once for oneDNN
 (``torch.ops.mkldnn._reorder_linear_weight``), a blocked layout its fp32 GEMM reads
@@ -196,6 +197,13 @@ def single_groups(singles: list[Segment]) -> list[tuple[int, int, int]]:
     return groups[::-1]
 
 
+def token_places(segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot and the column of every token of the step, in token order."""
+    slot = torch.tensor([s.slot for s in segments for _ in range(s.count)], dtype=torch.long)
+    column = torch.cat([torch.arange(s.start, s.start + s.count) for s in segments])
+    return slot, column
+
+
 class NativeForward:
     """The forward pass of a Llama-shaped model over a ``SlotCache``; weights taken from the loaded model."""
 
@@ -316,12 +324,11 @@ class NativeForward:
         assert segments[: len(singles)] == singles, "one-token segments come first"
         width = self.cache.capacity + 1
         if ops is not None:
-            token_slots = torch.tensor([s.slot for s in segments for _ in range(s.count)], dtype=torch.long)
-            token_columns = torch.cat([torch.arange(s.start, s.start + s.count) for s in segments])
+            token_slots, token_columns = token_places(segments)
         else:
             flat = self._write_index(segments, width, kv_heads)
-        kernel = ops if singles else None
-        if kernel is not None:
+        decode_attention = ops.decode_attention if ops is not None and singles else None
+        if decode_attention is not None:
             # Each one-token row reads its own slot's columns 0..start, no more: no groups, no mask.
             single_slots = torch.tensor([s.slot for s in singles], dtype=torch.long)
             single_lengths = torch.tensor([s.start + 1 for s in singles], dtype=torch.long)
@@ -349,8 +356,8 @@ class NativeForward:
                 keys.view(-1, dim).index_copy_(0, flat, k.reshape(-1, dim).to(keys.dtype))
                 values.view(-1, dim).index_copy_(0, flat, v.reshape(-1, dim).to(values.dtype))
             attended: list[torch.Tensor] = []  # [count, heads, dim] per segment kind, in token order
-            if kernel is not None:
-                attended.append(kernel.decode_attention(q[: len(singles)].contiguous(), keys, values, single_slots, single_lengths, self.scale))
+            if decode_attention is not None:
+                attended.append(decode_attention(q[: len(singles)].contiguous(), keys, values, single_slots, single_lengths, self.scale))
             for first, rows, slot, mask in groups:
                 sk, sv = read_slots(keys, values, (slot, slot + rows), mask.shape[-1])
                 # The query heads that share a KV head are that head's query rows: each
@@ -384,8 +391,7 @@ class NativeForward:
 
     def _write_index(self, segments: list[Segment], width: int, kv_heads: int) -> torch.Tensor:
         """Where each (token, kv head) vector goes in a layer's buffer (``slots.flat_index``)."""
-        slot = torch.tensor([s.slot for s in segments for _ in range(s.count)], dtype=torch.long)
-        column = torch.cat([torch.arange(s.start, s.start + s.count) for s in segments])
+        slot, column = token_places(segments)
         return flat_index(slot.view(-1, 1), column.view(-1, 1), kv_heads, width).to(self.device)
 
     def _single_mask(self, singles: list[Segment]) -> torch.Tensor:

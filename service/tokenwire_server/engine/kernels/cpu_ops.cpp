@@ -1,14 +1,14 @@
 // The batched engine's native pass on x86 CPUs (AVX2+FMA, float32): the operations
 // around its GEMMs, each one call instead of several stock torch ops.
 //
-// decode_attention: each one-token row attends over the first `lengths[r]` columns of its own slot, and
-// nothing else: no padding to the longest row, no mask, so a row computes the same
-// numbers whatever else is in the step. The query heads that share a KV head are done
-// together (each key and value vector is read once for all of them), and the work is
-// split over (row, KV head) pairs on torch's intra-op threads.
-//
-// Plain softmax in two passes over a row's columns: the scores (one read of the keys),
-// then max, exp and sum, then the weighted sum of values (one read of the values).
+// decode_attention: each one-token row attends over the first `lengths[r]` columns of
+//   its own slot and nothing else: no padding to the longest row, no mask, so a row
+//   computes the same numbers whatever else is in the step. The query heads that share
+//   a KV head are done together (each key and value vector is read once for all of
+//   them), and the work is split over (row, KV head) pairs on torch's intra-op threads.
+//   Plain softmax in two passes over a row's columns: the scores (one read of the
+//   keys), then max, exp and sum, then the weighted sum of values (one read of the
+//   values).
 //
 // rms_norm: Llama's RMSNorm of each row, w * (x / sqrt(mean(x^2) + eps)).
 // silu_mul: SiLU(gate) * up over the fused gate/up GEMM's output, without slicing it.
