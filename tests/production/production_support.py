@@ -39,7 +39,7 @@ def health_status(target: str, service: str = READINESS, timeout: float = 2.0) -
 
 
 def long_request(tokens: int = 1000, **fields: Any) -> pb.GenerateRequest:
-    """A request that keeps its slot busy for a while (the tiny model decodes ~300-400 tokens/s here)."""
+    """A request that keeps its slot busy for a while (``tokens`` decode steps of the tiny model)."""
     return pb.GenerateRequest(
         prompt="hello", stopping=pb.StoppingCriteria(max_new_tokens=tokens, ignore_eos=True), **fields
     )

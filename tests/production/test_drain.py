@@ -54,7 +54,7 @@ def test_signal_drains_with_a_stream_in_flight(sig: signal.Signals, tiny_model_d
 def test_grace_period_bounds_the_drain(tiny_model_dir: Path) -> None:
     with ServerProcess(["--model", str(tiny_model_dir), "--grace-period", "0.2"]) as server:
         stub = generation_stub(server.target)
-        endless = stub.Generate(long_request(1000), timeout=30)  # ~3 s here, far past the grace period
+        endless = stub.Generate(long_request(1000), timeout=30)  # 1000 decode steps, far past the grace period
         next(endless)
         sent = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
