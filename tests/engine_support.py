@@ -53,3 +53,16 @@ def kernel_unbuildable() -> str | None:
     from tokenwire_server.engine import kernels
 
     return kernels.cpu_reason() or (None if kernels.compiler() else "no C++ compiler")
+
+
+def fresh_cache(model: Any, slots: int = 4, capacity: int = 256) -> Any:
+    """A float32 CPU slot cache shaped for ``model``, every slot zeroed."""
+    import torch
+    from tokenwire_server.engine.slots import SlotCache
+
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers = config.num_hidden_layers
+    cache = SlotCache(slots, capacity, config.num_key_value_heads, head_dim, [(torch.device("cpu"), torch.float32)] * layers)
+    cache.ensure_clean(list(range(slots)), capacity)
+    return cache

@@ -23,11 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_support import kernel_unbuildable
+from engine_support import fresh_cache, kernel_unbuildable
 from tokenwire_server.engine import create_engine, kernels
 from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.engine.native import NativeForward
-from tokenwire_server.engine.slots import SlotCache
 from tokenwire_server.model import load_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -123,21 +122,15 @@ def test_a_built_kernel_is_found_again_without_compiling() -> None:
     assert seconds == 0.0 and path == kernels.load().path and path.is_file()
 
 
-def cache_for(model) -> SlotCache:
-    config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
-    return SlotCache(2, 64, config.num_key_value_heads, head_dim, [(torch.device("cpu"), torch.float32)] * config.num_hidden_layers)
-
-
 def test_auto_keeps_torch_ops_where_the_library_is_unavailable_and_compiled_refuses_to_start(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     loaded = load_model(str(tiny_model_dir))
     monkeypatch.setattr(kernels, "load", lambda: kernels.Kernel(None, "no C++ compiler (test)"))
-    native = NativeForward(loaded.model, cache_for(loaded.model), batch_hint=2)
+    native = NativeForward(loaded.model, fresh_cache(loaded.model, 2, 64), batch_hint=2)
     assert native.ops is None and native.ops_reason == "no C++ compiler (test)"
     with pytest.raises(ValueError, match=r"--kernels compiled: no C\+\+ compiler \(test\)"):
-        NativeForward(loaded.model, cache_for(loaded.model), batch_hint=2, ops="compiled")
+        NativeForward(loaded.model, fresh_cache(loaded.model, 2, 64), batch_hint=2, ops="compiled")
     with pytest.raises(ValueError, match="unknown kernels 'fast'"):
-        NativeForward(loaded.model, cache_for(loaded.model), batch_hint=2, ops="fast")
+        NativeForward(loaded.model, fresh_cache(loaded.model, 2, 64), batch_hint=2, ops="fast")
 
 
 def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:

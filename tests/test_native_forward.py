@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_support import Recorder, kernel_unbuildable, run_all
+from engine_support import Recorder, fresh_cache, kernel_unbuildable, run_all
 from tokenwire_server.domain import FinishEvent, GenerationRequest, SamplingOptions
 from tokenwire_server.engine import create_engine
 from tokenwire_server.engine.base import EngineLimits
@@ -31,19 +31,9 @@ from tokenwire_server.engine.native import (
     single_groups,
     unsupported_reason,
 )
-from tokenwire_server.engine.slots import SlotCache
 from tokenwire_server.model import load_model
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def fresh_cache(model, slots: int = 4, capacity: int = 256) -> SlotCache:
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    layers = config.num_hidden_layers
-    cache = SlotCache(slots, capacity, config.num_key_value_heads, head_dim, [(torch.device("cpu"), torch.float32)] * layers)
-    cache.ensure_clean(list(range(slots)), capacity)
-    return cache
 
 
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
