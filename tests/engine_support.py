@@ -55,8 +55,10 @@ def kernel_unbuildable() -> str | None:
     return kernels.cpu_reason() or (None if kernels.compiler() else "no C++ compiler")
 
 
-def fresh_cache(model: Any, slots: int = 4, capacity: int = 256) -> Any:
-    """A float32 CPU slot cache shaped for ``model``, every slot zeroed."""
+def fresh_cache(model: Any, slots: int = 4, capacity: int = 256, poisoned: bool = False) -> Any:
+    """A float32 CPU slot cache shaped for ``model``: every slot zeroed, or (``poisoned``)
+    every column NaN and nothing marked clean, as uninitialised memory may be, so any
+    read of a column no row wrote (and no one zeroed) shows in the logits."""
     import torch
     from tokenwire_server.engine.slots import SlotCache
 
@@ -64,5 +66,10 @@ def fresh_cache(model: Any, slots: int = 4, capacity: int = 256) -> Any:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layers = config.num_hidden_layers
     cache = SlotCache(slots, capacity, config.num_key_value_heads, head_dim, [(torch.device("cpu"), torch.float32)] * layers)
-    cache.ensure_clean(list(range(slots)), capacity)
+    if poisoned:
+        for layer in cache.layers:
+            layer.keys[:, :, :capacity].fill_(float("nan"))
+            layer.values[:, :, :capacity].fill_(float("nan"))
+    else:
+        cache.ensure_clean(list(range(slots)), capacity)
     return cache

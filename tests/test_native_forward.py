@@ -31,6 +31,7 @@ from tokenwire_server.engine.native import (
     single_groups,
     unsupported_reason,
 )
+from tokenwire_server.engine.slots import CLEAN_STEP
 from tokenwire_server.model import load_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -53,7 +54,7 @@ KERNELS = [
 def check_against_transformers(model_dir: Path, tolerance: float, kernels: str) -> None:
     loaded = load_model(str(model_dir))
     model = loaded.model
-    native = NativeForward(model, fresh_cache(model), batch_hint=4, ops=kernels)
+    native = NativeForward(model, fresh_cache(model, poisoned=True), batch_hint=4, ops=kernels)
     assert (native.ops is not None) == (kernels == "compiled")
     vocab = loaded.vocab_size
     generator = torch.Generator().manual_seed(1)
@@ -120,7 +121,7 @@ def test_one_token_rows_split_into_the_attention_calls_that_read_the_fewest_colu
 def test_rows_of_very_different_lengths_attend_in_separate_calls_and_match_transformers(tiny_model_dir: Path, kernels: str) -> None:
     loaded = load_model(str(tiny_model_dir))
     model = loaded.model
-    native = NativeForward(model, fresh_cache(model), batch_hint=4, ops=kernels)
+    native = NativeForward(model, fresh_cache(model, poisoned=True), batch_hint=4, ops=kernels)
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(10, loaded.vocab_size, (n,), generator=generator).tolist() for n in (5, 200, 7)]
     for slot, prompt in enumerate(prompts):
@@ -130,6 +131,42 @@ def test_rows_of_very_different_lengths_attend_in_separate_calls_and_match_trans
     got = native(torch.tensor([p[-1] for p in prompts]), torch.tensor([len(p) - 1 for p in prompts]), step, [0, 1, 2])
     for row, prompt in enumerate(prompts):
         assert (got[row] - reference_logits(model, prompt)[-1]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_a_long_prompt_read_beside_short_rows_leaves_their_slots_untouched_past_their_length(tiny_model_dir: Path, kernels: str) -> None:
+    # Unwritten columns are NaN: a row that read one would give NaN logits. The short
+    # rows' slots are zeroed only where a grouped read of stock torch ops must pass a
+    # shorter row's end, never out to the long prompt's depth (which zeroed ~50 MB of
+    # the default model's slots, and stalled a step ~30 ms, each time a chunk crossed 128 columns).
+    loaded = load_model(str(tiny_model_dir))
+    model = loaded.model
+    cache = fresh_cache(model, slots=4, capacity=1024, poisoned=True)
+    native = NativeForward(model, cache, batch_hint=4, ops=kernels)
+    generator = torch.Generator().manual_seed(3)
+    short = [torch.randint(10, loaded.vocab_size, (n,), generator=generator).tolist() for n in (6, 9)]
+    long = torch.randint(10, loaded.vocab_size, (700,), generator=generator).tolist()
+    for slot, prompt in enumerate(short):
+        native(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), [Segment(slot, 0, len(prompt) - 1)], [len(prompt) - 2])
+    # Slots 0 and 1 each decode one token a step (their prompts' own tokens, teacher-forced)
+    # while slot 2 reads the long prompt in chunks of 100.
+    grown = [list(prompt) for prompt in short]
+    for chunk in range(7):
+        ids = [grown[0][-1], grown[1][-1], *long[chunk * 100 : (chunk + 1) * 100]]
+        starts = [len(grown[0]) - 1, len(grown[1]) - 1]
+        step = [Segment(0, starts[0], 1), Segment(1, starts[1], 1), Segment(2, chunk * 100, 100)]
+        got = native(torch.tensor(ids), torch.tensor([*starts, *range(chunk * 100, (chunk + 1) * 100)]), step, [0, 1, 101])
+        assert torch.isfinite(got).all()
+        for row in range(2):
+            want = reference_logits(model, grown[row])[-1]
+            assert (got[row] - want).abs().max().item() < 1e-3
+            grown[row].append(int(want.argmax()))
+    assert (got[2] - reference_logits(model, long)[-1]).abs().max().item() < 1e-3
+    longest_short_row = max(len(row) for row in grown)
+    for slot in (0, 1):
+        assert cache._clean[slot] <= -(-longest_short_row // CLEAN_STEP) * CLEAN_STEP
+        assert torch.isnan(cache.layers[0].keys[slot, :, CLEAN_STEP:1024]).all()  # never zeroed, never resident
+    assert cache._clean[2] == 700
 
 
 def test_on_this_cpu_the_native_pass_packs_its_weights_for_onednn(tiny_model_dir: Path) -> None:

@@ -337,8 +337,7 @@ class BatchedEngine(Engine):
             if decodes or start + count == row.seq.prompt_len:
                 emit.append(len(ids) - 1)
                 emitters.append(row)
-        self._cache.ensure_clean([segment.slot for segment in segments], max(s.start + s.count for s in segments))
-        assert self._native is not None
+        assert self._native is not None  # it zeroes what it must of the slots (SlotCache.written)
         logits = self._native(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), segments, emit)
         for row, count in chunks:
             row.length += count

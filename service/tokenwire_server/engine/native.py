@@ -336,6 +336,13 @@ class NativeForward:
         else:
             groups = [(first, rows, slot, self._single_mask(singles[first : first + rows])) for first, rows, slot in single_groups(singles)]
         chunk_masks = [self._chunk_mask(segment) for segment in chunks]
+        # Each row reads its own slot's columns up to its end, all written by this step's
+        # layer or an earlier step; only a group of one-token rows read as one view reads
+        # past a shorter row's end, and those columns must be finite (zeroed).
+        for segment in segments:
+            self.cache.written(segment.slot, segment.start + segment.count)
+        for _, rows, slot, mask in groups:
+            self.cache.ensure_clean(list(range(slot, slot + rows)), int(mask.shape[-1]))
 
         for index, layer in enumerate(self.layers):
             normed = self._norm(hidden, layer.input_norm)

@@ -19,7 +19,11 @@ Columns past a row's length hold whatever an earlier occupant left there, or
 zeros: each slot is zeroed lazily, up to the longest length read from it so far
 (``ensure_clean``), so masked columns are always finite (uninitialised memory
 could hold NaN, and NaN times a zero attention weight is still NaN), and on a CPU
-only the pages in use become resident.
+only the pages in use become resident. A reader that never goes past its own row's
+written columns needs none of it: the native pass zeroes only for its grouped
+one-token reads (stock torch ops), and otherwise just records what it wrote
+(``written``), so a slot's pages become resident as its own row fills them, and
+never because another row in the step is longer.
 """
 
 from __future__ import annotations
@@ -201,7 +205,7 @@ class SlotCache(Cache):  # type: ignore[misc]
         Per slot and in steps of ``CLEAN_STEP`` columns, so a long prompt read in chunks
         zeroes (and, on a CPU, first-touches) a little at a time instead of stalling one
         step. Only columns past the slot's frontier are zeroed: everything ever written
-        lies below it.
+        lies below it (``written``).
         """
         upto = min(self.capacity, -(-columns // CLEAN_STEP) * CLEAN_STEP)
         for slot in slots:
@@ -212,6 +216,13 @@ class SlotCache(Cache):  # type: ignore[misc]
                 layer.keys[slot, :, start:upto].zero_()
                 layer.values[slot, :, start:upto].zero_()
             self._clean[slot] = upto
+
+    def written(self, slot: int, end: int) -> None:
+        """This step writes the slot's columns up to ``end`` (a row writes its columns in
+        order from 0): they are never zeroed later. For a reader that stays within its
+        own rows' written columns, as the native pass's does, and so needs no zeroing."""
+        if self._clean[slot] < end:
+            self._clean[slot] = end
 
     def nbytes(self) -> int:
         return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)
