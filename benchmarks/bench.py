@@ -206,6 +206,92 @@ def cancel_steps(model_name: str, prompts: tuple[str, ...], streams: int = 8, ca
 
 
 @dataclasses.dataclass
+class LongPromptRun:
+    """One arrival of a long prompt among decoding streams, seen by the clients."""
+
+    itl_p50_ms: float  # the decoding streams' gap between chunks before it arrived
+    max_gap_ms: float  # their largest gap while it was read (until its last chunk)
+    first_token_s: float  # the long prompt's own time to first chunk
+    prompt_tokens: int
+
+    @property
+    def ratio(self) -> float:
+        return self.max_gap_ms / self.itl_p50_ms
+
+
+def stall(arrivals: list[list[float]], arrived: float, last: float) -> tuple[float, float]:
+    """(ITL p50 before ``arrived``, largest gap overlapping ``[arrived, last]``), in the
+    units of the timestamps. ``arrivals``: each decoding stream's chunk arrival times."""
+    from tokenwire.bench import percentile
+
+    before: list[float] = []
+    worst = 0.0
+    for times in arrivals:
+        for a, b in zip(times, times[1:], strict=False):
+            if b <= arrived:
+                before.append(b - a)
+            elif a < last:
+                worst = max(worst, b - a)
+    p50 = percentile(before, 50)
+    if p50 is None:
+        raise ValueError("no gaps before the long prompt arrived")
+    return p50, worst
+
+
+LONG_PROMPT_FILLER = " ".join(f"item {i} is {i * 7 % 13}." for i in range(400))
+
+
+def long_prompt(model_name: str, repeats: int, streams: int = 8, prompt_tokens: int = 1500, extra: list[str] | None = None) -> list[LongPromptRun]:
+    """#10's long-prompt case over gRPC, ``repeats`` times on one batched server: ``streams``
+    chat streams decode (greedy, ``ignore_eos``); once each has 20 chunks, a
+    ``prompt_tokens``-token prompt arrives (as token ids); the streams' largest gap while
+    it is read, against their ITL p50 before it came."""
+    import threading
+
+    from tokenwire import Client, TokenwireError
+    from tokenwire.bench import DEFAULT_PROMPTS
+
+    from benchmarks.launcher import ServerProcess
+
+    runs: list[LongPromptRun] = []
+    with ServerProcess(["--model", model_name, "--engine", "batched", *(extra or [])], ready_timeout=600) as server, Client(server.target) as client:
+        ids = client.tokenize(LONG_PROMPT_FILLER).ids[:prompt_tokens]
+        if len(ids) < prompt_tokens:
+            raise ValueError(f"the filler is only {len(ids)} tokens")
+        client.generate_text(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=4)  # warm-up
+        for repeat in range(repeats):
+            arrivals: list[list[float]] = [[] for _ in range(streams)]
+            calls = [
+                client.generate(messages=[{"role": "user", "content": DEFAULT_PROMPTS[(repeat * streams + i) % len(DEFAULT_PROMPTS)]}], max_new_tokens=2000, ignore_eos=True, token_ids=True)
+                for i in range(streams)
+            ]
+
+            def read(call: Any, times: list[float]) -> None:
+                try:
+                    for _ in call:
+                        times.append(time.perf_counter())
+                except TokenwireError:
+                    pass  # cancelled below
+
+            readers = [threading.Thread(target=read, args=(call, times), daemon=True) for call, times in zip(calls, arrivals, strict=True)]
+            for reader in readers:
+                reader.start()
+            while min(len(times) for times in arrivals) < 20:
+                time.sleep(0.01)
+            arrived = time.perf_counter()
+            chunks = [time.perf_counter() for _ in client.generate(input_ids=ids, max_new_tokens=4, ignore_eos=True, token_ids=True)]
+            time.sleep(0.5)  # a few steps after its last chunk, then stop the others
+            for call in calls:
+                call.cancel()
+            for reader in readers:
+                reader.join(60)
+            p50, worst = stall([list(times) for times in arrivals], arrived, chunks[-1])
+            runs.append(LongPromptRun(p50 * 1000, worst * 1000, chunks[0] - arrived, len(ids)))
+            print(f"  long prompt {repeat}: largest gap {worst * 1000:.0f} ms, ITL p50 {p50 * 1000:.0f} ms ({worst / p50:.2f}x)", file=sys.stderr, flush=True)
+    return runs
+
+
+@dataclasses.dataclass
 class SingleStreamAB:
     pairs: int
     tokens_per_s_ratio: float  # median over pairs of server / in-process
@@ -279,8 +365,8 @@ def find(rows: list[Row], engine: str, concurrency: int) -> Row | None:
     return None
 
 
-def targets(rows: list[Row], ab: SingleStreamAB | None) -> list[tuple[str, str, bool | None]]:
-    """(target, measured, met) for the issue's targets 1-4 and 6."""
+def targets(rows: list[Row], ab: SingleStreamAB | None, long_runs: list[LongPromptRun] | None = None) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met): the first issue's targets 1-4 and 6, and #10's long prompt."""
     out: list[tuple[str, str, bool | None]] = []
     b16, s16, g16 = find(rows, "server --engine batched", 16), find(rows, "server --engine simple", 16), find(rows, "in-process generate (static", 16)
     if b16 and s16:
@@ -312,6 +398,16 @@ def targets(rows: list[Row], ab: SingleStreamAB | None) -> list[tuple[str, str, 
         )
     if b16 and b16.peak_rss_mb:
         out.append(("c=16: batched server peak RSS <= 1.5 GB", f"{b16.peak_rss_mb:.0f} MB", b16.peak_rss_mb <= 1536))
+    if long_runs:
+        ratios = [run.ratio for run in long_runs]
+        median = statistics.median(ratios)
+        out.append(
+            (
+                f"long prompt: {long_runs[0].prompt_tokens} tokens arriving among 8 decoding streams raises their largest gap <= 3x their ITL p50",
+                f"{median:.2f}x (median of {len(ratios)}: {', '.join(f'{r:.2f}' for r in ratios)})",
+                median <= 3,
+            )
+        )
     return out
 
 
@@ -370,8 +466,29 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
         "| target | measured | met |",
         "|---|---|---|",
     ]
-    for name, measured, met in targets(rows, meta.get("ab")):
+    long_runs: list[LongPromptRun] = meta.get("long_prompt") or []
+    for name, measured, met in targets(rows, meta.get("ab"), long_runs):
         lines.append(f"| {name} | {measured} | {'yes' if met else 'NO'} |")
+    if long_runs:
+        lines += [
+            "",
+            "### A long prompt among decoding streams",
+            "",
+            "`server --engine batched`, over gRPC: 8 chat streams decode (greedy, `ignore_eos`); once each has",
+            f"20 chunks, a {long_runs[0].prompt_tokens}-token prompt arrives (token ids, 4 new tokens). The streams' largest gap",
+            "between chunks while it is read (until its last chunk) against their ITL p50 before it came;",
+            f"{len(long_runs)} arrivals on one server. min / median / max:",
+            "",
+            "| | min | median | max |",
+            "|---|---:|---:|---:|",
+        ]
+        for label, values in (
+            ("ITL p50 before, ms", [run.itl_p50_ms for run in long_runs]),
+            ("largest gap while read, ms", [run.max_gap_ms for run in long_runs]),
+            ("largest gap / ITL p50", [run.ratio for run in long_runs]),
+            ("long prompt's first chunk, s", [run.first_token_s for run in long_runs]),
+        ):
+            lines.append(f"| {label} | {min(values):.2f} | {statistics.median(values):.2f} | {max(values):.2f} |")
     lines += ["", "![throughput and inter-token latency against concurrency](benchmarks.png)", ""]
     if meta.get("notes"):
         lines += ["### Notes", ""] + [f"- {n}" for n in meta["notes"]] + [""]
@@ -418,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/benchmarks.md")
     parser.add_argument("--plot", default="docs/benchmarks.png")
     parser.add_argument("--server-arg", action="append", default=[], help="extra server flag (repeatable)")
+    parser.add_argument("--long-repeats", type=int, default=3, help="arrivals of a 1,500-token prompt among 8 decoding streams (0: skip)")
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
     args = parser.parse_args(argv)
 
@@ -437,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
     for engine in args.engines.split(","):
         print(f"server --engine {engine} ...", file=sys.stderr, flush=True)
         rows.extend(through_server(engine, args.model, args.max_new_tokens, args.requests_per_stream, args.server_arg))
+    long_runs: list[LongPromptRun] = []
+    if args.long_repeats and "batched" in args.engines.split(","):
+        print("a long prompt among decoding streams ...", file=sys.stderr, flush=True)
+        long_runs = long_prompt(args.model, args.long_repeats, extra=args.server_arg)
     meta = {
         "command": ("python -m benchmarks.bench " + " ".join(argv if argv is not None else sys.argv[1:])).strip(),
         "machine": machine(),
@@ -445,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "prompts": len(prompts),
         "ab": ab,
+        "long_prompt": long_runs,
         "notes": [
             f"Cancellation inside a running batch of 8 (batched engine, in-process, {len(cancels)} cancels at random "
             f"moments): decode steps that still included the stream after its cancel: max {max(cancels)}, "

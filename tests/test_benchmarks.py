@@ -114,3 +114,19 @@ def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Pa
     for row in rows:
         tokens_per_s, step_ms, mbu = float(row[2]), float(row[6]), float(row[8])
         assert tokens_per_s > 0 and step_ms > 0 and mbu > 0
+
+
+def test_the_long_prompt_stall_is_the_largest_gap_while_it_is_read_against_the_gaps_before() -> None:
+    from benchmarks.bench import LongPromptRun, stall
+
+    # Two streams, a chunk every 1.0 s before the long prompt arrives at t=10; while it
+    # is read (until t=14) one stream waits 2.5 s once; after t=14 a 9 s gap no longer counts.
+    steady = [float(t) for t in range(11)]
+    first = [*steady, 12.5, 13.5, 14.5, 23.5]
+    second = [*steady, 11.0, 12.0, 13.0, 14.0]
+    p50, worst = stall([first, second], arrived=10.0, last=14.0)
+    assert p50 == 1.0
+    assert worst == 2.5
+    assert LongPromptRun(itl_p50_ms=50.0, max_gap_ms=120.0, first_token_s=9.0, prompt_tokens=1500).ratio == 2.4
+    with pytest.raises(ValueError, match="no gaps before"):
+        stall([[10.5, 11.0]], arrived=10.0, last=14.0)

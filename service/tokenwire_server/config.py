@@ -33,7 +33,7 @@ class ServerConfig:
     max_active: int = 16
     max_queue: int = 64
     kv_cache_tokens: int = 0
-    max_prefill_tokens: int = 24
+    max_prefill_tokens: int = 20
     batch_window_ms: float = 10.0
     torch_threads: int = 0
     forward: str = "auto"

@@ -41,7 +41,7 @@ class EngineLimits:
     max_queue: int
     kv_cache_tokens: int
     retry_after_s: float = 0.5
-    max_prefill_tokens: int = 24
+    max_prefill_tokens: int = 20
     batch_window_s: float = 0.01
 
 

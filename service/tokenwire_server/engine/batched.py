@@ -75,8 +75,8 @@ def prefill_span_columns(config: Any) -> float:
     While rows decode, a prompt token read at column ``c`` counts ``1 + c / span`` against
     ``--max-prefill-tokens``: its attention reads the ``c`` columns before it, so a chunk
     deep into a long prompt gets fewer tokens and a step costs about the same multiple of
-    a decode step at any depth (default model: 1,336 columns; a 24-token budget reads 24
-    tokens at column 0, 11 at 1,500).
+    a decode step at any depth (default model: 1,336 columns; the default 20-token budget
+    reads 20 tokens at column 0, 9 at 1,500).
     """
     hidden = int(config.hidden_size)
     heads, kv_heads, head_dim = attention_shape(config)
