@@ -241,7 +241,9 @@ def stall(arrivals: list[list[float]], arrived: float, last: float) -> tuple[flo
 LONG_PROMPT_FILLER = " ".join(f"item {i} is {i * 7 % 13}." for i in range(400))
 
 
-def long_prompt(model_name: str, repeats: int, streams: int = 8, prompt_tokens: int = 1500, extra: list[str] | None = None) -> list[LongPromptRun]:
+def long_prompt(
+    model_name: str, repeats: int, streams: int = 8, prompt_tokens: int = 1500, extra: list[str] | None = None, stream_tokens: int = 2000
+) -> list[LongPromptRun]:
     """#10's long-prompt case over gRPC, ``repeats`` times on one batched server: ``streams``
     chat streams decode (greedy, ``ignore_eos``); once each has 20 chunks, a
     ``prompt_tokens``-token prompt arrives (as token ids); the streams' largest gap while
@@ -262,7 +264,7 @@ def long_prompt(model_name: str, repeats: int, streams: int = 8, prompt_tokens: 
         for repeat in range(repeats):
             arrivals: list[list[float]] = [[] for _ in range(streams)]
             calls = [
-                client.generate(messages=[{"role": "user", "content": DEFAULT_PROMPTS[(repeat * streams + i) % len(DEFAULT_PROMPTS)]}], max_new_tokens=2000, ignore_eos=True, token_ids=True)
+                client.generate(messages=[{"role": "user", "content": DEFAULT_PROMPTS[(repeat * streams + i) % len(DEFAULT_PROMPTS)]}], max_new_tokens=stream_tokens, ignore_eos=True, token_ids=True)
                 for i in range(streams)
             ]
 

@@ -130,3 +130,16 @@ def test_the_long_prompt_stall_is_the_largest_gap_while_it_is_read_against_the_g
     assert LongPromptRun(itl_p50_ms=50.0, max_gap_ms=120.0, first_token_s=9.0, prompt_tokens=1500).ratio == 2.4
     with pytest.raises(ValueError, match="no gaps before"):
         stall([[10.5, 11.0]], arrived=10.0, last=14.0)
+
+
+def test_the_long_prompt_case_runs_against_a_real_server(tiny_model_dir: Path) -> None:
+    """`make bench`'s long-prompt case end to end on the tiny model: a batched server, 2
+    decoding streams, a 300-token prompt among them, twice."""
+    from benchmarks.bench import long_prompt
+
+    runs = long_prompt(str(tiny_model_dir), repeats=2, streams=2, prompt_tokens=300, stream_tokens=600)
+    assert len(runs) == 2
+    for run in runs:
+        assert run.prompt_tokens == 300
+        assert run.itl_p50_ms > 0 and run.max_gap_ms > 0
+        assert run.first_token_s > 0
