@@ -252,11 +252,12 @@ def long_prompt(
 
     from tokenwire import Client, TokenwireError
     from tokenwire.bench import DEFAULT_PROMPTS
+    from tokenwire.retry import NO_RETRY
 
     from benchmarks.launcher import ServerProcess
 
     runs: list[LongPromptRun] = []
-    with ServerProcess(["--model", model_name, "--engine", "batched", *(extra or [])], ready_timeout=600) as server, Client(server.target) as client:
+    with ServerProcess(["--model", model_name, "--engine", "batched", *(extra or [])], ready_timeout=600) as server, Client(server.target, retry=NO_RETRY) as client:
         ids = client.tokenize(LONG_PROMPT_FILLER).ids[:prompt_tokens]
         if len(ids) < prompt_tokens:
             raise ValueError(f"the filler is only {len(ids)} tokens")
@@ -268,17 +269,21 @@ def long_prompt(
                 for i in range(streams)
             ]
 
-            def read(call: Any, times: list[float]) -> None:
+            failures: list[TokenwireError] = []
+
+            def read(call: Any, times: list[float], failures: list[TokenwireError]) -> None:
                 try:
                     for _ in call:
                         times.append(time.perf_counter())
-                except TokenwireError:
-                    pass  # cancelled below
+                except TokenwireError as exc:  # CANCELLED below, or a refusal
+                    failures.append(exc)
 
-            readers = [threading.Thread(target=read, args=(call, times), daemon=True) for call, times in zip(calls, arrivals, strict=True)]
+            readers = [threading.Thread(target=read, args=(call, times, failures), daemon=True) for call, times in zip(calls, arrivals, strict=True)]
             for reader in readers:
                 reader.start()
             while min(len(times) for times in arrivals) < 20:
+                if failures or not all(reader.is_alive() for reader in readers):
+                    raise RuntimeError(f"a decoding stream ended before its 20th chunk: {failures[:1] or 'finished early'}")
                 time.sleep(0.01)
             arrived = time.perf_counter()
             chunks = [time.perf_counter() for _ in client.generate(input_ids=ids, max_new_tokens=4, ignore_eos=True, token_ids=True)]

@@ -143,3 +143,12 @@ def test_the_long_prompt_case_runs_against_a_real_server(tiny_model_dir: Path) -
         assert run.prompt_tokens == 300
         assert run.itl_p50_ms > 0 and run.max_gap_ms > 0
         assert run.first_token_s > 0
+
+
+def test_the_long_prompt_case_stops_with_the_reason_when_a_stream_is_refused(tiny_model_dir: Path) -> None:
+    """One slot and no queue: the second decoding stream is refused (RESOURCE_EXHAUSTED),
+    and the case says so instead of waiting forever for its 20th chunk."""
+    from benchmarks.bench import long_prompt
+
+    with pytest.raises(RuntimeError, match=r"ended before its 20th chunk: \[Overloaded\(.server is full"):
+        long_prompt(str(tiny_model_dir), repeats=1, streams=2, prompt_tokens=300, stream_tokens=600, extra=["--max-active", "1", "--max-queue", "0"])
