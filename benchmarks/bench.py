@@ -250,9 +250,8 @@ def long_prompt(
     it is read, against their ITL p50 before it came."""
     import threading
 
-    from tokenwire import Client, TokenwireError
+    from tokenwire import NO_RETRY, Client, TokenwireError
     from tokenwire.bench import DEFAULT_PROMPTS
-    from tokenwire.retry import NO_RETRY
 
     from benchmarks.launcher import ServerProcess
 

@@ -61,11 +61,11 @@ def fresh_cache(model: Any, slots: int = 4, capacity: int = 256, poisoned: bool 
     read of a column no row wrote (and no one zeroed) shows in the logits."""
     import torch
     from tokenwire_server.engine.slots import SlotCache
+    from tokenwire_server.model import attention_shape
 
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    layers = config.num_hidden_layers
-    cache = SlotCache(slots, capacity, config.num_key_value_heads, head_dim, [(torch.device("cpu"), torch.float32)] * layers)
+    _, kv_heads, head_dim = attention_shape(model.config)
+    layers = model.config.num_hidden_layers
+    cache = SlotCache(slots, capacity, kv_heads, head_dim, [(torch.device("cpu"), torch.float32)] * layers)
     if poisoned:
         for layer in cache.layers:
             layer.keys[:, :, :capacity].fill_(float("nan"))

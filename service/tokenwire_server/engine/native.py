@@ -339,8 +339,6 @@ class NativeForward:
         # Each row reads its own slot's columns up to its end, all written by this step's
         # layer or an earlier step; only a group of one-token rows read as one view reads
         # past a shorter row's end, and those columns must be finite (zeroed).
-        for segment in segments:
-            self.cache.written(segment.slot, segment.start + segment.count)
         for _, rows, slot, mask in groups:
             self.cache.ensure_clean(list(range(slot, slot + rows)), int(mask.shape[-1]))
 
@@ -391,6 +389,10 @@ class NativeForward:
                 activated = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
             hidden = layer.down.plus(activated, hidden)
 
+        # Only now, every layer having written them (a step that fails midway leaves
+        # columns unwritten, and a later zeroing must not skip them).
+        for segment in segments:
+            self.cache.written(segment.slot, segment.start + segment.count)
         picked = hidden if emit == list(range(tokens)) else hidden.index_select(0, torch.tensor(emit, dtype=torch.long, device=device))
         return self.lm_head(self._norm(picked, self.norm)).float()
 
