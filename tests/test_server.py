@@ -72,19 +72,45 @@ def test_prompt_and_token_ids_inputs_agree(stub):
     assert by_text[-1].usage.prompt_tokens == tokens.count
 
 
-def test_text_equals_decoded_tokens(stub, tiny_model_dir):
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    sampling, stopping = greedy(max_new_tokens=40, ignore_eos=True)
-    for prompt in ("日本語 🧑‍🚀", "Café crème", "plain words"):
-        chunks = collect(
-            stub,
-            pb.GenerateRequest(prompt=prompt, sampling=sampling, stopping=stopping, output=pb.OutputOptions(token_ids=True)),
-        )
-        ids = [t.id for c in chunks for t in c.tokens]
-        assert len(ids) == 40 == chunks[-1].usage.completion_tokens
-        assert text_of(chunks) == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        pb.GenerateRequest(prompt="Café crème, naïve façade: "),
+        pb.GenerateRequest(prompt="日本語の文章を書いてください。東京は"),
+        pb.GenerateRequest(prompt="Emoji story: 🧑‍🚀🚀🌕 then 🎉"),
+        pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="Réponds avec des emoji 🎉: où est Kyōto (京都)?")])),
+        pb.GenerateRequest(prompt="plain words"),
+    ],
+    ids=["accents", "cjk", "emoji", "chat-mixed", "plain"],
+)
+@pytest.mark.parametrize("seed", [None, 11], ids=["greedy", "sampled"])
+def test_streamed_text_equals_the_decoded_ids(stub, tokenizer, request_, seed):
+    """The one place for "text == decode(ids)": the concatenated chunks are exactly the
+    decoding of the generated ids, on the default model's byte-level BPE (multi-token
+    characters, accents, CJK, emoji), greedy and sampled, so no chunk holds half a character.
+    The tiny model's random weights pick lone byte pieces often, so characters split over
+    several tokens are common here (more than on the real model)."""
+    request = pb.GenerateRequest()
+    request.CopyFrom(request_)
+    request.stopping.CopyFrom(pb.StoppingCriteria(max_new_tokens=48, ignore_eos=True))
+    request.output.token_ids = True
+    if seed is None:
+        request.sampling.temperature = 0
+    else:
+        request.sampling.CopyFrom(pb.SamplingParams(temperature=1.0, top_p=0.95, seed=seed))
+    chunks = collect(stub, request)
+    ids = [t.id for c in chunks for t in c.tokens]
+    assert len(ids) == 48 == chunks[-1].usage.completion_tokens
+    # Each chunk is a str, so one split inside a character would show as U+FFFD pieces that
+    # the full decoding does not have: equality of the concatenation rules it out.
+    assert text_of(chunks) == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def test_request_id_from_metadata_and_assigned(stub):

@@ -497,25 +497,6 @@ def test_a_deadline_that_passes_mid_stream_is_deadline_exceeded(harness: Harness
     assert backend.requests[0].deadline is not None
 
 
-def test_drain_refuses_new_calls_and_lets_running_ones_finish(harness: Harness, logs: LogRecords) -> None:
-    backend = harness.backend
-    assert backend is not None
-    backend.behaviour = lambda r: FakeSubmission(
-        [TextEvent(str(i)) for i in range(5)] + [FinishEvent("", (), FinishReason.LENGTH, USAGE)], gap_s=0.1
-    )
-    running = harness.stub.Generate(pb.GenerateRequest(request_id="running", prompt="x"), timeout=30)
-    assert next(running).text == "0"
-    harness.servicer.begin_drain()
-    with pytest.raises(grpc.RpcError) as refused:
-        list(harness.stub.Generate(pb.GenerateRequest(prompt="x"), timeout=10))
-    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
-    assert "draining" in refused.value.details()  # type: ignore[attr-defined]
-    rest = list(running)
-    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and [c.text for c in rest[:-1]] == ["1", "2", "3", "4"]
-    assert harness.call(harness.servicer.calls.wait_idle(5)) is True
-    assert [r.__dict__["code"] for r in logs.finished("running")] == ["OK"]
-
-
 def test_before_the_model_is_ready_calls_are_unavailable() -> None:
     h = Harness(None)
     try:

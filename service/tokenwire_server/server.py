@@ -269,10 +269,10 @@ class TokenwireServer:
         if self.draining:
             return
         grace = self.config.grace_period
-        log.info("draining", extra={"reason": reason, "grace_period_s": grace})
-        started = time.monotonic()
         self.draining = True
         self._servicer.begin_drain()
+        log.info("draining", extra={"reason": reason, "grace_period_s": grace, "calls_in_flight": self._servicer.calls.in_flight})
+        started = time.monotonic()
         await self.health.set_ready(False)
         backend = self.backend
         if backend is not None:

@@ -28,26 +28,33 @@ pytestmark = pytest.mark.timeout(90)
 def test_signal_drains_with_a_stream_in_flight(sig: signal.Signals, tiny_model_dir: Path) -> None:
     with ServerProcess(["--model", str(tiny_model_dir), "--grace-period", "60"]) as server:
         stub = generation_stub(server.target)
-        in_flight = stub.Generate(long_request(1000), timeout=80)
+        in_flight = stub.Generate(long_request(1000, request_id="in-flight"), timeout=80)
         first = next(in_flight)
         server.proc.send_signal(sig)
 
-        # Order, not a stopwatch: readiness turns NOT_SERVING, new calls are refused, and
-        # only then does the stream in flight end (1000 tokens outlast the steps below by far,
-        # however slow the machine: the check polls with a generous limit).
+        # Readiness turns NOT_SERVING and new calls are refused, while the stream goes on.
         assert wait_until(lambda: health_status(server.target) == NOT_SERVING, 30)
         with pytest.raises(grpc.RpcError) as refused:
-            list(stub.Generate(short_request(), timeout=5))
+            list(stub.Generate(short_request(request_id="refused"), timeout=5))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "draining" in refused.value.details()
-        still_running = next(in_flight)
-        assert still_running.finish_reason == pb.FINISH_REASON_UNSPECIFIED  # the drain began mid-stream
 
-        rest = [still_running, *in_flight]  # the stream in flight runs to its end
+        rest = list(in_flight)  # the stream in flight runs to its end
         assert [first, *rest][-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert rest[-1].usage.completion_tokens == 1000
         assert server.proc.wait(30) == 0
-        assert server.find("draining")[0]["reason"] == sig.name
+        # Order, read from the server's own log (one writer, in order), not a stopwatch: the
+        # drain began with the stream in flight, the refusal came during the drain, and the
+        # stream ended after both.
+        [draining] = server.find("draining")
+        assert draining["reason"] == sig.name and draining["calls_in_flight"] == 1
+        order = [
+            "draining" if r.get("msg") == "draining" else r.get("request_id")
+            for r in server.records
+            if r.get("msg") == "draining" or r.get("msg") == "request finished"
+        ]
+        order = [name for name in order if name in ("draining", "refused", "in-flight")]
+        assert order == ["draining", "refused", "in-flight"], order
         assert server.find("stopped")
 
 

@@ -48,13 +48,16 @@ class ForwardFault:
         self.at = 0
         self.gate = threading.Event()
         self.gate.set()
+        self.held = threading.Event()  # set while a call waits at the closed gate
 
     def arm(self, error: BaseException, at: int = 1) -> None:
         self.calls, self.error, self.at = 0, error, at
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
-        self.gate.wait()
+        if not self.gate.is_set():
+            self.held.set()
+            self.gate.wait()
         if self.error is not None and self.calls >= self.at:
             error, self.error = self.error, None
             raise error
@@ -119,6 +122,37 @@ def test_out_of_memory_is_resource_exhausted_frees_cache_and_server_keeps_servin
     assert retry.retry_delay.ToMilliseconds() == 300
     assert emptied
     monkeypatch.undo()  # the real torch.cuda again before serving on
+    assert_still_serving(server)
+
+
+def test_a_failed_step_fails_the_streams_in_its_batch_and_not_the_one_queued(
+    in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three streams decode together and a fourth waits for a slot; the engine step that
+    fails holds the three (the engine is stopped inside that step's forward pass, and its
+    own state says so). Each of the three gets INTERNAL with the cause after the chunks it
+    had; the queued one then runs to its end, and the server keeps serving."""
+    server = in_process_server(engine="batched", max_active=3, max_queue=1)
+    fault = inject(server, monkeypatch)
+    stub = generation_stub(server.target)
+    streams = [stub.Generate(long_request(1000, request_id=f"in-batch-{i}"), timeout=30) for i in range(3)]
+    firsts = [next(stream) for stream in streams]  # each is decoding in the batch
+    engine = server.backend.engine
+    fault.gate.clear()
+    assert fault.held.wait(10)  # the engine is inside a step's forward pass, and stays there
+    assert engine.stats().batch_size == 3 and engine.queue.active == 3
+    queued = stub.Generate(short_request(6, request_id="queued"), timeout=30)
+    assert wait_until(lambda: engine.queue.queued == 1, 10)
+    fault.arm(RuntimeError("injected step fault"), at=0)  # the held call raises once the gate opens
+    fault.gate.set()
+    for first, stream in zip(firsts, streams, strict=True):
+        assert first.index == 0
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stream)
+        assert caught.value.code() == grpc.StatusCode.INTERNAL
+        assert caught.value.details() == "generation failed: RuntimeError: injected step fault"
+    chunks = list(queued)
+    assert chunks[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED and chunks[-1].usage.completion_tokens >= 1
     assert_still_serving(server)
 
 
