@@ -87,8 +87,11 @@ RUN mkdir -p "${TOKENWIRE_CACHE_DIR}" \
  && if [ "${BAKE_MODEL}" = "1" ]; then \
       make model VENV=/opt/tokenwire EXTRAS=server EDITABLE= MODEL="${MODEL}"; \
     fi
-# The batched engine's decode attention kernel, compiled here (g++ stays in this stage):
-# the runtime has no compiler, and finds it built under TOKENWIRE_KERNEL_DIR.
+# The batched engine's compiled CPU ops (engine/kernels), compiled here (g++ stays in this
+# stage): the runtime has no compiler, and finds them built under TOKENWIRE_KERNEL_DIR,
+# which is inside the cache directory the runtime copies. The build needs g++ only, not
+# an AVX2 CPU on the build machine. On a platform that cannot build them (an arm64
+# image) `make kernels` says why and exits 0, and the server runs stock torch ops there.
 RUN if [ "${ENGINE}" = "batched" ]; then \
       make kernels VENV=/opt/tokenwire EXTRAS=server EDITABLE=; \
     fi

@@ -55,6 +55,17 @@ def kernel_unbuildable() -> str | None:
     return kernels.cpu_reason() or (None if kernels.compiler() else "no C++ compiler")
 
 
+def kernel_choices() -> list[Any]:
+    """``--kernels compiled`` and ``--kernels torch``, to run an engine test on both; the
+    first skipped, with the reason, only where this machine cannot build the compiled CPU
+    ops (``kernel_unbuildable``): where it can, an engine that cannot load them fails."""
+    import pytest
+
+    reason = kernel_unbuildable()
+    skip = pytest.mark.skipif(reason is not None, reason=f"compiled CPU ops: {reason}")
+    return [pytest.param("compiled", marks=skip), "torch"]
+
+
 def fresh_cache(model: Any, slots: int = 4, capacity: int = 256, poisoned: bool = False) -> Any:
     """A float32 CPU slot cache shaped for ``model``: every slot zeroed, or (``poisoned``)
     every column NaN and nothing marked clean, as uninitialised memory may be, so any

@@ -11,19 +11,36 @@
 - Bad arguments are errors with a reason, never a crash.
 - ``--kernels auto`` keeps stock torch ops where the library is unavailable and says
   why; ``compiled`` refuses to start without it; ``torch`` never takes it.
+- Where the ops cannot be used (a CPU without AVX2+FMA: ``ATEN_CPU_CAPABILITY=default``,
+  or torch's capability faked; no compiler: ``CXX=/nonexistent`` and an empty
+  ``TOKENWIRE_KERNEL_DIR``), the server and the engine start on stock torch ops and the
+  "batched engine forward pass" log line gives the reason; likewise when the native pass
+  itself is not taken (``why_not_native``).
+- ``make kernels`` (``python -m tokenwire_server.engine.kernels``) builds with a compiler
+  alone, on an x86 CPU without AVX2 too; exits 0 with the reason where the host cannot
+  build (no compiler, not x86-64); shows the compiler's warnings; exits 1 when the build fails.
 
 On a machine with a C++ compiler and an AVX2+FMA x86 CPU (CI's) the library must build:
-those tests fail rather than skip if it does not.
+those tests fail rather than skip if it does not. Elsewhere they skip with the reason
+and the stock torch ops are what the engine tests run.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import platform
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_support import fresh_cache, kernel_unbuildable
+from engine_support import fresh_cache, kernel_unbuildable, run_all
+from servers import ServerProcess
+from tokenwire_server.domain import FinishEvent, GenerationRequest, SamplingOptions
 from tokenwire_server.engine import create_engine, kernels
 from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.engine.native import NativeForward
@@ -118,8 +135,8 @@ def test_bad_arguments_are_errors_that_say_which(change: dict, message: str) -> 
 
 def test_a_built_kernel_is_found_again_without_compiling() -> None:
     kernel_op()
-    path, seconds = kernels.build()
-    assert seconds == 0.0 and path == kernels.load().path and path.is_file()
+    built = kernels.build()
+    assert built.seconds == 0.0 and built.path == kernels.load().path == kernels.library_path() and built.path.is_file()
 
 
 def test_auto_keeps_torch_ops_where_the_library_is_unavailable_and_compiled_refuses_to_start(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,3 +255,164 @@ def test_bad_arguments_to_the_row_wise_ops_are_errors_that_say_which(call, messa
     ops = compiled_ops()
     with pytest.raises(RuntimeError, match=message):
         call(ops)
+
+
+# -- where the ops cannot be used: the log line says why -----------------------------------
+
+FORWARD_PASS = "batched engine forward pass"
+
+
+@pytest.fixture
+def reload_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kernels.load()`` looks again under this test's conditions (restored after it)."""
+    monkeypatch.setattr(kernels, "_loaded", None)
+
+
+def forward_pass_line(caplog: pytest.LogCaptureFixture) -> logging.LogRecord:
+    (record,) = [r for r in caplog.records if r.getMessage() == FORWARD_PASS]
+    return record
+
+
+def serves(engine, loaded) -> None:
+    engine.start()
+    try:
+        prompt = loaded.tokenizer("Hello there")["input_ids"]
+        request = GenerationRequest("r", prompt, SamplingOptions(temperature=0.0), 6, ignore_eos=True, want_tokens=True)
+        [rec] = run_all(engine, [request])
+        assert isinstance(rec.last, FinishEvent) and len(rec.token_ids) == 6
+    finally:
+        engine.close()
+
+
+def test_a_cpu_without_avx2_runs_the_torch_ops_and_the_log_line_says_why(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, reload_kernels: None
+) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    loaded = load_model(str(tiny_model_dir))
+    with caplog.at_level(logging.INFO):
+        engine = create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1)
+    line = forward_pass_line(caplog)
+    assert (line.forward, line.kernels, line.why_not_native) == ("native", "torch", None)  # type: ignore[attr-defined]
+    assert line.why_not_compiled == "the CPU lacks AVX2+FMA (torch capability DEFAULT)"  # type: ignore[attr-defined]
+    serves(engine, loaded)
+    with pytest.raises(ValueError, match=r"--kernels compiled: the CPU lacks AVX2\+FMA"):
+        create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1, kernels="compiled")
+
+
+def test_no_compiler_and_nothing_built_runs_the_torch_ops_and_the_log_line_says_why(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, reload_kernels: None
+) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setenv(kernels.KERNEL_DIR_ENV, str(tmp_path / "kernels"))
+    if platform.machine().lower() in kernels.X86_64:
+        assert kernels.build_reason() == "no C++ compiler: $CXX (/nonexistent/c++) is not on PATH"
+    loaded = load_model(str(tiny_model_dir))
+    with caplog.at_level(logging.INFO):
+        engine = create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1)
+    line = forward_pass_line(caplog)
+    assert (line.forward, line.kernels) == ("native", "torch")  # type: ignore[attr-defined]
+    if kernels.cpu_reason() is None:
+        assert line.why_not_compiled == (  # type: ignore[attr-defined]
+            f"not built in {kernels.library_path().parent}, and this host cannot build it: "
+            "no C++ compiler: $CXX (/nonexistent/c++) is not on PATH"
+        )
+        assert not (tmp_path / "kernels").exists()
+    else:  # pragma: no cover - a CPU that could not run them anyway
+        assert line.why_not_compiled == kernels.cpu_reason()  # type: ignore[attr-defined]
+    serves(engine, loaded)
+
+
+def test_the_log_line_says_why_when_the_native_pass_or_the_compiled_ops_are_not_taken_by_choice(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    loaded = load_model(str(tiny_model_dir))
+    with caplog.at_level(logging.INFO):
+        create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1, kernels="torch")
+    line = forward_pass_line(caplog)
+    assert (line.forward, line.kernels, line.why_not_compiled, line.why_not_native) == ("native", "torch", "--kernels torch", None)  # type: ignore[attr-defined]
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1, forward="transformers")
+    line = forward_pass_line(caplog)
+    assert (line.forward, line.kernels, line.why_not_compiled, line.why_not_native) == ("transformers", None, None, "--forward transformers")  # type: ignore[attr-defined]
+    caplog.clear()
+    loaded.model.config.model_type = "not-llama"
+    with caplog.at_level(logging.INFO):
+        create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1)
+    line = forward_pass_line(caplog)
+    assert (line.forward, line.kernels, line.why_not_compiled) == ("transformers", None, None)  # type: ignore[attr-defined]
+    assert line.why_not_native == "model_type 'not-llama' (native pass: llama)"  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(platform.machine().lower() not in kernels.X86_64, reason="ATEN_CPU_CAPABILITY=default fakes a CPU without AVX2 on x86-64 only")
+def test_a_server_on_a_cpu_without_avx2_logs_why_and_serves_on_torch_ops(tiny_model_dir: Path) -> None:
+    """The real server, with torch itself told the CPU has no AVX2 (``ATEN_CPU_CAPABILITY=default``)."""
+    env = {"ATEN_CPU_CAPABILITY": "default"}
+    with ServerProcess(["--model", str(tiny_model_dir), "--engine", "batched"], env=env) as server:
+        (line,) = server.find(FORWARD_PASS)
+        assert (line["forward"], line["kernels"], line["why_not_native"]) == ("native", "torch", None)
+        assert line["why_not_compiled"] == "the CPU lacks AVX2+FMA (torch capability DEFAULT)"
+    with pytest.raises(RuntimeError, match="server exited") as refused:
+        ServerProcess(["--model", str(tiny_model_dir), "--engine", "batched", "--kernels", "compiled"], env=env, ready_timeout=120)
+    assert "--kernels compiled: the CPU lacks AVX2+FMA (torch capability DEFAULT)" in str(refused.value)
+
+
+# -- make kernels ----------------------------------------------------------------------
+
+
+def test_make_kernels_exits_0_with_the_reason_where_the_host_cannot_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(kernels.KERNEL_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert kernels.main() == 0
+    out = capsys.readouterr().out
+    if platform.machine().lower() in kernels.X86_64:
+        assert "compiled CPU ops not built: no C++ compiler: $CXX (/nonexistent/c++) is not on PATH" in out
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "aarch64")
+    monkeypatch.delenv("CXX")
+    assert kernels.main() == 0
+    assert "compiled CPU ops not built: not an x86-64 host (aarch64)" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_kernels_builds_on_an_x86_cpu_without_avx2(tmp_path: Path) -> None:
+    """Building needs a compiler only: with torch told the CPU has no AVX2, the library is
+    built where the server looks for it, and not loaded."""
+    if kernels.build_reason():
+        pytest.skip(f"this host cannot build: {kernels.build_reason()}")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", kernels.KERNEL_DIR_ENV: str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "tokenwire_server.engine.kernels"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    target = kernels.library_path(tmp_path)
+    assert target.is_file()
+    assert re.fullmatch(
+        re.escape(str(target)) + r" \(built in [\d.]+ s\); not loaded: the CPU lacks AVX2\+FMA \(torch capability DEFAULT\), "
+        r"so a server on this machine runs stock torch ops",
+        done.stdout.strip(),
+    ), done.stdout
+    assert done.stderr == "", "the shipped source compiles without a warning"
+
+
+def test_make_kernels_shows_the_compilers_warnings_and_fails_when_the_build_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], reload_kernels: None
+) -> None:
+    if kernels.build_reason():
+        pytest.skip(f"this host cannot build: {kernels.build_reason()}")
+    monkeypatch.setenv(kernels.KERNEL_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels, "cpu_reason", lambda: "not loaded in this test")
+    warned = tmp_path / "warned.cpp"
+    warned.write_text("int answer() { int unused = 1; return 42; }\n")
+    monkeypatch.setattr(kernels, "SOURCE", warned)
+    assert kernels.main() == 0
+    captured = capsys.readouterr()
+    assert "the compiler warned" in captured.err and "unused" in captured.err
+    assert kernels.library_path().is_file()
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("int answer() { return undeclared; }\n")
+    monkeypatch.setattr(kernels, "SOURCE", broken)
+    assert kernels.main() == 1
+    captured = capsys.readouterr()
+    assert "the build failed" in captured.err and "undeclared" in captured.err
+    assert not kernels.library_path().exists()

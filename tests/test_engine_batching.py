@@ -4,7 +4,10 @@
 - A prompt read in chunks (while others decode, or forced) gives the tokens a one-shot read gives.
 - The sampler's seeded draw depends on (seed, step) only, never on the batch.
 - On the real default model: greedy and seeded requests give the same tokens alone and
-  in a concurrent batch of 12 with mixed parameters, and the streamed text is decode(ids).
+  in a concurrent batch of 12 with mixed parameters, and the streamed text is decode(ids);
+  a prompt sampled gives other tokens than the same prompt greedy.
+- Chunked prefill and alone == batched run on both ``--kernels compiled`` (skipped, with
+  the reason, where this machine cannot build the compiled CPU ops) and ``--kernels torch``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_support import Recorder
+from engine_support import Recorder, kernel_choices
 from engine_support import run_all as run_requests
 from tokenwire_server.domain import (
     ErrorEvent,
@@ -33,6 +36,7 @@ from tokenwire_server.engine.slots import SlotCache, layer_placements
 from tokenwire_server.model import LoadedModel, load_model
 
 pytestmark = pytest.mark.timeout(600)
+KERNELS = kernel_choices()
 
 
 def make_request(rid: str, prompt: list[int], max_new: int, sampling: SamplingOptions | None = None) -> GenerationRequest:
@@ -128,10 +132,11 @@ def long_prompt(loaded: LoadedModel, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
-def chunked_equals_one_shot(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, prompt_tokens: int, new: int) -> None:
+def chunked_equals_one_shot(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, prompt_tokens: int, new: int, kernels: str) -> None:
     prompt = long_prompt(loaded, prompt_tokens)
     limits = EngineLimits(max_active=4, max_queue=4, kv_cache_tokens=4 * 1024, max_prefill_tokens=16)
-    engine = create_engine("batched", loaded, limits, workers=1)
+    engine = create_engine("batched", loaded, limits, workers=1, kernels=kernels)
+    assert engine.kernels == kernels  # type: ignore[attr-defined]
     engine.start()
     try:
         # Alone, nobody decodes: the whole prompt in one forward pass.
@@ -164,15 +169,17 @@ def chunked_equals_one_shot(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
     assert len(one_shot.token_ids) == new
 
 
-def test_chunked_prefill_equals_one_shot_tiny(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_chunked_prefill_equals_one_shot_tiny(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, kernels: str) -> None:
     loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
-    chunked_equals_one_shot(loaded, monkeypatch, prompt_tokens=200, new=24)
+    chunked_equals_one_shot(loaded, monkeypatch, prompt_tokens=200, new=24, kernels=kernels)
 
 
 @pytest.mark.e2e
-def test_chunked_prefill_equals_one_shot_default_model(default_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_chunked_prefill_equals_one_shot_default_model(default_model_dir: Path, monkeypatch: pytest.MonkeyPatch, kernels: str) -> None:
     loaded = load_model(str(default_model_dir), device="cpu", dtype="float32")
-    chunked_equals_one_shot(loaded, monkeypatch, prompt_tokens=150, new=16)
+    chunked_equals_one_shot(loaded, monkeypatch, prompt_tokens=150, new=16, kernels=kernels)
 
 
 def test_while_rows_decode_a_chunk_deep_into_a_long_prompt_gets_fewer_tokens(tiny_model_dir: Path) -> None:
@@ -270,9 +277,14 @@ def test_eos_is_blocked_until_min_new_tokens_and_logprobs_come_back() -> None:
 # -- the real model, alone and in a mixed batch -----------------------------------------
 
 
-@pytest.mark.e2e
-def test_default_model_alone_equals_batch_of_12_mixed(default_model_dir: Path) -> None:
-    loaded = load_model(str(default_model_dir), device="cpu", dtype="float32")
+@pytest.mark.parametrize("model", ["tiny", pytest.param("default", marks=pytest.mark.e2e)])
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_alone_equals_batch_of_12_mixed(model: str, kernels: str, request: pytest.FixtureRequest) -> None:
+    """The one place for "batched == alone" on a CPU (tests/gpu has the CUDA one): twelve
+    requests, greedy and sampled (seeded, top-p, top-k, repetition penalty), each gives in
+    a batch of twelve the tokens it gives alone, on the tiny model and the real one."""
+    folder = request.getfixturevalue("tiny_model_dir" if model == "tiny" else "default_model_dir")
+    loaded = load_model(str(folder), device="cpu", dtype="float32")
     tok = loaded.tokenizer
     questions = [
         "What is the capital of France?",
@@ -291,8 +303,11 @@ def test_default_model_alone_equals_batch_of_12_mixed(default_model_dir: Path) -
         SamplingOptions(temperature=0.8, top_p=0.9, seed=1234),
         SamplingOptions(temperature=1.0, top_k=40, repetition_penalty=1.3, seed=99),
     ]
-    requests = [make_request(f"r{i}", prompts[i % len(prompts)], 24 + i % 3 * 4, kinds[i % 3]) for i in range(12)]
-    engine = create_engine("batched", loaded, EngineLimits(16, 16, 16 * 2048), workers=1)
+    # Each prompt twice (i and i + 6), with two different kinds: four prompts greedy once
+    # and sampled once, two sampled with both seeded kinds.
+    requests = [make_request(f"r{i}", prompts[i % 6], 24 + i % 3 * 4, kinds[(i + i // 6) % 3]) for i in range(12)]
+    engine = create_engine("batched", loaded, EngineLimits(16, 16, 16 * 2048), workers=1, kernels=kernels)
+    assert engine.kernels == kernels  # type: ignore[attr-defined]
     engine.start()
     try:
         alone = [run_all(engine, [req])[0] for req in requests]
@@ -303,9 +318,12 @@ def test_default_model_alone_equals_batch_of_12_mixed(default_model_dir: Path) -
         assert t.token_ids == a.token_ids, req.sampling
         assert t.text == tok.decode(t.token_ids, skip_special_tokens=True)
         assert len(t.token_ids) == req.max_new_tokens
-    sampled = [a.token_ids for a, req in zip(alone, requests, strict=True) if not req.sampling.greedy]
-    greedy = [a.token_ids for a, req in zip(alone, requests, strict=True) if req.sampling.greedy]
-    assert sampled and greedy and sampled[0] != greedy[0]
+    # Sampling is not ignored: the same prompt, with the same length, sampled and greedy.
+    greedy = {tuple(req.prompt_ids): a.token_ids for a, req in zip(alone, requests, strict=True) if req.sampling.greedy}
+    pairs = [(req.sampling, a.token_ids, greedy[tuple(req.prompt_ids)]) for a, req in zip(alone, requests, strict=True) if not req.sampling.greedy and tuple(req.prompt_ids) in greedy]
+    assert len(pairs) == 4
+    for sampling, sampled_ids, greedy_ids in pairs:
+        assert sampled_ids != greedy_ids, sampling
 
 
 def test_empty_prompt_fails_and_the_engine_goes_on(tiny_model_dir: Path) -> None:

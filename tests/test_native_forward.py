@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import platform
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch
 from engine_support import Recorder, fresh_cache, kernel_unbuildable, run_all
 from tokenwire_server.domain import FinishEvent, GenerationRequest, SamplingOptions
 from tokenwire_server.engine import create_engine
+from tokenwire_server.engine import native as native_module
 from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.engine.native import (
     ATTENTION_CALL_COST,
@@ -169,12 +171,37 @@ def test_a_long_prompt_read_beside_short_rows_leaves_their_slots_untouched_past_
     assert cache._clean[2] == 700
 
 
-def test_on_this_cpu_the_native_pass_packs_its_weights_for_onednn(tiny_model_dir: Path) -> None:
+def test_on_this_cpu_the_native_pass_packs_its_weights_for_onednn_and_computes_with_them(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed where oneDNN is (stated apart from ``onednn_available``: every x86-64 CPU
+    wheel of torch has it); every linear layer's weight is the packed copy, the pass runs
+    on those copies (never ``F.linear``), and gives the logits of the same pass unpacked."""
     loaded = load_model(str(tiny_model_dir))
-    native = NativeForward(loaded.model, fresh_cache(loaded.model), batch_hint=4)
-    assert native.packed == onednn_available(torch.device("cpu"))
-    if torch.backends.mkldnn.is_available():  # every x86 CPU wheel of torch has it
-        assert native.layers[0].qkv.weight.is_mkldnn
+    native = NativeForward(loaded.model, fresh_cache(loaded.model), batch_hint=4, ops="torch")
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert torch.backends.mkldnn.is_available(), "an x86-64 CPU wheel of torch without oneDNN"
+        assert native.packed, "oneDNN is here, and the native pass did not pack"
+    if not native.packed:
+        pytest.skip(f"no oneDNN packing on this {platform.machine()} CPU")
+    linears = [native.lm_head] + [getattr(layer, name) for layer in native.layers for name in ("qkv", "out", "gate_up", "down")]
+    assert all(linear.packed and linear.weight.is_mkldnn for linear in linears)
+
+    with monkeypatch.context() as patch:  # the same pass, its weights left plain
+        patch.setattr(native_module, "onednn_available", lambda device: False)
+        plain = NativeForward(loaded.model, fresh_cache(loaded.model), batch_hint=4, ops="torch")
+    assert not plain.packed and not any(layer.qkv.weight.is_mkldnn for layer in plain.layers)
+    prompt = torch.randint(10, loaded.vocab_size, (19,), generator=torch.Generator().manual_seed(4))
+    want = plain(prompt, torch.arange(19), [Segment(0, 0, 19)], list(range(19)))
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("a packed pass called F.linear")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(native_module.F, "linear", refuse)
+        got = native(prompt, torch.arange(19), [Segment(0, 0, 19)], list(range(19)))
+    assert (got - want).abs().max().item() < 1e-4
+    assert (got - reference_logits(loaded.model, prompt.tolist())).abs().max().item() < 1e-3
 
 
 def serves_one_request(engine, loaded, tokens: int) -> None:

@@ -5,6 +5,7 @@ and ENGINE=vllm build the same stages with a different install and runtime base.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -310,3 +311,61 @@ def test_dockerignore_lets_in_exactly_what_the_build_copies(stages: list[Stage])
         sources |= {w.rstrip("/") for w in words[:-1] if not w.startswith("--")}
     assert sources == allowed
     assert {"Makefile", "pyproject.toml", "constraints.txt"} <= sources
+
+
+def env_at(found: Stage, instruction: Any) -> dict[str, str]:
+    """The ENV a stage has set by the time it runs ``instruction``."""
+    env: dict[str, str] = {}
+    for earlier in found.instructions:
+        if earlier is instruction:
+            return env
+        if earlier.keyword == "ENV":
+            env.update(Stage(found.base, found.name, [earlier]).env())
+    raise AssertionError(f"{instruction} is not in stage {found.name}")
+
+
+def kernel_library_under(env: dict[str, str], home: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where the kernels module builds and looks for the compiled CPU ops in a process
+    with the image's environment (its HOME, and XDG_CACHE_HOME and TOKENWIRE_* only as the
+    Dockerfile sets them)."""
+    from tokenwire_server.engine import kernels
+
+    with monkeypatch.context() as patch:
+        for name in list(os.environ):
+            if name.startswith(("TOKENWIRE_", "XDG_")):
+                patch.delenv(name)
+        patch.setenv("HOME", home)
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return kernels.library_path()
+
+
+def test_the_builder_compiles_the_cpu_ops_where_the_runtime_looks_for_them(
+    stages: list[Stage], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    builder, final = stage(stages, "builder"), runtime(stages)
+    # The builder runs `make kernels` into the venv it installed, for the batched engine,
+    # and nothing masks its failure: it exits 0 by itself where the platform cannot build
+    # (it says why), 1 only when the compiler is there and the build fails.
+    (build,) = [i for i in builder.all("RUN") if "make kernels" in i.args]
+    assert re.search(r'if \[ "\$\{ENGINE\}" = "batched" \]; then make kernels VENV=/opt/tokenwire ', build.args)
+    assert "||" not in build.args and "true" not in build.args.split()
+    (command,) = re.findall(r"make kernels [^;]*", build.args)
+    # `make kernels` is the kernels module's main, run with that venv's python.
+    venv = tmp_path / "opt-tokenwire"
+    venv.mkdir()
+    (venv / ".tokenwire-setup").touch()
+    assert dry_run(shlex.split(command), venv, builder_arg_defaults(stages)) == [
+        f"{venv}/bin/python -m tokenwire_server.engine.kernels"
+    ]
+    # The builder runs as root (no USER); the runtime as the user useradd gives a home.
+    assert not builder.all("USER")
+    (useradd,) = [i.args for i in final.all("RUN") if "useradd" in i.args]
+    home = re.search(r"--home-dir (\S+)", useradd)
+    assert home is not None
+    built = kernel_library_under(env_at(builder, build), "/root", monkeypatch)
+    looked_for = kernel_library_under(final.env(), home.group(1), monkeypatch)
+    assert built == looked_for, "the runtime looks for the CPU ops elsewhere than the builder writes them"
+    # ...and the runtime has that path: a COPY from the builder of a folder above it, to the same place.
+    copied = [i.args.split()[-2:] for i in final.all("COPY") if "--from=builder" in i.args]
+    assert any(source == target and built.is_relative_to(source) for source, target in copied), (built, copied)

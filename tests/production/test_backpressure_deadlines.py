@@ -69,7 +69,8 @@ def test_full_server_refuses_fast_with_retry_info(server_name: str, request: pyt
     next(busy)  # the only slot is taken
     queued = None
     if server_name == "slot_and_queue_server":  # and the only place in the queue
-        queued = stub.Generate(short_request(request_id="queued"), timeout=30)
+        # a deadline that deadline-aware admission cannot refuse behind 1000 steps, whatever they cost
+        queued = stub.Generate(short_request(request_id="queued"), timeout=3600)
         assert wait_until(lambda: metric(server, "tokenwire_queue_depth") == 1.0, 10)
     try:
         refused = stub.Generate(short_request(request_id=f"refused-{server_name}"), timeout=10)

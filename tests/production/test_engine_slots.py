@@ -1,5 +1,5 @@
 """Slots, measured inside the batched engine: a cancelled stream gives its slot back within
-two decode steps, a request that waited past its deadline is refused, never started, and the
+two decode steps (the one place for that, on both kernel choices), a request that waited past its deadline is refused, never started, and the
 batch window gathers concurrent arrivals while a lone stream never waits.
 
 Each premise holds by construction, not by timing: the engine thread calls a request's sink
@@ -36,11 +36,15 @@ def loaded(tiny_model_dir: Path) -> LoadedModel:
     return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
-def start_engine(loaded: LoadedModel, **limits: float) -> BatchedEngine:
+KERNELS = engine_support.kernel_choices()
+
+
+def start_engine(loaded: LoadedModel, kernels: str | None = None, **limits: float) -> BatchedEngine:
     fields: dict = dict(max_active=1, max_queue=1, kv_cache_tokens=4096)
     fields.update(limits)
-    engine = create_engine("batched", loaded, EngineLimits(**fields), 1)
+    engine = create_engine("batched", loaded, EngineLimits(**fields), 1, **({"kernels": kernels} if kernels else {}))
     assert isinstance(engine, BatchedEngine)
+    assert kernels is None or engine.kernels == kernels  # the native pass took what was asked
     engine.start()
     return engine
 
@@ -90,14 +94,15 @@ def wait_for(condition, timeout: float) -> bool:
     return True
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 def test_cancel_frees_the_slot_within_two_decode_steps_and_the_batch_goes_on(
-    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    loaded: LoadedModel, kernels: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Cancelled from another thread while the engine is held mid-stream, so the step count
     read before ``cancel()`` is the count at the cancel; the engine's own ``_leave`` records
     the count when the row gives its slot back. A second stream in the same batch runs to
     its end; the cancelled one gets no event after the cancel."""
-    engine = start_engine(loaded, max_active=2, max_queue=0)
+    engine = start_engine(loaded, kernels, max_active=2, max_queue=0)
     left_at: dict[str, int] = {}
     leave = engine._leave
 

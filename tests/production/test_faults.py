@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import engine_support
 import grpc
 import pytest
 import torch
@@ -34,6 +35,19 @@ from production_support import (
 from tokenwire.v1 import generation_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
+
+# The engines under fault: the batched one on both kernel choices (its native pass runs the
+# work around the GEMMs compiled or on stock torch), and the simple one.
+_UNBUILDABLE = engine_support.kernel_unbuildable()
+ENGINES = [
+    pytest.param(
+        {"engine": "batched", "kernels": "compiled"},
+        id="batched-compiled",
+        marks=pytest.mark.skipif(_UNBUILDABLE is not None, reason=f"compiled CPU ops: {_UNBUILDABLE}"),
+    ),
+    pytest.param({"engine": "batched", "kernels": "torch"}, id="batched-torch"),
+    pytest.param({"engine": "simple"}, id="simple"),
+]
 
 
 class ForwardFault:
@@ -83,12 +97,12 @@ def assert_still_serving(server: InProcessServer) -> None:
     assert health_status(server.target, LIVENESS) == SERVING
 
 
-@pytest.mark.parametrize("engine", ["batched", "simple"])
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("at", [1, 4], ids=["first-forward", "mid-stream"])
 def test_exception_in_generation_is_internal_and_server_keeps_serving(
-    engine: str, at: int, in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
+    engine: dict, at: int, in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = in_process_server(engine=engine)
+    server = in_process_server(**engine)
     fault = inject(server, monkeypatch)
     fault.arm(RuntimeError("injected fault"), at=at)
     with pytest.raises(grpc.RpcError) as caught:
@@ -98,12 +112,12 @@ def test_exception_in_generation_is_internal_and_server_keeps_serving(
     assert_still_serving(server)
 
 
-@pytest.mark.parametrize("engine", ["batched", "simple"])
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("at", [1, 4], ids=["prefill", "decode"])
 def test_out_of_memory_is_resource_exhausted_frees_cache_and_server_keeps_serving(
-    engine: str, at: int, in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
+    engine: dict, at: int, in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = in_process_server(engine=engine, retry_after_ms=300)
+    server = in_process_server(**engine, retry_after_ms=300)
     fault = inject(server, monkeypatch)
     emptied: list[bool] = []
     # This machine has no GPU: make the engine believe it has one, and watch it empty the cache.
@@ -125,14 +139,15 @@ def test_out_of_memory_is_resource_exhausted_frees_cache_and_server_keeps_servin
     assert_still_serving(server)
 
 
+@pytest.mark.parametrize("engine", ENGINES[:-1])
 def test_a_failed_step_fails_the_streams_in_its_batch_and_not_the_one_queued(
-    in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
+    engine: dict, in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Three streams decode together and a fourth waits for a slot; the engine step that
     fails holds the three (the engine is stopped inside that step's forward pass, and its
     own state says so). Each of the three gets INTERNAL with the cause after the chunks it
     had; the queued one then runs to its end, and the server keeps serving."""
-    server = in_process_server(engine="batched", max_active=3, max_queue=1)
+    server = in_process_server(**engine, max_active=3, max_queue=1)
     fault = inject(server, monkeypatch)
     stub = generation_stub(server.target)
     streams = [stub.Generate(long_request(1000, request_id=f"in-batch-{i}"), timeout=30) for i in range(3)]
@@ -141,7 +156,9 @@ def test_a_failed_step_fails_the_streams_in_its_batch_and_not_the_one_queued(
     fault.gate.clear()
     assert fault.held.wait(10)  # the engine is inside a step's forward pass, and stays there
     assert engine.stats().batch_size == 3 and engine.queue.active == 3
-    queued = stub.Generate(short_request(6, request_id="queued"), timeout=30)
+    # A deadline that deadline-aware admission cannot refuse, whatever the steps cost: the
+    # estimate is 1000 steps of the three long streams (the test's own timeout bounds it).
+    queued = stub.Generate(short_request(6, request_id="queued"), timeout=3600)
     assert wait_until(lambda: engine.queue.queued == 1, 10)
     fault.arm(RuntimeError("injected step fault"), at=0)  # the held call raises once the gate opens
     fault.gate.set()

@@ -13,12 +13,31 @@
   step at 16 rows.
 
 The source is compiled on first use (about 15 s on 2 cores) into
-``<cache>/kernels/<key>/`` (``$TOKENWIRE_KERNEL_DIR``, else the model cache), keyed by
-the source, torch's version and the flags, and loaded as ``torch.ops.tokenwire``. Where
-there is no compiler, no AVX2+FMA, or the build fails, ``load()`` says why and the
-native pass keeps stock torch ops (``--kernels auto``). ``python -m
-tokenwire_server.engine.kernels`` (``make kernels``) builds it ahead of time; the
-container image does so in its builder stage.
+``<cache>/kernels/<key>/`` (``$TOKENWIRE_KERNEL_DIR``, else ``$TOKENWIRE_CACHE_DIR`` or the
+default model cache), keyed by the source, torch's version and the flags, and loaded as
+``torch.ops.tokenwire``.
+
+Building and running are two questions. Building needs an x86-64 C++ compiler only: the
+AVX2/FMA intrinsics are compiled with ``-mavx2 -mfma`` whatever the build machine's own
+CPU (``build_reason``). Running needs an AVX2+FMA CPU (``cpu_reason``). Where either is
+missing, or the build fails, ``load()`` says why and the native pass keeps stock torch
+ops (``--kernels auto``; the "batched engine forward pass" log line gives the reason).
+
+``python -m tokenwire_server.engine.kernels`` (``make kernels``) builds it ahead of time;
+the container image does so in its builder stage. It exits 0 without building, and says
+why, on a host that cannot build (not x86-64, no compiler): a server there runs the torch
+ops, and ``make test`` and the image build go on. It exits 1 only when a compiler is
+there and the build or the load fails: that is a defect in the source, not in the host.
+
+The build uses ``torch.utils.cpp_extension`` for what the library must agree with torch
+on (the compiler it picks, ``$CXX`` else ``c++``; its ABI check; torch's include and
+library paths, the headers as ``-isystem`` as it passes them) but not its ``load()``: that
+drives the build through ninja (a second build tool where a compiler should be enough),
+and loading through it runs ninja and the compiler again in every process, which the
+runtime image has neither of; it also either prints ninja's raw output to the process's
+stdout (``verbose``) or drops the compiler's warnings. Here the warnings (``-Wall
+-Wextra``, the source's own: torch's headers are system headers) are printed by ``make
+kernels`` and logged by a server that builds it, never hidden.
 """
 
 from __future__ import annotations
@@ -30,6 +49,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -44,8 +64,10 @@ log = logging.getLogger("tokenwire.engine")
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 LIBRARY = "cpu_ops.so"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-fPIC", "-shared", "-w")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-fPIC", "-shared", "-Wall", "-Wextra")
 KERNEL_DIR_ENV = "TOKENWIRE_KERNEL_DIR"
+CACHE_DIR_ENV = "TOKENWIRE_CACHE_DIR"
+X86_64 = ("x86_64", "amd64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +78,20 @@ class Kernel:
     reason: str | None = None
     path: Path | None = None
     built_s: float = 0.0  # compile time in this process (0: found built)
+    warnings: str = ""  # the compiler's, when it was built in this process
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """A library on disk: where, the seconds spent compiling it (0: found built), the compiler's warnings."""
+
+    path: Path
+    seconds: float = 0.0
+    warnings: str = ""
+
+
+class CannotBuild(RuntimeError):
+    """The library is not built, and this host cannot build it (``build_reason``)."""
 
 
 _lock = threading.Lock()
@@ -63,8 +99,8 @@ _loaded: Kernel | None = None
 
 
 def cpu_reason() -> str | None:
-    """Why this CPU cannot run the kernel (None: it can)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    """Why this CPU cannot run the library (None: it can)."""
+    if platform.machine().lower() not in X86_64:
         return f"not an x86-64 CPU ({platform.machine()})"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):  # torch's AVX2 level requires FMA too
@@ -73,12 +109,38 @@ def cpu_reason() -> str | None:
 
 
 def compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    """The C++ compiler to build with: ``$CXX`` where set (and only it), else ``c++`` or ``g++`` on PATH."""
+    from torch.utils import cpp_extension
+
+    configured = os.environ.get("CXX")
+    if configured:
+        return shutil.which(cpp_extension.get_cxx_compiler())  # type: ignore[no-untyped-call]
+    return shutil.which("c++") or shutil.which("g++")
+
+
+def build_reason() -> str | None:
+    """Why this host cannot build the library (None: it can). Not its CPU's AVX2: the
+    flags ask for it whatever the build machine runs."""
+    if platform.machine().lower() not in X86_64:
+        return f"not an x86-64 host ({platform.machine()}): the ops are AVX2 intrinsics"
+    if compiler() is None:
+        configured = os.environ.get("CXX")
+        if configured:
+            return f"no C++ compiler: $CXX ({configured}) is not on PATH"
+        return "no C++ compiler (c++, g++ or $CXX) on PATH"
+    return None
 
 
 def kernel_dir() -> Path:
     configured = os.environ.get(KERNEL_DIR_ENV)
-    return Path(configured).expanduser() if configured else default_cache_dir() / "kernels"
+    if configured:
+        return Path(configured).expanduser()
+    return default_cache_dir(os.environ.get(CACHE_DIR_ENV, "")) / "kernels"
+
+
+def library_path(directory: Path | None = None) -> Path:
+    """Where the library for this source, torch and flags is built and looked for."""
+    return (directory or kernel_dir()) / build_key() / LIBRARY
 
 
 def command(cxx: str, source: Path, target: Path) -> list[str]:
@@ -90,7 +152,9 @@ def command(cxx: str, source: Path, target: Path) -> list[str]:
         cxx,
         *FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        *(f"-I{path}" for path in cpp_extension.include_paths()),
+        # As cpp_extension passes them: torch's headers are system headers, so -Wall
+        # reports the source's own warnings, not theirs.
+        *(flag for path in cpp_extension.include_paths() for flag in ("-isystem", path)),
         str(source),
         f"-L{libraries}",
         "-lc10",
@@ -111,26 +175,37 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def build(directory: Path | None = None) -> tuple[Path, float]:
-    """The built library's path and the seconds spent compiling it (0: already built)."""
-    target_dir = (directory or kernel_dir()) / build_key()
-    target = target_dir / LIBRARY
+def build(directory: Path | None = None) -> Built:
+    """The built library (compiled here unless already built). Needs a compiler, not an
+    AVX2 CPU. Raises CannotBuild where the host cannot build it, RuntimeError with the
+    compiler's output where the build fails."""
+    target = library_path(directory)
     if target.exists():
-        return target, 0.0
+        return Built(target)
+    reason = build_reason()
+    if reason is not None:
+        raise CannotBuild(f"not built in {target.parent}, and this host cannot build it: {reason}")
     cxx = compiler()
-    if cxx is None:
-        raise RuntimeError(f"not built in {target_dir}, and no C++ compiler (c++, g++ or $CXX) on PATH to build it")
-    target_dir.mkdir(parents=True, exist_ok=True)
+    assert cxx is not None  # build_reason checked
+    from torch.utils import cpp_extension
+
+    warnings = []
+    compatible, version = cpp_extension.get_compiler_abi_compatibility_and_version(cxx)
+    if not compatible:
+        warnings.append(f"{cxx} {version} may not be ABI-compatible with torch {torch.__version__} (torch.utils.cpp_extension)")
+    target.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     # Built beside the target under a temporary name, then renamed: a process that loads
     # it never sees half a file, and two that build at once both end with a whole one.
-    with tempfile.TemporaryDirectory(dir=target_dir) as scratch:
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / LIBRARY
         done = subprocess.run(command(cxx, SOURCE, partial), capture_output=True, text=True, check=False, timeout=600)
         if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-4000:]}")
         os.replace(partial, target)
-    return target, time.perf_counter() - started
+    if done.stderr.strip():
+        warnings.append(done.stderr.strip())
+    return Built(target, time.perf_counter() - started, "\n".join(warnings))
 
 
 def load() -> Kernel:
@@ -147,21 +222,41 @@ def _load() -> Kernel:
     if reason is not None:
         return Kernel(None, reason)
     try:
-        path, seconds = build()
-        torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
+        built = build()
+        if built.warnings:
+            log.warning("compiled CPU ops: the compiler warned", extra={"path": str(built.path), "warnings": built.warnings})
+        torch.ops.load_library(str(built.path))  # type: ignore[no-untyped-call]
+    except CannotBuild as exc:
+        log.warning("compiled CPU ops unavailable", extra={"error": str(exc)})
+        return Kernel(None, str(exc))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("compiled CPU ops unavailable", extra={"error": str(exc)})
         return Kernel(None, f"build or load failed: {exc}")
-    return Kernel(torch.ops.tokenwire, None, path, seconds)
+    return Kernel(torch.ops.tokenwire, None, built.path, built.seconds, built.warnings)
 
 
 def main() -> int:
-    kernel = load()
-    if kernel.ops is None:
-        print(f"not built: {kernel.reason}")
+    """``make kernels``: 0 when built, or when this host cannot build it (the reason on
+    stdout: the server here runs stock torch ops); 1 when the build or the load fails."""
+    reason = build_reason()
+    if reason is not None:
+        print(f"compiled CPU ops not built: {reason}; the server here runs stock torch ops (--kernels auto)")
+        return 0
+    try:
+        built = build()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        print(f"compiled CPU ops: the build failed: {exc}", file=sys.stderr)
         return 1
-    how = f"built in {kernel.built_s:.1f} s" if kernel.built_s else "already built"
-    print(f"{kernel.path} ({how})")
+    if built.warnings:
+        print(f"compiled CPU ops: the compiler warned:\n{built.warnings}", file=sys.stderr)
+    how = f"built in {built.seconds:.1f} s" if built.seconds else "already built"
+    cannot_run = cpu_reason()
+    if cannot_run is not None:
+        print(f"{built.path} ({how}); not loaded: {cannot_run}, so a server on this machine runs stock torch ops")
+        return 0
+    kernel = load()  # proves the library links against this torch and registers its ops
+    if kernel.ops is None:
+        print(f"compiled CPU ops: {kernel.reason}", file=sys.stderr)
+        return 1
+    print(f"{built.path} ({how})")
     return 0
-
-
