@@ -3,14 +3,30 @@
 Most tests need a model but not its quality: a 2-layer random Llama with the
 default model's tokenizer (and chat template) loads in a second and decodes
 fast and deterministically. A few end-to-end tests use the real default model.
+
+`make test-fast` (`-m "not e2e"`) leaves out every test on the real model's weights,
+so those tests carry the `e2e` mark, and this file sees to it that none can lack it:
+
+- at collection, a test that uses ``default_server`` (directly or through another
+  fixture), or that takes ``default_model_dir`` as an argument of its own (to load the
+  weights from it), is marked ``e2e`` (``pytest_collection_modifyitems`` below);
+- at run time, a test without the mark fails as soon as it starts a server on the real
+  model (``ServerProcess`` with ``--model default``, the converted folder or a .gguf,
+  or no ``--model`` at all) or loads the converted folder's weights with transformers
+  (``_real_model_guard``).
+
+The tiny model is built from ``default_model_dir`` too, but only its tokenizer files are
+read (``build_tiny_model``): tests on the tiny model, and those that only tokenize with
+the real tokenizer, are not end-to-end tests on the real model and stay in test-fast.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +49,79 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+# Fixtures that give a test the real model's weights: a server on them, or the folder a test
+# loads them from when it asks for it itself (fixtures such as tiny_model_dir that take
+# default_model_dir read its tokenizer alone).
+REAL_MODEL_SERVER_FIXTURES = {"default_server"}
+REAL_MODEL_DIR_ARGUMENTS = {"default_model_dir"}
+
+
+def needs_real_model(item: pytest.Item) -> bool:
+    """Whether a collected test uses the real default model's weights, as far as its fixtures tell."""
+    if REAL_MODEL_SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    info = getattr(item, "_fixtureinfo", None)
+    own = set(getattr(info, "argnames", ()))  # the test function's own arguments
+    return bool(REAL_MODEL_DIR_ARGUMENTS & own)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not e2e"` deselects by the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("e2e") is None and needs_real_model(item):
+            item.add_marker(pytest.mark.e2e)
+
+
+def _default_model_folder() -> Path:
+    from tokenwire_server.model import _CONVERTED_DIR, default_cache_dir
+
+    return (default_cache_dir() / _CONVERTED_DIR).resolve()
+
+
+def serves_real_model(args: Sequence[str], env: dict[str, str] | None) -> bool:
+    """Whether ``tokenwire_server`` with these arguments serves the real default model."""
+    args = list(args)
+    model = (env or {}).get("TOKENWIRE_MODEL") or os.environ.get("TOKENWIRE_MODEL") or "default"
+    for i, arg in enumerate(args):
+        if arg == "--model" and i + 1 < len(args):
+            model = args[i + 1]
+        elif arg.startswith("--model="):
+            model = arg.split("=", 1)[1]
+    if model == "default" or model.endswith(".gguf"):
+        return True
+    return Path(model).expanduser().resolve() == _default_model_folder()
+
+
+@pytest.fixture(autouse=True)
+def _real_model_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test without the e2e mark fails the moment it starts a server on the real model or
+    loads its weights: `make test-fast` would run it otherwise. (Session fixtures are set up
+    before this one: default_server is covered at collection.)"""
+    if request.node.get_closest_marker("e2e") is not None:
+        return
+    from benchmarks.launcher import ServerProcess as Launched
+
+    start = Launched.__init__
+
+    def guarded_start(self: Any, args: Sequence[str], env: dict[str, str] | None = None, *a: Any, **kw: Any) -> None:
+        if serves_real_model(args, env):
+            pytest.fail(f"{request.node.nodeid} starts a server on the real default model: mark it e2e", pytrace=False)
+        start(self, args, env, *a, **kw)
+
+    monkeypatch.setattr(Launched, "__init__", guarded_start)
+    if "torch" in sys.modules or "transformers" in sys.modules:  # else this test cannot load weights yet
+        from transformers.modeling_utils import PreTrainedModel as base
+
+        load = base.__dict__["from_pretrained"].__func__
+
+        def guarded_load(cls: Any, path: Any, *a: Any, **kw: Any) -> Any:
+            if not kw.get("gguf_file") and Path(str(path)).expanduser().resolve() == _default_model_folder():
+                pytest.fail(f"{request.node.nodeid} loads the real default model's weights: mark it e2e", pytrace=False)
+            return load(cls, path, *a, **kw)
+
+        monkeypatch.setattr(base, "from_pretrained", classmethod(guarded_load))
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real default model, converted into the cache (`make model` does this before tests)."""
@@ -42,7 +131,13 @@ def default_model_dir() -> Path:
 
 
 def build_tiny_model(
-    target: Path, tokenizer_dir: Path, *, chat_template: bool = True, seed: int = 0, head_dim: int = 16
+    target: Path,
+    tokenizer_dir: Path,
+    *,
+    chat_template: bool = True,
+    seed: int = 0,
+    head_dim: int = 16,
+    context_length: int = 1024,
 ) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -58,7 +153,7 @@ def build_tiny_model(
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=context_length,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
@@ -85,6 +180,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 
 
 @pytest.fixture(scope="session")
+def tiny_long_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The tiny model (weights redrawn) with an 8192-token context: streams long enough to
+    outlast a deadline set from this machine's own pace (tests/client)."""
+    head_dim = 64 if TEST_ENGINE == "vllm" else 16
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-long"), tiny_model_dir, head_dim=head_dim, context_length=8192)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_no_template_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     head_dim = 64 if TEST_ENGINE == "vllm" else 16
     return build_tiny_model(
@@ -108,6 +211,7 @@ def tiny_simple_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="session")
 def default_server(default_model_dir: Path) -> Iterator[ServerProcess]:
-    """The real default model on the batched engine, for the end-to-end tests."""
+    """The real default model on the batched engine, for the end-to-end tests (a test that
+    uses it is marked e2e at collection)."""
     with ServerProcess(["--model", "default"]) as server:
         yield server

@@ -85,6 +85,7 @@ def test_a_target_is_met_by_the_median_of_the_repeats_not_the_best() -> None:
     assert found["#10 CPU c=1: batched ≥ 1.2× in-process generate"] == ([], None)  # not run: no verdict
 
 
+@pytest.mark.e2e
 def test_the_gpu_bench_counts_the_default_models_weights_exactly(default_model_dir: Path) -> None:
     """MBU's numerator: ``weight_bytes("135m")`` is the real default model's parameter count."""
     import torch

@@ -95,6 +95,7 @@ def test_native_logits_match_transformers_on_the_tiny_model(tiny_model_dir: Path
     check_against_transformers(tiny_model_dir, 1e-3, kernels)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_native_logits_match_transformers_on_the_default_model(default_model_dir: Path, kernels: str) -> None:
     # fp32 logits of a 30-layer model agree to ~1e-4 (only the GEMM blocking differs)
@@ -238,6 +239,7 @@ def test_auto_falls_back_to_transformers_for_a_model_it_does_not_know(tiny_model
         create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1, forward="native")
 
 
+@pytest.mark.e2e
 def test_both_forwards_give_the_same_greedy_tokens_with_a_long_prompt_read_alongside(default_model_dir: Path) -> None:
     """Four requests decode while a 300-token prompt is read in 64-token chunks beside them
     (native: in the same passes; transformers: in passes of its own): same tokens either way."""

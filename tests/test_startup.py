@@ -1,17 +1,22 @@
-"""Start-up: configuration from flags and environment, and clear errors instead of tracebacks."""
+"""Start-up: configuration from flags and environment, clear errors instead of tracebacks,
+and readiness NOT_SERVING while the model loads and warms up (liveness SERVING meanwhile)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import grpc
+import pytest
 from tokenwire_server.config import parse_config
 
 
 def run_server(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    import os
-
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "tokenwire_server", "--port", "0", "--host", "127.0.0.1", "--log-format", "text", *args],
@@ -84,3 +89,111 @@ def test_readme_configuration_table_lists_every_flag():
     rows = dict(re.findall(r"^\| `(--[a-z-]+)` \| `(TOKENWIRE_[A-Z_]+)` \|", readme, flags=re.M))
     expected = {"--" + f.name.replace("_", "-"): env_name(f.name) for f in dataclasses.fields(ServerConfig)}
     assert rows == expected
+
+
+# The real server (`python -m tokenwire_server`'s main) with its model load and its warm-up
+# held at gates the test opens: each phase lasts until the test has looked at it, by
+# construction. Each gate writes a file when it is reached; "warmed" once the real warm-up
+# has returned. Nothing in the server is changed: the gates wrap the two functions it calls.
+GATED_SERVER = """
+import asyncio, os, sys, time
+from pathlib import Path
+
+gates = Path(os.environ["TOKENWIRE_TEST_GATES"])
+import tokenwire_server.model as model
+import tokenwire_server.server as server
+
+load_model, warm_up = model.load_model, server.warm_up
+
+def gated_load_model(*args, **kwargs):
+    (gates / "loading").touch()
+    while not (gates / "load").exists():
+        time.sleep(0.01)
+    return load_model(*args, **kwargs)
+
+async def gated_warm_up(backend):
+    (gates / "warming").touch()
+    while not (gates / "warm").exists():
+        await asyncio.sleep(0.01)  # the event loop (health checks) runs on meanwhile
+    await warm_up(backend)
+    (gates / "warmed").touch()
+
+model.load_model, server.warm_up = gated_load_model, gated_warm_up
+from tokenwire_server.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_readiness_is_not_serving_while_the_model_loads_and_warms_up(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """README: readiness is NOT_SERVING until the model is loaded and warmed up; the port opens
+    first (server.py), with liveness SERVING, so a startupProbe sees the process alive."""
+    from servers import READINESS, health_check
+    from tokenwire_server.health import LIVENESS_SERVICE, NOT_SERVING, SERVING
+
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    cmd = [sys.executable, "-c", GATED_SERVER, "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", "0",
+           "--log-format", "json"]  # fmt: skip
+    env = {**os.environ, "TOKENWIRE_TEST_GATES": str(gates), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    listening = threading.Event()
+    port: list[int] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if '"listening"' in line:
+                port.append(int(json.loads(line)["port"]))
+                listening.set()
+        listening.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: list[tuple[str, int]] = []  # (phase, readiness), in the order observed
+
+    def check(phase: str) -> int:
+        status = health_check(target, READINESS, timeout=5)
+        seen.append((phase, status))
+        if status == SERVING:  # readiness may say SERVING only once the real warm-up returned
+            assert (gates / "warmed").exists(), f"readiness SERVING during {phase}, after {len(seen) - 1} checks"
+        return status
+
+    def reached(gate: str, phase: str) -> None:
+        """Check readiness over and over until the server reaches ``gate``."""
+        deadline = time.monotonic() + 60
+        while not (gates / gate).exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-50:])
+            check(phase)
+
+    try:
+        assert listening.wait(60) and port, "".join(lines[-50:])
+        target = f"127.0.0.1:{port[0]}"
+        # From the first check after the port opened: NOT_SERVING, while the process is live.
+        assert check("start-up") == NOT_SERVING
+        assert health_check(target, LIVENESS_SERVICE, timeout=5) == SERVING
+        reached("loading", "start-up")
+        for _ in range(10):
+            assert check("loading") == NOT_SERVING
+        assert health_check(target, LIVENESS_SERVICE, timeout=5) == SERVING
+        (gates / "load").touch()
+        reached("warming", "loading")  # the model is loaded, the warm-up not yet run
+        for _ in range(10):
+            assert check("warming") == NOT_SERVING
+        assert health_check(target, LIVENESS_SERVICE, timeout=5) == SERVING
+        (gates / "warm").touch()
+        deadline = time.monotonic() + 60
+        while check("after warm-up") != SERVING:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-50:])
+            time.sleep(0.01)
+        phases = [phase for phase, status in seen if status == NOT_SERVING]
+        assert {"start-up", "loading", "warming"} <= set(phases)
+    except grpc.RpcError as exc:
+        pytest.fail(f"health check failed: {exc}\n" + "".join(lines[-50:]))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

@@ -3,23 +3,34 @@
 The contract tests in test_server.py run against vLLM too (TOKENWIRE_TEST_ENGINE=vllm
 switches the shared tiny server). These add what only the vLLM engine does or what
 needs its own server: admission past --max-queue, cancellation freeing vLLM's
-request, drain, its gauges, and the default model answering over grpcurl's path.
+request, drain, liveness following vLLM's engine, prefix-cache hits in the usage,
+its gauges, and the default model answering over grpcurl's path.
+
+No test here depends on how fast this machine runs vLLM (the tiny model's 1,000 tokens
+take about a second on 2 CPU cores, far less on a GPU): a stream is held open by
+HTTP/2 flow control (its client stops reading), not by being slow, and waits are for a
+state the server reports, with a cap far above the time that state takes to appear.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers import TEST_ENGINE, ServerProcess
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
+from tokenwire_server.health import LIVENESS_SERVICE, NOT_SERVING, READINESS_SERVICE, SERVING
+from tokenwire_server.transport.status import DRAINING
 
 pytestmark = [
     pytest.mark.vllm,
@@ -28,6 +39,17 @@ pytestmark = [
 ]
 
 VLLM = ["--engine", "vllm", "--enforce-eager"]
+
+# A channel whose streams stall once their client stops reading: a small receive window
+# (no BDP growth). With ids and 5 alternatives per token a chunk is ~200 bytes, so a
+# 1,000-token stream (~200 KB) is many windows long: its server cannot write it out, and
+# a stream counts as in flight until it is written out, whatever vLLM has computed.
+STALLING = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+HEAVY = pb.OutputOptions(token_ids=True, logprobs=True, top_logprobs=5)
+# Caps on waits for a state the server reports (a gauge, a health status, a log line):
+# each state takes well under a second to appear (the watchdog checks liveness every
+# second); the cap only bounds a failing test.
+STATE_WITHIN_S = 30.0
 
 
 def long_request(tokens: int = 400, **fields: object) -> pb.GenerateRequest:
@@ -56,7 +78,60 @@ def gauge(server: ServerProcess, name: str) -> float:
     raise AssertionError(f"{name} is not exported")
 
 
-def wait_for_gauges(server: ServerProcess, active: int, queued: int, within_s: float = 30) -> None:
+def gauges(server: ServerProcess, *names: str) -> tuple[float, ...]:
+    """Several gauges from one scrape."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            values[name] = float(value)
+    return tuple(values[name] for name in names)
+
+
+def finished_line(server: ServerProcess, request_id: str) -> dict:
+    """The server's "request finished" log line of one call (logged as the call ends;
+    read from the server's output a moment later)."""
+    deadline = time.monotonic() + STATE_WITHIN_S
+    while time.monotonic() < deadline:
+        for record in server.find("request finished"):
+            if record.get("request_id") == request_id:
+                return record
+        time.sleep(0.05)
+    raise AssertionError(f"no 'request finished' line for {request_id}")
+
+
+def watch_until(target: str, service: str, status: int, within_s: float = STATE_WITHIN_S) -> None:
+    """Follow grpc.health.v1 Watch of ``service`` until it reports ``status``."""
+    with grpc.insecure_channel(target) as channel:
+        stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service), timeout=within_s)
+        seen = []
+        try:
+            for response in stream:
+                seen.append(response.status)
+                if response.status == status:
+                    return
+        except grpc.RpcError as error:
+            raise AssertionError(f"health of {service!r} went {seen}, never {status}: {error.code()}") from error
+        raise AssertionError(f"health of {service!r} went {seen}, never {status}")
+
+
+def engine_core_pid(server_pid: int) -> int:
+    """vLLM's engine core: the child process of the server that vLLM titles EngineCore."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == server_pid and "EngineCore" in cmdline:
+            found.append(int(stat.parent.name))
+    assert len(found) == 1, f"expected one vLLM engine core process under {server_pid}, found {found}"
+    return found[0]
+
+
+def wait_for_gauges(server: ServerProcess, active: int, queued: int, within_s: float = STATE_WITHIN_S) -> None:
     """Wait until the server itself reports these counts (a fixed sleep raced on a loaded CI machine)."""
     deadline = time.monotonic() + within_s
     seen = (-1.0, -1.0)
@@ -82,11 +157,9 @@ def test_past_active_plus_queue_is_resource_exhausted_before_the_first_chunk(sma
     # reads nothing, and with a small receive window (no BDP growth) and ~200-byte chunks
     # (ids and 5 alternatives per token) the server's writes stall after a few chunks.
     # Until a stream is written out it counts as in flight, whatever vLLM has computed.
-    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
-    with grpc.insecure_channel(small_server.target, options=options) as channel:
+    with grpc.insecure_channel(small_server.target, options=STALLING) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
-        heavy = pb.OutputOptions(token_ids=True, logprobs=True, top_logprobs=5)
-        held = [stub.Generate(long_request(1000, output=heavy), timeout=300) for _ in range(4)]
+        held = [stub.Generate(long_request(1000, output=HEAVY), timeout=300) for _ in range(4)]
         for call in held[:2]:
             next(call)
         wait_for_gauges(small_server, active=2, queued=2)
@@ -101,11 +174,16 @@ def test_past_active_plus_queue_is_resource_exhausted_before_the_first_chunk(sma
 def test_cancelled_streams_free_vllm_and_16_streams_then_end_ok(tiny_model_dir: Path) -> None:
     args = ["--model", str(tiny_model_dir), *VLLM, "--max-active", "16", "--max-queue", "16"]
     with ServerProcess(args, ready_timeout=400) as server, grpc.insecure_channel(server.target) as channel:
+        # The cancelled streams cannot end before their cancel, however fast vLLM is: they
+        # are not read past their first chunk, so they are not written out (see STALLING).
+        with grpc.insecure_channel(server.target, options=STALLING) as stalling:
+            for i in range(10):
+                call = pb_grpc.TextGenerationStub(stalling).Generate(
+                    long_request(1000, output=HEAVY, request_id=f"cancelled-{i}"), timeout=120
+                )
+                next(call)
+                call.cancel()
         stub = pb_grpc.TextGenerationStub(channel)
-        for _ in range(10):
-            call = stub.Generate(long_request(1000), timeout=120)
-            next(call)
-            call.cancel()
 
         def one(i: int) -> pb.TokenChunk:
             return list(stub.Generate(long_request(16, request_id=f"after-{i}"), timeout=300))[-1]
@@ -114,6 +192,7 @@ def test_cancelled_streams_free_vllm_and_16_streams_then_end_ok(tiny_model_dir: 
             lasts = list(pool.map(one, range(16)))
         assert [last.finish_reason for last in lasts] == [pb.FINISH_REASON_LENGTH] * 16
         assert [last.usage.completion_tokens for last in lasts] == [16] * 16
+        assert [finished_line(server, f"cancelled-{i}")["code"] for i in range(10)] == ["CANCELLED"] * 10
         assert sum(r.get("code") == "CANCELLED" for r in server.find("request finished")) == 10
 
 
@@ -128,40 +207,117 @@ def test_vllm_gauges_are_exported(small_server: ServerProcess) -> None:
 
 def test_kv_gauges_follow_vllm_cache_so_the_kv_alert_works(small_server: ServerProcess) -> None:
     # The KV alert divides tokenwire_kv_cache_tokens_reserved by _budget: both must be live on vLLM.
+    # vLLM may compute a whole 1,000-token request between two scrapes, so instead of
+    # hoping to catch it, each scrape pairs two gauges from the same vLLM step report: a
+    # step with a request running (tokenwire_batch_size, vLLM's running count) holds KV
+    # blocks. One scrape per chunk read, and requests are repeated until a scrape lands
+    # while vLLM runs one.
     budget = gauge(small_server, "tokenwire_kv_cache_tokens_budget")
     assert budget > 0
+    caught: list[tuple[float, float]] = []
     with grpc.insecure_channel(small_server.target) as channel:
-        call = pb_grpc.TextGenerationStub(channel).Generate(long_request(1000), timeout=120)
-        next(call)
-        deadline = time.monotonic() + 30
-        reserved = 0.0
-        while time.monotonic() < deadline and reserved == 0:
-            reserved = gauge(small_server, "tokenwire_kv_cache_tokens_reserved")
-            time.sleep(0.1)
-        call.cancel()
+        stub = pb_grpc.TextGenerationStub(channel)
+        for _ in range(20):
+            call = stub.Generate(long_request(1000), timeout=120)
+            for _chunk in call:
+                running, reserved = gauges(small_server, "tokenwire_batch_size", "tokenwire_kv_cache_tokens_reserved")
+                if running >= 1:
+                    caught.append((running, reserved))
+                    break
+            call.cancel()
+            if caught:
+                break
+    assert caught, "no scrape saw vLLM running a request in 20 requests of 1,000 tokens"
+    running, reserved = caught[0]
     assert 0 < reserved <= budget
 
 
 def test_drain_lets_the_stream_in_flight_finish(tiny_model_dir: Path) -> None:
+    """SIGTERM with a stream in flight (docs/operations.md, Graceful rollout): new calls
+    are refused with UNAVAILABLE, the stream runs to its end with all its tokens, and
+    the server exits 0.
+
+    The stream is in flight at SIGTERM by construction, not by being slow: its client
+    reads one chunk and nothing more until the drain has been seen, and a stream that
+    is not read cannot be written out (see STALLING). The server's own log confirms it:
+    the stream's "request finished" line comes after its "draining" line.
+    """
+    tokens = 1000
     args = ["--model", str(tiny_model_dir), *VLLM, "--grace-period", "60"]
-    with ServerProcess(args, ready_timeout=400) as server, grpc.insecure_channel(server.target) as channel:
-        stub = pb_grpc.TextGenerationStub(channel)
-        in_flight = stub.Generate(long_request(300), timeout=120)
+    with ServerProcess(args, ready_timeout=400) as server, grpc.insecure_channel(server.target, options=STALLING) as held:
+        in_flight = pb_grpc.TextGenerationStub(held).Generate(
+            long_request(tokens, output=HEAVY, request_id="in-flight"), timeout=300
+        )
         first = next(in_flight)
         server.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                list(stub.Generate(long_request(2), timeout=5))
-            except grpc.RpcError as error:
-                if error.code() == grpc.StatusCode.UNAVAILABLE:
-                    break
-            time.sleep(0.05)
-        else:
-            pytest.fail("new calls were not refused during the drain")
+        watch_until(server.target, READINESS_SERVICE, NOT_SERVING)  # the drain has begun
+        # A channel of its own: its connection is not the one the held stream stalls.
+        with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as refused:
+            list(pb_grpc.TextGenerationStub(channel).Generate(long_request(2, request_id="refused"), timeout=30))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused.value.details() == DRAINING  # the server's refusal, not a closed port
+        assert server.proc.poll() is None  # still serving the stream in flight
         rest = [first, *in_flight]
-        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 300
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == tokens
+        assert sum(len(chunk.tokens) for chunk in rest) == tokens
+        assert in_flight.code() == grpc.StatusCode.OK
         assert server.proc.wait(60) == 0
+    messages = [(r.get("msg"), r.get("request_id")) for r in server.records]
+    draining = messages.index(("draining", None))
+    finished = messages.index(("request finished", "in-flight"))
+    assert draining < finished, "the stream had ended before the drain began: the test proved nothing"
+    assert finished_line(server, "in-flight")["code"] == "OK"
+    assert finished_line(server, "refused")["code"] == "UNAVAILABLE"
+
+
+def test_liveness_follows_vllm_engine_death(tiny_model_dir: Path) -> None:
+    """docs/operations.md (vLLM engine, Probes): liveness turns NOT_SERVING once vLLM's
+    engine has died, so the kubelet restarts the pod. The engine core process is killed;
+    vLLM marks its engine dead (``errored``) and the server's watchdog, which checks every
+    second, turns liveness NOT_SERVING. New calls end UNAVAILABLE instead of hanging."""
+    args = ["--model", str(tiny_model_dir), *VLLM]
+    with ServerProcess(args, ready_timeout=400) as server:
+        assert server.health(LIVENESS_SERVICE) == SERVING
+        with grpc.insecure_channel(server.target) as channel:
+            last = list(pb_grpc.TextGenerationStub(channel).Generate(long_request(4), timeout=60))[-1]
+        assert last.usage.completion_tokens == 4
+        os.kill(engine_core_pid(server.proc.pid), signal.SIGKILL)
+        watch_until(server.target, LIVENESS_SERVICE, NOT_SERVING)
+        assert server.proc.poll() is None  # the process answers its probes; the kubelet restarts it
+        with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as refused:
+            list(pb_grpc.TextGenerationStub(channel).Generate(long_request(4), timeout=60))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert server.health(LIVENESS_SERVICE) == NOT_SERVING
+        server.kill()  # a dead engine: nothing to drain
+
+
+def test_usage_counts_vllm_prefix_cache_hits(small_server: ServerProcess) -> None:
+    """docs/architecture.md: on vLLM a request's usage counts the prompt tokens vLLM
+    found in its prefix cache (``num_cached_tokens``); it appears as
+    ``cached_prompt_tokens`` on the call's "request finished" log line. The same long
+    prompt twice: the first finds nothing (it starts with a fresh id), the second finds
+    at least one whole KV block of it (vLLM's block_size: 128 tokens on a CPU)."""
+    words = " ".join(f"word{i}" for i in range(200))
+    prompt = f"{uuid.uuid4().hex} {words}"
+    usage = []
+    with grpc.insecure_channel(small_server.target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        for attempt in ("first", "second"):
+            request_id = f"cached-{attempt}-{uuid.uuid4().hex[:8]}"
+            request = pb.GenerateRequest(
+                prompt=prompt,
+                request_id=request_id,
+                sampling=pb.SamplingParams(temperature=0),
+                stopping=pb.StoppingCriteria(max_new_tokens=2, ignore_eos=True),
+            )
+            last = list(stub.Generate(request, timeout=60))[-1]
+            line = finished_line(small_server, request_id)
+            assert line["code"] == "OK" and line["prompt_tokens"] == last.usage.prompt_tokens
+            usage.append((line["prompt_tokens"], line["cached_prompt_tokens"]))
+    (first_prompt, first_cached), (second_prompt, second_cached) = usage
+    assert first_prompt == second_prompt > 256  # more than two blocks of 128
+    assert first_cached == 0
+    assert 0 < second_cached <= second_prompt
 
 
 @pytest.mark.e2e

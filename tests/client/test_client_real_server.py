@@ -9,6 +9,7 @@ the server's words, leaving a loop cancels on the server, a full server's refusa
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
 import time
 import uuid
@@ -21,7 +22,7 @@ import pytest
 import tokenwire
 from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 from grpc_status import rpc_status
-from servers import READINESS, TEST_ENGINE, ServerProcess
+from servers import ENGINE_ARGS, READINESS, TEST_ENGINE, ServerProcess
 from tokenwire import FinishReason, HealthStatus, RetryPolicy
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
@@ -29,7 +30,10 @@ from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.timeout(120)
 
 LIMIT = 512  # tiny_server's --max-new-tokens-limit
-LONG = {"max_new_tokens": 500, "ignore_eos": True}  # seconds of decoding on the tiny model
+LONG = {"max_new_tokens": 500, "ignore_eos": True}  # 0.5 to several seconds of decoding on the tiny model
+# The --max-new-tokens-limit of the servers on the long-context tiny model (tiny_long_model_dir):
+# a stream of seconds on any machine, ~10x one of LONG.
+LONGEST = 8000
 
 
 def rid(tag: str) -> str:
@@ -48,6 +52,22 @@ def finished(server: ServerProcess, request_id: str, timeout: float = 10.0, coun
         if len(records) >= count or time.monotonic() > deadline:
             return records
         time.sleep(0.05)
+
+
+def records_before_sentinel(server: ServerProcess, client: tokenwire.Client) -> list[dict]:
+    """The server's log records up to a fresh call's own "request finished" line.
+
+    For "no line carries these ids" or "these are all the lines": rather than wait a while
+    and hope a late line would be there by then. The server writes every call's line from
+    its one event loop, in order, as the call ends (before its status goes out); this
+    call is sent after the calls before it (on the same channel: after their cancels), so
+    any line of theirs is written, and read back, before this one."""
+    request_id = rid("sentinel")
+    result = client.generate_text("hi", max_new_tokens=1, ignore_eos=True, request_id=request_id)
+    assert result.finish_reason is FinishReason.LENGTH
+    [record] = finished(server, request_id)
+    records = list(server.records)
+    return records[: next(i for i, r in enumerate(records) if r is record)]
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +265,7 @@ def test_client_validation_matches_the_server(tiny_server, info, kwargs, raw):
     records = finished(tiny_server, request.request_id, count=before + 1)[before:]
     assert [r["code"] for r in records] == ["INVALID_ARGUMENT"]
 
-    served = len(tiny_server.find("request finished"))
+    logged = len(tiny_server.records)
     with tokenwire.Client(tiny_server.target, timeout=10, limits=limits) as client:
         # Raised by generate() itself: nothing is sent.
         with pytest.raises(tokenwire.InvalidArgument) as caught:
@@ -263,10 +283,11 @@ def test_client_validation_matches_the_server(tiny_server, info, kwargs, raw):
 
     aerror = run(main())
     assert aerror.details == details and aerror.field_violations == error.field_violations
-    time.sleep(0.1)
-    # The server never heard of either: no record since then carries their ids. (Not a count of
-    # all records: the session's server may still be logging calls that earlier tests cancelled.)
-    since = {r.get("request_id") for r in tiny_server.find("request finished")[served:]}
+    # The server never heard of either: no record since then, up to a later call's own line,
+    # carries their ids. (Not a count of all records: the session's server may still be
+    # logging calls that earlier tests cancelled.)
+    with tokenwire.Client(tiny_server.target, timeout=10) as sentinel_client:
+        since = {r.get("request_id") for r in records_before_sentinel(tiny_server, sentinel_client)[logged:]}
     assert error.request_id not in since and aerror.request_id not in since
 
 
@@ -358,8 +379,13 @@ def test_async_break_cancels_the_call_on_the_server(tiny_server):
 
 
 @pytest.fixture(scope="module")
-def one_slot_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(["--model", str(tiny_model_dir), "--max-active", "1", "--max-queue", "0"]) as server:
+def one_slot_server(tiny_long_model_dir: Path) -> Iterator[ServerProcess]:
+    """One slot, no queue; the long-context tiny model, so that a hog of LONGEST tokens holds
+    the slot for seconds (a 500-token one ended within half a second at times, and a refusal
+    the test counted on was then served)."""
+    args = ["--model", str(tiny_long_model_dir), "--max-active", "1", "--max-queue", "0",
+            "--max-new-tokens-limit", str(LONGEST), "--kv-cache-tokens", "8192"]
+    with ServerProcess(args) as server:
         yield server
 
 
@@ -367,7 +393,7 @@ def test_overloaded_then_retried_into_a_free_slot(one_slot_server):
     server = one_slot_server
     with tokenwire.Client(server.target, timeout=30, retry=tokenwire.NO_RETRY) as client:
         long_id = rid("hog")
-        hog = client.generate("go", request_id=long_id, **LONG)
+        hog = client.generate("go", request_id=long_id, max_new_tokens=LONGEST, ignore_eos=True)
         next(hog)  # admitted: the only slot is taken
 
         refused_id = rid("refused")
@@ -406,34 +432,83 @@ def test_overloaded_then_retried_into_a_free_slot(one_slot_server):
 # -- deadlines ---------------------------------------------------------------------------------
 
 
-def test_a_tiny_timeout_on_a_long_generation_is_deadline_exceeded(client, tiny_server):
-    request_id = rid("deadline")
-    started = time.monotonic()
-    with pytest.raises(tokenwire.DeadlineExceeded) as caught:
-        client.generate_text("go", timeout=0.5, request_id=request_id, **LONG)
-    assert time.monotonic() - started < 5
-    assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert caught.value.request_id == request_id
-    [record] = finished(tiny_server, request_id)
-    assert record["code"] == "DEADLINE_EXCEEDED", record
+# Margins of the deadline tests, on this machine's own pace (measured first): the deadline
+# is DEADLINE_MARGIN times the time to a first chunk, and the stream asked for would take
+# at least STREAM_MARGIN times the deadline. A machine twice as fast or twice as slow
+# changes all three times alike, so the verdict with them.
+DEADLINE_MARGIN = 20
+STREAM_MARGIN = 10
 
-    # Mid-stream: chunks arrive, then the deadline ends the stream. The deadline is sized from
-    # this machine's own time to a first chunk (a ratio, not a fixed 0.5 s): three of them
-    # leave room for the first chunks, and 500 tokens take far longer than that.
-    probe_started = time.monotonic()
-    next(iter(client.generate("go", max_new_tokens=1)))
-    first_chunk_s = time.monotonic() - probe_started
-    stream = client.generate("go", timeout=3 * first_chunk_s + 0.2, **LONG)
-    seen = 0
-    with pytest.raises(tokenwire.DeadlineExceeded):
-        for _ in stream:
-            seen += 1
-    assert seen > 0
+
+@pytest.fixture(scope="module")
+def long_server(tiny_long_model_dir: Path) -> Iterator[ServerProcess]:
+    """The tiny model with an 8192-token context: a stream long enough to outlast any
+    deadline these tests set, on any machine."""
+    args = ["--model", str(tiny_long_model_dir), *ENGINE_ARGS, "--max-new-tokens-limit", str(LONGEST)]
+    with ServerProcess(args) as server:
+        yield server
+
+
+def pace(client: tokenwire.Client) -> tuple[float, float]:
+    """(seconds to a whole one-token answer, the median of five; seconds per decoded token,
+    from a 200-token stream) on this machine, now."""
+    firsts = []
+    for _ in range(5):
+        started = time.monotonic()
+        client.generate_text("go", max_new_tokens=1)
+        firsts.append(time.monotonic() - started)
+    arrivals: list[float] = []
+    last = None
+    for chunk in client.generate("go", max_new_tokens=200, ignore_eos=True):
+        arrivals.append(time.monotonic())
+        last = chunk
+    assert last is not None and last.usage is not None and last.usage.completion_tokens == 200
+    per_token = (arrivals[-1] - arrivals[0]) / (last.usage.completion_tokens - 1)
+    return statistics.median(firsts), per_token
+
+
+def test_a_tiny_timeout_on_a_long_generation_is_deadline_exceeded(long_server):
+    server = long_server
+    with tokenwire.Client(server.target, timeout=60) as client:
+        # The deadline leaves DEADLINE_MARGIN first chunks' time, so the call surely reaches the
+        # server (and a stream its first chunk) before it; the stream asked for cannot end
+        # before it by a factor STREAM_MARGIN. (Measured again, up to three times, when a busy
+        # moment made one first chunk slow: the margins hold for the pace measured.)
+        for _ in range(3):
+            first_s, per_token_s = pace(client)
+            deadline_s = DEADLINE_MARGIN * first_s
+            whole_s = LONGEST * per_token_s
+            if whole_s >= STREAM_MARGIN * deadline_s:
+                break
+        assert whole_s >= STREAM_MARGIN * deadline_s, (
+            f"{LONGEST} tokens at {per_token_s * 1000:.2f} ms take {whole_s:.2f} s: not {STREAM_MARGIN}x "
+            f"the {deadline_s:.2f} s deadline ({DEADLINE_MARGIN}x a first chunk's {first_s * 1000:.1f} ms)"
+        )
+        longest = {"max_new_tokens": LONGEST, "ignore_eos": True}
+
+        request_id = rid("deadline")
+        started = time.monotonic()
+        with pytest.raises(tokenwire.DeadlineExceeded) as caught:
+            client.generate_text("go", timeout=deadline_s, request_id=request_id, **longest)
+        # Ended by the deadline, not by the stream's end: long before half of it could be decoded.
+        assert time.monotonic() - started < whole_s / 2
+        assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert caught.value.request_id == request_id
+        [record] = finished(server, request_id)
+        assert record["code"] == "DEADLINE_EXCEEDED", record
+
+        # Mid-stream: chunks arrive, then the deadline ends the stream.
+        stream = client.generate("go", timeout=deadline_s, **longest)
+        seen = 0
+        with pytest.raises(tokenwire.DeadlineExceeded):
+            for _ in stream:
+                seen += 1
+        assert 0 < seen < LONGEST
 
     async def main():
-        async with tokenwire.AsyncClient(tiny_server.target, timeout=0.5) as aclient:
+        async with tokenwire.AsyncClient(server.target, timeout=deadline_s) as aclient:
             with pytest.raises(tokenwire.DeadlineExceeded):
-                await aclient.generate_text("go", **LONG)
+                await aclient.generate_text("go", **longest)
 
     run(main())
 
@@ -450,10 +525,10 @@ def test_complete_answers_end_ok_on_the_server(client, tiny_server):
         client.generate_text("hi", request_id=request_id, max_new_tokens=2, ignore_eos=True)
     last = list(client.generate("hi", max_new_tokens=2, ignore_eos=True, request_id=request_ids[0] + "-s"))[-1]
     assert last.finish_reason is FinishReason.LENGTH
-    finished(tiny_server, request_ids[-1])
-    time.sleep(0.2)
+    # Every line these calls get, a late CANCELLED included, is logged before the sentinel's.
     wanted = {*request_ids, request_ids[0] + "-s"}
-    codes = [r["code"] for r in tiny_server.find("request finished") if r.get("request_id") in wanted]
+    codes = [r["code"] for r in records_before_sentinel(tiny_server, client)
+             if r.get("msg") == "request finished" and r.get("request_id") in wanted]
     assert len(codes) == 101 and set(codes) == {"OK"}, sorted(codes)
 
 

@@ -8,11 +8,14 @@ otherwise base."""
 from __future__ import annotations
 
 import copy
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 from deploy_support import (
     CRD_KINDS,
     GRPC_PORT,
@@ -25,6 +28,7 @@ from deploy_support import (
     WORKLOADS,
     config_fields,
     container_env,
+    kustomize,
     only,
     pod_containers,
     pod_spec,
@@ -361,13 +365,71 @@ def test_keda_scales_on_the_load_per_replica(
     assert spec["fallback"]["failureThreshold"] >= 1
 
 
-def test_keda_can_wake_from_zero(rendered: dict[str, Objects]) -> None:
+# Triggers on what the pods themselves produce: with no pod there is nothing to read.
+POD_RESOURCE_TRIGGERS = {"cpu", "memory"}
+OPERATIONS_DOC = REPO / "docs" / "operations.md"
+
+
+def wakers(scaled: dict[str, Any]) -> list[dict[str, Any]]:
+    """The triggers of a ScaledObject that see demand while no pod runs: not the pods' CPU or
+    memory, and no tokenwire_* series (only the pods export those); each one able to turn
+    active (a cron window that asks for at least one replica; a query with an address)."""
+    found = []
+    for trigger in scaled["spec"]["triggers"]:
+        metadata = trigger.get("metadata", {})
+        if trigger["type"] in POD_RESOURCE_TRIGGERS or promql_metric_names(str(metadata)):
+            continue
+        if trigger["type"] == "cron":
+            assert {"timezone", "start", "end", "desiredReplicas"} <= set(metadata), trigger
+            if int(metadata["desiredReplicas"]) < 1:
+                continue
+        elif trigger["type"] == "prometheus":
+            assert {"serverAddress", "query", "threshold"} <= set(metadata), trigger
+        found.append(trigger)
+    return found
+
+
+def scale_to_zero_patches() -> list[dict[str, Any]]:
+    """The patches docs/operations.md ("Scale to zero and back") puts on the KEDA overlay."""
+    text = OPERATIONS_DOC.read_text()
+    start = text.index("### Scale to zero and back")
+    section = text[start : text.index("\n## ", start)]
+    (block,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+    return yaml.safe_load(block)["patches"]
+
+
+def kustomize_on_keda(folder: Path, patches: list[dict[str, Any]]) -> Objects:
+    """`kubectl kustomize` of an overlay that puts ``patches`` on deploy/overlays/keda."""
+    folder.mkdir(parents=True, exist_ok=True)
+    overlay = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(KUSTOMIZATIONS["keda"], folder)],
+        "patches": patches,
+    }
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump(overlay, sort_keys=False))
+    return kustomize(folder)
+
+
+def test_keda_can_wake_from_zero(rendered: dict[str, Objects], tmp_path: Path) -> None:
     """At zero replicas no pod exports tokenwire_* gauges: scaling to zero needs a trigger that
-    sees demand without the pods (an ingress metric, the callers' metrics, a cron window)."""
-    (scaled,) = only(rendered["keda"], "ScaledObject")
-    triggers = scaled["spec"]["triggers"]
-    wakers = [t for t in triggers if not promql_metric_names(str(t.get("metadata", {})))]
-    assert scaled["spec"]["minReplicaCount"] >= 1 or wakers, "minReplicaCount 0 would never scale up again"
+    sees demand without the pods (an ingress metric, the callers' metrics, a cron window).
+    Checked on the rendered objects: the overlay as shipped, and the overlay with the patch
+    docs/operations.md gives for scale to zero (minReplicaCount 0 plus a waking trigger)."""
+    (shipped,) = only(rendered["keda"], "ScaledObject")
+    if shipped["spec"]["minReplicaCount"] == 0:
+        assert wakers(shipped), "minReplicaCount 0 with no trigger that sees demand while no pod runs"
+    # The control: the shipped trigger alone, at 0, would never scale up again (what the
+    # overlay's comment and the guide say, and why it keeps minReplicaCount 2).
+    alone = copy.deepcopy(shipped)
+    alone["spec"]["minReplicaCount"] = 0
+    assert alone["spec"]["triggers"] and not wakers(alone)
+
+    (scaled,) = only(kustomize_on_keda(tmp_path / "scale-to-zero", scale_to_zero_patches()), "ScaledObject")
+    assert scaled["spec"]["minReplicaCount"] == 0, "the guide's patch is the one that scales to zero"
+    assert wakers(scaled), "the guide's scale-to-zero patch leaves nothing that wakes the Deployment from 0"
+    # It adds to the load trigger, it does not replace it: above zero KEDA still scales on the load.
+    assert shipped["spec"]["triggers"][0] in scaled["spec"]["triggers"]
 
 
 # --- vLLM ------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The GPU subset (`make test-gpu`): skipped where torch sees no CUDA device."""
+"""The GPU subset (`make test-gpu`): skipped where torch sees no CUDA device, but for the
+CPU variants (parametrized ``device="cpu"``), which run everywhere."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if HERE not in Path(str(item.path)).resolve().parents:
             continue
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("device") == "cpu":
+            continue  # a GPU test's CPU variant: runs everywhere
         item.add_marker(pytest.mark.gpu)
         if not torch.cuda.is_available():
             item.add_marker(skip)

@@ -3,8 +3,9 @@ device, the dtype and CUDA's own failure modes. Skipped without a GPU.
 
 - the stream's shape and text == decode(ids), on the tiny model in bf16 on cuda:0;
 - greedy and seeded requests give the same tokens alone and in a concurrent batch;
-- an out-of-memory error fails that request with RESOURCE_EXHAUSTED, frees the cache,
-  and the server keeps serving;
+- an out-of-memory error fails that request with RESOURCE_EXHAUSTED, gives its slot and
+  KV reservation back, empties torch's CUDA cache (memory back to its level before), and
+  the server keeps serving (also on a CPU, the OOM faked: it runs without a GPU too);
 - drain on SIGTERM lets the stream in flight finish, then exits 0.
 """
 
@@ -14,6 +15,7 @@ import concurrent.futures
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -70,19 +72,46 @@ def test_alone_equals_batched_on_cuda(cuda_server: ServerProcess) -> None:
     assert together == alone
 
 
-def test_out_of_memory_is_resource_exhausted_and_the_server_goes_on(
-    in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
+def engine_holds_nothing(engine: Any) -> bool:
+    """No request admitted, queued or in the batch, no KV reserved, and (the batched engine)
+    every slot back in the free list."""
+    stats = engine.stats()
+    if (stats.active, stats.queued, stats.batch_size, stats.kv_tokens_reserved) != (0, 0, 0, 0):
+        return False
+    free = getattr(engine, "_free", None)
+    return free is None or sorted(free) == list(range(engine.limits.max_active))
+
+
+# The same test on a CPU (it runs everywhere, conftest.py skips only the cuda one without a
+# GPU): the OOM is faked there, and torch.cuda.empty_cache watched instead of measured.
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_out_of_memory_is_resource_exhausted_frees_the_cache_and_the_server_goes_on(
+    device: str, in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = in_process_server(device="cuda")
+    server = in_process_server(device=device)
     engine = server.backend.engine
     # the batched engine's own pass where it runs one, else the model's forward
     owner, name = (engine, "_native") if getattr(engine, "forward", None) == "native" else (server.backend.loaded.model, "forward")
     forward = getattr(owner, name)
     calls = {"n": 0}
+    emptied: list[bool] = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    else:
+        # No GPU: make the engine believe it has one, and watch it empty the cache.
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    assert engine_holds_nothing(engine)
 
     def failing(*args: object, **kwargs: object) -> object:
         calls["n"] += 1
         if calls["n"] == 1:
+            if device == "cuda":
+                # What a real OOM leaves behind: blocks this pass took, freed, kept in
+                # torch's cache (memory_reserved) until someone empties it.
+                scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+                del scratch
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
         return forward(*args, **kwargs)
 
@@ -91,7 +120,19 @@ def test_out_of_memory_is_resource_exhausted_and_the_server_goes_on(
     with pytest.raises(grpc.RpcError) as caught:
         list(stub.Generate(short_request(), timeout=30))
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # The request's slot and KV reservation are given back ...
+    assert wait_until(lambda: engine_holds_nothing(engine), 10), engine.stats()
+    # ... and the device's cache emptied: allocations back to where they were, the 256 MiB
+    # the failed pass left cached handed back (torch.cuda.empty_cache ran).
+    if device == "cuda":
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == allocated
+        assert torch.cuda.memory_reserved() <= reserved
+    else:
+        assert emptied
+        monkeypatch.undo()  # the real torch.cuda (and forward) again before serving on
     assert list(stub.Generate(short_request(), timeout=30))[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    assert wait_until(lambda: engine_holds_nothing(engine), 10), engine.stats()
 
 
 def test_drain_on_cuda(tiny_model_dir: Path) -> None:
