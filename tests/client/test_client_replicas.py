@@ -2,7 +2,9 @@
 
 Each replica is a ``tokenwire_server`` process on the tiny model with small limits
 (``--max-active 2 --max-queue 0``), so "full" is easy to reach. What each replica
-served is read from its own "request finished" log records, by request id.
+served is read from its own "request finished" log records, by request id. The tiny model
+has an 8192-token context here, so a stream that must outlast the calls of a test can be
+HOG tokens long: ~4,000x one of those calls' two tokens, whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from tokenwire import FinishReason, HealthStatus, RetryPolicy
 
 pytestmark = pytest.mark.timeout(120)
 
-REPLICA_ARGS = ["--max-active", "2", "--max-queue", "0", "--retry-after-ms", "50", "--grace-period", "30"]
+HOG = 8000
+REPLICA_ARGS = ["--max-active", "2", "--max-queue", "0", "--retry-after-ms", "50", "--grace-period", "30",
+                "--max-new-tokens-limit", str(HOG), "--kv-cache-tokens", str(2 * 8192)]  # fmt: skip
 SHORT = {"max_new_tokens": 2, "ignore_eos": True}
 # Retries enough to ride out refusals from full or draining replicas, each well under a second.
 PATIENT = RetryPolicy(max_attempts=20, initial_backoff=0.02, max_backoff=0.2)
@@ -50,9 +54,9 @@ def wait_logged(servers: list[ServerProcess], request_ids: list[str], timeout: f
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny_model_dir: Path) -> Iterator[list[ServerProcess]]:
+def replicas(tiny_long_model_dir: Path) -> Iterator[list[ServerProcess]]:
     """Three replicas, started in parallel (each loads the model in its own process)."""
-    args = ["--model", str(tiny_model_dir), *REPLICA_ARGS]
+    args = ["--model", str(tiny_long_model_dir), *REPLICA_ARGS]
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(ServerProcess, args) for _ in range(3)]
     started = [f.result() for f in futures if f.exception() is None]
@@ -105,7 +109,7 @@ def test_a_full_replica_is_retried_on_another(replicas):
     request_ids = ids("full", 12)
     with tokenwire.Client(full.target, timeout=60, retry=tokenwire.NO_RETRY) as direct:
         # Fill both slots of one replica, straight to it.
-        hogs = [direct.generate("go", max_new_tokens=1000, ignore_eos=True, request_id=i) for i in hog_ids]
+        hogs = [direct.generate("go", max_new_tokens=HOG, ignore_eos=True, request_id=i) for i in hog_ids]
         for hog in hogs:
             next(hog)
         with pytest.raises(tokenwire.Overloaded) as refused:
@@ -118,7 +122,7 @@ def test_a_full_replica_is_retried_on_another(replicas):
             for request_id in request_ids:
                 assert client.generate_text("hi", request_id=request_id, **SHORT).request_id == request_id
         elapsed = time.monotonic() - started
-        # The hogs were running all along: they end only now, cancelled.
+        # The hogs were running all along: they end only now, cancelled (their records say so below).
         assert full.proc.poll() is None
         for hog in hogs:
             hog.cancel()
@@ -146,6 +150,7 @@ def test_a_replica_stopped_mid_run_drains_and_callers_see_no_error(replicas):
     with (
         tokenwire.Client([s.target for s in replicas], timeout=30, retry=PATIENT) as client,
         tokenwire.Client(victim.target, timeout=30, retry=tokenwire.NO_RETRY) as direct,
+        tokenwire.Client(victim.target, timeout=60, retry=PATIENT) as patient_direct,  # rides out a full victim
     ):
         client.wait_ready(10)
 
@@ -164,10 +169,6 @@ def test_a_replica_stopped_mid_run_drains_and_callers_see_no_error(replicas):
                     served.append(request_id)
                 time.sleep(0.01)  # a steady stream, not a flood: 2 CPU cores run 3 replicas and this
 
-        # A stream in flight on the victim when it is told to stop: it must run to its end.
-        in_flight = direct.generate("go", max_new_tokens=100, ignore_eos=True)
-        first = next(in_flight)
-
         threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(3)]
         for thread in threads:
             thread.start()
@@ -175,6 +176,11 @@ def test_a_replica_stopped_mid_run_drains_and_callers_see_no_error(replicas):
         while len(served) < 15 and not errors and time.monotonic() < deadline:
             time.sleep(0.02)
         before = len(served)
+        # A stream in flight on the victim when it is told to stop (its first chunk is in, and
+        # 1000 decode steps remain; the victim's log shows the order below): it must run to its end.
+        [in_flight_id] = ids("in-flight", 1)
+        in_flight = patient_direct.generate("go", max_new_tokens=1000, ignore_eos=True, request_id=in_flight_id)
+        first = next(in_flight)
         victim.proc.send_signal(signal.SIGTERM)
 
         # Draining: readiness NOT_SERVING at once, a new call straight to it UNAVAILABLE.
@@ -189,7 +195,7 @@ def test_a_replica_stopped_mid_run_drains_and_callers_see_no_error(replicas):
         # The stream in flight finishes.
         rest = list(in_flight)
         assert rest[-1].finish_reason is FinishReason.LENGTH
-        assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == 100
+        assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == 1000
         assert first.index == 0 and len(rest) >= 1
 
         assert victim.proc.wait(40) == 0
@@ -205,6 +211,10 @@ def test_a_replica_stopped_mid_run_drains_and_callers_see_no_error(replicas):
     assert errors == [], errors[:3]
     assert before >= 15 and len(served) >= exited_at + 15
     assert victim.find("draining") and victim.find("stopped")
+    # Order, from the victim's own log: the drain began while the stream was in flight.
+    order = [r.get("msg") for r in victim.records
+             if r.get("msg") == "draining" or (r.get("msg") == "request finished" and r.get("request_id") == in_flight_id)]  # fmt: skip
+    assert order == ["draining", "request finished"], order
 
     wait_logged(replicas, served)
     on_victim = codes(victim, served)
