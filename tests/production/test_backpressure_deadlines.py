@@ -196,13 +196,16 @@ def _idle(stub: object) -> bool:
 
 # -- deadline-aware admission ------------------------------------------------------------------
 
+BUSY_STEPS = 8000
+
 
 @pytest.fixture(scope="module", params=["batched", "simple"])
-def queueing_server(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+def queueing_server(tiny_long_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     """One slot and room to queue: without deadline-aware admission a late request would wait."""
     engine_args = ["--engine", "batched", "--max-active", "1"] if request.param == "batched" else [
         "--engine", "simple", "--workers", "1"]
-    args = ["--model", str(tiny_model_dir), *engine_args, "--max-queue", "4", "--retry-after-ms", "400", "--metrics-port", "-1"]
+    args = ["--model", str(tiny_long_model_dir), *engine_args, "--max-queue", "4", "--retry-after-ms", "400",
+            "--metrics-port", "-1", "--max-new-tokens-limit", str(BUSY_STEPS), "--kv-cache-tokens", "8192"]  # fmt: skip
     with ServerProcess(args) as server:
         yield server
 
@@ -220,17 +223,20 @@ def fastest_step_floor(server: ServerProcess) -> float:
 
 def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once(queueing_server: ServerProcess) -> None:
     stub = generation_stub(queueing_server.target)
-    # 1000 tokens that ignore EOS keep the only slot for 1000 decode steps, and the server
-    # knows it: it has timed its steps (the warm-up's, and this short call's). The late
-    # request allows a quarter of what 1000 steps take at the least, by the server's own
-    # histogram of them, so a machine twice as fast or as slow gives the same verdict: its
-    # estimate is at least 4x what the request allows, and it must be refused at once.
+    # BUSY_STEPS tokens that ignore EOS keep the only slot for that many decode steps, and
+    # the server knows it: it has timed its steps (the warm-up's, and this short call's), and
+    # its estimate is the remaining steps times the fastest recent one. No step it timed was
+    # faster than the floor of its own histogram, so while fewer than half the steps are done
+    # the estimate is above half of BUSY_STEPS x floor: a request that allows that much must
+    # be refused at once, by construction, and a machine twice as fast or as slow gives the
+    # same verdict. (The steps are many, on the long-context tiny model, so that the allowed
+    # time, ~1 s here, also dwarfs a call's own way to the server on a loaded machine: 1000
+    # steps allowed ~0.25 s, and a loaded run once took longer than that to reach the server.)
     assert list(stub.Generate(long_request(8), timeout=60))[-1].usage.completion_tokens == 8
     floor = fastest_step_floor(queueing_server)
-    if floor == 0:
-        pytest.skip("a decode step ran faster than the histogram's smallest bucket: no lower bound to pose the case")
-    allowed_s = 0.25 * 1000 * floor
-    busy = stub.Generate(long_request(1000, request_id="busy-1"), timeout=120)
+    assert floor > 0, "a decode step ran faster than the histogram's smallest bucket"
+    allowed_s = 0.5 * BUSY_STEPS * floor
+    busy = stub.Generate(long_request(BUSY_STEPS, request_id="busy-1"), timeout=3600)
     next(busy)
     try:
         started = time.monotonic()
@@ -256,7 +262,7 @@ def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once(queu
 
         # A request that can start in time is admitted as before: it waits in the queue (the
         # server's own gauge says so) until the slot frees.
-        waiting = stub.Generate(short_request(2, request_id="patient-1"), timeout=120)
+        waiting = stub.Generate(short_request(2, request_id="patient-1"), timeout=3600)
         assert wait_until(lambda: metric(queueing_server, "tokenwire_queue_depth") == 1.0, 10)
         busy.cancel()
         assert list(waiting)[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
