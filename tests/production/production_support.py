@@ -10,12 +10,14 @@ import datetime
 import ipaddress
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 from servers import health_check
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
@@ -47,6 +49,21 @@ def long_request(tokens: int = 1000, **fields: Any) -> pb.GenerateRequest:
 
 def short_request(tokens: int = 4, **fields: Any) -> pb.GenerateRequest:
     return pb.GenerateRequest(prompt="hello", stopping=pb.StoppingCriteria(max_new_tokens=tokens), **fields)
+
+
+def scrape(server: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a server's /metrics (its --metrics-port), by name and sorted labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from production_support import generation_stub, long_request, short_request, wait_until
+from production_support import generation_stub, long_request, scrape, short_request, value, wait_until
 from servers import ServerProcess, process_status
 from tokenwire.v1 import generation_pb2 as pb
 
@@ -71,7 +70,7 @@ def test_full_server_refuses_fast_with_retry_info(server_name: str, request: pyt
     if server_name == "slot_and_queue_server":  # and the only place in the queue
         # a deadline that deadline-aware admission cannot refuse behind 1000 steps, whatever they cost
         queued = stub.Generate(short_request(request_id="queued"), timeout=3600)
-        assert wait_until(lambda: metric(server, "tokenwire_queue_depth") == 1.0, 10)
+        assert wait_until(lambda: value(scrape(server), "tokenwire_queue_depth") == 1.0, 10)
     try:
         refused = stub.Generate(short_request(request_id=f"refused-{server_name}"), timeout=10)
         with pytest.raises(grpc.RpcError) as caught:
@@ -104,13 +103,6 @@ def busy_outcome(server: ServerProcess, request_id: str) -> str:
     assert wait_until(lambda: any(r.get("request_id") == request_id for r in server.find("request finished")), 10)
     [record] = [r for r in server.find("request finished") if r.get("request_id") == request_id]
     return str(record["code"])
-
-
-def metric(server: ServerProcess, name: str) -> float:
-    """One unlabelled sample from the server's /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    [value] = [line.split()[1] for line in text.splitlines() if line.split(" ")[0] == name]
-    return float(value)
 
 
 def test_deadline_stops_generation_and_frees_the_slot(one_slot_server: ServerProcess) -> None:
@@ -213,12 +205,9 @@ def queueing_server(tiny_long_model_dir: Path, request: pytest.FixtureRequest) -
 def fastest_step_floor(server: ServerProcess) -> float:
     """A lower bound on every decode step this server has timed (the deadline estimator's
     steps among them), from its own histogram: the top edge of its last empty bucket."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    floor = 0.0
-    for line in text.splitlines():
-        if line.startswith('tokenwire_decode_step_seconds_bucket{le="') and float(line.split()[1]) == 0:
-            floor = max(floor, float(line.split('"')[1]))
-    return floor
+    empty = [float(dict(labels)["le"]) for (name, labels), count in scrape(server).items()
+             if name == "tokenwire_decode_step_seconds_bucket" and count == 0]  # fmt: skip
+    return max(empty, default=0.0)
 
 
 def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once(queueing_server: ServerProcess) -> None:
@@ -258,12 +247,12 @@ def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_once(queu
         # the call, and the client's, end before the deadline would have.
         assert record["duration_ms"] < allowed_s * 1000, record
         assert elapsed < allowed_s
-        assert metric(queueing_server, "tokenwire_deadline_refusals_total") == 1.0
+        assert value(scrape(queueing_server), "tokenwire_deadline_refusals_total") == 1.0
 
         # A request that can start in time is admitted as before: it waits in the queue (the
         # server's own gauge says so) until the slot frees.
         waiting = stub.Generate(short_request(2, request_id="patient-1"), timeout=3600)
-        assert wait_until(lambda: metric(queueing_server, "tokenwire_queue_depth") == 1.0, 10)
+        assert wait_until(lambda: value(scrape(queueing_server), "tokenwire_queue_depth") == 1.0, 10)
         busy.cancel()
         assert list(waiting)[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
     finally:

@@ -10,12 +10,11 @@ shows the first one tests something.
 from __future__ import annotations
 
 import threading
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-from production_support import long_request, short_request, wait_until
+from production_support import long_request, scrape, short_request, value, wait_until
 from servers import ServerProcess
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
@@ -47,11 +46,6 @@ def server_args(model: Path, ping_interval_s: str) -> list[str]:
             "--min-client-ping-interval-s", ping_interval_s, "--metrics-port", "-1"]  # fmt: skip
 
 
-def queue_depth(server: ServerProcess) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    [value] = [line.split()[1] for line in text.splitlines() if line.startswith("tokenwire_queue_depth ")]
-    return float(value)
-
 
 def wait_behind_long_streams(server: ServerProcess) -> tuple[grpc.StatusCode, list[pb.TokenChunk]]:
     """Hold the only slot with BUSY_STREAMS long streams (one running, the rest queued) on
@@ -72,7 +66,7 @@ def wait_behind_long_streams(server: ServerProcess) -> tuple[grpc.StatusCode, li
             for i in range(1, BUSY_STREAMS)
         ]
         # the others wait in the queue before the short request joins it, behind them
-        assert wait_until(lambda: queue_depth(server) == BUSY_STREAMS - 1, 30)
+        assert wait_until(lambda: value(scrape(server), "tokenwire_queue_depth") == BUSY_STREAMS - 1, 30)
         outcome: list[tuple[grpc.StatusCode, list[pb.TokenChunk]]] = []
 
         def call() -> None:

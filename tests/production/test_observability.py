@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from production_support import generation_stub, long_request, short_request, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from production_support import generation_stub, long_request, scrape, short_request, value, wait_until
 from servers import ServerProcess
 from tokenwire.v1 import generation_pb2 as pb
 
@@ -26,20 +24,6 @@ def metered_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
     with ServerProcess(["--model", str(tiny_model_dir), "--metrics-port", "-1", "--max-active", "1"]) as server:
         assert server.metrics_port > 0
         yield server
-
-
-def scrape(server: ServerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def test_metrics_move_with_traffic(metered_server: ServerProcess) -> None:
