@@ -28,7 +28,7 @@ SERVER_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.tokenwire-setup
 
-.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-levers bench-kernels soak clean setup-vllm test-vllm js-deps test-gpu
+.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-levers bench-kernels bench-neighbour soak clean setup-vllm test-vllm js-deps test-gpu
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -105,6 +105,9 @@ bench-levers: model ## do torch.compile / int8 weights pay on this CPU? decode-s
 
 bench-kernels: model kernels ## which GEMM reads the model's weights fastest on this CPU (F.linear, oneDNN-packed, int8, int4), and SDPA vs the decode attention kernel; writes its section of docs/benchmarks.md
 	$(PY) -m benchmarks.cpu_kernels $(KERNELS_ARGS)
+
+bench-neighbour: model ## does the server keep its pace beside a busy process? --omp-spin-count 1000 vs OpenMP's own spin, quiet and loaded; writes its section of docs/benchmarks.md
+	$(PY) -m benchmarks.neighbour $(NEIGHBOUR_ARGS)
 
 soak: model ## N minutes of mixed traffic against a local server; writes docs/reliability.md figures
 	$(PY) -m benchmarks.soak $(SOAK_ARGS)

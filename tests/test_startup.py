@@ -67,9 +67,10 @@ def test_bad_flag_values_are_usage_errors():
     assert "--torch-threads must not be negative" in result.stderr
 
 
-def test_prints_resolved_configuration_once(tiny_model_dir: Path):
+def test_prints_resolved_configuration_once(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch):
     from servers import ServerProcess
 
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     args = ["--model", str(tiny_model_dir), "--max-queue", "5", "--torch-threads", "1"]
     with ServerProcess(args, env={"TOKENWIRE_WORKERS": "3"}) as server:
         lines = [line for line in server.lines if line.startswith("tokenwire-server configuration:")]
@@ -77,6 +78,27 @@ def test_prints_resolved_configuration_once(tiny_model_dir: Path):
         assert '"max_queue": 5' in lines[0] and '"workers": 3' in lines[0]
         # --torch-threads is applied, not only parsed: the server reports what torch uses
         assert [record["threads"] for record in server.find("torch")] == [1]
+        # and OpenMP's idle threads spin briefly (--omp-spin-count's default) before they sleep
+        assert [record["omp_spin_count"] for record in server.find("torch")] == ["1000"]
+
+
+def test_omp_spin_count_reaches_openmp_before_torch_loads(tiny_model_dir: Path):
+    """GOMP_SPINCOUNT only counts if it is set before torch loads libgomp: nothing main() runs
+    before it sets the variable may import torch, and an operator's own GOMP_SPINCOUNT wins."""
+    from servers import ServerProcess
+
+    probe = (
+        "import sys\n"
+        "from tokenwire_server import __main__, config, logs\n"
+        "config.parse_config([]); logs.configure_logging('INFO', 'text')\n"
+        "assert 'torch' not in sys.modules, 'torch loaded before GOMP_SPINCOUNT is set'\n"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=60)
+    args = ["--model", str(tiny_model_dir), "--omp-spin-count", "5"]
+    with ServerProcess(args, env={"GOMP_SPINCOUNT": "20000"}) as server:
+        assert [record["omp_spin_count"] for record in server.find("torch")] == ["20000"]
+    result = run_server("--omp-spin-count", "-1")
+    assert result.returncode == 2 and "--omp-spin-count must not be negative" in result.stderr
 
 
 def test_readme_configuration_table_lists_every_flag():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import Sequence
 
@@ -14,6 +15,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     config = parse_config(args)
     configure_logging(config.log_level, config.log_format)
+    if config.omp_spin_count:
+        # libgomp reads this once, when torch loads it: nothing has imported torch yet.
+        os.environ.setdefault("GOMP_SPINCOUNT", str(config.omp_spin_count))
     if build_parser().parse_args(args).prepare_only:
         from .model import ModelLoadError, resolve_model_path
 

@@ -36,6 +36,7 @@ class ServerConfig:
     max_prefill_tokens: int = 20
     batch_window_ms: float = 10.0
     torch_threads: int = 0
+    omp_spin_count: int = 1000
     forward: str = "auto"
     kernels: str = "auto"
     default_max_new_tokens: int = 256
@@ -112,6 +113,7 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "max_prefill_tokens": ("batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new arrival causes them; a token deep into a long prompt counts more, for its attention)", None),
     "batch_window_ms": ("batched engine: under concurrent load, how long a batch starting from empty waits for requests still arriving, so they share one prefill (0: never wait)", None),
     "torch_threads": ("batched and simple engines: threads torch computes with (0: torch's default, one per core); on a small machine one fewer leaves a core to the gRPC loop", None),
+    "omp_spin_count": ("batched and simple engines: how long an idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT, set before torch loads; a GOMP_SPINCOUNT already in the environment wins). Short spins keep a shared or CPU-limited host from stalling every step on a thread that waits for a core; 0: OpenMP's own default", None),
     "forward": (
         "batched engine: auto: on a CPU, its own forward pass for Llama-shaped models (prompt chunks and decode rows "
         "in one pass, oneDNN-prepacked fp32 weights), else transformers' forward; native: insist on it (also on a GPU); "
@@ -209,6 +211,8 @@ def validate_config(config: ServerConfig) -> list[str]:
             errors.append(f"--{name.replace('_', '-')} must be at least 1")
     if config.torch_threads < 0:
         errors.append("--torch-threads must not be negative")
+    if config.omp_spin_count < 0:
+        errors.append("--omp-spin-count must not be negative")
     if config.max_queue < 0 or config.kv_cache_tokens < 0:
         errors.append("--max-queue and --kv-cache-tokens must not be negative")
     if config.metrics_port < -1:

@@ -180,7 +180,14 @@ class TokenwireServer:
 
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        log.info("torch", extra={"version": torch.__version__, "threads": torch.get_num_threads()})
+        log.info(
+            "torch",
+            extra={
+                "version": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "omp_spin_count": os.environ.get("GOMP_SPINCOUNT", "openmp-default"),
+            },
+        )
         loaded = load_model(config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir)
         kv_tokens = config.effective_kv_cache_tokens(loaded.context_length)
         free = free_device_memory(loaded)
