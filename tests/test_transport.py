@@ -149,6 +149,9 @@ class FakeBackend:
     def stalled(self, timeout_s: float) -> bool:
         return False
 
+    def failure(self) -> str | None:
+        return None
+
     def stop_admission(self) -> None:
         self.admission_stopped = True
 

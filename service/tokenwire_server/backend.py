@@ -62,6 +62,10 @@ class GenerationBackend(Protocol):
         """True when work is pending but the engine has made no progress for ``timeout_s``."""
         ...
 
+    def failure(self) -> str | None:
+        """Why the engine can do no more work (a device fault: the process must restart), or None."""
+        ...
+
     def stop_admission(self) -> None:
         """Drain: admit nothing new; what is queued or running goes on."""
         ...

@@ -254,6 +254,11 @@ class EngineClosed(Exception):
     """The engine no longer admits requests (it is draining or stopped)."""
 
 
+class EngineFaulted(EngineClosed):
+    """The engine's device failed in a way that persists: nothing more can run on it, and the
+    process must restart (liveness says so). The message names the fault."""
+
+
 class RequestHandle:
     """The caller's side of a submitted request: cancel it, or see that it ended."""
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tokenwire.server")
 
-WATCHDOG_INTERVAL_S = 1.0
+WATCHDOG_INTERVAL_S = 0.25
 
 
 def settle_heap() -> None:
@@ -254,11 +254,19 @@ class TokenwireServer:
         return backend
 
     async def watchdog(self) -> None:
-        """Liveness follows the engine loop: no progress while work is pending means wedged."""
+        """Liveness follows the engine loop: no progress while work is pending means wedged, and
+        a device fault (engine.faults) means the process must restart: NOT_SERVING for good."""
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             backend = self.backend
             if backend is None:
+                continue
+            fault = backend.failure()
+            if fault is not None:
+                if self.health.live:
+                    log.error("engine faulted; liveness and readiness NOT_SERVING", extra={"reason": fault})
+                    await self.health.set_ready(False)
+                    await self.health.set_live(False)
                 continue
             stalled = backend.stalled(self.config.stall_timeout)
             if stalled and self.health.live:

@@ -6,11 +6,17 @@
   frees the device cache, and the server keeps serving.
 - A wedged engine loop (no progress while work is pending past --stall-timeout) turns
   liveness NOT_SERVING, and SERVING again once the loop moves.
+- A device fault (a sticky CUDA error, faked) ends every stream and waiting request INTERNAL,
+  turns liveness and readiness NOT_SERVING within a second, and refuses new calls; so do
+  steps that keep failing.
+- Out of memory in a step with several rows fails only the newest rows; the others keep
+  their tokens.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,29 +58,36 @@ ENGINES = [
 
 class ForwardFault:
     """Stands in for the engine's forward pass (the batched engine's native pass, or
-    ``model.forward``): raises ``error`` on call number ``at`` (counted from arming), or
-    blocks while ``gate`` is closed; otherwise runs the real forward."""
+    ``model.forward``): from call number ``at`` (counted from arming) raises ``error`` on
+    ``times`` calls, or on every call that ``when(*args)`` accepts; blocks while ``gate`` is
+    closed; otherwise runs the real forward."""
 
     def __init__(self, forward: Any) -> None:
         self._forward = forward
         self.calls = 0
+        self.raised = 0
         self.error: BaseException | None = None
         self.at = 0
+        self.times = 0
+        self.when: Callable[..., bool] | None = None
         self.gate = threading.Event()
         self.gate.set()
         self.held = threading.Event()  # set while a call waits at the closed gate
 
-    def arm(self, error: BaseException, at: int = 1) -> None:
-        self.calls, self.error, self.at = 0, error, at
+    def arm(self, error: BaseException, at: int = 1, times: int = 1, when: Callable[..., bool] | None = None) -> None:
+        self.calls, self.raised, self.error, self.at, self.times, self.when = 0, 0, error, at, times, when
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if not self.gate.is_set():
             self.held.set()
             self.gate.wait()
-        if self.error is not None and self.calls >= self.at:
-            error, self.error = self.error, None
-            raise error
+        error = self.error
+        if error is not None and self.calls >= self.at and (self.when is None or self.when(*args)):
+            self.raised += 1
+            if self.when is None and self.raised >= self.times:
+                self.error = None
+            raise type(error)(*error.args)
         return self._forward(*args, **kwargs)
 
 
@@ -191,4 +204,137 @@ def test_wedged_engine_loop_turns_liveness_not_serving(
         fault.gate.set()
     reader.join(10)
     assert wait_until(lambda: health_status(server.target, LIVENESS) == SERVING, 4, interval=0.1)
+    assert_still_serving(server)
+
+
+CUDA_FAULT = "CUDA error: an illegal memory access was encountered"
+
+
+def always(*args: Any) -> bool:
+    return True
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_device_fault_ends_every_stream_and_turns_liveness_not_serving(
+    engine: dict, in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sticky device error (faked as CUDA raises it: torch.AcceleratorError, on this and
+    every later forward pass) while three streams decode and a fourth waits: each of the four
+    ends INTERNAL naming the fault, liveness and readiness turn NOT_SERVING within a second
+    (Kubernetes restarts the pod), and a new call is refused UNAVAILABLE."""
+    slots = {"max_active": 3} if engine["engine"] == "batched" else {"workers": 3}
+    server = in_process_server(**engine, **slots, max_queue=1)
+    fault = inject(server, monkeypatch)
+    stub = generation_stub(server.target)
+    streams = [stub.Generate(long_request(1000, request_id=f"running-{i}"), timeout=30) for i in range(3)]
+    for stream in streams:
+        assert next(stream).index == 0
+    fault.gate.clear()
+    assert fault.held.wait(10)
+    queued = stub.Generate(short_request(6, request_id="queued"), timeout=3600)
+    assert wait_until(lambda: server.backend.engine.queue.queued == 1, 10)
+    fault.arm(torch.AcceleratorError(CUDA_FAULT), at=0, when=always)
+    opened = time.monotonic()
+    fault.gate.set()
+    assert wait_until(lambda: health_status(server.target, LIVENESS) == NOT_SERVING, 1.0, interval=0.02), (
+        "liveness still SERVING a second after the device fault"
+    )
+    print(f"liveness NOT_SERVING {time.monotonic() - opened:.3f} s after the fault")
+    assert health_status(server.target, READINESS) == NOT_SERVING
+    for stream in [*streams, queued]:
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stream)
+        assert caught.value.code() == grpc.StatusCode.INTERNAL
+        assert "device failed and it must restart" in caught.value.details()
+        assert CUDA_FAULT in caught.value.details()
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Generate(short_request(), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "faulted" in refused.value.details() and CUDA_FAULT in refused.value.details()
+    assert server.backend.failure() == f"device error: AcceleratorError: {CUDA_FAULT}"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_steps_that_keep_failing_fault_the_engine(
+    engine: dict, in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that fails is that step's rows' failure; FAILED_STEPS_FAULT in a row, none
+    working between, is the engine's: liveness NOT_SERVING, new calls UNAVAILABLE."""
+    from tokenwire_server.engine.faults import FAILED_STEPS_FAULT
+
+    server = in_process_server(**engine)
+    fault = inject(server, monkeypatch)
+    fault.arm(RuntimeError("injected step fault"), when=always)
+    stub = generation_stub(server.target)
+    for attempt in range(FAILED_STEPS_FAULT):
+        assert health_status(server.target, LIVENESS) == SERVING, f"faulted after {attempt} failed steps"
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(short_request(), timeout=10))
+        assert caught.value.code() == grpc.StatusCode.INTERNAL
+        assert "injected step fault" in caught.value.details()
+    assert wait_until(lambda: health_status(server.target, LIVENESS) == NOT_SERVING, 2.0)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Generate(short_request(), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"{FAILED_STEPS_FAULT} engine steps in a row failed" in refused.value.details()
+
+
+def rows_request(i: int) -> pb.GenerateRequest:
+    """Greedy and seeded-sampled rows, long enough to be decoding together when the step fails."""
+    sampling = pb.SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i) if i % 2 else pb.SamplingParams()
+    return pb.GenerateRequest(
+        prompt=f"row {i}: once upon a time",
+        sampling=sampling,
+        stopping=pb.StoppingCriteria(max_new_tokens=300, ignore_eos=True),
+        output=pb.OutputOptions(token_ids=True),
+        request_id=f"row-{i}",
+    )
+
+
+@pytest.mark.parametrize("engine", ENGINES[:-1])
+def test_out_of_memory_in_a_step_fails_only_the_newest_rows(
+    engine: dict, in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row 0 decodes; rows 1-3 arrive in that order while the engine is held, and join it in
+    one step. Any step of more than two rows runs out of memory (faked). Rows 3 and then 2,
+    admitted last, give way with RESOURCE_EXHAUSTED; rows 0 and 1 finish with the very tokens
+    of an undisturbed run of the same four."""
+    server = in_process_server(**engine, max_active=4)
+    fault = inject(server, monkeypatch)
+    stub = generation_stub(server.target)
+    engine_ = server.backend.engine
+
+    def run(oom: bool) -> list[list[int] | grpc.RpcError]:
+        first = stub.Generate(rows_request(0), timeout=60)
+        head = next(first)
+        fault.gate.clear()
+        assert fault.held.wait(10)
+        rest = []
+        for i in range(1, 4):  # one by one, so the admission order is 1, 2, 3
+            rest.append(stub.Generate(rows_request(i), timeout=60))
+            assert wait_until(lambda i=i: engine_.queue.queued == i, 10)
+        if oom:
+            too_many = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (simulated)")
+            fault.arm(too_many, at=0, when=lambda ids, positions, segments, emit: len(segments) > 2)
+        fault.held.clear()
+        fault.gate.set()
+        results: list[list[int] | grpc.RpcError] = []
+        for index, stream in enumerate([first, *rest]):
+            try:
+                chunks = ([head] if index == 0 else []) + list(stream)
+                results.append([t.id for c in chunks for t in c.tokens])
+            except grpc.RpcError as error:
+                results.append(error)
+        return results
+
+    undisturbed = run(oom=False)
+    assert all(isinstance(ids, list) and len(ids) == 300 for ids in undisturbed)
+    disturbed = run(oom=True)
+    assert fault.raised >= 2  # each time, one row fewer: until two rows fit
+    for newest in disturbed[2:]:
+        assert isinstance(newest, grpc.RpcError)
+        assert newest.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "the newest request gave way" in newest.details()
+    assert disturbed[:2] == undisturbed[:2]
+    fault.arm(RuntimeError("unused"), at=10**9)  # disarmed
     assert_still_serving(server)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from ..domain import (
     EngineClosed,
+    EngineFaulted,
     EngineObserver,
     EngineOverloaded,
     EngineStats,
@@ -30,6 +31,7 @@ from ..domain import (
 from ..model import LoadedModel
 from ..text import SharedTokenizer
 from .estimate import StartEstimator
+from .faults import FAILED_STEPS_FAULT, Fault, classify, describe
 from .generation import Generation
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class AdmissionQueue:
         self._waiting: collections.deque[Generation] = collections.deque()
         self._active = 0
         self._closed = False
+        self._refusal: EngineClosed = EngineClosed("the engine is shutting down")
         self._cond = threading.Condition()
 
     def put(self, seq: Generation, check: Callable[[int], None] | None = None) -> None:
@@ -60,7 +63,7 @@ class AdmissionQueue:
         ``check(queued_ahead)`` raises once there is room (deadline-aware admission)."""
         with self._cond:
             if self._closed:
-                raise EngineClosed("the engine is shutting down")
+                raise self._refusal
             limits = self._limits
             if self._active + len(self._waiting) >= limits.max_active + limits.max_queue:
                 raise EngineOverloaded(
@@ -119,9 +122,12 @@ class AdmissionQueue:
             self._waiting.clear()
             return waiting
 
-    def close(self) -> None:
+    def close(self, refusal: EngineClosed | None = None) -> None:
+        """Admit nothing more; ``refusal`` is what ``put`` raises from now on."""
         with self._cond:
             self._closed = True
+            if refusal is not None:
+                self._refusal = refusal
             self._cond.notify_all()
 
     @property
@@ -168,6 +174,8 @@ class Engine(abc.ABC):
         self.observer: EngineObserver = _Observers(observer or NoObserver(), self.estimator)
         self.queue = AdmissionQueue(limits)
         self.last_progress = time.monotonic()
+        self.fault: str | None = None  # why the device cannot go on (engine.faults); None while it can
+        self._failed_steps = 0  # steps in a row that failed, none working between
         # Engine threads decode token text; each gets its own tokenizer (the Rust tokenizer
         # is not safe to share between threads: "Already borrowed").
         self.tokenizer = SharedTokenizer(loaded.tokenizer)
@@ -213,12 +221,57 @@ class Engine(abc.ABC):
 
     def _admit(self, seqs: list[Generation], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
+        if seqs and self.queue.active <= len(seqs):
+            self._mark_progress()  # work starts on an idle engine: the stall clock starts now
         for seq in seqs:
             seq.admit(now)
             self.observer.admitted(now - seq.request.arrival)
 
     def _mark_progress(self) -> None:
         self.last_progress = time.monotonic()
+
+    def _step_worked(self) -> None:
+        """A step (or, on the simple engine, a request) ran to its end: the engine moves."""
+        self._failed_steps = 0
+        self._mark_progress()
+
+    def _step_failed(self, seqs: list[Generation], exc: BaseException) -> None:
+        """End ``seqs`` for a step that raised ``exc`` (engine.faults says how)."""
+        kind = classify(exc)
+        if kind is Fault.OUT_OF_MEMORY:
+            for seq in seqs:
+                seq.fail(ErrorKind.OUT_OF_MEMORY, "the device ran out of memory during generation")
+            return
+        if kind is Fault.STEP:
+            self._failed_steps += 1
+            log.error("engine step failed", exc_info=exc, extra={"failed_in_a_row": self._failed_steps})
+            for seq in seqs:
+                seq.fail(ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
+            if self._failed_steps < FAILED_STEPS_FAULT:
+                return
+            self._enter_fault(f"{self._failed_steps} engine steps in a row failed, the last with {describe(exc)}")
+            return
+        log.error("device error in an engine step", exc_info=exc)
+        self._enter_fault(f"device error: {describe(exc)}")
+        for seq in seqs:
+            seq.fail(ErrorKind.INTERNAL, self._fault_message())
+
+    def _enter_fault(self, reason: str) -> None:
+        """The device cannot go on: refuse new work, fail what waits, and say so (liveness)."""
+        if self.fault is not None:
+            return
+        self.fault = reason
+        log.error("engine faulted; liveness NOT_SERVING until the process restarts", extra={"reason": reason})
+        self.queue.close(EngineFaulted(f"this server's engine faulted ({reason})"))
+        for seq in self.queue.drain_waiting():
+            seq.fail(ErrorKind.INTERNAL, self._fault_message())
+
+    def _fault_message(self) -> str:
+        return f"the server's device failed and it must restart ({self.fault}); retry on another replica"
+
+    def failure(self) -> str | None:
+        """Why this engine can do no more work (a device fault), or None."""
+        return self.fault
 
     def _fail_waiting(self) -> None:
         for seq in self.queue.drain_waiting():

@@ -49,6 +49,7 @@ import torch
 from ..domain import EngineObserver, EngineStats, ErrorKind, FinishReason, GenerationRequest
 from ..model import LoadedModel, attention_shape
 from .base import Engine, EngineLimits
+from .faults import Fault, classify
 from .generation import Generation
 from .native import NativeForward, Segment, unsupported_reason
 from .sampling import Sampler
@@ -149,6 +150,7 @@ class BatchedEngine(Engine):
         self.steps = 0  # decode steps
         self.prefill_steps = 0
         self._last_busy_rows = 0  # most rows in the batch since it was last empty
+        self._in_step: list[Row] = []  # the rows of the step being run (for _until_it_fits)
         self._cache_arg = cache_argument(loaded.model)
         config = loaded.model.config
         layers = int(config.num_hidden_layers)
@@ -211,25 +213,55 @@ class BatchedEngine(Engine):
     # -- the loop ------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.fault is None:
             try:
                 self._retire(expire=True)
                 self._join()
-                if self._native is not None:
-                    if self._rows:
-                        self._step()
+                if not self._rows:
                     continue
-                if any(not row.decoding for row in self._rows):
-                    self._prefill()
-                if any(row.decoding for row in self._rows):
-                    self._decode()
-            except Exception as exc:  # a failed step fails its batch, never the loop
-                self._fail(self._rows, exc)
-            finally:
-                self._mark_progress()
+                if self._native is not None:
+                    self._until_it_fits(self._step)
+                else:
+                    if any(not row.decoding for row in self._rows):
+                        self._prefill()
+                    if any(row.decoding for row in self._rows):
+                        self._until_it_fits(self._decode)
+                self._step_worked()
+            except Exception as exc:  # a failed step fails its batch, never the loop (engine.faults)
+                rows = list(self._rows)
+                self._step_failed([row.seq for row in rows], exc)
+                self._leave(rows)
+        if self.fault is not None:
+            for row in self._rows:
+                row.seq.fail(ErrorKind.INTERNAL, self._fault_message())
         for row in self._rows:
             row.seq.fail(ErrorKind.SHUTDOWN, "the server stopped before this request finished")
         self._leave(list(self._rows))
+
+    def _until_it_fits(self, step: Any) -> None:
+        """Run ``step``; when it runs out of device memory, the newest row in it gives way
+        (fails with RESOURCE_EXHAUSTED) and the step is planned and run again without it,
+        until it fits. A step commits nothing before it has sampled, and the sampler draws
+        from (seed, step) alone, so the rows that stay get the tokens they would have had."""
+        while True:
+            self._in_step = []
+            try:
+                step()
+                return
+            except torch.OutOfMemoryError:
+                self._free_device_memory()
+                if not self._in_step:
+                    raise
+                in_step = {id(row) for row in self._in_step}
+                newest = [row for row in self._rows if id(row) in in_step][-1]  # admission order
+                newest.seq.fail(
+                    ErrorKind.OUT_OF_MEMORY,
+                    "the device ran out of memory during generation; the newest request gave way",
+                )
+                self._leave([newest])
+                log.warning("out of memory in an engine step; the newest request gave way", extra={"rows_left": len(self._rows)})
+                if not self._rows:
+                    return
 
     def _join(self) -> None:
         reserved = self.kv_tokens_reserved()
@@ -321,6 +353,7 @@ class BatchedEngine(Engine):
         parts: list[tuple[Row, int, bool]] = [(row, 1, True) for row in decoding]
         parts += [(row, count, False) for row, count in chunks if count == 1]
         parts += [(row, count, False) for row, count in chunks if count > 1]
+        self._in_step = [row for row, _, _ in parts]
         ids: list[int] = []
         positions: list[int] = []
         segments: list[Segment] = []
@@ -339,9 +372,10 @@ class BatchedEngine(Engine):
                 emitters.append(row)
         assert self._native is not None  # it zeroes what it must of the slots (SlotCache.written)
         logits = self._native(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), segments, emit)
+        picks = self._sampler(logits, [row.seq for row in emitters]) if emitters else []
+        # Nothing is committed before here: a step that ran out of memory runs again as it was.
         for row, count in chunks:
             row.length += count
-        picks = self._sampler(logits, [row.seq for row in emitters]) if emitters else []
         elapsed = time.perf_counter() - started
         if decoding:
             self.steps += 1
@@ -371,18 +405,14 @@ class BatchedEngine(Engine):
         try:
             self._prefill_chunks(chunks)
             self.observer.prefill_step(time.perf_counter() - started, used)
-        except torch.cuda.OutOfMemoryError:
-            self._free_device_memory()
+        except Exception as exc:  # the prompts being read fail; the decoding rows go on
+            if classify(exc) is Fault.OUT_OF_MEMORY:
+                self._free_device_memory()
             group = [row for row, _ in chunks]
-            for row in group:
-                row.seq.fail(ErrorKind.OUT_OF_MEMORY, "the device ran out of memory while reading the prompt")
+            self._step_failed([row.seq for row in group], exc)
             self._leave(group)
-        except Exception as exc:
-            log.exception("prefill failed")
-            group = [row for row, _ in chunks]
-            for row in group:
-                row.seq.fail(ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
-            self._leave(group)
+            if self.fault is not None:
+                raise
 
     @torch.inference_mode()
     def _prefill_chunks(self, chunks: list[tuple[Row, int]]) -> None:
@@ -440,6 +470,7 @@ class BatchedEngine(Engine):
     def _decode(self) -> None:
         started = time.perf_counter()
         active = sorted((row for row in self._rows if row.decoding), key=lambda row: row.slot)
+        self._in_step = active
         top = active[-1].slot + 1
         by_slot: dict[int, Row] = {row.slot: row for row in active}
         pad, scratch = self.loaded.pad_token_id, self._cache.scratch
@@ -452,12 +483,12 @@ class BatchedEngine(Engine):
         self._cache.ensure_clean(list(range(top)), columns)
         self._cache.plan.set(list(range(top)), torch.tensor(write, dtype=torch.long), columns)
         out = self._forward(torch.tensor(ids, dtype=torch.long), mask, positions)
-        self.steps += 1
         logits = out.logits[:, -1, :]
         if len(active) < top:  # idle slots in the range: drop their rows
             index = torch.tensor([row.slot for row in active], dtype=torch.long, device=logits.device)
             logits = logits.index_select(0, index)
         picks = self._sampler(logits, [row.seq for row in active])
+        self.steps += 1
         self.observer.decode_step(time.perf_counter() - started)
         for row, (token, logprob, top_alternatives) in zip(active, picks, strict=True):
             row.length += 1
@@ -512,18 +543,6 @@ class BatchedEngine(Engine):
         self._rows = [row for row in self._rows if id(row) not in leaving]
         self._free.extend(row.slot for row in rows)
         self.queue.release(len(rows))
-
-    def _fail(self, rows: list[Row], exc: Exception) -> None:
-        if isinstance(exc, torch.cuda.OutOfMemoryError):
-            self._free_device_memory()
-            message, kind = "the device ran out of memory during generation", ErrorKind.OUT_OF_MEMORY
-        else:
-            log.exception("decode step failed")
-            message, kind = f"generation failed: {type(exc).__name__}: {exc}", ErrorKind.INTERNAL
-        rows = list(rows)
-        for row in rows:
-            row.seq.fail(kind, message)
-        self._leave(rows)
 
     def _free_device_memory(self) -> None:
         if torch.cuda.is_available():

@@ -69,6 +69,9 @@ class LocalBackend:
     def stalled(self, timeout_s: float) -> bool:
         return self.engine.stalled(timeout_s)
 
+    def failure(self) -> str | None:
+        return self.engine.failure()
+
     def stop_admission(self) -> None:
         self.engine.queue.close()
 

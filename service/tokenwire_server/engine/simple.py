@@ -28,6 +28,7 @@ from transformers.generation.streamers import BaseStreamer
 from ..domain import EngineObserver, ErrorKind, FinishReason, GenerationRequest
 from ..model import LoadedModel
 from .base import Engine, EngineLimits
+from .faults import Fault, classify
 from .generation import Generation
 from .sampling import Sampler
 
@@ -140,20 +141,17 @@ class SimpleEngine(Engine):
                     self._running.add(seq)
                 try:
                     self._generate(seq)
-                except torch.cuda.OutOfMemoryError:
-                    if torch.cuda.is_available():
+                    self._step_worked()
+                except Exception as exc:  # one request's failure must not take the worker down (engine.faults)
+                    if classify(exc) is Fault.OUT_OF_MEMORY and torch.cuda.is_available():
                         torch.cuda.empty_cache()
-                    seq.fail(ErrorKind.OUT_OF_MEMORY, "the device ran out of memory for this request")
-                except Exception as exc:  # one request's failure must not take the worker down
-                    log.exception("generation failed", extra={"request_id": seq.request.request_id})
-                    seq.fail(ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
+                    self._step_failed([seq], exc)
                 finally:
                     with self._running_lock:
                         self._running.discard(seq)
                     if seq.handle.cancelled and not seq.finished:
                         seq.abandon()
                     self.queue.release()
-                    self._mark_progress()
 
     def _generate(self, seq: Generation) -> None:
         loaded = self.loaded

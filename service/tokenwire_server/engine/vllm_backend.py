@@ -257,6 +257,9 @@ class VllmBackend:
     def stalled(self, timeout_s: float) -> bool:
         return bool(self.engine.errored)
 
+    def failure(self) -> str | None:
+        return None  # vLLM's own engine core reports a dead device as ``errored``: stalled() above
+
     def stop_admission(self) -> None:
         self._closed = True
 

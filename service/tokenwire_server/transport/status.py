@@ -16,7 +16,15 @@ from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-unty
 from grpc_status import rpc_status
 from tokenwire.validation import FieldViolation, Rule
 
-from ..domain import EmptyPrompt, EngineClosed, EngineOverloaded, ErrorKind, NoChatTemplate, PromptTooLong
+from ..domain import (
+    EmptyPrompt,
+    EngineClosed,
+    EngineFaulted,
+    EngineOverloaded,
+    ErrorKind,
+    NoChatTemplate,
+    PromptTooLong,
+)
 
 ERROR_CODES = {
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
@@ -91,6 +99,8 @@ def failure_of(exc: BaseException, input_field: str = "input") -> RpcFailure | N
         return exc
     if isinstance(exc, EngineOverloaded):
         return resource_exhausted(str(exc), exc.retry_after_s)
+    if isinstance(exc, EngineFaulted):
+        return RpcFailure(grpc.StatusCode.UNAVAILABLE, f"{exc}; retry on another replica")
     if isinstance(exc, EngineClosed):
         return RpcFailure(grpc.StatusCode.UNAVAILABLE, DRAINING)
     if isinstance(exc, NoChatTemplate):
