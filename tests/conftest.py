@@ -138,6 +138,11 @@ def build_tiny_model(
     seed: int = 0,
     head_dim: int = 16,
     context_length: int = 1024,
+    heads: int = 4,
+    kv_heads: int = 2,
+    tie: bool = True,
+    bias: bool = False,
+    initializer_range: float = 0.5,
 ) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -148,21 +153,29 @@ def build_tiny_model(
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=4 * head_dim,
-        intermediate_size=8 * head_dim,
+        hidden_size=heads * head_dim,
+        intermediate_size=2 * heads * head_dim,
+        head_dim=head_dim,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        attention_bias=bias,
+        mlp_bias=bias,
         max_position_embeddings=context_length,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
         # Large weights give well-separated logits, so greedy choices do not flip
         # on float noise between batched and single-row runs.
-        initializer_range=0.5,
+        initializer_range=initializer_range,
     )
     model = LlamaForCausalLM(config).eval()
+    if bias:  # transformers starts biases at zero: draw them, so a pass that drops them shows
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(".bias"):
+                    parameter.normal_(0.0, 0.5)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     if not chat_template:

@@ -95,6 +95,47 @@ def test_native_logits_match_transformers_on_the_tiny_model(tiny_model_dir: Path
     check_against_transformers(tiny_model_dir, 1e-3, kernels)
 
 
+# Llama shapes the native pass must read like transformers does: (query heads, KV heads,
+# head dim, tied lm_head, biases). Small widths; the geometry is what differs.
+SHAPES = {
+    "head-dim-128": dict(heads=4, kv_heads=2, head_dim=128),
+    "multi-head": dict(heads=4, kv_heads=4, head_dim=16),
+    "gqa-2": dict(heads=4, kv_heads=2, head_dim=32),
+    "gqa-4": dict(heads=8, kv_heads=2, head_dim=16),
+    "gqa-8": dict(heads=8, kv_heads=1, head_dim=16),
+    "gqa-32-past-the-compiled-op": dict(heads=32, kv_heads=1, head_dim=16),
+    "untied-lm-head": dict(heads=4, kv_heads=2, head_dim=16, tie=False),
+    "biases": dict(heads=4, kv_heads=2, head_dim=16, bias=True),
+}
+
+
+@pytest.fixture(scope="module")
+def shape_models(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict[str, Path]:
+    from conftest import build_tiny_model
+
+    return {
+        name: build_tiny_model(tmp_path_factory.mktemp(name), tiny_model_dir, initializer_range=0.1, **shape)
+        for name, shape in SHAPES.items()
+    }
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_native_logits_match_transformers_on_every_llama_shape(shape_models: dict[str, Path], shape: str, kernels: str) -> None:
+    check_against_transformers(shape_models[shape], 1e-3, kernels)
+
+
+def test_a_model_past_a_compiled_op_limit_reads_that_op_on_torch_and_says_why(shape_models: dict[str, Path]) -> None:
+    if KERNEL_REASON is not None:
+        pytest.skip(f"compiled CPU ops: {KERNEL_REASON}")
+    model = load_model(str(shape_models["gqa-32-past-the-compiled-op"])).model
+    native = NativeForward(model, fresh_cache(model), batch_hint=4, ops="compiled")
+    assert native.ops is not None  # the other compiled ops still run
+    assert native.ops_fallbacks == {"decode_attention": "32 query heads per KV head; the compiled op takes at most 16"}
+    within = load_model(str(shape_models["gqa-8"])).model
+    assert NativeForward(within, fresh_cache(within), batch_hint=4, ops="compiled").ops_fallbacks == {}
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_native_logits_match_transformers_on_the_default_model(default_model_dir: Path, kernels: str) -> None:

@@ -182,6 +182,7 @@ class BatchedEngine(Engine):
                 "onednn_packed": bool(self._native and self._native.packed),
                 "kernels": self.kernels,
                 "why_not_compiled": self._native.ops_reason if self._native is not None else None,
+                "compiled_ops_on_torch": self._native.ops_fallbacks if self._native is not None else None,
                 "why_not_native": (reason or f"--forward {forward}") if self._native is None else None,
             },
         )

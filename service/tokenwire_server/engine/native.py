@@ -267,6 +267,14 @@ class NativeForward:
         self.rotary = inner.rotary_emb
         self.intermediate = int(config.intermediate_size)
         self.ops, self.ops_reason = self._compiled_ops(ops)
+        # Compiled ops this model is past the limits of, each with why: those run on stock
+        # torch, checked here once rather than failing every step.
+        self.ops_fallbacks: dict[str, str] = {}
+        group = self.heads // self.kv_heads
+        if self.ops is not None and group > kernels.MAX_QUERY_HEADS_PER_KV_HEAD:
+            self.ops_fallbacks["decode_attention"] = (
+                f"{group} query heads per KV head; the compiled op takes at most {kernels.MAX_QUERY_HEADS_PER_KV_HEAD}"
+            )
 
     def _compiled_ops(self, choice: str) -> tuple[Any | None, str | None]:
         """The compiled CPU ops (``kernels``) where asked for and able, else None and why."""
@@ -327,7 +335,8 @@ class NativeForward:
             token_slots, token_columns = token_places(segments)
         else:
             flat = self._write_index(segments, width, kv_heads)
-        decode_attention = ops.decode_attention if ops is not None and singles else None
+        compiled_attention = "decode_attention" not in self.ops_fallbacks
+        decode_attention = ops.decode_attention if ops is not None and compiled_attention and singles else None
         if decode_attention is not None:
             # Each one-token row reads its own slot's columns 0..start, no more: no groups, no mask.
             single_slots = torch.tensor([s.slot for s in singles], dtype=torch.long)

@@ -66,6 +66,9 @@ SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 LIBRARY = "cpu_ops.so"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-fPIC", "-shared", "-Wall", "-Wextra")
 KERNEL_DIR_ENV = "TOKENWIRE_KERNEL_DIR"
+# The compiled decode attention's limits (cpu_ops.cpp: kMaxGroup; head dim a multiple of 8):
+# the native pass checks them when it loads, and reads with stock torch where a model is past them.
+MAX_QUERY_HEADS_PER_KV_HEAD = 16
 CACHE_DIR_ENV = "TOKENWIRE_CACHE_DIR"
 X86_64 = ("x86_64", "amd64")
 

@@ -201,7 +201,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = keys.size(1), capacity = keys.size(2);
   TORCH_CHECK(keys.size(3) == dim && dim % 8 == 0, "head dim must match and be a multiple of 8");
-  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "query heads must be a multiple of KV heads, at most kMaxGroup (16) per KV head");
   TORCH_CHECK(slots.numel() == rows && lengths.numel() == rows, "one slot and one length per row");
   const int64_t group = heads / kv_heads;
   const int64_t* slot = slots.data_ptr<int64_t>();
