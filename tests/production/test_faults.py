@@ -58,9 +58,9 @@ ENGINES = [
 
 class ForwardFault:
     """Stands in for the engine's forward pass (the batched engine's native pass, or
-    ``model.forward``): from call number ``at`` (counted from arming) raises ``error`` on
-    ``times`` calls, or on every call that ``when(*args)`` accepts; blocks while ``gate`` is
-    closed; otherwise runs the real forward."""
+    ``model.forward``): from call number ``at`` (counted from arming) raises ``error`` once,
+    or on every call that ``when(*args)`` accepts; blocks while ``gate`` is closed; otherwise
+    runs the real forward."""
 
     def __init__(self, forward: Any) -> None:
         self._forward = forward
@@ -68,14 +68,13 @@ class ForwardFault:
         self.raised = 0
         self.error: BaseException | None = None
         self.at = 0
-        self.times = 0
         self.when: Callable[..., bool] | None = None
         self.gate = threading.Event()
         self.gate.set()
         self.held = threading.Event()  # set while a call waits at the closed gate
 
-    def arm(self, error: BaseException, at: int = 1, times: int = 1, when: Callable[..., bool] | None = None) -> None:
-        self.calls, self.raised, self.error, self.at, self.times, self.when = 0, 0, error, at, times, when
+    def arm(self, error: BaseException, at: int = 1, when: Callable[..., bool] | None = None) -> None:
+        self.calls, self.raised, self.error, self.at, self.when = 0, 0, error, at, when
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
@@ -85,7 +84,7 @@ class ForwardFault:
         error = self.error
         if error is not None and self.calls >= self.at and (self.when is None or self.when(*args)):
             self.raised += 1
-            if self.when is None and self.raised >= self.times:
+            if self.when is None:
                 self.error = None
             raise type(error)(*error.args)
         return self._forward(*args, **kwargs)

@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from ..domain import (
     EngineClosed,
     EngineFaulted,
@@ -239,6 +241,7 @@ class Engine(abc.ABC):
         """End ``seqs`` for a step that raised ``exc`` (engine.faults says how)."""
         kind = classify(exc)
         if kind is Fault.OUT_OF_MEMORY:
+            self._free_device_memory()
             for seq in seqs:
                 seq.fail(ErrorKind.OUT_OF_MEMORY, "the device ran out of memory during generation")
             return
@@ -255,6 +258,11 @@ class Engine(abc.ABC):
         self._enter_fault(f"device error: {describe(exc)}")
         for seq in seqs:
             seq.fail(ErrorKind.INTERNAL, self._fault_message())
+
+    def _free_device_memory(self) -> None:
+        """After an out-of-memory error: hand the allocator's cached blocks back to the device."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _enter_fault(self, reason: str) -> None:
         """The device cannot go on: refuse new work, fail what waits, and say so (liveness)."""

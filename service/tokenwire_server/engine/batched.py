@@ -49,7 +49,6 @@ import torch
 from ..domain import EngineObserver, EngineStats, ErrorKind, FinishReason, GenerationRequest
 from ..model import LoadedModel, attention_shape
 from .base import Engine, EngineLimits
-from .faults import Fault, classify
 from .generation import Generation
 from .native import NativeForward, Segment, unsupported_reason
 from .sampling import Sampler
@@ -407,8 +406,6 @@ class BatchedEngine(Engine):
             self._prefill_chunks(chunks)
             self.observer.prefill_step(time.perf_counter() - started, used)
         except Exception as exc:  # the prompts being read fail; the decoding rows go on
-            if classify(exc) is Fault.OUT_OF_MEMORY:
-                self._free_device_memory()
             group = [row for row, _ in chunks]
             self._step_failed([row.seq for row in group], exc)
             self._leave(group)
@@ -544,7 +541,3 @@ class BatchedEngine(Engine):
         self._rows = [row for row in self._rows if id(row) not in leaving]
         self._free.extend(row.slot for row in rows)
         self.queue.release(len(rows))
-
-    def _free_device_memory(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()

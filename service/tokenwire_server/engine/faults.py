@@ -47,5 +47,5 @@ def classify(exc: BaseException) -> Fault:
 
 def describe(exc: BaseException) -> str:
     """One line for logs and statuses: the error's type and the first line of its message."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    message = str(exc).strip()
+    return f"{type(exc).__name__}: {message.splitlines()[0]}" if message else type(exc).__name__

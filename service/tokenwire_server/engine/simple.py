@@ -28,7 +28,6 @@ from transformers.generation.streamers import BaseStreamer
 from ..domain import EngineObserver, ErrorKind, FinishReason, GenerationRequest
 from ..model import LoadedModel
 from .base import Engine, EngineLimits
-from .faults import Fault, classify
 from .generation import Generation
 from .sampling import Sampler
 
@@ -143,8 +142,6 @@ class SimpleEngine(Engine):
                     self._generate(seq)
                     self._step_worked()
                 except Exception as exc:  # one request's failure must not take the worker down (engine.faults)
-                    if classify(exc) is Fault.OUT_OF_MEMORY and torch.cuda.is_available():
-                        torch.cuda.empty_cache()
                     self._step_failed([seq], exc)
                 finally:
                     with self._running_lock:
