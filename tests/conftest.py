@@ -201,6 +201,14 @@ def tiny_long_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir
 
 
 @pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Any:
+    """``tiny_model_factory(name, heads=8, kv_heads=1, ...)``: ``build_tiny_model`` into a fresh
+    folder, with the tokenizer's files. A fixture, because a test module's ``import conftest``
+    finds whichever conftest.py comes first on sys.path (tests/production has its own)."""
+    return lambda name, **shape: build_tiny_model(tmp_path_factory.mktemp(name), tiny_model_dir, **shape)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_no_template_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     head_dim = 64 if TEST_ENGINE == "vllm" else 16
     return build_tiny_model(

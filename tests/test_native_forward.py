@@ -17,6 +17,7 @@ from __future__ import annotations
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,13 +111,8 @@ SHAPES = {
 
 
 @pytest.fixture(scope="module")
-def shape_models(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict[str, Path]:
-    from conftest import build_tiny_model
-
-    return {
-        name: build_tiny_model(tmp_path_factory.mktemp(name), tiny_model_dir, initializer_range=0.1, **shape)
-        for name, shape in SHAPES.items()
-    }
+def shape_models(tiny_model_factory: Any) -> dict[str, Path]:
+    return {name: tiny_model_factory(name, initializer_range=0.1, **shape) for name, shape in SHAPES.items()}
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
