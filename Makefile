@@ -28,7 +28,7 @@ SERVER_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.tokenwire-setup
 
-.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-levers bench-kernels bench-neighbour soak clean setup-vllm test-vllm js-deps test-gpu
+.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-levers bench-kernels bench-neighbour bench-prefix soak clean setup-vllm test-vllm js-deps test-gpu
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -108,6 +108,9 @@ bench-kernels: model kernels ## which GEMM reads the model's weights fastest on 
 
 bench-neighbour: model ## does the server keep its pace beside a busy process? --omp-spin-count 1000 vs OpenMP's own spin, quiet and loaded; writes its section of docs/benchmarks.md
 	$(PY) -m benchmarks.neighbour $(NEIGHBOUR_ARGS)
+
+bench-prefix: model ## a shared 1,000-token system prompt: time to first token with --prefix-cache on and off, 3 repeats; writes its section of docs/benchmarks.md
+	$(PY) -m benchmarks.prefix $(PREFIX_ARGS)
 
 soak: model ## N minutes of mixed traffic against a local server; writes docs/reliability.md figures
 	$(PY) -m benchmarks.soak $(SOAK_ARGS)

@@ -1,5 +1,5 @@
 """`make bench-kernels`: which GEMM reads the default model's weights fastest on this CPU,
-and how fast do 16 decode rows attend over the slot cache?
+and how fast do 16 decode rows attend over the KV cache?
 
 Every linear layer of the default model (q/k/v and gate/up fused, as the batched
 engine's native pass runs them, and the vocabulary projection), once each, at 1 row
@@ -15,14 +15,15 @@ step. Four kernels, all from stock torch:
 - ``int4``: ``torch.ops.aten._weight_int4pack_mm_for_cpu``, 4-bit weights in groups of
   32 with a scale and a minimum: exactly the default checkpoint's Q4_1 numbers.
 
-Decode attention: 16 one-token rows over the default model's 30 layers of slot cache
+Decode attention: 16 one-token rows over the default model's 30 layers of KV cache
 (3 KV heads of 64, 9 query heads), every row at the same context length, two ways:
 
-- ``sdpa``: ``scaled_dot_product_attention`` as the native pass calls it without its
-  kernel (the rows' query heads grouped by KV head, a length mask, a view of the
-  slots' first columns);
+- ``sdpa``: ``scaled_dot_product_attention`` over each row's columns laid out
+  contiguously (the rows' query heads grouped by KV head, a length mask): its best
+  case; the native pass's stock-torch path first gathers a row's blocks into that layout;
 - ``kernel``: ``torch.ops.tokenwire.decode_attention`` (``engine/kernels``), what
-  ``--kernels auto`` runs where the compiled ops build.
+  ``--kernels auto`` runs where the compiled ops build, reading each row's columns
+  through its block table (16-token blocks, interleaved with the other rows' in the pool).
 
 Each row shows the time for all 30 layers and the keys and values read per
 second (the bytes a step must read at least: the rows' columns).
@@ -52,6 +53,7 @@ KERNELS = ("F.linear", "onednn", "int8", "int4")
 ATTENTIONS = ("sdpa", "kernel")
 CONTEXTS = (100, 400, 1000)
 LAYERS, SLOTS, KV_HEADS, HEADS, HEAD_DIM, CAPACITY = 30, 16, 3, 9, 64, 2049  # the default model's cache
+BLOCK = 16  # tokens per KV block (engine.blocks.BLOCK_SIZE)
 
 
 def weights() -> list[Any]:
@@ -139,15 +141,25 @@ def attention(repeats: int, calls: int, results: dict[tuple[str, int], list[floa
     op = loaded.ops.decode_attention
     top = max(CONTEXTS)
     layers = []
+    per_row = -(-top // BLOCK)
+    # row r's block b is pool block b * SLOTS + r: the rows' blocks interleaved, as a busy pool leaves them
+    tables = (torch.arange(per_row).view(1, -1) * SLOTS + torch.arange(SLOTS).view(-1, 1)).contiguous()
+    pools = []
     for _ in range(LAYERS):  # only the columns read are ever touched
         keys = torch.empty(SLOTS, KV_HEADS, CAPACITY, HEAD_DIM)
         values = torch.empty(SLOTS, KV_HEADS, CAPACITY, HEAD_DIM)
         keys[:, :, :top].normal_()
         values[:, :, :top].normal_()
         layers.append((keys, values))
+        pool = []
+        for buffer in (keys, values):
+            blocks = buffer[:, :, : per_row * BLOCK].reshape(SLOTS, KV_HEADS, per_row, BLOCK, HEAD_DIM).transpose(1, 2)
+            paged = torch.empty(SLOTS * per_row, KV_HEADS, BLOCK, HEAD_DIM)
+            paged[tables.reshape(-1)] = blocks.reshape(-1, KV_HEADS, BLOCK, HEAD_DIM)
+            pool.append(paged)
+        pools.append((pool[0], pool[1]))
     q = torch.randn(SLOTS, HEADS, HEAD_DIM)
     grouped = q.view(SLOTS, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
-    slots = torch.arange(SLOTS)
     scale = HEAD_DIM**-0.5
     with torch.inference_mode():
         for _ in range(repeats):
@@ -160,8 +172,8 @@ def attention(repeats: int, calls: int, results: dict[tuple[str, int], list[floa
                         F.scaled_dot_product_attention(grouped, keys[:, :, :ctx], values[:, :, :ctx], attn_mask=m, scale=scale)
 
                 def kernel(n: Any = lengths) -> None:
-                    for keys, values in layers:
-                        op(q, keys, values, slots, n, scale)
+                    for keys, values in pools:
+                        op(q, keys, values, tables, n, scale)
 
                 for way, fn in (("sdpa", sdpa), ("kernel", kernel)):
                     fn()

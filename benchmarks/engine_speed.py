@@ -10,7 +10,10 @@ subprocess with that tree's ``service/`` first on sys.path) and prints min/media
 - ``long``: 8 streams decode, a ~1,500-token prompt arrives; the largest inter-token
   gap of the 8 while it is read, against their ITL p50.
 
-The machine is shared: compare the trees within one run, not across runs.
+The machine is shared: compare the trees within one run, not across runs. With
+``--section NAME`` the result (each metric's min/median/max per tree, and the per-repeat
+new ÷ old ratios) also replaces section NAME of ``--out`` (docs/benchmarks.md), with
+``--label`` saying what the two trees are.
 """
 
 from __future__ import annotations
@@ -125,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new", type=int, default=128)
     parser.add_argument("--cases", default="c1,c16,long")
+    parser.add_argument("--section", default="", help="write the result as this section of --out")
+    parser.add_argument("--label", default="old tree vs new tree", help="what the two trees are, for the section")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -156,7 +162,44 @@ def main(argv: list[str] | None = None) -> int:
         for metric in runs[0]:
             values = [r[metric] for r in runs]
             print(f"{case:6} {label:5} {metric:14} {min(values):8.1f} {statistics.median(values):8.1f} {max(values):8.1f}")
+    if args.section:
+        write_section(args, results, argv if argv is not None else sys.argv[1:])
     return 0
+
+
+def write_section(args: argparse.Namespace, results: dict[tuple[str, str], list[dict[str, Any]]], argv: list[str]) -> None:
+    from benchmarks.bench import machine
+    from benchmarks.doc import replace_section
+    from benchmarks.peers import spread
+
+    info = machine()
+    command = "python -m benchmarks.engine_speed " + " ".join(argv)
+    lines = [
+        f"## The batched engine in-process, two trees side by side: {args.label}",
+        "",
+        f"Written by `{command.strip()}` at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; do not edit by hand.",
+        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}. Each repeat runs every case once on each tree, "
+        "alternating, each in a fresh process; c1/c16: tokens/s of 1 or 16 greedy streams of "
+        f"{args.max_new} tokens; long: 8 streams decode while a ~1,500-token prompt is read (their largest gap ÷ "
+        "their ITL p50 before it: the stall). Cells: median (min–max) over the repeats; ratios: new ÷ old per repeat.",
+        "",
+        "| case | metric | old | new | new ÷ old |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for case in args.cases.split(","):
+        old, new = results[(case, "old")], results[(case, "new")]
+        for metric in ("tok_s", "itl_p50_ms", "max_gap_ms", "long_ttft_ms"):
+            if metric not in old[0]:
+                continue
+            ratios = [n[metric] / o[metric] for o, n in zip(old, new, strict=True)]
+            lines.append(
+                f"| {case} | {metric} | {spread([r[metric] for r in old])} | {spread([r[metric] for r in new])} | {spread(ratios, 2)} |"
+            )
+        if case == "long":
+            for label, runs in (("old", old), ("new", new)):
+                stalls = [r["max_gap_ms"] / r["itl_p50_ms"] for r in runs]
+                lines.append(f"| long | stall ({label}) | | | {spread(stalls, 2)}× |")
+    replace_section(args.out, args.section, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -66,21 +66,35 @@ def kernel_choices() -> list[Any]:
     return [pytest.param("compiled", marks=skip), "torch"]
 
 
-def fresh_cache(model: Any, slots: int = 4, capacity: int = 256, poisoned: bool = False) -> Any:
-    """A float32 CPU slot cache shaped for ``model``: every slot zeroed, or (``poisoned``)
-    every column NaN and nothing marked clean, as uninitialised memory may be, so any
-    read of a column no row wrote (and no one zeroed) shows in the logits."""
+SLOTS = 4  # the requests a test's fresh cache holds
+BLOCK = 16
+
+
+def fresh_cache(model: Any, capacity: int = 256, poisoned: bool = False) -> Any:
+    """A float32 CPU paged cache shaped for ``model``, room for ``SLOTS`` requests of
+    ``capacity`` tokens (``slot_segment``): every block zeroed, or (``poisoned``) NaN, as
+    uninitialised memory may be, so any read of a column no row wrote shows in the logits."""
     import torch
-    from tokenwire_server.engine.slots import SlotCache
+    from tokenwire_server.engine.kv import PagedCache
     from tokenwire_server.model import attention_shape
 
     _, kv_heads, head_dim = attention_shape(model.config)
     layers = model.config.num_hidden_layers
-    cache = SlotCache(slots, capacity, kv_heads, head_dim, [(torch.device("cpu"), torch.float32)] * layers)
-    if poisoned:
-        for layer in cache.layers:
-            layer.keys[:, :, :capacity].fill_(float("nan"))
-            layer.values[:, :, :capacity].fill_(float("nan"))
-    else:
-        cache.ensure_clean(list(range(slots)), capacity)
+    cache = PagedCache(SLOTS * capacity // BLOCK, BLOCK, kv_heads, head_dim, [(torch.device("cpu"), torch.float32)] * layers)
+    for layer in cache.layers:
+        layer.keys.fill_(float("nan") if poisoned else 0.0)
+        layer.values.fill_(float("nan") if poisoned else 0.0)
     return cache
+
+
+def slot_table(slot: int, capacity: int = 256) -> tuple[int, ...]:
+    """Request ``slot``'s block table in a ``fresh_cache``: its blocks interleaved with the
+    other requests' (block b of request s is pool block ``b * SLOTS + s``), never adjacent."""
+    return tuple(b * SLOTS + slot for b in range(capacity // BLOCK))
+
+
+def slot_segment(slot: int, start: int, count: int, capacity: int = 256) -> Any:
+    """A native-pass segment of request ``slot`` in a ``fresh_cache``."""
+    from tokenwire_server.engine.ops import Segment
+
+    return Segment(slot_table(slot, capacity), start, count)

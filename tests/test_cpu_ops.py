@@ -1,9 +1,9 @@
 """The compiled CPU ops (``engine/kernels``) against stock torch, and how the native pass picks them.
 
-- ``decode_attention``: each one-token row attends over its own slot's first ``length``
-  columns: the same numbers as ``scaled_dot_product_attention`` over those columns
-  (grouped query heads, ragged lengths on both sides of the 8-column blocks, slots in
-  any order). A row's output does not depend on the other rows of the call, nor on what
+- ``decode_attention``: each one-token row attends over the first ``length`` columns of
+  its own block table (blocks scattered over the pool, in any order): the same numbers
+  as ``scaled_dot_product_attention`` over those columns (grouped query heads, ragged
+  lengths on both sides of the 8-column steps and the 16-token blocks). A row's output does not depend on the other rows of the call, nor on what
   lies past its length (NaN there changes nothing): batch invariance by construction.
 - ``rms_norm``, ``silu_mul``, ``rope_``: transformers' Llama RMSNorm, SiLU(gate)*up and
   ``apply_rotary_pos_emb``, to float32 rounding, on sizes with and without a tail past
@@ -63,6 +63,22 @@ def kernel_op():
     return compiled_ops().decode_attention
 
 
+def paged(keys, values, seed: int = 0, block_size: int = 16):
+    """Per-row buffers ``[rows, kv_heads, capacity, dim]`` laid out as a block pool with the
+    blocks shuffled: (pool keys, pool values, one table per row)."""
+    rows, kv_heads, capacity, dim = keys.shape
+    per_row = capacity // block_size
+    order = torch.randperm(rows * per_row, generator=torch.Generator().manual_seed(seed))
+    tables = order.view(rows, per_row).contiguous()
+    pools = []
+    for buffer in (keys, values):
+        pool = torch.empty(rows * per_row, kv_heads, block_size, dim)
+        blocks = buffer.view(rows, kv_heads, per_row, block_size, dim).transpose(1, 2)
+        pool[tables.reshape(-1)] = blocks.reshape(rows * per_row, kv_heads, block_size, dim)
+        pools.append(pool)
+    return pools[0], pools[1], tables
+
+
 def reference(q, keys, values, slots, lengths, scale):
     rows, heads, dim = q.shape
     kv_heads = keys.shape[1]
@@ -84,7 +100,8 @@ def test_the_kernel_gives_sdpa_numbers_over_each_rows_own_columns(heads: int, kv
     lengths = torch.tensor([1, 7, 8, 9, 300, 64], dtype=torch.long)  # around the 8-column blocks
     slots = torch.tensor([4, 0, 5, 2, 1, 3], dtype=torch.long)  # any order
     q = torch.randn(6, heads, dim, generator=generator) * 3  # large scores: softmax's max matters
-    got = op(q, keys, values, slots, lengths, dim**-0.5)
+    pool_k, pool_v, tables = paged(keys, values)
+    got = op(q, pool_k, pool_v, tables[slots].contiguous(), lengths, dim**-0.5)
     want = reference(q, keys, values, slots, lengths, dim**-0.5)
     assert got.shape == q.shape
     assert (got - want).abs().max().item() < 1e-5
@@ -96,24 +113,27 @@ def test_a_row_gives_the_same_bits_alone_as_among_others_and_never_reads_past_it
     keys = torch.randn(4, 3, 200, 64, generator=generator)
     values = torch.randn(4, 3, 200, 64, generator=generator)
     q = torch.randn(4, 9, 64, generator=generator)
-    slots = torch.tensor([0, 1, 2, 3])
     lengths = torch.tensor([17, 150, 3, 90])
-    together = op(q, keys, values, slots, lengths, 0.125)
+    pool_k, pool_v, tables = paged(keys, values, seed=1, block_size=8)
+    together = op(q, pool_k, pool_v, tables, lengths, 0.125)
     keys[:, :, 150:] = float("nan")  # past every row's length
     values[:, :, 150:] = float("nan")
     keys[2, :, 3:] = float("nan")  # past row 2's
+    pool_k, pool_v, tables = paged(keys, values, seed=1, block_size=8)
+    tables[2, 1:] = 10**9  # and row 2's table past its one block points nowhere: never read
     for row in range(4):
-        alone = op(q[row : row + 1].contiguous(), keys, values, slots[row : row + 1], lengths[row : row + 1], 0.125)
+        alone = op(q[row : row + 1].contiguous(), pool_k, pool_v, tables[row : row + 1].contiguous(), lengths[row : row + 1], 0.125)
         assert torch.equal(alone[0], together[row])
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"slots": torch.tensor([0, 9])}, "slot out of range"),
+        ({"tables": torch.tensor([[0], [9]])}, "block out of range"),
         ({"lengths": torch.tensor([0, 4])}, "length out of range"),
-        ({"lengths": torch.tensor([4, 65])}, "length out of range"),
-        ({"lengths": torch.tensor([4])}, "one slot and one length per row"),
+        ({"lengths": torch.tensor([4, 17])}, "length out of range"),
+        ({"lengths": torch.tensor([4])}, "one table and one length per row"),
+        ({"keys": torch.zeros(2, 3, 12, 64), "values": torch.zeros(2, 3, 12, 64)}, "block size must be a multiple of 8"),
         ({"q": torch.randn(2, 9, 64, dtype=torch.float64)}, "float32 only"),
         ({"q": torch.randn(2, 8, 64)}, "multiple of KV heads"),
         ({"q": torch.randn(9, 2, 64).transpose(0, 1)}, "contiguous"),
@@ -123,14 +143,14 @@ def test_bad_arguments_are_errors_that_say_which(change: dict, message: str) -> 
     op = kernel_op()
     args = {
         "q": torch.randn(2, 9, 64),
-        "keys": torch.zeros(2, 3, 64, 64),
-        "values": torch.zeros(2, 3, 64, 64),
-        "slots": torch.tensor([0, 1]),
+        "keys": torch.zeros(2, 3, 16, 64),
+        "values": torch.zeros(2, 3, 16, 64),
+        "tables": torch.tensor([[0], [1]]),
         "lengths": torch.tensor([4, 4]),
     }
     args.update(change)
     with pytest.raises(RuntimeError, match=message):
-        op(args["q"], args["keys"], args["values"], args["slots"], args["lengths"], 0.125)
+        op(args["q"], args["keys"], args["values"], args["tables"], args["lengths"], 0.125)
 
 
 def test_a_built_kernel_is_found_again_without_compiling() -> None:
@@ -142,12 +162,12 @@ def test_a_built_kernel_is_found_again_without_compiling() -> None:
 def test_auto_keeps_torch_ops_where_the_library_is_unavailable_and_compiled_refuses_to_start(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     loaded = load_model(str(tiny_model_dir))
     monkeypatch.setattr(kernels, "load", lambda: kernels.Kernel(None, "no C++ compiler (test)"))
-    native = NativeForward(loaded.model, fresh_cache(loaded.model, 2, 64), batch_hint=2)
-    assert native.ops is None and native.ops_reason == "no C++ compiler (test)"
+    native = NativeForward(loaded.model, fresh_cache(loaded.model, 64), batch_hint=2)
+    assert not native.compiled and native.ops_reason == "no C++ compiler (test)"
     with pytest.raises(ValueError, match=r"--kernels compiled: no C\+\+ compiler \(test\)"):
-        NativeForward(loaded.model, fresh_cache(loaded.model, 2, 64), batch_hint=2, ops="compiled")
+        NativeForward(loaded.model, fresh_cache(loaded.model, 64), batch_hint=2, kernel_choice="compiled")
     with pytest.raises(ValueError, match="unknown kernels 'fast'"):
-        NativeForward(loaded.model, fresh_cache(loaded.model, 2, 64), batch_hint=2, ops="fast")
+        NativeForward(loaded.model, fresh_cache(loaded.model, 64), batch_hint=2, kernel_choice="fast")
 
 
 def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,9 +186,9 @@ def test_the_engine_takes_the_compiled_ops_on_this_cpu_and_torch_ops_when_told(t
     compiled_ops()
     loaded = load_model(str(tiny_model_dir))
     engine = create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1)
-    assert engine._native.ops is not None and engine.kernels == "compiled"  # type: ignore[attr-defined]
+    assert engine.runner.native.compiled and engine.kernels == "compiled"  # type: ignore[attr-defined]
     engine = create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1, kernels="torch")
-    assert engine._native.ops is None and engine.kernels == "torch"  # type: ignore[attr-defined]
+    assert not engine.runner.native.compiled and engine.kernels == "torch"  # type: ignore[attr-defined]
 
 
 # -- the row-wise ops ------------------------------------------------------------------
@@ -228,16 +248,16 @@ def test_store_kv_writes_each_tokens_key_and_value_where_index_copy_would() -> N
     generator = torch.Generator().manual_seed(6)
     heads, kv_heads, dim, tokens = 9, 3, 64, 5
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)
-    keys, values = torch.zeros(4, kv_heads, 33, dim), torch.zeros(4, kv_heads, 33, dim)
-    slots, columns = torch.tensor([2, 0, 0, 0, 3]), torch.tensor([7, 0, 1, 2, 32])
-    ops.store_kv(qkv, keys, values, slots, columns, heads)
+    keys, values = torch.zeros(4, kv_heads, 16, dim), torch.zeros(4, kv_heads, 16, dim)
+    blocks, offsets = torch.tensor([2, 0, 0, 0, 3]), torch.tensor([7, 0, 1, 2, 15])
+    ops.store_kv(qkv, keys, values, blocks, offsets, heads)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
     for t in range(tokens):
-        assert torch.equal(keys[slots[t], :, columns[t]], k[t]) and torch.equal(values[slots[t], :, columns[t]], v[t])
+        assert torch.equal(keys[blocks[t], :, offsets[t]], k[t]) and torch.equal(values[blocks[t], :, offsets[t]], v[t])
     assert int((keys != 0).any(-1).sum()) == tokens * kv_heads  # nothing else written
-    with pytest.raises(RuntimeError, match="slot or column out of range"):
-        ops.store_kv(qkv, keys, values, slots, torch.tensor([7, 0, 1, 2, 33]), heads)
+    with pytest.raises(RuntimeError, match="block or offset out of range"):
+        ops.store_kv(qkv, keys, values, blocks, torch.tensor([7, 0, 1, 2, 16]), heads)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
-"""The batched engine's slots, chunked prefill and vectorised sampler.
+"""The batched engine's paged KV cache, chunked prefill and vectorised sampler.
 
-- KV slots live on the device of their layer's weights (a fake device map, CPU only).
+- KV blocks live on the device of their layer's weights (a fake device map, CPU only);
+  transformers' forward writes through block tables and reads each row's columns gathered.
 - A prompt read in chunks (while others decode, or forced) gives the tokens a one-shot read gives.
 - The sampler's seeded draw depends on (seed, step) only, never on the batch.
 - On the real default model: greedy and seeded requests give the same tokens alone and
@@ -29,10 +30,12 @@ from tokenwire_server.domain import (
     SamplingOptions,
 )
 from tokenwire_server.engine import batched, create_engine
+from tokenwire_server.engine import scheduler as scheduler_module
 from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.engine.generation import Generation
+from tokenwire_server.engine.kv import PagedCache, layer_placements, table_tensor
 from tokenwire_server.engine.sampling import Sampler, gumbel_noise, row_keys
-from tokenwire_server.engine.slots import SlotCache, layer_placements
+from tokenwire_server.engine.scheduler import IDLE_PREFILL_TOKENS
 from tokenwire_server.model import LoadedModel, load_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -53,7 +56,7 @@ def run_all(engine: Any, requests: list[GenerationRequest], timeout: float = 300
     return recorders
 
 
-# -- slots on their layer's device ------------------------------------------------------
+# -- blocks on their layer's device ----------------------------------------------------
 
 
 class FakeLinear:
@@ -79,36 +82,38 @@ class FakeModel:
         return self._decoder
 
 
-def test_slots_are_allocated_on_each_layers_device() -> None:
+def test_blocks_are_allocated_on_each_layers_device() -> None:
     model = FakeModel(["cpu", "cpu", "meta", "meta"])
     placements = layer_placements(model, 4, torch.device("cpu"), torch.float32)
     assert [device.type for device, _ in placements] == ["cpu", "cpu", "meta", "meta"]
-    cache = SlotCache(slots=3, capacity=16, kv_heads=2, head_dim=8, placements=placements)
+    cache = PagedCache(num_blocks=6, block_size=16, kv_heads=2, head_dim=8, placements=placements)
     assert [d.type for d in cache.devices] == ["cpu", "cpu", "meta", "meta"]
     for layer in cache.layers:
         assert layer.keys.device == layer.values.device == layer.device
-        assert tuple(layer.keys.shape) == (3, 2, 17, 8)  # capacity + the scratch column
+        assert tuple(layer.keys.shape) == (7, 2, 16, 8)  # the blocks + the scratch block
 
 
-def test_slot_writes_land_in_their_slot_and_column() -> None:
-    cache = SlotCache(slots=3, capacity=8, kv_heads=2, head_dim=4, placements=[(torch.device("cpu"), torch.float32)])
-    cache.ensure_clean([0, 1, 2], 8)
+def test_block_writes_land_in_their_tables_blocks_and_reads_gather_each_rows_columns() -> None:
+    cache = PagedCache(num_blocks=4, block_size=4, kv_heads=2, head_dim=4, placements=[(torch.device("cpu"), torch.float32)])
+    layer = cache.layers[0]
+    layer.keys.fill_(float("nan"))  # as uninitialised memory may be
+    layer.values.fill_(float("nan"))
     keys = torch.randn(2, 2, 3, 4)  # [rows, heads, queries, dim]
     values = torch.randn(2, 2, 3, 4)
-    cols = torch.tensor([[0, 1, 2], [5, 6, cache.scratch]])  # the second row's last query is padding
-    cache.plan.set([2, 0], cols, columns=7)
+    tables = table_tensor([[3, 1], [0]], cache.scratch, 2)  # row 0: blocks 3 then 1; row 1: block 0 (padded with scratch)
+    # row 0 writes its columns 2..4 (block 3 offsets 2, 3; block 1 offset 0); row 1 its columns 0, 1 and a padding query
+    write_blocks = torch.tensor([[3, 3, 1], [0, 0, cache.scratch]])
+    write_offsets = torch.tensor([[2, 3, 0], [0, 1, 0]])
+    cache.plan.set(tables, write_blocks, write_offsets, torch.tensor([5, 2]), columns=5)
     read_k, read_v = cache.update(keys, values, 0)
-    layer = cache.layers[0]
-    assert torch.equal(layer.keys[2, :, 0:3], keys[0]) and torch.equal(layer.values[2, :, 0:3], values[0])
-    assert torch.equal(layer.keys[0, :, 5:7], keys[1, :, :2])
-    assert not layer.keys[1, :, :8].any()  # the slot nobody wrote to
-    assert torch.equal(layer.keys[0, :, cache.scratch], keys[1, :, 2])
-    assert tuple(read_k.shape) == (2, 2, 7, 4)  # the slots gathered in the plan's order
-    assert torch.equal(read_k[0], layer.keys[2, :, :7]) and torch.equal(read_v[1], layer.values[0, :, :7])
-    cache.plan.set([0, 1], torch.tensor([[3], [4]]), columns=5)
-    read_k, _ = cache.update(keys[:, :, :1], values[:, :, :1], 0)
-    assert read_k.data_ptr() == layer.keys.data_ptr()  # a range of slots is read as a view, not a copy
-    assert torch.equal(layer.keys[1, :, 4], keys[1, :, 0])
+    assert torch.equal(layer.keys[3, :, 2:4], keys[0, :, :2]) and torch.equal(layer.keys[1, :, 0], keys[0, :, 2])
+    assert torch.equal(layer.values[0, :, 0:2], values[1, :, :2])
+    assert torch.equal(layer.keys[cache.scratch, :, 0], keys[1, :, 2])
+    assert torch.isnan(layer.keys[2]).all()  # the block nobody holds
+    assert tuple(read_k.shape) == (2, 2, 5, 4)  # each row's columns, gathered through its table
+    assert torch.equal(read_k[0, :, 2:5], keys[0]) and torch.equal(read_v[1, :, :2], values[1, :, :2])
+    # past each row's length (never written, NaN here) the copy is zeros: masked, and finite
+    assert torch.equal(read_k[1, :, 2:], torch.zeros(2, 3, 4)) and torch.isnan(read_k[0, :, :2]).all()
 
 
 def test_layer_placements_fall_back_to_the_model_device() -> None:
@@ -116,7 +121,7 @@ def test_layer_placements_fall_back_to_the_model_device() -> None:
     assert placements == [(torch.device("cpu"), torch.bfloat16)] * 2
 
 
-def test_real_model_slots_follow_its_layers(tiny_model_dir: Path) -> None:
+def test_real_model_blocks_follow_its_layers(tiny_model_dir: Path) -> None:
     loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
     placements = layer_placements(loaded.model, loaded.model.config.num_hidden_layers, torch.device("meta"), torch.float16)
     assert placements == [(torch.device("cpu"), torch.float32)] * loaded.model.config.num_hidden_layers
@@ -135,7 +140,8 @@ def long_prompt(loaded: LoadedModel, tokens: int) -> list[int]:
 def chunked_equals_one_shot(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, prompt_tokens: int, new: int, kernels: str) -> None:
     prompt = long_prompt(loaded, prompt_tokens)
     limits = EngineLimits(max_active=4, max_queue=4, kv_cache_tokens=4 * 1024, max_prefill_tokens=16)
-    engine = create_engine("batched", loaded, limits, workers=1, kernels=kernels)
+    # The prefix cache off: the same prompt is read again each time, chunked differently.
+    engine = create_engine("batched", loaded, limits, workers=1, kernels=kernels, prefix_cache=False)
     assert engine.kernels == kernels  # type: ignore[attr-defined]
     engine.start()
     try:
@@ -145,7 +151,7 @@ def chunked_equals_one_shot(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
         assert engine.prefill_steps - before == 1  # type: ignore[attr-defined]
 
         # Alone but forced to read 16 tokens per pass.
-        monkeypatch.setattr(batched, "IDLE_PREFILL_TOKENS", 16)
+        monkeypatch.setattr(scheduler_module, "IDLE_PREFILL_TOKENS", 16)
         before = engine.prefill_steps  # type: ignore[attr-defined]
         forced = run_all(engine, [make_request("forced", prompt, new)])[0]
         assert engine.prefill_steps - before == -(-prompt_tokens // 16)  # type: ignore[attr-defined]
@@ -190,7 +196,8 @@ def test_while_rows_decode_a_chunk_deep_into_a_long_prompt_gets_fewer_tokens(tin
 
     loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
     engine: Any = create_engine("batched", loaded, EngineLimits(4, 4, 4 * 1024, max_prefill_tokens=24), workers=1)
-    span = engine._span_columns
+    scheduler = engine.scheduler
+    span = scheduler.span_columns
     assert span == batched.prefill_span_columns(loaded.model.config)
 
     def waiting(length: int, left: int = 10_000) -> SimpleNamespace:
@@ -199,13 +206,13 @@ def test_while_rows_decode_a_chunk_deep_into_a_long_prompt_gets_fewer_tokens(tin
     decoding = SimpleNamespace(decoding=True, length=50, seq=SimpleNamespace(prompt_len=10))
     start, deep, deeper, bottom = waiting(0), waiting(int(span)), waiting(int(3 * span)), waiting(int(100 * span))
     for row, tokens in ((start, 24), (deep, 12), (deeper, 6), (bottom, 1)):
-        engine._rows = [decoding, row]
-        assert engine._next_chunks(decoding=True) == ([(row, tokens)], tokens)
-        assert engine._next_chunks(decoding=False) == ([(row, batched.IDLE_PREFILL_TOKENS)], batched.IDLE_PREFILL_TOKENS)
+        scheduler.rows = [decoding, row]
+        assert scheduler._next_chunks(decoding=True) == ([(row, tokens)], tokens)
+        assert scheduler._next_chunks(decoding=False) == ([(row, IDLE_PREFILL_TOKENS)], IDLE_PREFILL_TOKENS)
     # the budget left after one prompt's last tokens goes to the next, at its own depth
     short, after = waiting(0, left=10), waiting(int(span))
-    engine._rows = [decoding, short, after]
-    assert engine._next_chunks(decoding=True) == ([(short, 10), (after, 7)], 17)
+    scheduler.rows = [decoding, short, after]
+    assert scheduler._next_chunks(decoding=True) == ([(short, 10), (after, 7)], 17)
 
 
 # -- the sampler -------------------------------------------------------------------------

@@ -62,3 +62,28 @@ def test_gpu_gauges_appear_only_with_a_probe():
     assert registry.get_sample_value("tokenwire_gpu_memory_used_bytes", {"device": "cuda:0"}) == 5 << 30
     text = exposition(gpu)
     assert all(f"# TYPE {name} gauge" in text for name in CUDA_METRIC_NAMES + NVML_METRIC_NAMES)
+
+
+def test_on_one_gpu_the_weights_load_straight_onto_it(tiny_model_dir, monkeypatch):
+    """No full copy in host RAM first: ``from_pretrained`` places each tensor on the device
+    (``device_map``), and nothing is moved afterwards. (Faked: this machine has no GPU.)"""
+    import transformers
+    from tokenwire_server import model as model_module
+
+    seen: dict = {}
+
+    def from_pretrained(folder, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(model_module, "resolve_device", lambda device: "cuda")
+    monkeypatch.setattr(model_module, "resolve_dtype", lambda dtype, device: torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(model_module.ModelLoadError, match="stop here"):
+        model_module.load_model(str(tiny_model_dir))
+    assert seen["device_map"] == "cuda" and seen["dtype"] is torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(model_module.ModelLoadError, match="stop here"):
+        model_module.load_model(str(tiny_model_dir))
+    assert seen["device_map"] == "auto"  # several GPUs: accelerate spreads the layers

@@ -21,20 +21,13 @@ from typing import Any
 
 import pytest
 import torch
-from engine_support import Recorder, fresh_cache, kernel_unbuildable, run_all
+from engine_support import Recorder, fresh_cache, kernel_unbuildable, run_all, slot_segment
 from tokenwire_server.domain import FinishEvent, GenerationRequest, SamplingOptions
 from tokenwire_server.engine import create_engine
 from tokenwire_server.engine import native as native_module
 from tokenwire_server.engine.base import EngineLimits
-from tokenwire_server.engine.native import (
-    ATTENTION_CALL_COST,
-    NativeForward,
-    Segment,
-    onednn_available,
-    single_groups,
-    unsupported_reason,
-)
-from tokenwire_server.engine.slots import CLEAN_STEP
+from tokenwire_server.engine.native import NativeForward, onednn_available, unsupported_reason
+from tokenwire_server.engine.ops import ATTENTION_CALL_COST, Segment, single_groups
 from tokenwire_server.model import load_model
 
 pytestmark = pytest.mark.timeout(600)
@@ -57,8 +50,8 @@ KERNELS = [
 def check_against_transformers(model_dir: Path, tolerance: float, kernels: str) -> None:
     loaded = load_model(str(model_dir))
     model = loaded.model
-    native = NativeForward(model, fresh_cache(model, poisoned=True), batch_hint=4, ops=kernels)
-    assert (native.ops is not None) == (kernels == "compiled")
+    native = NativeForward(model, fresh_cache(model, poisoned=True), batch_hint=4, kernel_choice=kernels)
+    assert native.compiled == (kernels == "compiled")
     vocab = loaded.vocab_size
     generator = torch.Generator().manual_seed(1)
     first = torch.randint(10, vocab, (37,), generator=generator).tolist()
@@ -67,11 +60,11 @@ def check_against_transformers(model_dir: Path, tolerance: float, kernels: str) 
     want_second = reference_logits(model, second)
 
     # slot 0: the whole prompt at once, every position's logits
-    got = native(torch.tensor(first), torch.arange(37), [Segment(0, 0, 37)], list(range(37)))
+    got = native(torch.tensor(first), torch.arange(37), [slot_segment(0, 0, 37)], list(range(37)))
     assert (got - want_first).abs().max().item() < tolerance
     # slot 1: the same prompt in two chunks
-    native(torch.tensor(first[:20]), torch.arange(20), [Segment(1, 0, 20)], [19])
-    got = native(torch.tensor(first[20:]), torch.arange(20, 37), [Segment(1, 20, 17)], [16])
+    native(torch.tensor(first[:20]), torch.arange(20), [slot_segment(1, 0, 20)], [19])
+    got = native(torch.tensor(first[20:]), torch.arange(20, 37), [slot_segment(1, 20, 17)], [16])
     assert (got[0] - want_first[-1]).abs().max().item() < tolerance
 
     # One mixed step: slots 0 and 1 decode their next token while slot 2 reads a chunk.
@@ -79,13 +72,13 @@ def check_against_transformers(model_dir: Path, tolerance: float, kernels: str) 
     want_next = reference_logits(model, [*first, next_token])[-1]
     ids = torch.tensor([next_token, next_token, *second[:15]])
     positions = torch.tensor([37, 37, *range(15)])
-    got = native(ids, positions, [Segment(0, 37, 1), Segment(1, 37, 1), Segment(2, 0, 15)], [0, 1, 16])
+    got = native(ids, positions, [slot_segment(0, 37, 1), slot_segment(1, 37, 1), slot_segment(2, 0, 15)], [0, 1, 16])
     assert (got[0] - want_next).abs().max().item() < tolerance
     assert (got[1] - want_next).abs().max().item() < tolerance
     assert (got[2] - want_second[14]).abs().max().item() < tolerance
     # One-token rows of different lengths in adjacent slots (2 and 3), the second a one-token chunk.
     got = native(
-        torch.tensor([second[15], first[0]]), torch.tensor([15, 0]), [Segment(2, 15, 1), Segment(3, 0, 1)], [0, 1]
+        torch.tensor([second[15], first[0]]), torch.tensor([15, 0]), [slot_segment(2, 15, 1), slot_segment(3, 0, 1)], [0, 1]
     )
     assert (got[0] - want_second[15]).abs().max().item() < tolerance
     assert (got[1] - want_first[0]).abs().max().item() < tolerance
@@ -125,11 +118,11 @@ def test_a_model_past_a_compiled_op_limit_reads_that_op_on_torch_and_says_why(sh
     if KERNEL_REASON is not None:
         pytest.skip(f"compiled CPU ops: {KERNEL_REASON}")
     model = load_model(str(shape_models["gqa-32-past-the-compiled-op"])).model
-    native = NativeForward(model, fresh_cache(model), batch_hint=4, ops="compiled")
-    assert native.ops is not None  # the other compiled ops still run
+    native = NativeForward(model, fresh_cache(model), batch_hint=4, kernel_choice="compiled")
+    assert native.compiled  # the other compiled ops still run
     assert native.ops_fallbacks == {"decode_attention": "32 query heads per KV head; the compiled op takes at most 16"}
     within = load_model(str(shape_models["gqa-8"])).model
-    assert NativeForward(within, fresh_cache(within), batch_hint=4, ops="compiled").ops_fallbacks == {}
+    assert NativeForward(within, fresh_cache(within), batch_hint=4, kernel_choice="compiled").ops_fallbacks == {}
 
 
 @pytest.mark.e2e
@@ -140,20 +133,16 @@ def test_native_logits_match_transformers_on_the_default_model(default_model_dir
 
 
 def test_one_token_rows_split_into_the_attention_calls_that_read_the_fewest_columns() -> None:
-    def rows(*pairs: tuple[int, int]) -> list[Segment]:
-        return [Segment(slot, start, 1) for slot, start in pairs]
+    def rows(*starts: int) -> list[Segment]:
+        return [Segment((row,), start, 1) for row, start in enumerate(starts)]
 
-    # similar lengths in consecutive slots: one call
-    assert single_groups(rows((0, 100), (1, 120), (2, 90))) == [(0, 3, 0)]
-    # one long row among short ones: a call of its own, so the short ones read their own length
-    assert single_groups(rows((0, 100), (1, 1500), (2, 90), (3, 95))) == [(0, 1, 0), (1, 1, 1), (2, 2, 2)]
-    # a gap between slots always cuts (a call reads its slots as one view)
-    assert single_groups(rows((0, 10), (2, 10))) == [(0, 1, 0), (1, 1, 2)]
-    # rows out of slot order (a prompt's last token after the decode rows) cut too
-    assert single_groups(rows((1, 10), (0, 10))) == [(0, 1, 1), (1, 1, 0)]
-    # the split is worth it only past the cost of a call
-    short, long = 50, 50 + ATTENTION_CALL_COST // 2
-    assert single_groups(rows((0, short), (1, long))) == [(0, 2, 0)]
+    # similar lengths: one call
+    assert single_groups(rows(100, 120, 90)) == [(0, 3)]
+    # one long row among short ones reads alone
+    assert single_groups(rows(100, 1500, 90, 95)) == [(0, 1), (1, 1), (2, 2)]
+    # a call costs more than reading a few columns more
+    short, long = 10, 10 + ATTENTION_CALL_COST // 4
+    assert single_groups(rows(short, long)) == [(0, 2)]
     assert single_groups([]) == []
 
 
@@ -161,12 +150,12 @@ def test_one_token_rows_split_into_the_attention_calls_that_read_the_fewest_colu
 def test_rows_of_very_different_lengths_attend_in_separate_calls_and_match_transformers(tiny_model_dir: Path, kernels: str) -> None:
     loaded = load_model(str(tiny_model_dir))
     model = loaded.model
-    native = NativeForward(model, fresh_cache(model, poisoned=True), batch_hint=4, ops=kernels)
+    native = NativeForward(model, fresh_cache(model, poisoned=True), batch_hint=4, kernel_choice=kernels)
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(10, loaded.vocab_size, (n,), generator=generator).tolist() for n in (5, 200, 7)]
     for slot, prompt in enumerate(prompts):
-        native(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), [Segment(slot, 0, len(prompt) - 1)], [len(prompt) - 2])
-    step = [Segment(slot, len(prompt) - 1, 1) for slot, prompt in enumerate(prompts)]
+        native(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), [slot_segment(slot, 0, len(prompt) - 1)], [len(prompt) - 2])
+    step = [slot_segment(slot, len(prompt) - 1, 1) for slot, prompt in enumerate(prompts)]
     assert len(single_groups(step)) == 3  # the 200-token row does not make the others read 200 columns
     got = native(torch.tensor([p[-1] for p in prompts]), torch.tensor([len(p) - 1 for p in prompts]), step, [0, 1, 2])
     for row, prompt in enumerate(prompts):
@@ -174,27 +163,26 @@ def test_rows_of_very_different_lengths_attend_in_separate_calls_and_match_trans
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_a_long_prompt_read_beside_short_rows_leaves_their_slots_untouched_past_their_length(tiny_model_dir: Path, kernels: str) -> None:
-    # Unwritten columns are NaN: a row that read one would give NaN logits. The short
-    # rows' slots are zeroed only where a grouped read of stock torch ops must pass a
-    # shorter row's end, never out to the long prompt's depth (which zeroed ~50 MB of
-    # the default model's slots, and stalled a step ~30 ms, each time a chunk crossed 128 columns).
+def test_a_long_prompt_read_beside_short_rows_never_reads_past_any_rows_length(tiny_model_dir: Path, kernels: str) -> None:
+    # Unwritten columns are NaN: a row that read one unmasked would give NaN logits, and
+    # a gathered read that did not zero what lies past a row's length (masked, but NaN
+    # times a zero weight is NaN) would too. No block outside the rows' tables is touched.
     loaded = load_model(str(tiny_model_dir))
     model = loaded.model
-    cache = fresh_cache(model, slots=4, capacity=1024, poisoned=True)
-    native = NativeForward(model, cache, batch_hint=4, ops=kernels)
+    cache = fresh_cache(model, capacity=1024, poisoned=True)
+    native = NativeForward(model, cache, batch_hint=4, kernel_choice=kernels)
     generator = torch.Generator().manual_seed(3)
     short = [torch.randint(10, loaded.vocab_size, (n,), generator=generator).tolist() for n in (6, 9)]
     long = torch.randint(10, loaded.vocab_size, (700,), generator=generator).tolist()
     for slot, prompt in enumerate(short):
-        native(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), [Segment(slot, 0, len(prompt) - 1)], [len(prompt) - 2])
-    # Slots 0 and 1 each decode one token a step (their prompts' own tokens, teacher-forced)
-    # while slot 2 reads the long prompt in chunks of 100.
+        native(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), [slot_segment(slot, 0, len(prompt) - 1, 1024)], [len(prompt) - 2])
+    # Requests 0 and 1 each decode one token a step (their prompts' own tokens, teacher-forced)
+    # while request 2 reads the long prompt in chunks of 100.
     grown = [list(prompt) for prompt in short]
     for chunk in range(7):
         ids = [grown[0][-1], grown[1][-1], *long[chunk * 100 : (chunk + 1) * 100]]
         starts = [len(grown[0]) - 1, len(grown[1]) - 1]
-        step = [Segment(0, starts[0], 1), Segment(1, starts[1], 1), Segment(2, chunk * 100, 100)]
+        step = [slot_segment(0, starts[0], 1, 1024), slot_segment(1, starts[1], 1, 1024), slot_segment(2, chunk * 100, 100, 1024)]
         got = native(torch.tensor(ids), torch.tensor([*starts, *range(chunk * 100, (chunk + 1) * 100)]), step, [0, 1, 101])
         assert torch.isfinite(got).all()
         for row in range(2):
@@ -202,11 +190,11 @@ def test_a_long_prompt_read_beside_short_rows_leaves_their_slots_untouched_past_
             assert (got[row] - want).abs().max().item() < 1e-3
             grown[row].append(int(want.argmax()))
     assert (got[2] - reference_logits(model, long)[-1]).abs().max().item() < 1e-3
-    longest_short_row = max(len(row) for row in grown)
-    for slot in (0, 1):
-        assert cache._clean[slot] <= -(-longest_short_row // CLEAN_STEP) * CLEAN_STEP
-        assert torch.isnan(cache.layers[0].keys[slot, :, CLEAN_STEP:1024]).all()  # never zeroed, never resident
-    assert cache._clean[2] == 700
+    keys = cache.layers[0].keys
+    written = {block for slot, length in ((0, len(grown[0]) - 1), (1, len(grown[1]) - 1), (2, 700)) for block in slot_segment(slot, 0, length, 1024).table[: -(-length // 16)]}
+    untouched = [block for block in range(cache.num_blocks) if block not in written]
+    assert torch.isnan(keys[untouched]).all()  # nobody's block but the rows' own is written
+    assert torch.isnan(keys[cache.scratch]).all()  # and nothing padded writes to scratch here
 
 
 def test_on_this_cpu_the_native_pass_packs_its_weights_for_onednn_and_computes_with_them(
@@ -216,7 +204,7 @@ def test_on_this_cpu_the_native_pass_packs_its_weights_for_onednn_and_computes_w
     wheel of torch has it); every linear layer's weight is the packed copy, the pass runs
     on those copies (never ``F.linear``), and gives the logits of the same pass unpacked."""
     loaded = load_model(str(tiny_model_dir))
-    native = NativeForward(loaded.model, fresh_cache(loaded.model), batch_hint=4, ops="torch")
+    native = NativeForward(loaded.model, fresh_cache(loaded.model), batch_hint=4, kernel_choice="torch")
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert torch.backends.mkldnn.is_available(), "an x86-64 CPU wheel of torch without oneDNN"
         assert native.packed, "oneDNN is here, and the native pass did not pack"
@@ -227,17 +215,17 @@ def test_on_this_cpu_the_native_pass_packs_its_weights_for_onednn_and_computes_w
 
     with monkeypatch.context() as patch:  # the same pass, its weights left plain
         patch.setattr(native_module, "onednn_available", lambda device: False)
-        plain = NativeForward(loaded.model, fresh_cache(loaded.model), batch_hint=4, ops="torch")
+        plain = NativeForward(loaded.model, fresh_cache(loaded.model), batch_hint=4, kernel_choice="torch")
     assert not plain.packed and not any(layer.qkv.weight.is_mkldnn for layer in plain.layers)
     prompt = torch.randint(10, loaded.vocab_size, (19,), generator=torch.Generator().manual_seed(4))
-    want = plain(prompt, torch.arange(19), [Segment(0, 0, 19)], list(range(19)))
+    want = plain(prompt, torch.arange(19), [slot_segment(0, 0, 19)], list(range(19)))
 
     def refuse(*args: object, **kwargs: object) -> torch.Tensor:
         raise AssertionError("a packed pass called F.linear")
 
     with monkeypatch.context() as patch:
         patch.setattr(native_module.F, "linear", refuse)
-        got = native(prompt, torch.arange(19), [Segment(0, 0, 19)], list(range(19)))
+        got = native(prompt, torch.arange(19), [slot_segment(0, 0, 19)], list(range(19)))
     assert (got - want).abs().max().item() < 1e-4
     assert (got - reference_logits(loaded.model, prompt.tolist())).abs().max().item() < 1e-3
 
@@ -262,6 +250,26 @@ def test_an_engine_that_owns_the_model_drops_the_plain_weights_it_packed(tiny_mo
         assert layer.self_attn.q_proj.weight.numel() == 0
         assert layer.mlp.down_proj.weight.numel() == 0
     assert loaded.model.model.embed_tokens.weight.numel() > 0  # still read for the lookup
+    serves_one_request(engine, loaded, 8)
+
+
+def test_unpacked_the_fused_weights_replace_the_models_instead_of_sitting_beside_them(tiny_model_dir: Path) -> None:
+    """bf16 weights are not packed (as on a GPU): the fused q/k/v and gate/up copies take the
+    place of the model's q, k, v, gate and up weights, so the weights are held once."""
+    loaded = load_model(str(tiny_model_dir), dtype="bfloat16")
+    model = loaded.model
+    before = sum(p.numel() for p in model.parameters())
+    engine = create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1, forward="native", own_weights=True)
+    native = engine.runner.native  # type: ignore[attr-defined]
+    assert native is not None and not native.packed
+    layer = model.model.layers[0]
+    for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.gate_proj, layer.mlp.up_proj):
+        assert module.weight.numel() == 0
+    kept = sum(p.numel() for p in model.parameters())
+    fused = sum(x.qkv.weight.numel() + x.gate_up.weight.numel() + x.out.weight.numel() + x.down.weight.numel() for x in native.layers)
+    table = model.model.embed_tokens.weight
+    head = 0 if native.lm_head.weight.data_ptr() == table.data_ptr() else native.lm_head.weight.numel()
+    assert kept + fused + head == before  # every weight held once: by the model or by the pass
     serves_one_request(engine, loaded, 8)
 
 

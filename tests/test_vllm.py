@@ -313,6 +313,7 @@ def test_usage_counts_vllm_prefix_cache_hits(small_server: ServerProcess) -> Non
             last = list(stub.Generate(request, timeout=60))[-1]
             line = finished_line(small_server, request_id)
             assert line["code"] == "OK" and line["prompt_tokens"] == last.usage.prompt_tokens
+            assert line["cached_prompt_tokens"] == last.usage.cached_prompt_tokens  # on the wire too
             usage.append((line["prompt_tokens"], line["cached_prompt_tokens"]))
     (first_prompt, first_cached), (second_prompt, second_cached) = usage
     assert first_prompt == second_prompt > 256  # more than two blocks of 128

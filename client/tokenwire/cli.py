@@ -355,7 +355,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"finish_reason: {last.finish_reason}", file=sys.stderr)
             if usage is not None:
                 print(
-                    f"usage: prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens} "
+                    f"usage: prompt_tokens={usage.prompt_tokens} cached_prompt_tokens={usage.cached_prompt_tokens} "
+                    f"completion_tokens={usage.completion_tokens} "
                     f"ttft={usage.time_to_first_token_ms:.1f}ms total={usage.total_time_ms:.1f}ms",
                     file=sys.stderr,
                 )

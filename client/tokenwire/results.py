@@ -97,6 +97,7 @@ class Usage:
     queue_time_ms: float
     time_to_first_token_ms: float
     total_time_ms: float
+    cached_prompt_tokens: int = 0  # of prompt_tokens, found in the server's prefix cache
 
     @classmethod
     def from_proto(cls, usage: pb.Usage) -> Usage:
@@ -106,6 +107,7 @@ class Usage:
             queue_time_ms=usage.queue_time_ms,
             time_to_first_token_ms=usage.time_to_first_token_ms,
             total_time_ms=usage.total_time_ms,
+            cached_prompt_tokens=usage.cached_prompt_tokens,
         )
 
 

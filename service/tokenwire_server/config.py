@@ -33,6 +33,8 @@ class ServerConfig:
     max_active: int = 16
     max_queue: int = 64
     kv_cache_tokens: int = 0
+    kv_cache_memory_fraction: float = 0.9
+    prefix_cache: str = "on"
     max_prefill_tokens: int = 20
     batch_window_ms: float = 10.0
     torch_threads: int = 0
@@ -109,7 +111,9 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "workers": ("simple engine: generate() calls run at once (the bounded worker pool)", None),
     "max_active": ("batched engine: most streams decoded together in one batch", None),
     "max_queue": ("requests that may wait for a slot; past active + queued, RESOURCE_EXHAUSTED", None),
-    "kv_cache_tokens": ("KV-cache budget in tokens over all active streams (0: max_active x min(context, 2048))", None),
+    "kv_cache_tokens": ("KV-cache budget in tokens over all active streams, committed at start-up as blocks of 16 tokens (0: on a GPU, what --kv-cache-memory-fraction leaves; on a CPU, max_active x min(context, 2048)); an explicit budget that does not fit the GPU refuses to start", None),
+    "kv_cache_memory_fraction": ("batched engine on a GPU with --kv-cache-tokens 0: the fraction of the device's memory the server may use; the KV cache gets what is left of it after the weights and a warm-up step's peak (as vLLM's gpu_memory_utilization)", None),
+    "prefix_cache": ("batched and vllm engines: automatic prefix caching: a prompt's full 16-token blocks already in the KV cache (same tokens, same prefix) are reused, not read again; answers are the same either way", ("on", "off")),
     "max_prefill_tokens": ("batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new arrival causes them; a token deep into a long prompt counts more, for its attention)", None),
     "batch_window_ms": ("batched engine: under concurrent load, how long a batch starting from empty waits for requests still arriving, so they share one prefill (0: never wait)", None),
     "torch_threads": ("batched and simple engines: threads torch computes with (0: torch's default, one per core); on a small machine one fewer leaves a core to the gRPC loop", None),
@@ -215,6 +219,8 @@ def validate_config(config: ServerConfig) -> list[str]:
         errors.append("--omp-spin-count must not be negative")
     if config.max_queue < 0 or config.kv_cache_tokens < 0:
         errors.append("--max-queue and --kv-cache-tokens must not be negative")
+    if not 0 < config.kv_cache_memory_fraction <= 1:
+        errors.append("--kv-cache-memory-fraction must be in (0, 1]")
     if config.metrics_port < -1:
         errors.append("--metrics-port must be a port, 0 (off) or -1 (any free port)")
     if config.default_max_new_tokens > config.max_new_tokens_limit:

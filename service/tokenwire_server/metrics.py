@@ -112,7 +112,10 @@ class Metrics:
             "tokenwire_decode_step_seconds", "Time of one engine decode step over the batch", buckets=_STEP_BUCKETS, registry=r
         )
         self.generated_tokens = Counter("tokenwire_generated_tokens", "Tokens generated", registry=r)
-        self.prompt_tokens = Counter("tokenwire_prompt_tokens", "Prompt tokens read", registry=r)
+        self.prompt_tokens = Counter("tokenwire_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.prefix_hit_tokens = Counter(
+            "tokenwire_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not read again)", registry=r
+        )
         self.cancelled = Counter(
             "tokenwire_cancelled_requests", "Generate calls that ended CANCELLED (the client left)", registry=r
         )
@@ -127,7 +130,7 @@ class Metrics:
         self.max_active = Gauge("tokenwire_max_active_streams", "Most streams generating at once (--max-active)", registry=r)
         self.max_queue = Gauge("tokenwire_max_queue_depth", "Most requests that may wait (--max-queue)", registry=r)
         self.kv_reserved = Gauge(
-            "tokenwire_kv_cache_tokens_reserved", "KV-cache tokens reserved by admitted requests (their worst case)", registry=r
+            "tokenwire_kv_cache_tokens_reserved", "KV-cache tokens held or promised by admitted requests (their worst case, in whole blocks)", registry=r
         )
         self.kv_budget = Gauge("tokenwire_kv_cache_tokens_budget", "KV-cache budget in tokens (--kv-cache-tokens)", registry=r)
         self.ready = Gauge("tokenwire_ready", "1 while readiness is SERVING", registry=r)

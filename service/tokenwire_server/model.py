@@ -172,6 +172,38 @@ def fit_kv_budget(tokens: int, derived: bool, bytes_per_token: int, free_bytes: 
     )
 
 
+def kv_budget_for_device(total_bytes: int, in_use_bytes: int, fraction: float, bytes_per_token: int) -> int:
+    """The KV budget in tokens on a GPU with ``--kv-cache-tokens 0``: what ``fraction`` of the
+    device's memory leaves once the weights and a warm-up step's peak (``in_use_bytes``) are
+    counted, as vLLM's ``gpu_memory_utilization``. Refuses to start when that is not even
+    one block's worth: the model itself (nearly) fills the card."""
+    room = int(total_bytes * fraction) - in_use_bytes
+    tokens = max(0, room) // max(bytes_per_token, 1)
+    if tokens < 16:
+        raise ModelLoadError(
+            f"no room for a KV cache: {fraction:.2f} of the device's {total_bytes / 2**30:.1f} GiB is "
+            f"{total_bytes * fraction / 2**30:.1f} GiB, and the weights and a warm-up step already take "
+            f"{in_use_bytes / 2**30:.1f} GiB; raise --kv-cache-memory-fraction, or use a smaller model or a larger device"
+        )
+    return tokens
+
+
+def device_memory_after_warmup(loaded: LoadedModel, tokens: int) -> tuple[int, int]:
+    """``(total, in use)`` bytes of the model's GPU after one forward pass of ``tokens``
+    prompt tokens (no cache, the last position's logits): what the weights, the CUDA
+    context and the allocator hold, plus the peak of activations a step may reach."""
+    device = loaded.device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        ids = torch.full((1, max(1, tokens)), loaded.pad_token_id, dtype=torch.long, device=device)
+        loaded.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    torch.cuda.synchronize(device)
+    peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total), int(total - free + peak_extra)
+
+
 def free_device_memory(loaded: LoadedModel) -> int | None:
     """Free bytes on the GPU that holds the model's first layer; None off CUDA."""
     if loaded.device.type != "cuda":
@@ -278,6 +310,9 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", cache_d
     multi_gpu = device_name == "cuda" and torch.cuda.device_count() > 1
     if multi_gpu:
         kwargs["device_map"] = "auto"
+    elif device_name != "cpu":
+        # Straight onto the device, tensor by tensor: never a full copy in host RAM first.
+        kwargs["device_map"] = device_name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf_file} if gguf_file else {}))
     except Exception as exc:  # transformers raises many kinds here
@@ -286,7 +321,7 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", cache_d
         lm = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model from {folder}: {exc}") from exc
-    if not multi_gpu:
+    if "device_map" not in kwargs:
         lm.to(device_name)
     lm.eval()
 

@@ -161,12 +161,16 @@ class TokenwireServer:
         """The model room and an engine, behind the seam (runs in a thread: it is slow)."""
         from .engine import create_engine
         from .engine.base import EngineLimits
+        from .engine.blocks import BLOCK_SIZE
         from .engine.local import LocalBackend
+        from .engine.scheduler import IDLE_PREFILL_TOKENS
         from .model import (
+            device_memory_after_warmup,
             fit_kv_budget,
             free_device_memory,
             gpu_memory_probe,
             gpu_report,
+            kv_budget_for_device,
             kv_bytes_per_token,
             load_model,
         )
@@ -193,9 +197,20 @@ class TokenwireServer:
         free = free_device_memory(loaded)
         if free is not None:
             per_token = kv_bytes_per_token(loaded.model.config, loaded.dtype)
-            kv_tokens, warning = fit_kv_budget(kv_tokens, config.kv_cache_tokens == 0, per_token, free)
-            if warning:
-                log.warning(warning)
+            if config.engine == "batched" and config.kv_cache_tokens == 0:
+                # The paged cache commits its whole budget at start: size it from the device.
+                total, in_use = device_memory_after_warmup(loaded, min(loaded.context_length, IDLE_PREFILL_TOKENS))
+                kv_tokens = kv_budget_for_device(total, in_use, config.kv_cache_memory_fraction, per_token)
+                log.info(
+                    "kv cache sized from device memory",
+                    extra={"total_bytes": total, "in_use_bytes": in_use, "fraction": config.kv_cache_memory_fraction, "kv_cache_tokens": kv_tokens},
+                )
+            else:
+                kv_tokens, warning = fit_kv_budget(kv_tokens, config.kv_cache_tokens == 0, per_token, free)
+                if warning:
+                    log.warning(warning)
+        if config.engine == "batched":  # the paged cache holds whole blocks: the budget is what they hold
+            kv_tokens = max(BLOCK_SIZE, kv_tokens // BLOCK_SIZE * BLOCK_SIZE)
         limits = EngineLimits(
             max_active=config.max_active,
             max_queue=config.max_queue,
@@ -204,7 +219,17 @@ class TokenwireServer:
             max_prefill_tokens=config.max_prefill_tokens,
             batch_window_s=config.batch_window_ms / 1000,
         )
-        engine = create_engine(config.engine, loaded, limits, config.workers, self.metrics, forward=config.forward, own_weights=True, kernels=config.kernels)
+        engine = create_engine(
+            config.engine,
+            loaded,
+            limits,
+            config.workers,
+            self.metrics,
+            forward=config.forward,
+            own_weights=True,
+            kernels=config.kernels,
+            prefix_cache=config.prefix_cache == "on",
+        )
         engine.start()
         self.metrics.watch_gpu(gpu_memory_probe(loaded), nvml_probe())
         request_limits = config.request_limits(loaded.context_length, loaded.vocab_size, limits.kv_cache_tokens)
@@ -247,6 +272,7 @@ class TokenwireServer:
             enforce_eager=config.enforce_eager,
             dtype="float32" if on_cpu and config.dtype == "auto" else config.dtype,
             kv_cache_bytes=kv_bytes,
+            prefix_cache=config.prefix_cache == "on",
         )
         backend = VllmBackend(folder, name, settings, config.request_limits)
         for metric, (help_text, read) in backend.extra_gauges().items():

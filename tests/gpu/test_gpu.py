@@ -91,7 +91,7 @@ def test_out_of_memory_is_resource_exhausted_frees_the_cache_and_the_server_goes
     server = in_process_server(device=device)
     engine = server.backend.engine
     # the batched engine's own pass where it runs one, else the model's forward
-    owner, name = (engine, "_native") if getattr(engine, "forward", None) == "native" else (server.backend.loaded.model, "forward")
+    owner, name = (engine.runner, "native") if getattr(engine, "forward", None) == "native" else (server.backend.loaded.model, "forward")
     forward = getattr(owner, name)
     calls = {"n": 0}
     emptied: list[bool] = []

@@ -99,19 +99,19 @@ def test_cancel_frees_the_slot_within_two_decode_steps_and_the_batch_goes_on(
     loaded: LoadedModel, kernels: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Cancelled from another thread while the engine is held mid-stream, so the step count
-    read before ``cancel()`` is the count at the cancel; the engine's own ``_leave`` records
+    read before ``cancel()`` is the count at the cancel; the scheduler's own ``leave`` records
     the count when the row gives its slot back. A second stream in the same batch runs to
     its end; the cancelled one gets no event after the cancel."""
     engine = start_engine(loaded, kernels, max_active=2, max_queue=0)
     left_at: dict[str, int] = {}
-    leave = engine._leave
+    leave = engine.scheduler.leave
 
     def spy(rows: list) -> None:
         for row in rows:
             left_at.setdefault(row.seq.request.request_id, engine.steps)
         leave(rows)
 
-    monkeypatch.setattr(engine, "_leave", spy)
+    monkeypatch.setattr(engine.scheduler, "leave", spy)
     try:
         for attempt in range(3):
             keep = engine_support.Recorder()

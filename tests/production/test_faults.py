@@ -93,8 +93,8 @@ class ForwardFault:
 def inject(server: InProcessServer, monkeypatch: pytest.MonkeyPatch) -> ForwardFault:
     engine = server.backend.engine
     if getattr(engine, "forward", None) == "native":  # the batched engine's own pass
-        fault = ForwardFault(engine._native)
-        monkeypatch.setattr(engine, "_native", fault)
+        fault = ForwardFault(engine.runner.native)
+        monkeypatch.setattr(engine.runner, "native", fault)
         return fault
     model = server.backend.loaded.model
     fault = ForwardFault(model.forward)

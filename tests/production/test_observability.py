@@ -16,7 +16,7 @@ from production_support import generation_stub, long_request, scrape, short_requ
 from servers import ServerProcess
 from tokenwire.v1 import generation_pb2 as pb
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +103,29 @@ def test_one_structured_log_line_per_finished_request(metered_server: ServerProc
         if not isinstance(record, dict) or not {"ts", "level", "logger", "msg"} <= record.keys():
             not_json.append(line)
     assert rest and not not_json, not_json[:5]
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_prefix_cache_reuse_shows_in_the_usage_and_the_metrics(tiny_model_dir: Path, setting: str) -> None:
+    """The same 100-token prompt twice: with --prefix-cache on the second finds its first
+    6 full blocks (96 tokens) cached, in ``Usage.cached_prompt_tokens`` and in
+    ``tokenwire_prefix_cache_hit_tokens_total``; off, neither counts anything. Same tokens either way."""
+    args = ["--model", str(tiny_model_dir), "--metrics-port", "-1", "--prefix-cache", setting]
+    with ServerProcess(args) as server:
+        stub = generation_stub(server.target)
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[(7 * i) % 200 + 10 for i in range(100)]),
+            stopping=pb.StoppingCriteria(max_new_tokens=6, ignore_eos=True),
+            output=pb.OutputOptions(token_ids=True),
+        )
+        before = scrape(server)
+        answers = [list(stub.Generate(request, timeout=30)) for _ in range(2)]
+        after = scrape(server)
+    usages = [chunks[-1].usage for chunks in answers]
+    assert [u.prompt_tokens for u in usages] == [100, 100]
+    want = [0, 96] if setting == "on" else [0, 0]
+    assert [u.cached_prompt_tokens for u in usages] == want
+    hits = value(after, "tokenwire_prefix_cache_hit_tokens_total") - value(before, "tokenwire_prefix_cache_hit_tokens_total")
+    assert hits == sum(want)
+    ids = [[t.id for c in chunks for t in c.tokens] for chunks in answers]
+    assert ids[0] == ids[1] and len(ids[0]) == 6

@@ -494,6 +494,7 @@ class Usage(_message.Message):
     QUEUE_TIME_MS_FIELD_NUMBER: _builtins.int
     TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _builtins.int
     TOTAL_TIME_MS_FIELD_NUMBER: _builtins.int
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt (after the chat template)."""
     completion_tokens: _builtins.int
@@ -504,6 +505,10 @@ class Usage(_message.Message):
     """Milliseconds between arrival and the first generated token."""
     total_time_ms: _builtins.float
     """Milliseconds between arrival and the end of generation."""
+    cached_prompt_tokens: _builtins.int
+    """Prompt tokens whose keys and values were found in the server's prefix cache and
+    not read again (a prefix shared with an earlier request); included in prompt_tokens.
+    """
     def __init__(
         self,
         *,
@@ -512,10 +517,11 @@ class Usage(_message.Message):
         queue_time_ms: _builtins.float = ...,
         time_to_first_token_ms: _builtins.float = ...,
         total_time_ms: _builtins.float = ...,
+        cached_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "queue_time_ms", b"queue_time_ms", "time_to_first_token_ms", b"time_to_first_token_ms", "total_time_ms", b"total_time_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "queue_time_ms", b"queue_time_ms", "time_to_first_token_ms", b"time_to_first_token_ms", "total_time_ms", b"total_time_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,13 +26,14 @@ def create_engine(
     forward: str = "auto",
     own_weights: bool = False,
     kernels: str = "auto",
+    prefix_cache: bool = True,
 ) -> Engine:
     """``own_weights``: the engine may drop the model's plain weights where it keeps its
     own (packed) copy; the model's own ``forward`` cannot run afterwards."""
     if name == "batched":
         from .batched import BatchedEngine
 
-        return BatchedEngine(loaded, limits, observer, forward=forward, own_weights=own_weights, kernels=kernels)
+        return BatchedEngine(loaded, limits, observer, forward=forward, own_weights=own_weights, kernels=kernels, prefix_cache=prefix_cache)
     if name == "simple":
         from .simple import SimpleEngine
 

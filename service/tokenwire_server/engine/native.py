@@ -1,34 +1,30 @@
-"""The batched engine's own forward pass for Llama-shaped models, over the slot cache.
+"""The batched engine's own forward pass for Llama-shaped models, over the paged KV cache.
 
 ``transformers``' forward takes a rectangular ``[batch, length]`` input, so a step
 that mixes one-token decode rows with a chunk of somebody's prompt has to pad or
-run twice. This pass takes the step as it is: a ragged list of *segments* (a slot,
-the column its first token goes to, how many tokens), all tokens of the step in one
+run twice. This pass takes the step as it is: a ragged list of *segments* (a request's
+block table, the column its first token goes to, how many tokens), all tokens of the step in one
 flat ``[tokens, hidden]`` tensor. Every linear layer therefore runs once per step
 over all of them (decode rows and prompt chunks together: prefill rides along with
 decoding instead of stopping it), and only the rows that must pick a token go
 through the final norm and the vocabulary projection.
 
-Attention is per segment kind. The one-token rows attend together: on an AVX2+FMA CPU
-in float32 through the compiled ``decode_attention`` (``kernels``, ``--kernels``), each
-row over its own slot's columns and no more; elsewhere as batched
-``scaled_dot_product_attention`` calls over their slots with a per-row length mask (the
-query heads that share a KV head go in as that head's query rows, so each row's keys
-and values are read once; rows of very different lengths go in separate calls, so a
-short row does not read up to the longest one's length: ``single_groups``). Each
-prompt chunk attends alone, causally, over its own slot, through SDPA. The same
-compiled library does RMSNorm, RoPE (in place), SiLU(gate)*up and the K/V cache write
-in one call each.
+The work around the GEMMs goes through one interface (``ops``), picked once at load:
+on an AVX2+FMA CPU in float32 the compiled library (``kernels``, ``--kernels``) does
+RMSNorm, RoPE (in place), SiLU(gate)*up, the K/V write and the one-token rows' attention
+(each row over its own columns, through its block table) in one call each; elsewhere
+stock torch ops, the one-token rows attending in SDPA calls over their gathered blocks
+(``ops.GroupedAttention``). Each prompt chunk attends alone, causally, over its own
+gathered blocks, through SDPA.
 
 On a CPU the weights of every linear layer are prepacked once for oneDNN
 (``torch.ops.mkldnn._reorder_linear_weight``), a blocked layout its fp32 GEMM reads
-without reordering per call: measured on a 2-core AVX2 machine over the default
-model's weights (``make bench-kernels``), all linear layers of one step take 34 ms
-instead of 55 at one row and 60 ms instead of 86 at 16 rows. When the engine owns the model (the server),
-the packed copies replace the plain weights layer by layer (``release_weights``;
-the embedding table stays plain, for the lookup), so memory does not grow and the
-model's own ``forward`` can no longer run. Elsewhere (CUDA, or fp16/bf16), plain
-``F.linear``.
+without reordering per call (the gain is measured by ``make bench-kernels``, in
+docs/benchmarks.md). Elsewhere (CUDA, or fp16/bf16), plain ``F.linear``. When the
+engine owns the model (the server, ``release_weights``), the pass's own weights (packed,
+or the fused q/k/v and gate/up) replace the model's layer by layer (the embedding table
+stays, for the lookup), so memory does not grow and the model's own ``forward`` can no
+longer run.
 
 Numbers: every step computes, row by row, the same arithmetic a row alone would
 (the same projections, RoPE, fp32 RMSNorm and masked softmax attention); only the
@@ -49,7 +45,17 @@ import torch.nn.functional as F
 
 from ..model import attention_shape
 from . import kernels
-from .slots import SlotCache, flat_index, read_slots
+from .kv import PagedCache, places
+from .ops import (
+    CompiledOps,
+    GroupedAttention,
+    PagedDecodeAttention,
+    Places,
+    Segment,
+    TorchOps,
+    chunk_attention,
+    chunk_plan,
+)
 
 SUPPORTED_TYPES = frozenset({"llama"})
 # The work around the GEMMs (decode attention, RMSNorm, RoPE, SiLU*up): ``auto``: the
@@ -153,63 +159,12 @@ class Layer:
     down: Linear
 
 
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """``count`` consecutive tokens of one slot, the first at column ``start``."""
-
-    slot: int
-    start: int
-    count: int
-
-
-# What one more attention call per layer costs, in row-columns (one row attending over one
-# column); measured on a 2-core AVX2 CPU: a call ~25 us, a row-column ~0.15-0.2 us.
-ATTENTION_CALL_COST = 128
-
-
-def single_groups(singles: list[Segment]) -> list[tuple[int, int, int]]:
-    """Split the one-token rows into attention calls: ``(first row, rows, first slot)``.
-
-    A call reads its rows' slots as one view, so its rows are consecutive here and sit
-    in consecutive slots; it reads as many columns as its longest row. One long row
-    among short ones would make every row read its length, so rows are cut into the
-    groups that read the fewest row-columns, counting ATTENTION_CALL_COST per call
-    (exact over the cuts, ``O(rows^2)``; rows of similar lengths stay one call).
-    """
-    n = len(singles)
-    best = [0.0] + [float("inf")] * n
-    cut = [0] * (n + 1)
-    for end in range(1, n + 1):
-        longest = 0
-        for first in range(end - 1, -1, -1):
-            if first < end - 1 and singles[first].slot + 1 != singles[first + 1].slot:
-                break
-            longest = max(longest, singles[first].start + 1)
-            cost = best[first] + (end - first) * longest + ATTENTION_CALL_COST
-            if cost < best[end]:
-                best[end], cut[end] = cost, first
-    groups: list[tuple[int, int, int]] = []
-    end = n
-    while end > 0:
-        first = cut[end]
-        groups.append((first, end - first, singles[first].slot))
-        end = first
-    return groups[::-1]
-
-
-def token_places(segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slot and the column of every token of the step, in token order."""
-    slot = torch.tensor([s.slot for s in segments for _ in range(s.count)], dtype=torch.long)
-    column = torch.cat([torch.arange(s.start, s.start + s.count) for s in segments])
-    return slot, column
-
-
 class NativeForward:
-    """The forward pass of a Llama-shaped model over a ``SlotCache``; weights taken from the loaded model."""
+    """The forward pass of a Llama-shaped model over a ``PagedCache``; weights taken from the loaded model."""
 
-    def __init__(self, model: Any, cache: SlotCache, batch_hint: int, release_weights: bool = False, ops: str = "auto") -> None:
-        if ops not in KERNEL_CHOICES:
-            raise ValueError(f"unknown kernels {ops!r}; expected one of {', '.join(KERNEL_CHOICES)}")
+    def __init__(self, model: Any, cache: PagedCache, batch_hint: int, release_weights: bool = False, kernel_choice: str = "auto") -> None:
+        if kernel_choice not in KERNEL_CHOICES:
+            raise ValueError(f"unknown kernels {kernel_choice!r}; expected one of {', '.join(KERNEL_CHOICES)}")
         config = model.config
         inner = model.model
         self.device = next(model.parameters()).device
@@ -220,8 +175,10 @@ class NativeForward:
         self.cache = cache
         packed = onednn_available(self.device) and self.dtype == torch.float32
         self.packed = packed
-        release = packed and release_weights
-        if release:
+        release = release_weights
+        head = model.get_output_embeddings()
+        tied = head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
+        if release and self.device.type == "cpu":
             # Everything but the linear layers (the embedding table, the norms) moves to
             # memory of its own: the loaded weights may be pages of the mmapped checkpoint,
             # which is unmapped only once no tensor points into it any more.
@@ -231,9 +188,10 @@ class NativeForward:
                 for name, parameter in list(module._parameters.items()):
                     if parameter is not None:
                         module._parameters[name] = torch.nn.Parameter(parameter.detach().clone(), requires_grad=False)
+            if tied:  # the head is the table: it follows the table's copy, or the old pages stay held
+                head.weight = inner.embed_tokens.weight
         self.layers: list[Layer] = []
         embed = inner.embed_tokens.weight
-        head = model.get_output_embeddings()
         # The lm head is packed before any plain weight is dropped (it may be the
         # embedding table itself, which stays plain for the lookup).
         self.lm_head = Linear(head.weight, getattr(head, "bias", None), packed, batch_hint)
@@ -253,28 +211,50 @@ class NativeForward:
             )
             del qkv_weight, gu_weight
             if release:
-                # The packed copies replace the plain weights, layer by layer, so the
-                # peak memory holds one layer twice at most, never the model.
+                # The pass's copies (packed, or fused) replace the model's weights, layer by
+                # layer, so the peak memory holds one layer twice at most, never the model.
+                # (Unpacked o_proj and down share their storage with the pass: dropping the
+                # module's reference frees nothing, and costs nothing either.)
                 for module in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-                    page_out(module.weight)
-                    module.weight = torch.nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
+                    self._drop(module, packed)
         if release and head.weight.data_ptr() != embed.data_ptr():
-            page_out(head.weight)
-            head.weight = torch.nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
+            self._drop(head, packed)
         self.norm = inner.norm.weight.detach()
         self.embed = embed.detach()
         self.embed_scale = float(getattr(inner.embed_tokens, "embed_scale", 1.0) or 1.0)
         self.rotary = inner.rotary_emb
         self.intermediate = int(config.intermediate_size)
-        self.ops, self.ops_reason = self._compiled_ops(ops)
+        library, self.ops_reason = self._compiled_ops(kernel_choice)
+        heads, kv_heads, head_dim, intermediate = self.heads, self.kv_heads, self.head_dim, self.intermediate
+        self.ops: TorchOps = (
+            TorchOps(self.eps, heads, kv_heads, head_dim, intermediate)
+            if library is None
+            else CompiledOps(library, self.eps, heads, kv_heads, head_dim, intermediate)
+        )
         # Compiled ops this model is past the limits of, each with why: those run on stock
         # torch, checked here once rather than failing every step.
         self.ops_fallbacks: dict[str, str] = {}
-        group = self.heads // self.kv_heads
-        if self.ops is not None and group > kernels.MAX_QUERY_HEADS_PER_KV_HEAD:
+        group = heads // kv_heads
+        if library is not None and group > kernels.MAX_QUERY_HEADS_PER_KV_HEAD:
             self.ops_fallbacks["decode_attention"] = (
                 f"{group} query heads per KV head; the compiled op takes at most {kernels.MAX_QUERY_HEADS_PER_KV_HEAD}"
             )
+        self.decode_attention: PagedDecodeAttention | GroupedAttention = (
+            PagedDecodeAttention(library, heads, kv_heads, self.scale)
+            if library is not None and "decode_attention" not in self.ops_fallbacks
+            else GroupedAttention(heads, kv_heads, self.scale)
+        )
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the compiled CPU ops run this pass's work around its GEMMs."""
+        return isinstance(self.ops, CompiledOps)
+
+    def _drop(self, module: Any, packed: bool) -> None:
+        """Replace a module's weight by an empty one; a packed copy's source pages go back at once."""
+        if packed:
+            page_out(module.weight)
+        module.weight = torch.nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device), requires_grad=False)
 
     def _compiled_ops(self, choice: str) -> tuple[Any | None, str | None]:
         """The compiled CPU ops (``kernels``) where asked for and able, else None and why."""
@@ -293,15 +273,6 @@ class NativeForward:
             raise ValueError(f"--kernels compiled: {reason}")
         return None, reason
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Llama's RMSNorm, computed in float32 whatever the weights' dtype (as transformers does)."""
-        if self.ops is not None:
-            norm: torch.Tensor = self.ops.rms_norm(x, weight, self.eps)
-            return norm
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(x.dtype)
-
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment], emit: list[int]) -> torch.Tensor:
         """Run one step. ``ids``/``positions``: ``[tokens]`` (segment after segment, one-token
@@ -314,114 +285,38 @@ class NativeForward:
         hidden = F.embedding(ids, self.embed)
         if self.embed_scale != 1.0:
             hidden = hidden * self.embed_scale
-        ops = self.ops
-        cos, sin = self.rotary(hidden, positions.unsqueeze(0))
-        half = self.head_dim // 2
-        if ops is not None:
-            cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [tokens, dim]
-        else:
-            cos = cos[0].unsqueeze(1)  # [tokens, 1, dim]
-            # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated): the
-            # same products, one op (a flip over the two halves) instead of slice, neg and cat.
-            sin = sin[0].unsqueeze(1).clone()
-            sin[..., :half] = -sin[..., :half]
+        ops, attention = self.ops, self.decode_attention
+        cos, sin = ops.rope_tables(*self.rotary(hidden, positions.unsqueeze(0)))
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
 
         singles = [segment for segment in segments if segment.count == 1]
         chunks = [segment for segment in segments if segment.count > 1]
         assert segments[: len(singles)] == singles, "one-token segments come first"
-        width = self.cache.capacity + 1
-        if ops is not None:
-            token_slots, token_columns = token_places(segments)
-        else:
-            flat = self._write_index(segments, width, kv_heads)
-        compiled_attention = "decode_attention" not in self.ops_fallbacks
-        decode_attention = ops.decode_attention if ops is not None and compiled_attention and singles else None
-        if decode_attention is not None:
-            # Each one-token row reads its own slot's columns 0..start, no more: no groups, no mask.
-            single_slots = torch.tensor([s.slot for s in singles], dtype=torch.long)
-            single_lengths = torch.tensor([s.start + 1 for s in singles], dtype=torch.long)
-            groups = []
-        else:
-            groups = [(first, rows, slot, self._single_mask(singles[first : first + rows])) for first, rows, slot in single_groups(singles)]
-        chunk_masks = [self._chunk_mask(segment) for segment in chunks]
-        # Each row reads its own slot's columns up to its end, all written by this step's
-        # layer or an earlier step; only a group of one-token rows read as one view reads
-        # past a shorter row's end, and those columns must be finite (zeroed).
-        for _, rows, slot, mask in groups:
-            self.cache.ensure_clean(list(range(slot, slot + rows)), int(mask.shape[-1]))
+        cache, block_size, scratch = self.cache, self.cache.block_size, self.cache.scratch
+        blocks, offsets = places([list(s.table) for s in segments], [s.start for s in segments], [s.count for s in segments], block_size)
+        where = Places(blocks, offsets)
+        single_plan = attention.plan(singles, block_size, scratch, device) if singles else None
+        chunk_plans = chunk_plan(chunks, block_size, scratch, device)
 
         for index, layer in enumerate(self.layers):
-            normed = self._norm(hidden, layer.input_norm)
+            normed = ops.rms_norm(hidden, layer.input_norm)
             qkv = layer.qkv(normed)
-            qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)  # RoPE on q and k at once
-            if ops is not None:
-                ops.rope_(qk, cos, sin)
-            else:
-                swapped = qk.view(tokens, heads + kv_heads, 2, half).flip(-2).flatten(-2)
-                qk = qk * cos + swapped * sin
+            qk = ops.rope(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin)  # q and k at once
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
-            slot_layer = self.cache.layers[index]
-            keys, values = slot_layer.keys, slot_layer.values
-            if ops is not None:
-                ops.store_kv(qkv, keys, values, token_slots, token_columns, heads)
-            else:
-                keys.view(-1, dim).index_copy_(0, flat, k.reshape(-1, dim).to(keys.dtype))
-                values.view(-1, dim).index_copy_(0, flat, v.reshape(-1, dim).to(values.dtype))
+            keys, values = cache.layers[index].keys, cache.layers[index].values
+            ops.store_kv(qkv, k, v, keys, values, where)
             attended: list[torch.Tensor] = []  # [count, heads, dim] per segment kind, in token order
-            if decode_attention is not None:
-                attended.append(decode_attention(q[: len(singles)].contiguous(), keys, values, single_slots, single_lengths, self.scale))
-            for first, rows, slot, mask in groups:
-                sk, sv = read_slots(keys, values, (slot, slot + rows), mask.shape[-1])
-                # The query heads that share a KV head are that head's query rows: each
-                # row's keys and values are read once, not once per query head.
-                grouped = q[first : first + rows].view(rows, kv_heads, heads // kv_heads, dim)
-                out = F.scaled_dot_product_attention(grouped, sk, sv, attn_mask=mask, scale=self.scale)
-                attended.append(out.reshape(rows, heads, dim))
+            if single_plan is not None:
+                attended.append(attention(q[: len(singles)], keys, values, single_plan))
             offset = len(singles)
-            for segment, mask in zip(chunks, chunk_masks, strict=True):
-                end = segment.start + segment.count
-                ck = keys[segment.slot : segment.slot + 1, :, :end]
-                cv = values[segment.slot : segment.slot + 1, :, :end]
-                cq = q[offset : offset + segment.count].transpose(0, 1).unsqueeze(0)  # [1, heads, count, dim]
-                out = F.scaled_dot_product_attention(cq, ck, cv, attn_mask=mask, scale=self.scale, enable_gqa=kv_heads != heads)
-                attended.append(out[0].transpose(0, 1))
+            for segment, plan in zip(chunks, chunk_plans, strict=True):
+                attended.append(chunk_attention(q[offset : offset + segment.count], keys, values, segment, plan, self.scale))
                 offset += segment.count
             joined = attended[0] if len(attended) == 1 else torch.cat(attended)
             hidden = layer.out.plus(joined.reshape(tokens, heads * dim), hidden)
-            normed = self._norm(hidden, layer.post_norm)
-            gate_up = layer.gate_up(normed)
-            if ops is not None:
-                activated = ops.silu_mul(gate_up, self.intermediate)
-            else:
-                activated = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-            hidden = layer.down.plus(activated, hidden)
+            normed = ops.rms_norm(hidden, layer.post_norm)
+            hidden = layer.down.plus(ops.silu_mul(layer.gate_up(normed)), hidden)
 
-        # Only now, every layer having written them (a step that fails midway leaves
-        # columns unwritten, and a later zeroing must not skip them).
-        for segment in segments:
-            self.cache.written(segment.slot, segment.start + segment.count)
         picked = hidden if emit == list(range(tokens)) else hidden.index_select(0, torch.tensor(emit, dtype=torch.long, device=device))
-        return self.lm_head(self._norm(picked, self.norm)).float()
-
-    # -- step geometry ---------------------------------------------------------------
-
-    def _write_index(self, segments: list[Segment], width: int, kv_heads: int) -> torch.Tensor:
-        """Where each (token, kv head) vector goes in a layer's buffer (``slots.flat_index``)."""
-        slot, column = token_places(segments)
-        return flat_index(slot.view(-1, 1), column.view(-1, 1), kv_heads, width).to(self.device)
-
-    def _single_mask(self, singles: list[Segment]) -> torch.Tensor:
-        """``[rows, 1, 1, columns]`` bool: each one-token row sees its own columns 0..start."""
-        columns = max(s.start for s in singles) + 1
-        starts = torch.tensor([s.start for s in singles], dtype=torch.long).view(-1, 1)
-        allowed = torch.arange(columns).view(1, columns) <= starts
-        return allowed.view(len(singles), 1, 1, columns).to(self.device)
-
-    def _chunk_mask(self, segment: Segment) -> torch.Tensor:
-        """``[1, 1, count, start + count]`` bool: query i (column start + i) sees columns 0..start + i."""
-        end = segment.start + segment.count
-        query = torch.arange(segment.start, end).view(-1, 1)
-        allowed = torch.arange(end).view(1, end) <= query
-        return allowed.view(1, 1, segment.count, end).to(self.device)
+        return self.lm_head(ops.rms_norm(picked, self.norm)).float()

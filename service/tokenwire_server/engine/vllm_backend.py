@@ -65,6 +65,7 @@ class VllmSettings:
     dtype: str = "auto"
     kv_cache_bytes: int = 0  # CPU: the KV cache's size (vLLM would take most of the RAM)
     max_model_len: int = 0  # 0: the model's context
+    prefix_cache: bool = True  # --prefix-cache: vLLM's automatic prefix caching
 
 
 def vllm_model_folder(folder: Path) -> Path:
@@ -160,7 +161,7 @@ class VllmBackend:
             "max_num_seqs": settings.max_active,
             "tensor_parallel_size": settings.tensor_parallel_size,
             "pipeline_parallel_size": settings.pipeline_parallel_size,
-            "enable_prefix_caching": True,
+            "enable_prefix_caching": settings.prefix_cache,
             "disable_log_stats": False,
             "seed": 0,
         }

@@ -151,6 +151,7 @@ def usage(u: Usage) -> pb.Usage:
         queue_time_ms=u.queue_time_s * 1000,
         time_to_first_token_ms=u.time_to_first_token_s * 1000,
         total_time_ms=u.total_time_s * 1000,
+        cached_prompt_tokens=u.cached_prompt_tokens,
     )
 
 

@@ -123,6 +123,7 @@ class TextGenerationServicer:
                     u = event.usage
                     metrics.generated_tokens.inc(u.completion_tokens)
                     metrics.prompt_tokens.inc(u.prompt_tokens)
+                    metrics.prefix_hit_tokens.inc(u.cached_prompt_tokens)
                     call.fields.update(conversion.usage_fields(u, event.reason))
                     if output is not None:
                         call.fields["output"] = "".join(output)

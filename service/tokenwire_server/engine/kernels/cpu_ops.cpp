@@ -2,7 +2,8 @@
 // around its GEMMs, each one call instead of several stock torch ops.
 //
 // decode_attention: each one-token row attends over the first `lengths[r]` columns of
-//   its own slot and nothing else: no padding to the longest row, no mask, so a row
+//   its own block table (column c: row c % block_size of block tables[r][c / block_size])
+//   and nothing else: no padding to the longest row, no mask, so a row
 //   computes the same numbers whatever else is in the step. The query heads that share
 //   a KV head are done together (each key and value vector is read once for all of
 //   them), and the work is split over (row, KV head) pairs on torch's intra-op threads.
@@ -15,7 +16,7 @@
 // rope_: rotary embedding of q and k in place (x*cos + rotate_half(x)*sin), over the
 //   fused q/k/v GEMM's output rows.
 // store_kv: this step's keys and values (the roped k and the v of the fused q/k/v
-//   output) into each token's slot and column of the cache, one copy per vector.
+//   output) into each token's block and offset in the cache, one copy per vector.
 // A row's result never depends on the other rows: the work is split over rows only.
 //
 // Built with -mavx2 -mfma by kernels/__init__.py, loaded only where the CPU has both.
@@ -160,20 +161,20 @@ void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-void store_kv(const at::Tensor& qkv, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-              const at::Tensor& columns, int64_t heads) {
+void store_kv(const at::Tensor& qkv, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& blocks,
+              const at::Tensor& offsets, int64_t heads) {
   check_rows(qkv, "store_kv qkv");
   TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat &&
                   keys.is_contiguous() && values.is_contiguous(),
-              "store_kv: keys, values are contiguous float32 [slots, kv_heads, capacity, dim]");
-  const int64_t tokens = qkv.size(0), kv_heads = keys.size(1), capacity = keys.size(2), dim = keys.size(3);
+              "store_kv: keys, values are contiguous float32 [blocks, kv_heads, block_size, dim]");
+  const int64_t tokens = qkv.size(0), kv_heads = keys.size(1), block_size = keys.size(2), dim = keys.size(3);
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim, "store_kv: qkv must be [tokens, (heads + 2 * kv_heads) * dim]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && columns.scalar_type() == at::kLong && slots.numel() == tokens && columns.numel() == tokens,
-              "store_kv: one int64 slot and column per token");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* column = columns.data_ptr<int64_t>();
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && blocks.numel() == tokens && offsets.numel() == tokens,
+              "store_kv: one int64 block and offset per token");
+  const int64_t* block = blocks.data_ptr<int64_t>();
+  const int64_t* offset = offsets.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < keys.size(0) && column[t] >= 0 && column[t] < capacity, "store_kv: slot or column out of range");
+    TORCH_CHECK(block[t] >= 0 && block[t] < keys.size(0) && offset[t] >= 0 && offset[t] < block_size, "store_kv: block or offset out of range");
   }
   const float* src = qkv.data_ptr<float>();
   float* kp = keys.data_ptr<float>();
@@ -183,7 +184,7 @@ void store_kv(const at::Tensor& qkv, const at::Tensor& keys, const at::Tensor& v
     const float* k = src + t * width + heads * dim;
     const float* v = k + kv_heads * dim;
     for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t at = ((slot[t] * kv_heads + h) * capacity + column[t]) * dim;
+      const int64_t at = ((block[t] * kv_heads + h) * block_size + offset[t]) * dim;
       std::memcpy(kp + at, k + h * dim, sizeof(float) * dim);
       std::memcpy(vp + at, v + h * dim, sizeof(float) * dim);
     }
@@ -193,22 +194,26 @@ void store_kv(const at::Tensor& qkv, const at::Tensor& keys, const at::Tensor& v
 constexpr int kMaxGroup = 16;  // query heads per KV head
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                            const at::Tensor& slots, const at::Tensor& lengths, double scale) {
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(), "q [rows, heads, dim]; keys, values [slots, kv_heads, capacity, dim]");
+                            const at::Tensor& tables, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(), "q [rows, heads, dim]; keys, values [blocks, kv_heads, block_size, dim]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous(), "contiguous tensors only");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong, "slots and lengths are int64");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && tables.dim() == 2 && tables.is_contiguous(),
+              "tables [rows, blocks] and lengths [rows] are int64");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = keys.size(1), capacity = keys.size(2);
+  const int64_t blocks = keys.size(0), kv_heads = keys.size(1), block_size = keys.size(2), width = tables.size(1);
   TORCH_CHECK(keys.size(3) == dim && dim % 8 == 0, "head dim must match and be a multiple of 8");
+  TORCH_CHECK(block_size % 8 == 0, "block size must be a multiple of 8");
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "query heads must be a multiple of KV heads, at most kMaxGroup (16) per KV head");
-  TORCH_CHECK(slots.numel() == rows && lengths.numel() == rows, "one slot and one length per row");
+  TORCH_CHECK(tables.size(0) == rows && lengths.numel() == rows, "one table and one length per row");
   const int64_t group = heads / kv_heads;
-  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* table = tables.data_ptr<int64_t>();
   const int64_t* length = lengths.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(slot[r] >= 0 && slot[r] < keys.size(0), "slot out of range");
-    TORCH_CHECK(length[r] >= 1 && length[r] <= capacity, "length out of range");
+    TORCH_CHECK(length[r] >= 1 && length[r] <= width * block_size, "length out of range");
+    for (int64_t b = 0; b < (length[r] + block_size - 1) / block_size; ++b) {
+      TORCH_CHECK(table[r * width + b] >= 0 && table[r * width + b] < blocks, "block out of range");
+    }
   }
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -222,8 +227,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads, n = length[r];
-      const float* k = kp + ((slot[r] * kv_heads + h) * capacity) * dim;
-      const float* v = vp + ((slot[r] * kv_heads + h) * capacity) * dim;
+      const int64_t* row_table = table + r * width;
+      // Column c of this row and KV head: row c % block_size of block row_table[c / block_size].
+      auto at = [&](const float* base, int64_t c) {
+        return base + ((row_table[c / block_size] * kv_heads + h) * block_size + c % block_size) * dim;
+      };
       const float* qh = qp + (r * heads + h * group) * dim;
       float* oh = op + (r * heads + h * group) * dim;
       scores.resize(static_cast<size_t>(group * n));
@@ -231,7 +239,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
       // columns at a time: eight dot products, reduced together into one vector.
       int64_t c = 0;
       for (; c + 8 <= n; c += 8) {
-        const float* kc = k + c * dim;
+        const float* kc = at(kp, c);  // eight columns in one block (block_size is a multiple of 8)
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qh + g * dim;
           __m256 acc[8];
@@ -244,7 +252,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
         }
       }
       for (; c < n; ++c) {
-        const float* kc = k + c * dim;
+        const float* kc = at(kp, c);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qh + g * dim;
           __m256 acc = _mm256_setzero_ps();
@@ -285,15 +293,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
         const float* p = scores.data() + g * n;
         float* og = oh + g * dim;
         for (int64_t base = 0; base < lanes; base += 8) {
-          const int64_t width = lanes - base < 8 ? lanes - base : 8;
+          const int64_t lanes8 = lanes - base < 8 ? lanes - base : 8;
           __m256 acc[8];
           for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-          for (int64_t c = 0; c < n; ++c) {
-            const float* vc = v + c * dim + 8 * base;
-            const __m256 pc = _mm256_set1_ps(p[c]);
-            for (int64_t j = 0; j < width; ++j) acc[j] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vc + 8 * j), acc[j]);
+          for (int64_t c0 = 0; c0 < n; c0 += block_size) {
+            const float* vb = at(vp, c0) + 8 * base;
+            const int64_t stop = std::min<int64_t>(block_size, n - c0);
+            for (int64_t i = 0; i < stop; ++i) {
+              const float* vc = vb + i * dim;
+              const __m256 pc = _mm256_set1_ps(p[c0 + i]);
+              for (int64_t j = 0; j < lanes8; ++j) acc[j] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vc + 8 * j), acc[j]);
+            }
           }
-          for (int64_t j = 0; j < width; ++j) _mm256_storeu_ps(og + 8 * (base + j), acc[j]);
+          for (int64_t j = 0; j < lanes8; ++j) _mm256_storeu_ps(og + 8 * (base + j), acc[j]);
         }
       }
     }
@@ -304,11 +316,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 }  // namespace
 
 TORCH_LIBRARY(tokenwire, m) {
-  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor slots, Tensor lengths, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up, int intermediate) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
-  m.def("store_kv(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor columns, int heads) -> ()");
+  m.def("store_kv(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, Tensor blocks, Tensor offsets, int heads) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {

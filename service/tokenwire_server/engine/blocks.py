@@ -1,0 +1,205 @@
+"""The KV cache's block pool: which request holds which block, and which prompt prefix
+each cached block holds. Plain Python, no torch: the scheduler's bookkeeping.
+
+The KV cache is ``num_blocks`` blocks of ``block_size`` tokens in every layer
+(``kv.PagedCache``). A request's tokens live in the blocks of its *block table*, in
+order: column ``c`` of the request is column ``c % block_size`` of block
+``table[c // block_size]``. So the memory committed for KV is the pool and nothing
+else, whatever the lengths of the requests and however many there are.
+
+**Admission reserves the worst case.** A request is admitted only when the blocks of
+its prompt plus ``max_new_tokens`` are free (or held by nobody, see below), and they
+are promised to it: it takes them one at a time as it grows, and it never fails or
+waits for lack of KV once admitted. No preemption, no recomputation; the price is
+that a request which stops early held a reservation it did not use (vLLM preempts
+instead; the trade is written in docs/architecture.md).
+
+**Automatic prefix caching.** A block all of whose tokens are prompt tokens is, once
+its keys and values are written, *published* under a key: a hash of its tokens and of
+the key of the block before it (so a key names the whole prefix up to the block's
+end). A new request looks its prompt's full blocks up key by key and shares the
+longest run that is cached: those tokens are not read again (``cached_tokens``).
+At least the prompt's last token is always read, so that its logits exist.
+
+A block nobody holds any more stays cached (``idle``) until its memory is needed, and
+then the least recently used idle block goes first (its key is dropped). Which block a
+request takes for new tokens: a block that was used and given back uncached (most
+recently given back first, its pages still warm), then either a never-used block or an
+idle cached one. On a GPU the pool is committed memory from the start, so a never-used
+block comes first and the cache keeps all it can (``fresh_first``). On a CPU a never-used
+block is memory not yet resident, so the least recently used idle block goes first: the
+resident set stays at the most blocks ever held at once, and the cache keeps what fits
+in it, instead of growing to the whole budget as distinct prompts come and go.
+Cached blocks are never written: a request writes only past its shared prefix, in
+blocks of its own.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+BLOCK_SIZE = 16
+
+
+def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    """How many blocks hold ``tokens`` tokens."""
+    return -(-max(tokens, 0) // block_size)
+
+
+def prefix_keys(tokens: Sequence[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """The key of every full block of ``tokens``: each hashes the block's tokens and the
+    key before it (BLAKE2b, 128 bits), so equal keys mean equal prefixes."""
+    keys: list[bytes] = []
+    key = b""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        chunk = array.array("q", tokens[start : start + block_size]).tobytes()
+        key = hashlib.blake2b(key + chunk, digest_size=16).digest()
+        keys.append(key)
+    return keys
+
+
+@dataclasses.dataclass
+class Lease:
+    """One request's blocks: those it holds, in table order, and how many more it is promised."""
+
+    blocks: list[int]
+    promised: int
+    cached_tokens: int  # tokens of the prompt found in the cache (its first ``len(shared)`` blocks)
+
+
+class BlockPool:
+    """``num_blocks`` blocks: held (counted per holder), cached and idle, or never used."""
+
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, prefix_cache: bool = True, fresh_first: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("a block pool needs at least one block of at least one token")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_cache = prefix_cache
+        self.fresh_first = fresh_first
+        self._fresh = list(range(num_blocks - 1, -1, -1))  # never used; taken from the end (block 0 first)
+        self._free: list[int] = []  # used, given back uncached; taken from the end (warmest first)
+        self._holders = [0] * num_blocks
+        self._key_of: dict[int, bytes] = {}  # cached block -> its key
+        self._block_of: dict[bytes, int] = {}  # key -> cached block
+        self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, held by nobody; LRU first
+        self._promised = 0  # blocks promised to admitted requests and not yet taken
+        self.hit_tokens = 0  # prompt tokens found in the cache, ever
+
+    # -- what is left --------------------------------------------------------------
+
+    @property
+    def available(self) -> int:
+        """Blocks a new request may still be promised."""
+        return len(self._fresh) + len(self._free) + len(self._idle) - self._promised
+
+    @property
+    def held(self) -> int:
+        """Blocks held by at least one request."""
+        return sum(1 for count in self._holders if count)
+
+    @property
+    def cached(self) -> int:
+        return len(self._block_of)
+
+    def tokens_committed(self) -> int:
+        """Tokens' worth of blocks held or promised (the reservation the metrics show)."""
+        return (self.held + self._promised) * self.block_size
+
+    # -- admission and growth --------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest cached run of ``keys`` from the start."""
+        found: list[int] = []
+        if not self.prefix_cache:
+            return found
+        for key in keys:
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def admit(self, total_tokens: int, prompt_keys: Sequence[bytes], prompt_len: int) -> Lease | None:
+        """Reserve a request's worst case (``total_tokens``), sharing its prompt's cached
+        prefix; None when it does not fit now. ``prompt_keys``: its prompt's full blocks'
+        keys (``prefix_keys``); only blocks before the prompt's last token are shared."""
+        shareable = max(0, (prompt_len - 1) // self.block_size)
+        shared = self.lookup(prompt_keys[:shareable])
+        need = blocks_for(total_tokens, self.block_size) - len(shared)
+        waking = sum(1 for block in shared if self._holders[block] == 0)  # idle blocks leave the evictable set
+        if need + waking > self.available:
+            return None
+        for block in shared:
+            self._hold(block)
+        self._promised += need
+        cached_tokens = len(shared) * self.block_size
+        self.hit_tokens += cached_tokens
+        return Lease(blocks=list(shared), promised=need, cached_tokens=cached_tokens)
+
+    def fits_ever(self, total_tokens: int) -> bool:
+        """Whether a request of ``total_tokens`` could be admitted into an empty pool."""
+        return blocks_for(total_tokens, self.block_size) <= self.num_blocks
+
+    def grow(self, lease: Lease, tokens: int) -> None:
+        """Give ``lease`` blocks until they hold ``tokens`` tokens (from its promise)."""
+        while len(lease.blocks) * self.block_size < tokens:
+            if lease.promised <= 0:
+                raise RuntimeError(f"a request grew past its reservation ({tokens} tokens)")
+            lease.promised -= 1
+            self._promised -= 1
+            block = self._take()
+            self._holders[block] = 1
+            lease.blocks.append(block)
+
+    def publish(self, lease: Lease, index: int, key: bytes) -> None:
+        """Block ``index`` of ``lease`` is full of prompt tokens, written: cache it under ``key``."""
+        if not self.prefix_cache:
+            return
+        block = lease.blocks[index]
+        if key in self._block_of or block in self._key_of:
+            return  # the same prefix was cached by another request first (or this block already is)
+        self._block_of[key] = block
+        self._key_of[block] = key
+
+    def release(self, lease: Lease) -> None:
+        """The request has left: its blocks go idle (cached) or unused, its promise is void."""
+        for block in lease.blocks:
+            self._holders[block] -= 1
+            if self._holders[block] > 0:
+                continue
+            if block in self._key_of:
+                self._idle[block] = None
+                self._idle.move_to_end(block)
+            else:
+                self._free.append(block)
+        lease.blocks = []
+        self._promised -= lease.promised
+        lease.promised = 0
+
+    # -- internals -------------------------------------------------------------------
+
+    def _hold(self, block: int) -> None:
+        if self._holders[block] == 0:
+            self._idle.pop(block, None)
+        self._holders[block] += 1
+
+    def _take(self) -> int:
+        """A block for new tokens: a warm free one, then a never-used one or the least recently
+        used idle one (``fresh_first`` says which comes first)."""
+        if self._free:
+            return self._free.pop()
+        if self._fresh and (self.fresh_first or not self._idle):
+            return self._fresh.pop()
+        block, _ = self._idle.popitem(last=False)
+        del self._block_of[self._key_of.pop(block)]
+        return block
+
+    @property
+    def touched(self) -> int:
+        """Blocks ever handed out (on a CPU: the KV pages that may be resident)."""
+        return self.num_blocks - len(self._fresh)

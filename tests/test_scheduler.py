@@ -1,0 +1,368 @@
+"""The batched engine's scheduler and block pool, without a model; its KV memory on ``meta``.
+
+- The block pool promises each admitted request its worst case (prompt + max_new_tokens)
+  in blocks; a request waits while they are not free, and one that could never fit fails.
+- Prefix caching: full prompt blocks, once written, are published under a key of their
+  tokens and everything before them; a later prompt shares the longest cached run (never
+  its own last token), idle cached blocks are evicted least recently used first, and
+  ``--prefix-cache off`` shares nothing.
+- A step's plan: decode rows first, then prompt chunks within the budget; nothing moves
+  until ``postprocess``, which delivers each picked token to its request and publishes
+  the blocks the step completed; a cancelled row's blocks come back at once.
+- Memory: the batched engine built on the ``meta`` device for the 135M, 1B, Llama-2-7B and
+  Llama-3.1-8B shapes with default flags commits for KV exactly the budget start-up
+  checks, plus one (scratch) block per layer. On a simulated 24 GiB card holding the 8B
+  weights in bf16, the budget ``--kv-cache-memory-fraction`` leaves admits 16 streams of
+  1,024 tokens at once, and alone one request of 8,192.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from tokenwire_server.config import ServerConfig
+from tokenwire_server.domain import ErrorKind
+from tokenwire_server.engine.base import AdmissionQueue, EngineLimits
+from tokenwire_server.engine.batched import BatchedEngine, kv_blocks
+from tokenwire_server.engine.blocks import BLOCK_SIZE, BlockPool, blocks_for, prefix_keys
+from tokenwire_server.engine.scheduler import Scheduler
+from tokenwire_server.model import LoadedModel, ModelLoadError, kv_budget_for_device, kv_bytes_per_token
+
+
+class FakeSeq:
+    """What the scheduler reads of a request, and what it calls."""
+
+    def __init__(self, prompt: list[int], max_new: int, name: str = "") -> None:
+        self.request = SimpleNamespace(prompt_ids=list(prompt), max_new_tokens=max_new, request_id=name, arrival=0.0)
+        self.handle = SimpleNamespace(cancelled=False)
+        self.finished = False
+        self.failed: tuple[ErrorKind, str] | None = None
+        self.generated: list[int] = []
+        self.cached_prompt_tokens = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def budget_tokens(self) -> int:
+        return self.prompt_len + self.request.max_new_tokens
+
+    def expired(self, now: float) -> None:
+        return None
+
+    def admit(self, now: float) -> None:
+        self.request.arrival = now
+
+    def fail(self, kind: ErrorKind, message: str) -> None:
+        self.finished, self.failed = True, (kind, message)
+
+    def abandon(self) -> None:
+        self.finished = True
+
+    def add_token(self, token: int, logprob: float | None = None, top: Any = ()) -> bool:
+        self.generated.append(token)
+        self.finished = len(self.generated) >= self.request.max_new_tokens
+        return self.finished
+
+
+def scheduler(blocks: int, prefix_cache: bool = True, max_active: int = 16, prefill: int = 20, fresh_first: bool = True) -> Scheduler:
+    limits = EngineLimits(max_active=max_active, max_queue=64, kv_cache_tokens=blocks * BLOCK_SIZE)
+    pool = BlockPool(blocks, BLOCK_SIZE, prefix_cache=prefix_cache, fresh_first=fresh_first)
+    return Scheduler(AdmissionQueue(limits), pool, max_active, prefill, span_columns=1e9, batch_window_s=0.0)
+
+
+def submit(s: Scheduler, *seqs: FakeSeq) -> None:
+    for seq in seqs:
+        s.queue.put(seq)
+
+
+def run_to_end(s: Scheduler, token: int = 7) -> None:
+    """Step with a fixed token for every emitter until no row is left."""
+    while s.rows:
+        plan = s.schedule()
+        assert plan is not None
+        s.postprocess(plan, [(token, None, ())] * len(plan.emitters))
+
+
+def prompt(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+# -- admission by blocks -------------------------------------------------------------------
+
+
+def test_admission_promises_each_requests_worst_case_and_the_next_waits_for_blocks() -> None:
+    s = scheduler(blocks=10)  # 160 tokens
+    a, b, c = FakeSeq(prompt(40), 24, "a"), FakeSeq(prompt(40, 5000), 24, "b"), FakeSeq(prompt(40, 9000), 24, "c")
+    submit(s, a, b, c)
+    s.admit()
+    assert [row.seq for row in s.rows] == [a, b]  # 4 blocks each; c's 4 more do not fit in the 2 left
+    assert s.pool.available == 2 and s.queue.queued == 1
+    assert s.pool.tokens_committed() == 8 * BLOCK_SIZE
+    run_to_end(s)  # a and b finish; their blocks come back
+    s.admit()
+    assert [row.seq for row in s.rows] == [c]
+
+
+def test_blocks_are_taken_as_a_row_grows_never_past_its_promise() -> None:
+    s = scheduler(blocks=10)
+    seq = FakeSeq(prompt(20), 30)  # 50 tokens: 4 blocks promised
+    submit(s, seq)
+    s.admit()
+    row = s.rows[0]
+    assert row.table == [] and row.lease.promised == 4
+    plan = s.schedule()
+    assert plan is not None and len(row.table) == 2  # the 20 prompt tokens' blocks, taken for this step
+    s.postprocess(plan, [(1, None, ())])
+    while not seq.finished:
+        plan = s.schedule()
+        assert plan is not None
+        assert len(row.table) * BLOCK_SIZE >= row.length + 1
+        s.postprocess(plan, [(1, None, ())])
+    assert len(seq.generated) == 30
+    with pytest.raises(RuntimeError, match="past its reservation"):
+        s.pool.grow(row.lease, 100 * BLOCK_SIZE)
+
+
+def test_a_request_past_the_whole_pool_fails_at_once_and_the_others_go_on() -> None:
+    s = scheduler(blocks=4)
+    big, small = FakeSeq(prompt(60), 10), FakeSeq(prompt(10), 5)
+    submit(s, big, small)
+    s.admit()
+    assert big.failed is not None and big.failed[0] is ErrorKind.INTERNAL and "more than the whole budget" in big.failed[1]
+    assert [row.seq for row in s.rows] == [small]
+    assert s.queue.active == 1
+
+
+def test_a_cancelled_row_gives_its_blocks_back_at_the_next_retire() -> None:
+    s = scheduler(blocks=8)
+    seq = FakeSeq(prompt(30), 50)
+    submit(s, seq)
+    s.admit()
+    plan = s.schedule()
+    assert plan is not None
+    s.postprocess(plan, [(1, None, ())])
+    assert s.pool.available == 8 - blocks_for(80)
+    seq.handle.cancelled = True
+    s.retire(expire=False)
+    assert not s.rows and s.pool.available == 8 and s.queue.active == 0
+
+
+# -- the plan -------------------------------------------------------------------------------
+
+
+def test_a_step_decodes_every_decoding_row_and_reads_prompt_chunks_within_the_budget() -> None:
+    s = scheduler(blocks=64, prefill=20)
+    first = FakeSeq(prompt(5), 100)
+    submit(s, first)
+    s.admit()
+    plan = s.schedule()
+    assert plan is not None and [(p.start, p.count, p.decodes) for p in plan.parts] == [(0, 5, False)]
+    s.postprocess(plan, [(11, None, ())])
+    assert first.generated == [11]
+    second, third = FakeSeq(prompt(30, 3000), 10), FakeSeq(prompt(30, 6000), 10)
+    submit(s, second, third)
+    s.admit()
+    plan = s.schedule()
+    assert plan is not None
+    # the decode row first, then 20 prompt tokens: 20 of the second prompt, none of the third
+    assert [(p.row.seq, p.start, p.count, p.decodes) for p in plan.parts] == [(first, 5, 1, True), (second, 0, 20, False)]
+    assert plan.emitters == [plan.parts[0].row] and plan.prompt_tokens == 20
+    assert s.rows[1].length == 0  # nothing moves before postprocess
+    s.postprocess(plan, [(12, None, ())])
+    assert first.generated == [11, 12] and s.rows[0].length == 6 and s.rows[1].length == 20
+
+
+# -- prefix caching ---------------------------------------------------------------------------
+
+
+def test_prefix_keys_name_the_whole_prefix() -> None:
+    a, b = prefix_keys(prompt(40)), prefix_keys([*prompt(16), *prompt(24, 77)])
+    assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
+    c = prefix_keys([*prompt(16, 99), *prompt(16, 1016)])  # same second block, other first
+    assert c[1] != a[1]
+
+
+def test_a_later_prompt_shares_the_cached_blocks_of_its_longest_cached_prefix() -> None:
+    s = scheduler(blocks=64)
+    system = prompt(100)
+    first = FakeSeq([*system, 1, 2, 3], 4)
+    submit(s, first)
+    s.admit()
+    run_to_end(s)
+    assert s.pool.cached == 103 // BLOCK_SIZE  # every full prompt block, published
+    second = FakeSeq([*system, 9, 9], 4)
+    same = FakeSeq(prompt(96), 4)  # exactly 6 blocks: its last token is read, so 5 are shared
+    submit(s, second, same)
+    s.admit()
+    row, other = s.rows
+    assert second.cached_prompt_tokens == 96 and row.length == 96 and row.published == 6
+    assert same.cached_prompt_tokens == 80 and other.length == 80
+    assert row.table[:5] == other.table[:5]  # the same blocks, held by both
+    plan = s.schedule()
+    assert plan is not None and [(p.start, p.count) for p in plan.parts] == [(96, 6), (80, 16)]
+    assert s.pool.hit_tokens == 176
+
+
+def test_with_the_prefix_cache_off_nothing_is_shared() -> None:
+    s = scheduler(blocks=64, prefix_cache=False)
+    first = FakeSeq(prompt(100), 4)
+    submit(s, first)
+    s.admit()
+    run_to_end(s)
+    again = FakeSeq(prompt(100), 4)
+    submit(s, again)
+    s.admit()
+    assert again.cached_prompt_tokens == 0 and s.rows[0].length == 0 and s.pool.cached == 0
+
+
+def test_idle_cached_blocks_are_evicted_least_recently_used_first() -> None:
+    s = scheduler(blocks=8)
+    old, recent = FakeSeq(prompt(33, 100), 15), FakeSeq(prompt(33, 500), 15)  # 3 blocks each, 2 cached
+    for seq in (old, recent):
+        submit(s, seq)
+        s.admit()
+        run_to_end(s)
+    assert s.pool.cached == 4 and s.pool.available == 8
+    big = FakeSeq(prompt(40, 9000), 56)  # 6 blocks: the 4 never used, then the 2 oldest idle ones
+    submit(s, big)
+    s.admit()
+    run_to_end(s)
+    for seq, hit in ((FakeSeq(prompt(33, 100), 1), 0), (FakeSeq(prompt(33, 500), 1), 32)):
+        submit(s, seq)
+        s.admit()
+        assert seq.cached_prompt_tokens == hit
+        run_to_end(s)
+
+
+def test_on_a_cpu_the_blocks_touched_stay_at_the_most_ever_held_at_once() -> None:
+    """``fresh_first=False`` (a CPU): distinct prompts one after another reuse the blocks
+    already touched (the idle cached ones, least recently used first) instead of touching
+    new ones, so the resident KV stays at one request's worth; the latest prompt is still
+    cached. With ``fresh_first`` (a GPU) the same traffic spreads over the pool and keeps
+    every prompt cached."""
+    for fresh_first, touched, hits in ((False, 4, [0, 0, 0, 0, 0, 0, 0, 0, 32]), (True, 18, [0, 0, 0, 0, 0, 0, 0, 0, 32])):
+        s = scheduler(blocks=64, fresh_first=fresh_first)
+        for i in range(9):
+            seq = FakeSeq(prompt(40, 1000 * i) if i < 8 else prompt(40, 7000), 24)  # 4 blocks; the last repeats the 8th
+            submit(s, seq)
+            s.admit()
+            assert seq.cached_prompt_tokens == hits[i]
+            run_to_end(s)
+        assert s.pool.touched == touched, fresh_first
+    first_again = FakeSeq(prompt(40, 0), 24)
+    submit(s, first_again)
+    s.admit()
+    assert first_again.cached_prompt_tokens == 32  # a GPU pool still holds the first prompt
+
+
+def test_a_block_held_by_a_running_request_is_never_evicted() -> None:
+    s = scheduler(blocks=6)
+    holder = FakeSeq(prompt(33), 15)  # 3 blocks
+    submit(s, holder)
+    s.admit()
+    plan = s.schedule()
+    assert plan is not None
+    s.postprocess(plan, [(1, None, ())])
+    sharer = FakeSeq([*prompt(32), 5], 15)
+    submit(s, sharer)
+    s.admit()
+    assert sharer.cached_prompt_tokens == 32 and s.pool.available == 6 - 3 - 1
+    taker = FakeSeq(prompt(20, 7000), 28)  # 3 blocks: 2 are left; the cached ones held by running rows do not count
+    submit(s, taker)
+    s.admit()
+    assert taker.finished is False and s.queue.queued == 1
+
+
+# -- memory: what the engine commits, on meta ----------------------------------------------------
+
+SHAPES = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, vocab_size=49152),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, vocab_size=128256),
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, vocab_size=32000),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256),
+}
+
+
+def meta_model(shape: dict[str, int], dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+    """A Llama model of this shape on the ``meta`` device: real sizes, no memory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**shape, torch_dtype=dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(dtype)
+    return LoadedModel(
+        model=model,
+        tokenizer=None,
+        name="meta",
+        device=torch.device("meta"),
+        dtype=dtype,
+        context_length=shape["max_position_embeddings"],
+        vocab_size=shape["vocab_size"],
+        eos_token_ids=(2,),
+        bos_token_id=1,
+        pad_token_id=0,
+    )
+
+
+def block_bytes_per_layer(loaded: LoadedModel) -> int:
+    """Keys and values of one block in one layer."""
+    config = loaded.model.config
+    return kv_bytes_per_token(config, loaded.dtype) // int(config.num_hidden_layers) * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_engine_commits_the_kv_budget_start_up_checks_and_no_more(shape: str) -> None:
+    loaded = meta_model(SHAPES[shape])
+    config = ServerConfig()  # default flags
+    budget = config.effective_kv_cache_tokens(loaded.context_length) // BLOCK_SIZE * BLOCK_SIZE  # as the server rounds it
+    checked = budget * kv_bytes_per_token(loaded.model.config, loaded.dtype)
+    limits = EngineLimits(config.max_active, config.max_queue, budget)
+    engine = BatchedEngine(loaded, limits)
+    committed = engine._cache.nbytes()
+    layers = int(loaded.model.config.num_hidden_layers)
+    assert checked <= committed <= checked + layers * block_bytes_per_layer(loaded), (committed, checked)
+    assert engine.pool.num_blocks == kv_blocks(budget)
+    # the slot layout this replaced committed max_active x (min(context, budget) + 1) tokens: 2-16x the check
+    slots = config.max_active * (min(loaded.context_length, budget) + 1) * kv_bytes_per_token(loaded.model.config, loaded.dtype)
+    assert slots >= 2 * checked
+
+
+GIB = 2**30
+
+
+def test_on_a_24_gib_card_the_8b_model_starts_and_admits_16_streams_of_1024_and_one_of_8192() -> None:
+    loaded = meta_model(SHAPES["llama-3.1-8b"])
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    assert 14.5 * GIB < weights < 15.5 * GIB  # 8.03 B parameters in bf16
+    per_token = kv_bytes_per_token(loaded.model.config, loaded.dtype)
+    # In use after loading: the weights, and for the CUDA context and a warm-up step's peak
+    # (2,048 prompt tokens, no cache: ~0.3 GiB of activations on this shape) 1.5 GiB.
+    in_use = weights + int(1.5 * GIB)
+    budget = kv_budget_for_device(24 * GIB, in_use, ServerConfig().kv_cache_memory_fraction, per_token)
+    budget = budget // BLOCK_SIZE * BLOCK_SIZE
+    engine = BatchedEngine(loaded, EngineLimits(16, 64, budget))
+    committed = engine._cache.nbytes()
+    assert weights + int(1.5 * GIB) + committed <= 0.9 * 24 * GIB + block_bytes_per_layer(loaded) * 32
+
+    s = engine.scheduler
+    streams = [FakeSeq(prompt(1000, 1000 + 2000 * i), 24, f"s{i}") for i in range(16)]
+    submit(s, *streams)
+    s.admit()
+    assert [row.seq for row in s.rows] == streams  # all 16 at once
+    run_to_end(s)
+    long = FakeSeq(prompt(7000), 1192)  # 8,192 tokens
+    submit(s, long)
+    s.admit()
+    assert [row.seq for row in s.rows] == [long]
+    assert blocks_for(8192) <= s.pool.num_blocks
+
+
+def test_a_model_that_leaves_no_room_for_kv_refuses_to_start_with_the_sizes() -> None:
+    with pytest.raises(ModelLoadError, match="no room for a KV cache.*raise --kv-cache-memory-fraction"):
+        kv_budget_for_device(24 * GIB, 22 * GIB, 0.9, 131072)
+    assert kv_budget_for_device(80 * GIB, 17 * GIB, 0.9, 131072) == (int(80 * GIB * 0.9) - 17 * GIB) // 131072
