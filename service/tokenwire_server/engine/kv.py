@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .blocks import blocks_for
+
 
 def decoder_layers(model: Any) -> list[Any]:
     """The model's decoder layers (``model.model.layers`` for Llama-like models)."""
@@ -112,7 +114,7 @@ def gather(keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, colum
     columns from its length on are zeroed in the copy (they are masked, but must be finite)."""
     rows, width = tables.shape
     _, heads, block_size, dim = keys.shape
-    needed = min(width, -(-columns // block_size))
+    needed = min(width, blocks_for(columns, block_size))
     index = tables[:, :needed].reshape(-1)
     out = []
     for buffer in (keys, values):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .blocks import blocks_for
 from .kv import flat_index, gather, table_tensor, write
 
 # What one more attention call per layer costs, in row-columns (one row attending over one
@@ -148,7 +149,7 @@ class PagedDecodeAttention:
         self.library, self.heads, self.kv_heads, self.scale = library, heads, kv_heads, scale
 
     def plan(self, singles: list[Segment], block_size: int, scratch: int, device: torch.device) -> Any:
-        tables = table_tensor([list(s.table) for s in singles], scratch, max(s.start // block_size + 1 for s in singles))
+        tables = table_tensor([list(s.table) for s in singles], scratch, blocks_for(max(s.start for s in singles) + 1, block_size))
         lengths = torch.tensor([s.start + 1 for s in singles], dtype=torch.long)
         return tables, lengths
 
@@ -173,7 +174,7 @@ class GroupedAttention:
         for first, rows in single_groups(singles):
             group = singles[first : first + rows]
             columns = max(s.start for s in group) + 1
-            tables = table_tensor([list(s.table) for s in group], scratch, -(-columns // block_size)).to(device)
+            tables = table_tensor([list(s.table) for s in group], scratch, blocks_for(columns, block_size)).to(device)
             starts = torch.tensor([s.start for s in group], dtype=torch.long)
             mask = (torch.arange(columns).view(1, columns) <= starts.view(-1, 1)).view(rows, 1, 1, columns).to(device)
             groups.append((first, rows, tables, (starts + 1).to(device), mask))
@@ -195,7 +196,7 @@ def chunk_plan(chunks: list[Segment], block_size: int, scratch: int, device: tor
     out = []
     for segment in chunks:
         end = segment.start + segment.count
-        table = table_tensor([list(segment.table)], scratch, -(-end // block_size)).to(device)
+        table = table_tensor([list(segment.table)], scratch, blocks_for(end, block_size)).to(device)
         query = torch.arange(segment.start, end).view(-1, 1)
         mask = (torch.arange(end).view(1, end) <= query).view(1, 1, segment.count, end).to(device)
         out.append((table, mask))

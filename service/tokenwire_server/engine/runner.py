@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..model import LoadedModel
+from .blocks import blocks_for
 from .kv import PagedCache, places, table_tensor
 from .native import NativeForward
 from .ops import Segment
@@ -128,7 +129,7 @@ class ModelRunner:
             last[b, 0] = count - 1
         columns = max(part.start + part.count for part in parts)
         lengths = torch.tensor([part.start + part.count for part in parts], dtype=torch.long)
-        tables = table_tensor([part.row.table for part in parts], scratch, -(-columns // block_size))
+        tables = table_tensor([part.row.table for part in parts], scratch, blocks_for(columns, block_size))
         self.cache.plan.set(tables, write_blocks, write_offsets, lengths, columns)
         device = self.loaded.device
         extra: dict[str, object] = {}
