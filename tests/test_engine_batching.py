@@ -201,9 +201,9 @@ def test_while_rows_decode_a_chunk_deep_into_a_long_prompt_gets_fewer_tokens(tin
     assert span == batched.prefill_span_columns(loaded.model.config)
 
     def waiting(length: int, left: int = 10_000) -> SimpleNamespace:
-        return SimpleNamespace(decoding=False, length=length, seq=SimpleNamespace(prompt_len=length + left))
+        return SimpleNamespace(decoding=False, length=length, seq=SimpleNamespace(context_len=length + left))
 
-    decoding = SimpleNamespace(decoding=True, length=50, seq=SimpleNamespace(prompt_len=10))
+    decoding = SimpleNamespace(decoding=True, length=50, seq=SimpleNamespace(context_len=10))
     start, deep, deeper, bottom = waiting(0), waiting(int(span)), waiting(int(3 * span)), waiting(int(100 * span))
     for row, tokens in ((start, 24), (deep, 12), (deeper, 6), (bottom, 1)):
         scheduler.rows = [decoding, row]

@@ -35,17 +35,27 @@ from tokenwire_server.model import LoadedModel, ModelLoadError, kv_budget_for_de
 class FakeSeq:
     """What the scheduler reads of a request, and what it calls."""
 
-    def __init__(self, prompt: list[int], max_new: int, name: str = "") -> None:
-        self.request = SimpleNamespace(prompt_ids=list(prompt), max_new_tokens=max_new, request_id=name, arrival=0.0)
+    def __init__(self, prompt: list[int], max_new: int, name: str = "", resumed: tuple[int, ...] = ()) -> None:
+        self.request = SimpleNamespace(
+            prompt_ids=list(prompt), max_new_tokens=max_new, request_id=name, arrival=0.0, resume_ids=resumed
+        )
         self.handle = SimpleNamespace(cancelled=False)
         self.finished = False
         self.failed: tuple[ErrorKind, str] | None = None
-        self.generated: list[int] = []
+        self.generated: list[int] = list(resumed)
         self.cached_prompt_tokens = 0
 
     @property
     def prompt_len(self) -> int:
         return len(self.request.prompt_ids)
+
+    @property
+    def context_ids(self) -> list[int]:
+        return self.request.prompt_ids + list(self.request.resume_ids)
+
+    @property
+    def context_len(self) -> int:
+        return len(self.context_ids)
 
     @property
     def budget_tokens(self) -> int:
@@ -175,6 +185,30 @@ def test_a_step_decodes_every_decoding_row_and_reads_prompt_chunks_within_the_bu
     assert s.rows[1].length == 0  # nothing moves before postprocess
     s.postprocess(plan, [(12, None, ())])
     assert first.generated == [11, 12] and s.rows[0].length == 6 and s.rows[1].length == 20
+
+
+def test_a_resumed_row_reads_its_prompt_and_resumed_tokens_and_shares_the_prompts_cached_blocks() -> None:
+    """A resume (GenerationRequest.resume_ids) reads prompt + the ids it already has as its
+    prompt, emits its first token only after the last of them, keeps its promise at prompt +
+    max_new_tokens, and shares the blocks an earlier run of the same prompt published."""
+    s = scheduler(blocks=64, prefill=20)
+    first = FakeSeq(prompt(40), 8)
+    submit(s, first)
+    s.admit()
+    run_to_end(s)
+    resumed = FakeSeq(prompt(40), 8, resumed=(5, 6, 7))
+    submit(s, resumed)
+    s.admit()
+    [row] = s.rows
+    assert resumed.cached_prompt_tokens == 32 and row.length == 32  # two prompt blocks from before
+    assert len(row.lease.blocks) + row.lease.promised == 3  # prompt + max_new_tokens (48) in blocks: unchanged by the resume
+    plan = s.schedule()
+    assert plan is not None and [(p.start, p.count, p.decodes) for p in plan.parts] == [(32, 11, False)]
+    assert plan.parts[0].ids == [*prompt(8, 1032), 5, 6, 7] and plan.emitters == [row]
+    s.postprocess(plan, [(9, None, ())])
+    assert resumed.generated == [5, 6, 7, 9]  # the first new token, at step 3
+    run_to_end(s)
+    assert len(resumed.generated) == 8
 
 
 # -- prefix caching ---------------------------------------------------------------------------

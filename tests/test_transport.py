@@ -38,6 +38,7 @@ from tokenwire_server.domain import (
     FinishEvent,
     FinishReason,
     GenerationRequest,
+    InvalidResume,
     ModelDescription,
     NoChatTemplate,
     Prompt,
@@ -99,6 +100,12 @@ class FakeSubmission:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def end(self, event: ErrorEvent) -> None:
+        self.ended = event
+        self.cancel()
+
+    ended: ErrorEvent | None = None
+
     async def __aiter__(self) -> AsyncIterator[Event]:
         for event in self._events:
             await asyncio.sleep(self._gap_s)
@@ -106,6 +113,8 @@ class FakeSubmission:
         while self._forever and not self.cancelled.is_set():
             await asyncio.sleep(0.01)
             yield TextEvent("x", (TokenInfo(7, "x"),))
+        if self.ended is not None:
+            yield self.ended
 
 
 class FakeBackend:
@@ -311,8 +320,9 @@ def test_generation_request_maps_every_field() -> None:
         output=pb.OutputOptions(top_logprobs=3),
     )
     got = conversion.generation_request(request, "r1", [1, 2, 3], description(), arrival=5.0, deadline=9.0)
+    assert got.sampling.seed is not None  # samples without a seed: the server's own, for a resume
     assert got == GenerationRequest(
-        request_id="r1", prompt_ids=[1, 2, 3], sampling=DEFAULTS, max_new_tokens=5, min_new_tokens=2,
+        request_id="r1", prompt_ids=[1, 2, 3], sampling=dataclasses.replace(DEFAULTS, seed=got.sampling.seed), max_new_tokens=5, min_new_tokens=2,
         stop_sequences=("x", "y"), include_stop_sequence=True, ignore_eos=True, time_limit_s=1.5, deadline=9.0,
         want_tokens=True, want_logprobs=True, top_logprobs=3, arrival=5.0,
     )
@@ -364,7 +374,9 @@ def test_a_stream_its_trailer_metrics_and_log_line(harness: Harness, logs: LogRe
     assert (record.__dict__["code"], record.__dict__["finish_reason"], record.__dict__["completion_tokens"]) == ("OK", "eos", 2)
     assert "prompt" not in record.__dict__  # prompts are not logged unless asked for
     [sent] = harness.backend.requests  # type: ignore[union-attr]
-    assert sent.prompt_ids == [ord(c) for c in "hey"] and sent.sampling == DEFAULTS
+    assert sent.prompt_ids == [ord(c) for c in "hey"] and dataclasses.replace(sent.sampling, seed=None) == DEFAULTS
+    # The defaults sample and the caller set no seed: the server chose one and named it first.
+    assert sent.sampling.seed is not None and chunks[0].seed == sent.sampling.seed and not chunks[1].HasField("seed")
 
 
 @pytest.mark.parametrize(
@@ -519,3 +531,56 @@ def test_log_prompts_puts_prompt_and_output_on_the_line(logs: LogRecords) -> Non
         assert record.__dict__["prompt"] == "secret" and record.__dict__["output"] == "hello"
     finally:
         h.close()
+
+
+def test_resume_continues_the_index_names_the_seed_and_is_checked() -> None:
+    """GenerateRequest.resume: the ids reach the engine, chunk indexes go on from next_index,
+    the first chunk names the seed; more ids than the request may generate is INVALID_ARGUMENT."""
+    request = pb.GenerateRequest(prompt="abc", stopping=pb.StoppingCriteria(max_new_tokens=5), resume=pb.Resume(generated_token_ids=[7, 8], next_index=2))
+    got = conversion.generation_request(request, "r", [1, 2, 3], description(), arrival=0, deadline=None)
+    assert got.resume_ids == (7, 8) and got.max_new_tokens == 5
+    greedy = pb.GenerateRequest(prompt="abc", sampling=pb.SamplingParams(temperature=0))
+    assert conversion.generation_request(greedy, "g", [1], description(), arrival=0, deadline=None).sampling.seed is None
+    too_many = pb.GenerateRequest(prompt="abc", resume=pb.Resume(generated_token_ids=[7] * 17))  # default max_new_tokens 16
+    with pytest.raises(InvalidResume):
+        conversion.generation_request(too_many, "t", [1, 2, 3], description(), arrival=0, deadline=None)
+    clamped = pb.GenerateRequest(prompt="abc", resume=pb.Resume(generated_token_ids=[7] * 5))  # 60 + 5 > the context (64)
+    with pytest.raises(InvalidResume):
+        conversion.generation_request(clamped, "c", [1] * 60, description(), arrival=0, deadline=None)
+
+
+def test_a_resumed_call_over_grpc(harness: Harness) -> None:
+    request = pb.GenerateRequest(
+        request_id="resumed", prompt="hey", sampling=pb.SamplingParams(temperature=0.5, seed=77),
+        resume=pb.Resume(generated_token_ids=[4, 5, 6], next_index=3),
+    )
+    chunks = list(harness.stub.Generate(request, timeout=10))
+    assert [c.index for c in chunks] == [3, 4] and chunks[0].seed == 77 and not chunks[1].HasField("seed")
+    [sent] = harness.backend.requests  # type: ignore[union-attr]
+    assert sent.resume_ids == (4, 5, 6)
+    assert harness.metrics.registry.get_sample_value("tokenwire_resumed_requests_total") == 1
+    for field, bad in (
+        ("resume.generated_token_ids[1]", pb.Resume(generated_token_ids=[4, 5000])),
+        ("resume.generated_token_ids", pb.Resume(generated_token_ids=list(range(9)))),
+    ):
+        with pytest.raises(grpc.RpcError) as caught:
+            list(harness.stub.Generate(pb.GenerateRequest(prompt="hey", stopping=pb.StoppingCriteria(max_new_tokens=8), resume=bad), timeout=10))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+        assert [f for f, _ in status_details(caught.value)[0]] == [field]
+
+
+def test_hand_off_ends_the_streams_in_flight_unavailable_with_the_resume_trailer(harness: Harness, logs: LogRecords) -> None:
+    backend = harness.backend
+    assert backend is not None
+    backend.behaviour = lambda r: FakeSubmission([], forever=True)
+    stream = harness.stub.Generate(pb.GenerateRequest(request_id="handed", prompt="x"), timeout=30)
+    assert next(stream).text == "x"
+    harness.loop.call_soon_threadsafe(harness.servicer.hand_off)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stream)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    assert trailer(caught.value, "tokenwire-resume") == "handoff"
+    assert harness.metrics.registry.get_sample_value("tokenwire_handed_off_streams_total") == 1
+    assert backend.submissions[0].cancelled.is_set()
+    assert [r.__dict__["code"] for r in logs.finished("handed")] == ["UNAVAILABLE"]
+    assert harness.servicer.calls.in_flight == 0

@@ -243,7 +243,7 @@ def test_drain_lets_the_stream_in_flight_finish(tiny_model_dir: Path) -> None:
     the stream's "request finished" line comes after its "draining" line.
     """
     tokens = 1000
-    args = ["--model", str(tiny_model_dir), *VLLM, "--grace-period", "60"]
+    args = ["--model", str(tiny_model_dir), *VLLM, "--grace-period", "60", "--handoff-after-s", "0"]
     with ServerProcess(args, ready_timeout=400) as server, grpc.insecure_channel(server.target, options=STALLING) as held:
         in_flight = pb_grpc.TextGenerationStub(held).Generate(
             long_request(tokens, output=HEAVY, request_id="in-flight"), timeout=300
@@ -329,3 +329,32 @@ def test_the_default_model_answers_on_vllm(default_model_dir: Path) -> None:
         chunks = list(stub.Generate(pb.GenerateRequest(chat=chat, stopping=pb.StoppingCriteria(max_new_tokens=48)), timeout=300))
         assert "Paris" in "".join(c.text for c in chunks)
         assert chunks[-1].finish_reason in (pb.FINISH_REASON_EOS, pb.FINISH_REASON_LENGTH)
+
+
+def test_prefix_cache_off_and_a_resumed_stream_on_vllm(tiny_model_dir: Path) -> None:
+    """``--prefix-cache off`` reaches vLLM: the same long prompt twice finds nothing cached.
+    A cut stream resumed with ``GenerateRequest.resume`` goes on from the caller's next index,
+    with usage covering the whole answer; a greedy one gives the uncut stream's text
+    (measured: make bench-resume, the resume section of docs/benchmarks.md)."""
+    args = ["--model", str(tiny_model_dir), *VLLM, "--prefix-cache", "off", "--max-active", "2"]
+    prompt = f"{uuid.uuid4().hex} " + " ".join(f"word{i}" for i in range(200))
+    with ServerProcess(args, ready_timeout=400) as server, grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        cached = []
+        for _ in range(2):
+            request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(temperature=0),
+                                         stopping=pb.StoppingCriteria(max_new_tokens=2, ignore_eos=True))
+            cached.append(list(stub.Generate(request, timeout=60))[-1].usage.cached_prompt_tokens)
+        assert cached == [0, 0]
+
+        request = pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(temperature=0),
+                                     stopping=pb.StoppingCriteria(max_new_tokens=40, ignore_eos=True),
+                                     output=pb.OutputOptions(token_ids=True))
+        uncut = list(stub.Generate(request, timeout=60))
+        cut = 15
+        request.resume.generated_token_ids.extend(t.id for c in uncut[:cut] for t in c.tokens)
+        request.resume.next_index = cut
+        rest = list(stub.Generate(request, timeout=60))
+    assert [c.index for c in rest] == list(range(cut, cut + len(rest)))
+    assert rest[-1].usage.completion_tokens == 40 and sum(len(c.tokens) for c in rest) == 40 - cut
+    assert "".join(c.text for c in rest) == "".join(c.text for c in uncut[cut:])

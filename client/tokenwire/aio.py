@@ -21,6 +21,7 @@ from tokenwire.client import _HEALTH_STATUS, DEFAULT_TARGET, Deadline, Metadata
 from tokenwire.errors import TokenwireError, Unavailable, from_rpc_error
 from tokenwire.request import GenerateOptions, build_generate_request, build_tokenize_request
 from tokenwire.results import Chunk, Completion, HealthStatus, MessageLike, ModelInfo, Tokenization
+from tokenwire.resume import Resumption
 from tokenwire.retry import RetryPolicy
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
@@ -44,8 +45,9 @@ class AsyncChunkStream:
 
     def __init__(
         self,
-        start: Callable[[float | None], _AsyncStreamCall],
+        start: Callable[[float | None, pb.GenerateRequest], _AsyncStreamCall],
         *,
+        resumption: Resumption,
         request_id: str,
         retry: RetryPolicy,
         deadline: Deadline,
@@ -53,6 +55,8 @@ class AsyncChunkStream:
     ) -> None:
         self.request_id = request_id
         self._start = start
+        self._resumption = resumption
+        self._request = resumption.request  # what the next attempt sends
         self._retry = retry
         self._deadline = deadline
         self._rng = rng
@@ -79,7 +83,7 @@ class AsyncChunkStream:
             # asyncio.CancelledError, KeyboardInterrupt, ...: the RPC goes with the caller.
             self.cancel()
             raise
-        chunk = Chunk.from_proto(message)
+        chunk = self._resumption.received(message)
         if chunk.finish_reason is not None:
             self._done = True
             await self._read_status()
@@ -105,18 +109,25 @@ class AsyncChunkStream:
                 if self._deadline.remaining() == 0.0:
                     raise self._deadline.expired_error(self.request_id)
                 self.attempts += 1
-                self._call = self._start(self._deadline.remaining())
+                self._call = self._start(self._deadline.remaining(), self._request)
             try:
                 message = await self._call.read()
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error, request_id=self.request_id)
+                # Before the first chunk a refused call is tried again as it was; after it, a
+                # stream cut by its replica is resumed from what has arrived (tokenwire.resume).
+                resume = self._started and self._resumption.resumable(error, cancelled_here=self._done)
                 delay = (
-                    None if self._started else self._retry.backoff(self.attempts, error, self._rng, cancelled_here=self._done)
+                    self._retry.backoff(self.attempts, error, self._rng, cancelled_here=self._done)
+                    if resume or not self._started
+                    else None
                 )
                 if delay is None or not self._deadline.allows(delay):
                     raise error from None
                 self._call = None
                 await asyncio.sleep(delay)
+                if resume:
+                    self._request = self._resumption.resumed_request()
                 continue
             if message is aio.EOF:
                 raise StopAsyncIteration
@@ -208,23 +219,30 @@ class AsyncClient:
         messages: Iterable[MessageLike] | None = None,
         input_ids: Sequence[int] | None = None,
         timeout: float | None = None,
+        resume: bool = True,
         **params: Unpack[GenerateOptions],
     ) -> AsyncChunkStream:
         """Stream the completion of a prompt, a chat (``messages``) or token ids.
 
         Validation happens here, before anything is sent; the call starts on the
-        first ``__anext__``.
+        first ``__anext__``. ``resume``: as in ``Client.generate``.
         """
         request = build_generate_request(
             prompt, messages=messages, input_ids=input_ids, options=params, limits=self.limits
         )
         metadata = self._metadata
 
-        def start(remaining: float | None) -> _AsyncStreamCall:
-            return self._stub.Generate(request, timeout=remaining, metadata=metadata)
+        def start(remaining: float | None, message: pb.GenerateRequest) -> _AsyncStreamCall:
+            return self._stub.Generate(message, timeout=remaining, metadata=metadata)
 
         deadline = Deadline(self.timeout if timeout is None else timeout)
-        return AsyncChunkStream(start, request_id=request.request_id, retry=self.retry, deadline=deadline)
+        return AsyncChunkStream(
+            start,
+            resumption=Resumption(request, resume),
+            request_id=request.request_id,
+            retry=self.retry,
+            deadline=deadline,
+        )
 
     async def generate_text(
         self,
@@ -233,10 +251,11 @@ class AsyncClient:
         messages: Iterable[MessageLike] | None = None,
         input_ids: Sequence[int] | None = None,
         timeout: float | None = None,
+        resume: bool = True,
         **params: Unpack[GenerateOptions],
     ) -> Completion:
         """The whole completion at once."""
-        stream = self.generate(prompt, messages=messages, input_ids=input_ids, timeout=timeout, **params)
+        stream = self.generate(prompt, messages=messages, input_ids=input_ids, timeout=timeout, resume=resume, **params)
         async with stream:
             return await stream.text()
 
@@ -245,10 +264,11 @@ class AsyncClient:
         messages: Iterable[MessageLike],
         *,
         timeout: float | None = None,
+        resume: bool = True,
         **params: Unpack[GenerateOptions],
     ) -> Completion:
         """The model's whole reply to a conversation."""
-        return await self.generate_text(messages=messages, timeout=timeout, **params)
+        return await self.generate_text(messages=messages, timeout=timeout, resume=resume, **params)
 
     async def _unary(self, call: Callable[[float | None], Awaitable[_T]], timeout: float | None) -> _T:
         deadline = Deadline(self.timeout if timeout is None else timeout)

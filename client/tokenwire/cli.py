@@ -83,7 +83,9 @@ def exit_code(error: TokenwireError) -> int:
 # -- arguments ------------------------------------------------------------------------
 
 
-def _connection_parser() -> argparse.ArgumentParser:
+def _connection_parser(retries: int = 4) -> argparse.ArgumentParser:
+    """The connection flags; one parser per default of --retries (argparse shares a parent's
+    actions between its children, so a child's set_defaults would change them all)."""
     parser = argparse.ArgumentParser(add_help=False)
     group = parser.add_argument_group("connection")
     group.add_argument(
@@ -99,7 +101,7 @@ def _connection_parser() -> argparse.ArgumentParser:
     group.add_argument("--server-name", help="name to check the server's certificate against")
     group.add_argument("--token-file", type=Path, help="file holding a bearer token (default: $TOKENWIRE_TOKEN)")
     group.add_argument("--timeout", type=float, help="deadline of each call in seconds, retries included")
-    group.add_argument("--retries", type=int, default=4, help="retries of a refused call before the first chunk "
+    group.add_argument("--retries", type=int, default=retries, help="retries of a refused call before the first chunk, and resumes of a cut stream after it "
                        "(default: 4; bench: 0, so that overload shows as errors)")
     return parser
 
@@ -119,6 +121,12 @@ def _generation_parser() -> argparse.ArgumentParser:
     group.add_argument("--ignore-eos", action="store_true")
     group.add_argument("--time-limit-ms", type=int)
     group.add_argument("--system", metavar="TEXT", help="system message (chat)")
+    group.add_argument(
+        "--no-resume",
+        dest="resume",
+        action="store_false",
+        help="do not resume a stream cut by its replica (UNAVAILABLE mid-stream) on another replica; fail instead",
+    )
     return parser
 
 
@@ -183,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokenwire.v1.TextGeneration is readiness)")
 
     bench = commands.add_parser(
-        "bench", parents=[connection], epilog=EPILOG, formatter_class=formatter,
+        "bench", parents=[_connection_parser(retries=0)], epilog=EPILOG, formatter_class=formatter,
         help="drive the server with concurrent streams and report latency and throughput",
         description=f"Send concurrent streams over a set of {len(DEFAULT_PROMPTS)} short chat prompts, "
         "each generating exactly --max-new-tokens tokens (ignore_eos), and report throughput, "
@@ -199,7 +207,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-file", type=Path, help="one prompt per line instead of the built-in set")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--no-progress", action="store_true")
-    bench.set_defaults(retries=0)
     return parser
 
 
@@ -328,9 +335,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.chat or args.system:
             messages = [Message("system", args.system)] if args.system else []
             messages.append(Message("user", prompt))
-            stream = client.generate(messages=messages, **options)
+            stream = client.generate(messages=messages, resume=args.resume, **options)
         else:
-            stream = client.generate(prompt, **options)
+            stream = client.generate(prompt, resume=args.resume, **options)
         last = None
         ended_with_newline = True
         with stream, CancelOnInterrupt(stream) as guard:
@@ -356,7 +363,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if usage is not None:
                 print(
                     f"usage: prompt_tokens={usage.prompt_tokens} cached_prompt_tokens={usage.cached_prompt_tokens} "
-                    f"completion_tokens={usage.completion_tokens} "
+                    f"completion_tokens={usage.completion_tokens} resumes={usage.resumes} "
                     f"ttft={usage.time_to_first_token_ms:.1f}ms total={usage.total_time_ms:.1f}ms",
                     file=sys.stderr,
                 )
@@ -421,7 +428,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages = [*history, Message("user", line)]
             parts: list[str] = []
             try:
-                stream = client.generate(messages=messages, **options)
+                stream = client.generate(messages=messages, resume=args.resume, **options)
                 with CancelOnInterrupt(stream) as guard:
                     for chunk in stream:
                         parts.append(chunk.text)

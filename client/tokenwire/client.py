@@ -3,7 +3,10 @@
 ``generate`` returns a :class:`ChunkStream`, an iterator of :class:`Chunk` that owns
 its RPC: leaving the loop early (``break``, an exception, the stream being garbage
 collected) cancels the call on the server. Until the first chunk arrives a refused
-call is retried per the :class:`RetryPolicy`; after it, never.
+call is retried per the :class:`RetryPolicy`; after it, a stream that its replica cuts
+(UNAVAILABLE: it died, or drained and handed the stream off) is resumed on the next
+replica from the tokens received (``tokenwire.resume``), within the same policy, unless
+``generate(..., resume=False)``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from tokenwire.channel import TLSConfig, channel_options, credentials, resolve_t
 from tokenwire.errors import DeadlineExceeded, TokenwireError, Unavailable, from_rpc_error
 from tokenwire.request import GenerateOptions, build_generate_request, build_tokenize_request
 from tokenwire.results import Chunk, Completion, HealthStatus, MessageLike, ModelInfo, Tokenization
+from tokenwire.resume import Resumption
 from tokenwire.retry import RetryPolicy
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
@@ -74,8 +78,9 @@ class ChunkStream(Iterator[Chunk]):
 
     def __init__(
         self,
-        start: Callable[[float | None], _StreamCall],
+        start: Callable[[float | None, pb.GenerateRequest], _StreamCall],
         *,
+        resumption: Resumption,
         request_id: str,
         retry: RetryPolicy,
         deadline: Deadline,
@@ -83,11 +88,13 @@ class ChunkStream(Iterator[Chunk]):
     ) -> None:
         self.request_id = request_id
         self._start = start
+        self._resumption = resumption
+        self._request = resumption.request  # what the next attempt sends
         self._retry = retry
         self._deadline = deadline
         self._rng = rng
         self._call: _StreamCall | None = None
-        self._started = False  # a chunk has arrived: from here on, never retry
+        self._started = False  # a chunk has arrived: from here on, resume (never replay)
         self._done = False
         self._lock = threading.Lock()
         self.attempts = 0
@@ -110,7 +117,7 @@ class ChunkStream(Iterator[Chunk]):
             # KeyboardInterrupt, GeneratorExit, ...: the caller is leaving; so is the RPC.
             self.cancel()
             raise
-        chunk = Chunk.from_proto(message)
+        chunk = self._resumption.received(message)
         if chunk.finish_reason is not None:
             self._done = True  # the last chunk: nothing left to cancel
             self._read_status()
@@ -142,18 +149,25 @@ class ChunkStream(Iterator[Chunk]):
                     raise self._deadline.expired_error(self.request_id)
                 self.attempts += 1
                 with self._lock:
-                    self._call = self._start(self._deadline.remaining())
+                    self._call = self._start(self._deadline.remaining(), self._request)
             try:
                 message = next(self._call)
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error, request_id=self.request_id)
+                # Before the first chunk a refused call is tried again as it was; after it, a
+                # stream cut by its replica is resumed from what has arrived (tokenwire.resume).
+                resume = self._started and self._resumption.resumable(error, cancelled_here=self._done)
                 delay = (
-                    None if self._started else self._retry.backoff(self.attempts, error, self._rng, cancelled_here=self._done)
+                    self._retry.backoff(self.attempts, error, self._rng, cancelled_here=self._done)
+                    if resume or not self._started
+                    else None
                 )
                 if delay is None or not self._deadline.allows(delay):
                     raise error from None
                 self._call = None
                 time.sleep(delay)
+                if resume:
+                    self._request = self._resumption.resumed_request()
                 continue
             self._started = True
             return message
@@ -254,23 +268,31 @@ class Client:
         messages: Iterable[MessageLike] | None = None,
         input_ids: Sequence[int] | None = None,
         timeout: float | None = None,
+        resume: bool = True,
         **params: Unpack[GenerateOptions],
     ) -> ChunkStream:
         """Stream the completion of a prompt, a chat (``messages``) or token ids.
 
         The request is checked here, before anything is sent; the call starts on the
-        first ``next()``.
+        first ``next()``. ``resume``: a stream cut by its replica goes on on another one
+        from the tokens received, with no duplicate, gap or exception (docs/client.md).
         """
         request = build_generate_request(
             prompt, messages=messages, input_ids=input_ids, options=params, limits=self.limits
         )
         metadata = self._metadata
 
-        def start(remaining: float | None) -> _StreamCall:
-            return self._stub.Generate(request, timeout=remaining, metadata=metadata)
+        def start(remaining: float | None, message: pb.GenerateRequest) -> _StreamCall:
+            return self._stub.Generate(message, timeout=remaining, metadata=metadata)
 
         deadline = Deadline(self.timeout if timeout is None else timeout)
-        return ChunkStream(start, request_id=request.request_id, retry=self.retry, deadline=deadline)
+        return ChunkStream(
+            start,
+            resumption=Resumption(request, resume),
+            request_id=request.request_id,
+            retry=self.retry,
+            deadline=deadline,
+        )
 
     def generate_text(
         self,
@@ -279,10 +301,11 @@ class Client:
         messages: Iterable[MessageLike] | None = None,
         input_ids: Sequence[int] | None = None,
         timeout: float | None = None,
+        resume: bool = True,
         **params: Unpack[GenerateOptions],
     ) -> Completion:
         """The whole completion at once."""
-        stream = self.generate(prompt, messages=messages, input_ids=input_ids, timeout=timeout, **params)
+        stream = self.generate(prompt, messages=messages, input_ids=input_ids, timeout=timeout, resume=resume, **params)
         with stream:
             return stream.text()
 
@@ -291,10 +314,11 @@ class Client:
         messages: Iterable[MessageLike],
         *,
         timeout: float | None = None,
+        resume: bool = True,
         **params: Unpack[GenerateOptions],
     ) -> Completion:
         """The model's whole reply to a conversation (stream it with ``generate(messages=...)``)."""
-        return self.generate_text(messages=messages, timeout=timeout, **params)
+        return self.generate_text(messages=messages, timeout=timeout, resume=resume, **params)
 
     # -- unary calls --------------------------------------------------------------
 

@@ -98,6 +98,7 @@ class Usage:
     time_to_first_token_ms: float
     total_time_ms: float
     cached_prompt_tokens: int = 0  # of prompt_tokens, found in the server's prefix cache
+    resumes: int = 0  # times the client resumed this stream on another replica after a cut (tokenwire.resume)
 
     @classmethod
     def from_proto(cls, usage: pb.Usage) -> Usage:

@@ -1,8 +1,9 @@
 """When a failed call is tried again, and after how long.
 
-Only a call that the server refused before sending anything is retried: a stream
-that has delivered a chunk is never replayed (the caller has already seen part of
-an answer that a replay would not reproduce). RESOURCE_EXHAUSTED (a full replica)
+A call that the server refused before sending anything is retried as it was. A stream
+that has delivered a chunk is never replayed from its start (the caller has already
+seen part of an answer); it is resumed from what it received (``tokenwire.resume``),
+under the same attempts and backoff. RESOURCE_EXHAUSTED (a full replica)
 and UNAVAILABLE (a draining or unreachable one) are retried by default; with the
 ``round_robin`` policy the next attempt goes to the next replica.
 

@@ -29,6 +29,7 @@ class Rule(str, Enum):
     TOO_MANY_MESSAGES = "holds {count} messages; at most {limit} are allowed"
     UNKNOWN_ROLE = "unknown role {role!r}; expected one of " + ", ".join(CHAT_ROLES)
     TOKEN_OUT_OF_VOCAB = "token id {value} is outside the vocabulary [0, {limit})"
+    RESUME_OVER_MAX = "holds {count} tokens, more than max_new_tokens ({limit})"
     TEMPERATURE = "must be a finite number >= 0 (0 is greedy), got {value}"
     TOP_P = "must be in (0, 1], got {value}"
     REPETITION_PENALTY = "must be a finite number > 0, got {value}"
@@ -131,6 +132,15 @@ def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> li
                 if value >= limits.vocab_size:
                     bad(f"token_ids.ids[{i}]", Rule.TOKEN_OUT_OF_VOCAB, value=value, limit=limits.vocab_size)
                     break
+
+    resumed = request.resume.generated_token_ids
+    if limits.vocab_size is not None:
+        for i, value in enumerate(resumed):
+            if value >= limits.vocab_size:
+                bad(f"resume.generated_token_ids[{i}]", Rule.TOKEN_OUT_OF_VOCAB, value=value, limit=limits.vocab_size)
+                break
+    if request.stopping.HasField("max_new_tokens") and len(resumed) > request.stopping.max_new_tokens >= 1:
+        bad("resume.generated_token_ids", Rule.RESUME_OVER_MAX, count=len(resumed), limit=request.stopping.max_new_tokens)
 
     sampling = request.sampling
     if sampling.HasField("temperature"):

@@ -42,6 +42,11 @@ class Submission(Protocol):
 
     def cancel(self) -> None: ...
 
+    def end(self, event: ErrorEvent) -> None:
+        """End the stream now with ``event`` (the drain's hand-off): the request is
+        cancelled in the engine, and the iteration yields ``event`` next and stops."""
+        ...
+
 
 class GenerationBackend(Protocol):
     """The seam between the gRPC layer and whatever runs the model."""
@@ -90,6 +95,11 @@ class ThreadedSubmission:
     def cancel(self) -> None:
         if self.handle is not None:
             self.handle.cancel()
+
+    def end(self, event: ErrorEvent) -> None:
+        """Called on the event loop; what the engine sends after it is never read."""
+        self.cancel()
+        self._events.put_nowait(event)
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         while True:

@@ -51,6 +51,7 @@ class ServerConfig:
     keepalive_timeout_s: float = 10.0
     min_client_ping_interval_s: float = 10.0
     grace_period: float = 25.0
+    handoff_after_s: float = 5.0
     stall_timeout: float = 60.0
     retry_after_ms: int = 500
     warmup: bool = True
@@ -140,6 +141,12 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "keepalive_timeout_s": ("seconds to wait for a keepalive ping's answer before the connection counts as dead and its streams are cancelled", None),
     "min_client_ping_interval_s": ("shortest interval at which clients may send keepalive pings without being disconnected (GOAWAY too_many_pings)", None),
     "grace_period": ("seconds that streams in flight may run on after SIGTERM/SIGINT", None),
+    "handoff_after_s": (
+        "seconds after SIGTERM/SIGINT before the streams still running are handed off: each ends UNAVAILABLE "
+        "with a 'tokenwire-resume: handoff' trailer, for its client to resume on another replica, and the "
+        "process exits (0: no hand-off; streams run on for up to --grace-period)",
+        None,
+    ),
     "stall_timeout": ("seconds without engine progress while work is pending before liveness turns NOT_SERVING", None),
     "retry_after_ms": ("retry delay suggested to refused clients (RetryInfo, grpc-retry-pushback-ms)", None),
     "warmup": ("run one warm-up generation before reporting ready", None),
@@ -233,6 +240,8 @@ def validate_config(config: ServerConfig) -> list[str]:
         errors.append("--batch-window-ms must not be negative")
     if min(config.keepalive_time_s, config.keepalive_timeout_s, config.min_client_ping_interval_s) <= 0:
         errors.append("--keepalive-time-s, --keepalive-timeout-s and --min-client-ping-interval-s must be positive")
+    if config.handoff_after_s < 0:
+        errors.append("--handoff-after-s must not be negative (0: no hand-off)")
     if config.grace_period < 0 or config.stall_timeout <= 0:
         errors.append("--grace-period must not be negative and --stall-timeout must be positive")
     return errors

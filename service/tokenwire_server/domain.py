@@ -27,6 +27,7 @@ class ErrorKind(str, enum.Enum):
     OUT_OF_MEMORY = "out_of_memory"  # the device ran out of memory for this request
     DEADLINE = "deadline"  # the call's deadline passed (before or during generation)
     SHUTDOWN = "shutdown"  # the engine stopped before the request finished
+    HANDOFF = "handoff"  # the server drains and hands the stream off, to be resumed on another replica
 
 
 # Below this a temperature is greedy: dividing logits by it overflows float32 to inf.
@@ -109,6 +110,12 @@ class PromptTooLong(ValueError):
         self.context_length = context_length
 
 
+class InvalidResume(ValueError):
+    """A resume that this request cannot continue from (``GenerateRequest.resume``)."""
+
+    field = "resume.generated_token_ids"
+
+
 class EmptyPrompt(ValueError):
     """The prompt encodes to no tokens: there is nothing to continue."""
 
@@ -183,6 +190,10 @@ class GenerationRequest:
     want_logprobs: bool = False
     top_logprobs: int = 0
     arrival: float = dataclasses.field(default_factory=time.monotonic)
+    # A resumed stream: the tokens its caller already received. The engine reads prompt +
+    # these, and goes on at step len(resume_ids) as the uncut stream would have (counts,
+    # seed step, stop matcher and detokenizer state included).
+    resume_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,6 +116,14 @@ class Metrics:
         self.prefix_hit_tokens = Counter(
             "tokenwire_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not read again)", registry=r
         )
+        self.resumes = Counter(
+            "tokenwire_resumed_requests", "Generate calls that resume a cut stream (GenerateRequest.resume)", registry=r
+        )
+        self.handoffs = Counter(
+            "tokenwire_handed_off_streams",
+            "Streams ended UNAVAILABLE by a drain's hand-off, for their clients to resume on another replica",
+            registry=r,
+        )
         self.cancelled = Counter(
             "tokenwire_cancelled_requests", "Generate calls that ended CANCELLED (the client left)", registry=r
         )

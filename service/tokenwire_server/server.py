@@ -5,7 +5,9 @@ Start-up order matters to Kubernetes: the gRPC port opens first with liveness
 SERVING and readiness NOT_SERVING, so a startupProbe sees the process alive while
 the model loads; readiness turns SERVING only after a warm-up generation.
 On SIGTERM or SIGINT: readiness NOT_SERVING at once, new calls UNAVAILABLE,
-streams in flight run on for up to ``--grace-period``, then the process exits 0.
+streams in flight run on for up to ``--handoff-after-s`` (then they are handed off:
+UNAVAILABLE with a resume trailer, for their clients to resume elsewhere) or, with no
+hand-off, ``--grace-period``; then the process exits 0.
 """
 
 from __future__ import annotations
@@ -319,7 +321,17 @@ class TokenwireServer:
         if backend is not None:
             backend.stop_admission()  # waiting requests still run; nothing new is admitted
         calls = self._servicer.calls
-        idle = await calls.wait_idle(grace)
+        handoff = self.config.handoff_after_s
+        if 0 < handoff < grace:
+            # Streams get --handoff-after-s to end on their own; those still running are
+            # handed off (UNAVAILABLE + the resume trailer) and continue on another replica.
+            idle = await calls.wait_idle(handoff)
+            if not idle:
+                log.info("handing off the streams in flight", extra={"calls": calls.in_flight})
+                self._servicer.hand_off()
+                idle = await calls.wait_idle(max(0.0, grace - (time.monotonic() - started)))
+        else:
+            idle = await calls.wait_idle(grace)
         if not idle:
             log.warning("grace period over; cancelling calls in flight", extra={"calls": calls.in_flight})
         if self._server is not None:

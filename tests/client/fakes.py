@@ -7,7 +7,8 @@ fail after a number of chunks, go slow, require a token) or through magic prompt
 
 - ``error:CODE``        fail before the first chunk with that status code
 - ``slow:SECONDS text``  sleep that long between chunks
-- ``fail-after:N text`` fail with UNAVAILABLE after N chunks
+- ``fail-after:N text`` fail with UNAVAILABLE after N chunks (not on a resumed call:
+  ``GenerateRequest.resume`` goes on from the ids and index it names)
 
 It checks requests with ``tokenwire.validation`` (with a max_new_tokens cap of
 ``Script.max_new_tokens_limit``, which the client does not know), as the real server does.
@@ -188,6 +189,10 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
         want_tokens = request.output.token_ids or request.output.logprobs or request.output.top_logprobs > 0
         sent_text = ""
         index = 0
+        if request.HasField("resume"):  # a cut stream goes on: a fresh replica, no scripted failure
+            skip = len(request.resume.generated_token_ids)
+            sent_text, words, index = "".join(words[:skip]), words[skip:], request.resume.next_index
+            fail_after = None
         started = time.monotonic()
         for word in words:
             if fail_after is not None and index == fail_after:

@@ -82,6 +82,23 @@ def test_overloaded_is_retried_then_reported(tw, fake):
     assert "retry after" in result.stderr
 
 
+def test_retries_default_to_four_and_to_none_for_bench():
+    parser = build_parser()
+    assert parser.parse_args(["generate", "x"]).retries == 4
+    assert parser.parse_args(["chat"]).retries == 4
+    assert parser.parse_args(["bench"]).retries == 0
+
+
+def test_a_cut_stream_is_resumed_unless_no_resume(tw, fake):
+    resumed = tw("generate", "fail-after:2 a b c d", "--usage")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout == "a b c d" and "resumes=1" in resumed.stderr
+    assert list(fake.servicer.requests[-1].resume.generated_token_ids) == [0, 1]
+    cut = tw("generate", "fail-after:2 a b c d", "--no-resume")
+    assert cut.returncode != 0 and cut.stdout == "a b"
+    assert not fake.servicer.requests[-1].HasField("resume")
+
+
 def test_deadline_exit_code(tw):
     result = tw("generate", "slow:0.3 a b c", "--timeout", "0.3")
     assert result.returncode == 6, result.stderr

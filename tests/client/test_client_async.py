@@ -145,15 +145,19 @@ def test_retry_before_first_chunk_but_no_replay_after(fake):
             attempts = stream.attempts
             got = []
             with pytest.raises(tokenwire.Unavailable):
-                async for chunk in client.generate("fail-after:1 a b c"):
+                async for chunk in client.generate("fail-after:1 a b c", resume=False):
                     got.append(chunk.text)
-            return text, attempts, got
+            resumed = [chunk async for chunk in client.generate("fail-after:1 a b c")]
+            return text, attempts, got, resumed
 
-    text, attempts, got = run(main())
+    text, attempts, got, resumed = run(main())
     assert text == "lucky" and attempts == 3
     assert got == ["a"]
     assert fake.servicer.refused == 2
-    assert fake.servicer.generate_calls == 4  # 3 attempts + 1 stream, never replayed
+    assert fake.servicer.generate_calls == 6  # 3 attempts + 1 stream not resumed + 1 stream resumed once
+    assert [c.text for c in resumed] == ["a", " b", " c", ""] and [c.index for c in resumed] == [0, 1, 2, 3]
+    assert resumed[-1].usage is not None and resumed[-1].usage.resumes == 1
+    assert list(fake.servicer.requests[-1].resume.generated_token_ids) == [0]
 
 
 def test_a_call_the_server_cancelled_before_the_first_chunk_is_retried(fake):

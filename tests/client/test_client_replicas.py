@@ -26,7 +26,7 @@ from tokenwire import FinishReason, HealthStatus, RetryPolicy
 pytestmark = pytest.mark.timeout(120)
 
 HOG = 8000
-REPLICA_ARGS = ["--max-active", "2", "--max-queue", "0", "--retry-after-ms", "50", "--grace-period", "30",
+REPLICA_ARGS = ["--max-active", "2", "--max-queue", "0", "--retry-after-ms", "50", "--grace-period", "30", "--handoff-after-s", "0",
                 "--max-new-tokens-limit", str(HOG), "--kv-cache-tokens", str(2 * 8192)]  # fmt: skip
 SHORT = {"max_new_tokens": 2, "ignore_eos": True}
 IN_FLIGHT = 200  # 100x a SHORT call's steps: in flight when the signal follows its first chunk

@@ -337,14 +337,37 @@ def test_retries_stop_at_the_deadline(client, fake):
     assert fake.servicer.refused == 1
 
 
-def test_a_started_stream_is_never_replayed(client, fake):
+def test_a_started_stream_that_is_cut_resumes_where_it_was_cut(client, fake):
+    """UNAVAILABLE after two chunks: the client resumes on the next call with the ids and
+    index it received; the loop sees every chunk once, no exception, and no token ids it
+    did not ask for."""
     stream = client.generate("fail-after:2 a b c d")
+    chunks = list(stream)
+    assert [c.text for c in chunks] == ["a", " b", " c", " d", ""]
+    assert [c.index for c in chunks] == [0, 1, 2, 3, 4]
+    assert all(c.tokens == () for c in chunks)
+    assert chunks[-1].usage is not None and chunks[-1].usage.resumes == 1
+    assert fake.servicer.generate_calls == 2
+    first, resumed = fake.servicer.requests
+    assert first.output.token_ids and not first.HasField("resume")  # asked for ids under the hood
+    assert list(resumed.resume.generated_token_ids) == [0, 1] and resumed.resume.next_index == 2
+    assert resumed.prompt == first.prompt and resumed.request_id == first.request_id
+
+
+def test_a_cut_stream_keeps_the_token_ids_the_caller_asked_for(client, fake):
+    chunks = list(client.generate("fail-after:1 a b c", token_ids=True))
+    assert [t.id for c in chunks for t in c.tokens] == [0, 1, 2]
+
+
+def test_without_resume_a_started_stream_is_never_replayed(client, fake):
+    stream = client.generate("fail-after:2 a b c d", resume=False)
     received = []
     with pytest.raises(tokenwire.Unavailable):
         for chunk in stream:
             received.append(chunk.text)
     assert received == ["a", " b"]
     assert fake.servicer.generate_calls == 1
+    assert not fake.servicer.requests[0].output.token_ids
     assert list(stream) == []  # finished for good
 
 

@@ -136,7 +136,7 @@ def test_out_of_memory_is_resource_exhausted_frees_the_cache_and_the_server_goes
 
 
 def test_drain_on_cuda(tiny_model_dir: Path) -> None:
-    with ServerProcess(["--model", str(tiny_model_dir), *CUDA, "--grace-period", "60"]) as server:
+    with ServerProcess(["--model", str(tiny_model_dir), *CUDA, "--grace-period", "60", "--handoff-after-s", "0"]) as server:
         stub = generation_stub(server.target)
         stream = stub.Generate(long_request(1000), timeout=120)
         first = next(stream)

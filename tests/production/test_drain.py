@@ -20,13 +20,14 @@ from production_support import (
 )
 from servers import ServerProcess
 from tokenwire.v1 import generation_pb2 as pb
+from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_drains_with_a_stream_in_flight(sig: signal.Signals, tiny_model_dir: Path) -> None:
-    with ServerProcess(["--model", str(tiny_model_dir), "--grace-period", "60"]) as server:
+    with ServerProcess(["--model", str(tiny_model_dir), "--grace-period", "60", "--handoff-after-s", "0"]) as server:
         stub = generation_stub(server.target)
         in_flight = stub.Generate(long_request(1000, request_id="in-flight"), timeout=80)
         first = next(in_flight)
@@ -71,3 +72,35 @@ def test_grace_period_bounds_the_drain(tiny_model_dir: Path) -> None:
         assert server.proc.wait(15) == 0
         assert time.monotonic() - sent < 10
         assert wait_until(lambda: bool(server.find("grace period over; cancelling calls in flight")), 2)
+
+
+def test_handoff_ends_streams_unavailable_with_the_resume_trailer_and_exits_soon(tiny_model_dir: Path) -> None:
+    """--handoff-after-s: the streams still running that long after SIGTERM end UNAVAILABLE
+    with the ``tokenwire-resume: handoff`` trailer (a resumable cut, not a failure), and the
+    process exits 0 well before the grace period.
+
+    The stream is in flight at the hand-off by construction, not by being slow: its client
+    reads one chunk, then nothing until after the hand-off, and a stream that is not read
+    cannot be written out (HTTP/2 flow control with a small window)."""
+    args = ["--model", str(tiny_model_dir), "--grace-period", "60", "--handoff-after-s", "0.5"]
+    stalling = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    heavy = pb.OutputOptions(token_ids=True, logprobs=True, top_logprobs=5)
+    with ServerProcess(args) as server, grpc.insecure_channel(server.target, options=stalling) as held:
+        stub = pb_grpc.TextGenerationStub(held)
+        endless = stub.Generate(long_request(1000, request_id="handed-off", output=heavy), timeout=60)
+        received = [next(endless)]
+        sent = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: bool(server.find("handing off the streams in flight")), 10)
+        with pytest.raises(grpc.RpcError) as cut:
+            for chunk in endless:
+                received.append(chunk)
+        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "resume it on another replica" in cut.value.details()
+        assert ("tokenwire-resume", "handoff") in tuple(cut.value.trailing_metadata())
+        assert server.proc.wait(15) == 0
+        assert time.monotonic() - sent <= 0.5 + 2
+        assert [c.index for c in received] == list(range(len(received)))
+        assert received[-1].finish_reason == pb.FINISH_REASON_UNSPECIFIED
+        [line] = [r for r in server.find("request finished") if r.get("request_id") == "handed-off"]
+        assert line["code"] == "UNAVAILABLE"

@@ -73,6 +73,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     STOPPING_FIELD_NUMBER: _builtins.int
     OUTPUT_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id for this request, echoed in every chunk and in the server's logs.
     When empty, the `x-request-id` metadata is used; when that is absent too, the
@@ -104,6 +105,18 @@ class GenerateRequest(_message.Message):
     def output(self) -> Global___OutputOptions:
         """What each chunk carries besides text."""
 
+    @_builtins.property
+    def resume(self) -> Global___Resume:
+        """Continue a stream that was cut (a replica died or handed its streams off): the
+        same request, with the tokens already received. The server reads prompt + these
+        ids, continues sampling at step len(generated_token_ids) with the same seed (set
+        sampling.seed to the TokenChunk.seed of the first chunk when the original call
+        left it unset), and sends the rest of the stream as the uncut call would have:
+        no text repeated or lost, chunk indexes from next_index on, and usage on the
+        last chunk covering the whole answer. Exact on the batched and simple engines; on
+        the vllm engine a seeded stream is not (docs/architecture.md, the engine table).
+        """
+
     def __init__(
         self,
         *,
@@ -114,16 +127,48 @@ class GenerateRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         stopping: Global___StoppingCriteria | None = ...,
         output: Global___OutputOptions | None = ...,
+        resume: Global___Resume | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "prompt", b"prompt", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "prompt", b"prompt", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class Resume(_message.Message):
+    """Where a cut stream continues from."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    NEXT_INDEX_FIELD_NUMBER: _builtins.int
+    next_index: _builtins.int
+    """The index of the next chunk to send: one past the last chunk received."""
+    @_builtins.property
+    def generated_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The token ids the caller has already received (TokenChunk.tokens, in order;
+        ask for them with OutputOptions.token_ids). Each in [0, vocab_size); no more
+        than max_new_tokens of them.
+        """
+
+    def __init__(
+        self,
+        *,
+        generated_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        next_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_token_ids", b"generated_token_ids", "next_index", b"next_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Resume: _TypeAlias = Resume  # noqa: Y015
 
 @_typing.final
 class Chat(_message.Message):
@@ -372,6 +417,7 @@ class TokenChunk(_message.Message):
     TOKENS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id (the caller's or the server's)."""
     index: _builtins.int
@@ -385,6 +431,11 @@ class TokenChunk(_message.Message):
     """
     finish_reason: Global___FinishReason.ValueType
     """FINISH_REASON_UNSPECIFIED on every chunk but the last."""
+    seed: _builtins.int
+    """The sampling seed in force, on the first chunk of a call that samples (the
+    caller's, or the one the server chose when the caller set none). A resumed call
+    that passes it back in SamplingParams.seed continues with the same tokens.
+    """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___Token]:
         """The tokens generated since the previous chunk, when OutputOptions asked for them.
@@ -404,12 +455,15 @@ class TokenChunk(_message.Message):
         tokens: _abc.Iterable[Global___Token] | None = ...,
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
+        seed: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "request_id", b"request_id", "text", b"text", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "finish_reason", b"finish_reason", "index", b"index", "request_id", b"request_id", "seed", b"seed", "text", b"text", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___TokenChunk: _TypeAlias = TokenChunk  # noqa: Y015
 

@@ -187,6 +187,9 @@ class Engine(abc.ABC):
         handle = RequestHandle()
         loaded = self.loaded
         seq = Generation(request, handle, sink, self.tokenizer, loaded.eos_token_ids, loaded.device)
+        if seq.ended_at_cut is not None:  # a resume whose tokens already ended the stream: say how
+            seq.finish(seq.ended_at_cut)
+            return handle
         check = (lambda ahead: self._refuse_if_late(request, ahead)) if request.deadline is not None else None
         self.queue.put(seq, check)
         return handle
@@ -199,7 +202,7 @@ class Engine(abc.ABC):
         """Deadline-aware admission: refuse at once what cannot start before its deadline."""
         assert request.deadline is not None
         estimate = self.estimator.earliest_first_token_s(
-            len(request.prompt_ids), self.running(), queued_ahead, self.limits.max_active
+            len(request.prompt_ids) + len(request.resume_ids), self.running(), queued_ahead, self.limits.max_active
         )
         left = request.deadline - time.monotonic()
         if left <= 0:

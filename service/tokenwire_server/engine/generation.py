@@ -55,12 +55,43 @@ class Generation:
         seed = request.sampling.seed
         # The sampler's noise is a function of (seed, step): an unseeded request draws its own seed.
         self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
+        # A resumed stream (``request.resume_ids``): how the uncut stream would have ended at
+        # the cut, if it would have (None: it goes on).
+        self.ended_at_cut: FinishReason | None = self._replay(request.resume_ids)
+
+    def _replay(self, ids: tuple[int, ...]) -> FinishReason | None:
+        """Bring the text stream to the state the caller's tokens leave it in, sending nothing.
+
+        The caller has received exactly the text these tokens released: the detokenizer and
+        the stop matcher hold back the same partial character or possible stop start now as
+        they did when the stream was cut, so what comes next repeats nothing and loses nothing.
+        """
+        for token_id in ids:
+            self.generated.append(token_id)
+            _, stopped = self.text.push(token_id)
+            if stopped:
+                return FinishReason.STOP_SEQUENCE
+        if ids and ids[-1] in self._eos and not self.request.ignore_eos and self.eos_allowed:
+            return FinishReason.EOS
+        if ids and len(self.generated) >= self.request.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
 
     # -- state the engines look at -------------------------------------------------
 
     @property
     def prompt_len(self) -> int:
         return len(self.request.prompt_ids)
+
+    @property
+    def context_ids(self) -> list[int]:
+        """What the model reads before its first pick: the prompt, and a resumed stream's tokens."""
+        resumed = self.request.resume_ids
+        return self.request.prompt_ids + list(resumed) if resumed else self.request.prompt_ids
+
+    @property
+    def context_len(self) -> int:
+        return len(self.request.prompt_ids) + len(self.request.resume_ids)
 
     @property
     def total_len(self) -> int:
@@ -139,7 +170,7 @@ class Generation:
             queue_time_s=admitted - arrival,
             time_to_first_token_s=first - arrival,
             total_time_s=now - arrival,
-            cached_prompt_tokens=self.cached_prompt_tokens,
+            cached_prompt_tokens=min(self.cached_prompt_tokens, self.prompt_len),
         )
         tokens, self._pending_tokens = tuple(self._pending_tokens), []
         self._sink(FinishEvent(text + tail, tokens, reason, usage))

@@ -66,12 +66,12 @@ class Part:
     def ids(self) -> list[int]:
         if self.decodes:
             return [self.row.last]
-        return self.row.seq.request.prompt_ids[self.start : self.start + self.count]
+        return self.row.seq.context_ids[self.start : self.start + self.count]
 
     @property
     def emits(self) -> bool:
         """Whether this part ends with a token to pick (a decode, or a prompt's last chunk)."""
-        return self.decodes or self.start + self.count == self.row.seq.prompt_len
+        return self.decodes or self.start + self.count == self.row.seq.context_len
 
 
 @dataclasses.dataclass
@@ -133,8 +133,10 @@ class Scheduler:
             if seq.prompt_len == 0 or not pool.fits_ever(seq.budget_tokens):
                 leases[id(seq)] = None  # taken, to be failed: it can never run
                 return True
-            keys = prefix_keys(seq.request.prompt_ids, pool.block_size) if pool.prefix_cache else []
-            lease = pool.admit(seq.budget_tokens, keys, seq.prompt_len)
+            # A resumed stream reads its prompt and the tokens it already has (``context_ids``):
+            # the prompt's blocks are often still cached from before the cut.
+            keys = prefix_keys(seq.context_ids, pool.block_size) if pool.prefix_cache else []
+            lease = pool.admit(seq.budget_tokens, keys, seq.context_len)
             if lease is None:
                 return False
             leases[id(seq)] = (lease, keys)
@@ -187,7 +189,7 @@ class Scheduler:
             if row.decoding:
                 continue
             weight = 1.0 + row.length / self.span_columns if decoding else 1.0
-            count = min(row.seq.prompt_len - row.length, int((budget - spent) / weight))
+            count = min(row.seq.context_len - row.length, int((budget - spent) / weight))
             if count <= 0:
                 if not chunks:  # however deep the prompt, it moves at least a token a step
                     chunks.append((row, 1))
@@ -220,7 +222,7 @@ class Scheduler:
             if not part.decodes:
                 row = part.row
                 row.length += part.count
-                full = min(row.length, row.seq.prompt_len, len(row.keys) * block_size) // block_size
+                full = min(row.length, row.seq.context_len, len(row.keys) * block_size) // block_size
                 while row.published < full:
                     self.pool.publish(row.lease, row.published, row.keys[row.published])
                     row.published += 1

@@ -68,10 +68,10 @@ class _FeedGeneration(BaseStreamer):
         if self._seq.finished or self._seq.handle.cancelled:
             return
         # One token of one request per step: prefill for the first, decode after.
-        if self._seq.generated:
+        if self._seq.first_token_at is not None:
             self._engine.observer.decode_step(now - self._last)
         else:
-            self._engine.observer.prefill_step(now - self._last, self._seq.prompt_len)
+            self._engine.observer.prefill_step(now - self._last, self._seq.context_len)
         self._last = now
         token = int(value.reshape(-1)[0])
         _, logprob, top = self._picker.last if self._picker.last is not None else (token, None, ())
@@ -155,10 +155,10 @@ class SimpleEngine(Engine):
         self._admit([seq])
         if seq.handle.cancelled:
             return
-        input_ids = torch.tensor([seq.request.prompt_ids], device=loaded.device)
+        input_ids = torch.tensor([seq.context_ids], device=loaded.device)  # a resumed stream: its tokens too
         picker = _PickToken(self._sampler, seq)
         config = GenerationConfig(
-            max_new_tokens=seq.request.max_new_tokens,
+            max_new_tokens=seq.request.max_new_tokens - len(seq.request.resume_ids),
             do_sample=False,
             eos_token_id=None,  # the sequence decides about end of sequence (min_new_tokens, ignore_eos)
             pad_token_id=loaded.pad_token_id,

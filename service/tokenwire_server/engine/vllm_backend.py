@@ -23,33 +23,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from ..domain import (
-    Alternative,
     Encoding,
     EngineClosed,
     EngineOverloaded,
     EngineStats,
-    ErrorEvent,
-    ErrorKind,
-    Event,
-    FinishEvent,
-    FinishReason,
     GenerationRequest,
     ModelDescription,
     Prompt,
-    RequestHandle,
     SamplingOptions,
 )
 from ..text import PromptEncoder, SharedTokenizer
+from .vllm_submission import VllmSubmission
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +194,8 @@ class VllmBackend:
             notes=(
                 "vllm: a request's tokens may differ alone and in a batch (vLLM does not promise batch invariance)",
                 "vllm: usage.queue_time_ms ends when the request is handed to vLLM; vLLM's own queue counts in the time to first token",
+                "vllm: a resumed seeded stream (GenerateRequest.resume) does not give the uncut stream's tokens "
+                "(vLLM's generator restarts from the seed); greedy ones matched where measured",
             ),
         )
         self._encode_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenwire-encode")
@@ -292,23 +286,15 @@ class VllmBackend:
             top_p=options.top_p,
             repetition_penalty=options.repetition_penalty,
             seed=None if options.seed is None else options.seed & 0x7FFF_FFFF_FFFF_FFFF,
-            max_tokens=request.max_new_tokens,
-            min_tokens=min(request.min_new_tokens, request.max_new_tokens),
+            # A resumed stream counts from its original start: what is left of both.
+            max_tokens=request.max_new_tokens - len(request.resume_ids),
+            min_tokens=max(0, min(request.min_new_tokens, request.max_new_tokens) - len(request.resume_ids)),
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
         )
-
-
-def _cpu() -> Any:
-    import torch
-
-    return torch.device("cpu")  # where a sampled request's (unused) generator lives: vLLM samples
-
-
-_CPU = None  # set on first use, so importing this module does not import torch
 
 
 def _device_name() -> str:
@@ -318,121 +304,3 @@ def _device_name() -> str:
         return "cuda:0" if torch.cuda.is_available() else "cpu"
     except ImportError:  # pragma: no cover - vLLM always brings torch
         return "cpu"
-
-
-class VllmSubmission:
-    """One request on vLLM: its token ids through tokenwire's own ``Generation``."""
-
-    def __init__(self, backend: VllmBackend, request: GenerationRequest) -> None:
-        from .generation import Generation
-
-        global _CPU
-        if _CPU is None:
-            _CPU = _cpu()
-        self._backend = backend
-        self._request = request
-        self._events: list[Event] = []
-        self._handle = RequestHandle()
-        self._generation = Generation(
-            request, self._handle, self._events.append, backend.tokenizer, backend.describe().eos_token_ids, _CPU
-        )
-        self._vllm_id = f"{request.request_id}-{id(self):x}"  # unique even when callers reuse ids
-        self._started = False
-        self._released = False
-
-    def _release(self) -> None:
-        """Give back this request's place in the count of requests in flight, once."""
-        if not self._released:
-            self._released = True
-            self._backend._done()
-
-    def cancel(self) -> None:
-        if not self._started:  # cancelled before its stream was read: vLLM never saw it
-            self._handle.cancel()
-            self._release()
-        elif not self._handle.cancelled and not self._generation.finished:
-            self._handle.cancel()
-            asyncio.ensure_future(self._backend.engine.abort(self._vllm_id))
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        from vllm.inputs import TokensPrompt
-
-        backend, request, generation = self._backend, self._request, self._generation
-        if self._released:
-            return
-        self._started = True
-        tokenizer = backend.tokenizer
-        started = time.monotonic()
-        limit_at = started + request.time_limit_s if request.time_limit_s else None
-        admitted = False
-        try:
-            stream = backend.engine.generate(
-                TokensPrompt(prompt_token_ids=list(request.prompt_ids)), backend.sampling_params(request), self._vllm_id
-            )
-            async with contextlib.aclosing(stream) as outputs:
-                while True:
-                    try:
-                        if limit_at is None:
-                            out = await anext(outputs)
-                        else:
-                            out = await asyncio.wait_for(anext(outputs), max(0.0, limit_at - time.monotonic()))
-                    except StopAsyncIteration:
-                        break
-                    except TimeoutError:
-                        generation.finish(FinishReason.TIME_LIMIT)
-                        break
-                    if self._handle.cancelled:
-                        break
-                    if not admitted:
-                        admitted = True
-                        generation.admit(started)
-                    completion = out.outputs[0]
-                    positions = completion.logprobs or []
-                    for i, token in enumerate(completion.token_ids):
-                        logprob, top = _logprobs(positions[i] if i < len(positions) else None, token, request, tokenizer)
-                        if generation.add_token(int(token), logprob, top):
-                            break
-                    if getattr(out, "num_cached_tokens", None):
-                        generation.cached_prompt_tokens = int(out.num_cached_tokens)
-                    while self._events:
-                        yield self._events.pop(0)
-                    if generation.finished:
-                        break
-                    if limit_at is not None and time.monotonic() >= limit_at:
-                        generation.finish(FinishReason.TIME_LIMIT)
-                        break
-                    if out.finished:  # vLLM ended it (EOS or length) before tokenwire's rules did
-                        generation.finish(FinishReason.LENGTH)
-                        break
-            if not generation.finished and not self._handle.cancelled:
-                generation.finish(FinishReason.LENGTH)
-        except Exception as exc:  # vLLM's errors end the call as a status, never UNKNOWN
-            if not generation.finished:
-                kind = ErrorKind.SHUTDOWN if backend.engine.errored else ErrorKind.INTERNAL
-                generation.fail(kind, f"vLLM: {type(exc).__name__}: {exc}")
-        finally:
-            if not generation.finished or self._handle.cancelled:
-                with contextlib.suppress(Exception):
-                    await backend.engine.abort(self._vllm_id)
-            self._release()
-        while self._events:
-            event = self._events.pop(0)
-            yield event
-            if isinstance(event, FinishEvent | ErrorEvent):
-                return
-
-
-def _logprobs(
-    position: Any, token: int, request: GenerationRequest, tokenizer: SharedTokenizer
-) -> tuple[float | None, tuple[Alternative, ...]]:
-    """vLLM's {token_id: Logprob} for one position as tokenwire's (logprob, alternatives)."""
-    if position is None or not (request.want_logprobs or request.top_logprobs):
-        return None, ()
-    chosen = position.get(token)
-    logprob = float(chosen.logprob) if chosen is not None else None
-    ranked = sorted(((entry.rank, tid, entry.logprob) for tid, entry in position.items() if entry.rank is not None))
-    top = tuple(
-        Alternative(int(tid), tokenizer.decode([int(tid)], skip_special_tokens=False), float(lp))
-        for _, tid, lp in ranked[: request.top_logprobs]
-    )
-    return logprob, top

@@ -8,6 +8,8 @@ they live in one place.
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 import uuid
 from collections.abc import Iterable
 
@@ -19,6 +21,7 @@ from ..domain import (
     Encoding,
     FinishReason,
     GenerationRequest,
+    InvalidResume,
     ModelDescription,
     Prompt,
     SamplingOptions,
@@ -104,7 +107,10 @@ def generation_request(
 ) -> GenerationRequest:
     """The engine's request for a validated GenerateRequest whose prompt encoded to ``prompt_ids``.
 
-    Raises ``PromptTooLong`` when the prompt and the asked-for completion do not fit the context.
+    Raises ``PromptTooLong`` when the prompt and the asked-for completion do not fit the
+    context, and ``InvalidResume`` for a resume with more tokens than the request may generate.
+    A request that samples without a seed gets one here, so the stream can say which
+    (``TokenChunk.seed``) and a resume of it continues exactly.
     """
     stopping = request.stopping
     output = request.output
@@ -115,10 +121,19 @@ def generation_request(
         limits.default_max_new_tokens,
         limits.max_request_tokens,
     )
+    resume = tuple(request.resume.generated_token_ids)
+    if len(resume) > max_new:
+        raise InvalidResume(
+            f"holds {len(resume)} tokens, more than this request may generate ({max_new}: its max_new_tokens, "
+            "or the server's default fitted to the context beside the prompt)"
+        )
+    sampling = sampling_options(request.sampling, description.default_sampling)
+    if sampling.seed is None and not sampling.greedy:
+        sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
     return GenerationRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
-        sampling=sampling_options(request.sampling, description.default_sampling),
+        sampling=sampling,
         max_new_tokens=max_new,
         min_new_tokens=stopping.min_new_tokens,
         stop_sequences=tuple(stopping.stop_sequences),
@@ -130,6 +145,7 @@ def generation_request(
         want_logprobs=output.logprobs or output.top_logprobs > 0,
         top_logprobs=output.top_logprobs,
         arrival=arrival,
+        resume_ids=resume,
     )
 
 
@@ -162,9 +178,13 @@ def chunk(
     infos: Iterable[TokenInfo],
     reason: FinishReason | None = None,
     final_usage: Usage | None = None,
+    seed: int | None = None,
 ) -> pb.TokenChunk:
-    """One TokenChunk; the last one of a stream carries the finish reason and usage."""
+    """One TokenChunk; the last one of a stream carries the finish reason and usage, the
+    first the seed of a request that samples."""
     out = pb.TokenChunk(request_id=request_id, index=index, text=text, tokens=tokens(infos))
+    if seed is not None:
+        out.seed = seed
     if reason is not None:
         out.finish_reason = FINISH_REASONS[reason]
     if final_usage is not None:

@@ -15,12 +15,12 @@ import grpc
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.validation import validate_generate_request, validate_tokenize_request
 
-from ..backend import GenerationBackend
-from ..domain import ErrorEvent, FinishEvent, ModelDescription, TextEvent
+from ..backend import GenerationBackend, Submission
+from ..domain import ErrorEvent, ErrorKind, FinishEvent, ModelDescription, TextEvent
 from ..metrics import Metrics
 from . import conversion
 from .calls import Call, Calls, check_decoded, lenient
-from .status import DRAINING, RpcFailure, from_error, invalid_argument
+from .status import DRAINING, HANDOFF, RpcFailure, from_error, invalid_argument
 
 if TYPE_CHECKING:
     from .calls import Context
@@ -36,6 +36,8 @@ class TextGenerationServicer:
         self._backend: GenerationBackend | None = None
         self._description: ModelDescription | None = None
         self._draining = False
+        self._streams: set[Submission] = set()  # the Generate streams in flight, for the hand-off
+        self._handing_off = False
         self.calls = Calls(metrics)
 
     # -- what bootstrap tells it -------------------------------------------------------
@@ -48,6 +50,13 @@ class TextGenerationServicer:
     def begin_drain(self) -> None:
         """From now on every new call is UNAVAILABLE; calls in flight go on."""
         self._draining = True
+
+    def hand_off(self) -> None:
+        """End every stream in flight with UNAVAILABLE and a trailer that says "resume this
+        elsewhere" (the drain's hand-off); clients that resume continue on another replica."""
+        self._handing_off = True
+        for submission in list(self._streams):
+            submission.end(ErrorEvent(ErrorKind.HANDOFF, HANDOFF))
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the three RPCs; requests that do not parse reach the handlers as ``Undecodable``."""
@@ -105,33 +114,45 @@ class TextGenerationServicer:
         submission = backend.submit(generation)
         metrics = self._metrics
         output: list[str] | None = [] if self._log_prompts else None
-        index = 0
+        index = first = request.resume.next_index  # a resumed stream goes on from the caller's next index
+        sampling = generation.sampling
+        seed = None if sampling.greedy else sampling.seed  # on the first chunk: a resume needs it
         last = call.started
+        if generation.resume_ids:
+            call.fields["resumed_tokens"] = len(generation.resume_ids)
+            metrics.resumes.inc()
+        self._streams.add(submission)
+        if self._handing_off:  # it got past the drain's refusal just before the hand-off
+            submission.end(ErrorEvent(ErrorKind.HANDOFF, HANDOFF))
         try:
             async for event in submission:
                 now = time.monotonic()
                 if isinstance(event, ErrorEvent):
+                    if event.kind is ErrorKind.HANDOFF:
+                        metrics.handoffs.inc()
                     raise from_error(event.kind, event.message, self._retry_after_s)
-                if index == 0:
+                if index == first:
                     metrics.ttft.observe(now - call.started)
                 elif isinstance(event, TextEvent):
                     metrics.itl.observe(now - last)
                 last = now
                 if output is not None:
                     output.append(event.text)
+                chunk_seed = seed if index == first else None
                 if isinstance(event, FinishEvent):
                     u = event.usage
-                    metrics.generated_tokens.inc(u.completion_tokens)
+                    metrics.generated_tokens.inc(max(0, u.completion_tokens - len(generation.resume_ids)))  # here, not before the cut
                     metrics.prompt_tokens.inc(u.prompt_tokens)
                     metrics.prefix_hit_tokens.inc(u.cached_prompt_tokens)
                     call.fields.update(conversion.usage_fields(u, event.reason))
                     if output is not None:
                         call.fields["output"] = "".join(output)
-                    yield conversion.chunk(call.request_id, index, event.text, event.tokens, event.reason, u)
+                    yield conversion.chunk(call.request_id, index, event.text, event.tokens, event.reason, u, chunk_seed)
                     return
-                yield conversion.chunk(call.request_id, index, event.text, event.tokens)
+                yield conversion.chunk(call.request_id, index, event.text, event.tokens, seed=chunk_seed)
                 index += 1
         finally:
+            self._streams.discard(submission)
             submission.cancel()  # no-op when finished; frees the slot when the client left early
 
     async def _tokenize(

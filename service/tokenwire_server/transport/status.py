@@ -22,6 +22,7 @@ from ..domain import (
     EngineFaulted,
     EngineOverloaded,
     ErrorKind,
+    InvalidResume,
     NoChatTemplate,
     PromptTooLong,
 )
@@ -31,6 +32,7 @@ ERROR_CODES = {
     ErrorKind.OUT_OF_MEMORY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorKind.SHUTDOWN: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.HANDOFF: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -86,11 +88,19 @@ def resource_exhausted(message: str, retry_after_s: float) -> RpcFailure:
 def from_error(kind: ErrorKind, message: str, retry_after_s: float) -> RpcFailure:
     if kind is ErrorKind.OUT_OF_MEMORY:
         return resource_exhausted(message, retry_after_s)
+    if kind is ErrorKind.HANDOFF:
+        return RpcFailure(grpc.StatusCode.UNAVAILABLE, message, trailers=(HANDOFF_TRAILER,))
     return RpcFailure(ERROR_CODES[kind], message)
 
 
 
 DRAINING = "the server is draining; retry on another replica"
+HANDOFF = (
+    "the server is shutting down and handed this stream off: resume it on another replica "
+    "(GenerateRequest.resume with the token ids received; the tokenwire client does this itself)"
+)
+# On a stream ended by the hand-off: the stream may be resumed where it was cut.
+HANDOFF_TRAILER = ("tokenwire-resume", "handoff")
 
 
 def failure_of(exc: BaseException, input_field: str = "input") -> RpcFailure | None:
@@ -107,6 +117,8 @@ def failure_of(exc: BaseException, input_field: str = "input") -> RpcFailure | N
         return RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, Rule.NO_CHAT_TEMPLATE.error())
     if isinstance(exc, EmptyPrompt):
         return invalid_argument([FieldViolation(input_field, "encodes to no tokens: there is nothing to continue")])
+    if isinstance(exc, InvalidResume):
+        return invalid_argument([FieldViolation(exc.field, str(exc))])
     if isinstance(exc, PromptTooLong):
         description = Rule.PROMPT_TOO_LONG.error(
             count=exc.prompt_tokens,
