@@ -24,8 +24,9 @@ from tokenwire.v1 import generation_pb2 as pb
 
 __all__ = ["Resumption"]
 
-# Statuses after which a started stream is resumed: the replica went away or handed it off.
-RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+# Statuses after which a started stream is resumed: the replica went away or handed it off
+# (UNAVAILABLE), or dropped the call (a CANCELLED this side did not ask for).
+RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 class Resumption:
@@ -61,7 +62,7 @@ class Resumption:
         """Whether a started stream that failed with ``error`` may go on elsewhere."""
         if not self.enabled or cancelled_here:
             return False
-        return error.code in RESUMABLE or error.code == grpc.StatusCode.CANCELLED
+        return error.code in RESUMABLE
 
     def resumed_request(self) -> pb.GenerateRequest:
         """The request that continues the stream from what has been received."""

@@ -52,6 +52,10 @@ class Generation:
         self.first_token_at: float | None = None
         self.finished = False
         self.cached_prompt_tokens = 0  # prompt tokens an engine found in its prefix cache
+        # What the model reads before its first pick: the prompt, and a resumed stream's tokens
+        # (built once: the scheduler slices it for every prompt chunk).
+        resumed = request.resume_ids
+        self.context_ids: list[int] = request.prompt_ids + list(resumed) if resumed else request.prompt_ids
         seed = request.sampling.seed
         # The sampler's noise is a function of (seed, step): an unseeded request draws its own seed.
         self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
@@ -84,14 +88,8 @@ class Generation:
         return len(self.request.prompt_ids)
 
     @property
-    def context_ids(self) -> list[int]:
-        """What the model reads before its first pick: the prompt, and a resumed stream's tokens."""
-        resumed = self.request.resume_ids
-        return self.request.prompt_ids + list(resumed) if resumed else self.request.prompt_ids
-
-    @property
     def context_len(self) -> int:
-        return len(self.request.prompt_ids) + len(self.request.resume_ids)
+        return len(self.context_ids)
 
     @property
     def total_len(self) -> int:
