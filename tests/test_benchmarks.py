@@ -153,3 +153,26 @@ def test_the_long_prompt_case_stops_with_the_reason_when_a_stream_is_refused(tin
 
     with pytest.raises(RuntimeError, match=r"ended before its 20th chunk: \[Overloaded\(.server is full"):
         long_prompt(str(tiny_model_dir), repeats=1, streams=2, prompt_tokens=300, stream_tokens=600, extra=["--max-active", "1", "--max-queue", "0"])
+
+
+def test_the_structured_bench_checks_answers_and_holds_each_twin_to_its_answers_length() -> None:
+    """make bench-structured's own checks can fail: a wrong answer is counted invalid, and the
+    unconstrained twin of a request asks for exactly the tokens its constrained answer had."""
+    import json as json_
+
+    from benchmarks import structured
+
+    todo = structured.requests(400)
+    assert len(todo) == 80 and {kind for kind, _ in todo} == {*structured.SCHEMAS, "regex", "choice"}
+    assert all(r.HasField("response_format") for _, r in todo)
+    assert len(json_.dumps(structured.REVIEW, indent=2).splitlines()) > 60  # "a page long"
+    free = structured.twins(todo, list(range(80)))
+    assert [t.stopping.max_new_tokens for t in free] == [1, *range(1, 80)]
+    assert all(t.stopping.ignore_eos and not t.HasField("response_format") for t in free)
+    assert [t.sampling for t in free] == [r.sampling for _, r in todo]
+    assert structured.follows("short", '{"answer":"yes","confidence":90}')
+    assert not structured.follows("short", '{"answer":"maybe","confidence":90}')  # not in the enum
+    assert not structured.follows("short", '{"answer":"yes"')  # not JSON
+    assert not structured.follows("order", '{"order_id":"AB-1","status":"pending","express":true,"items":[]}')
+    assert structured.follows("regex", "Paris, France 1990") and not structured.follows("regex", "paris")
+    assert structured.follows("choice", "neutral") and not structured.follows("choice", "Neutral")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
@@ -93,3 +94,26 @@ def test_default_model_chat_over_grpcurl(default_server):
     result = grpcurl("-d", json.dumps(body), default_server.target, "tokenwire.v1.TextGeneration/Generate", timeout=120)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+@pytest.mark.e2e
+def test_the_readmes_response_format_call_answers_in_its_schema(default_server):
+    """README's grpcurl call with a json_schema, as written there, on the default model."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    [line] = [line for line in readme.splitlines() if line.startswith("$ grpcurl") and '"response_format"' in line]
+    body = line.split("-d '", 1)[1].rsplit("'", 1)[0]
+    request = json.loads(body)
+    result = grpcurl("-d", body, default_server.target, "tokenwire.v1.TextGeneration/Generate", timeout=120)
+    assert result.returncode == 0, result.stderr
+    chunks = [json.loads(part) for part in re.findall(r"^\{\n.*?^\}", result.stdout, flags=re.S | re.M)]
+    assert chunks[-1]["finish_reason"] == "FINISH_REASON_EOS"
+    answer = json.loads("".join(c.get("text", "") for c in chunks))
+    jsonschema.validate(answer, json.loads(request["response_format"]["json_schema"]))
+    assert answer["city"] == "Paris"
+
+
+def test_a_bad_regex_over_grpcurl_names_the_field(tiny_server):
+    body = {"prompt": "hi", "response_format": {"regex": "a(b"}}
+    result = grpcurl("-d", json.dumps(body), tiny_server.target, "tokenwire.v1.TextGeneration/Generate")
+    assert result.returncode != 0 and "InvalidArgument" in result.stderr
+    assert '"field":"response_format.regex"' in result.stderr and "parenthesis is not closed" in result.stderr

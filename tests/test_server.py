@@ -328,3 +328,61 @@ def test_the_objects_alive_at_readiness_are_out_of_the_collectors_reach(tiny_ser
     (every stream stalls); the server freezes them once loaded (``server.settle_heap``)."""
     [ready] = tiny_server.find("ready")
     assert ready["gc_frozen_objects"] > 50_000
+
+
+# -- response formats (on both engines: `make test-vllm` runs this file on vLLM) --------------
+
+SCHEMA = (
+    '{"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}, '
+    '"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["ok", "color", "n"]}'
+)
+FORMATS = {
+    "json_schema": pb.ResponseFormat(json_schema=SCHEMA),
+    "regex": pb.ResponseFormat(regex="[0-9]{3}-[a-z]{2}"),
+    "choice": pb.ResponseFormat(choice=pb.Choice(options=["yes", "no", 'say "maybe"'])),
+    "grammar": pb.ResponseFormat(grammar='root ::= "x=" [0-9] [0-9]?'),
+}
+
+
+def follows(kind: str, text: str) -> bool:
+    import json
+    import re
+
+    import jsonschema
+
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), json.loads(SCHEMA))
+        return True
+    if kind == "regex":
+        return re.fullmatch("[0-9]{3}-[a-z]{2}", text) is not None
+    if kind == "choice":
+        return text in ("yes", "no", 'say "maybe"')
+    return re.fullmatch("x=[0-9][0-9]?", text) is not None
+
+
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+def test_the_answer_follows_its_response_format_greedy_and_seeded(stub, kind):
+    for sampling in (pb.SamplingParams(temperature=0.0), pb.SamplingParams(temperature=0.9, seed=11)):
+        chunks = collect(stub, pb.GenerateRequest(
+            chat=CHAT, sampling=sampling, stopping=pb.StoppingCriteria(max_new_tokens=64), response_format=FORMATS[kind]
+        ))  # fmt: skip
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_EOS, text_of(chunks)
+        assert follows(kind, text_of(chunks)), text_of(chunks)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "field"),
+    [
+        (pb.ResponseFormat(json_schema='{"type": "nonsense"}'), "response_format.json_schema"),
+        (pb.ResponseFormat(json_schema="{"), "response_format.json_schema"),
+        (pb.ResponseFormat(regex="a(b"), "response_format.regex"),
+        (pb.ResponseFormat(grammar="root ::= nothing_defined"), "response_format.grammar"),
+        (pb.ResponseFormat(choice=pb.Choice()), "response_format.choice.options"),
+        (pb.ResponseFormat(), "response_format"),
+    ],
+)
+def test_a_bad_response_format_is_invalid_argument_before_any_chunk(stub, fmt, field):
+    with pytest.raises(grpc.RpcError) as caught:
+        collect(stub, pb.GenerateRequest(prompt="hi", response_format=fmt))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(caught.value) == [field]

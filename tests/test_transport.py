@@ -38,12 +38,15 @@ from tokenwire_server.domain import (
     FinishEvent,
     FinishReason,
     GenerationRequest,
+    InvalidResponseFormat,
     InvalidResume,
     ModelDescription,
     NoChatTemplate,
+    NotSupported,
     Prompt,
     PromptTooLong,
     RequestLimits,
+    ResponseFormat,
     SamplingOptions,
     TextEvent,
     TextPrompt,
@@ -128,6 +131,7 @@ class FakeBackend:
             [TextEvent("he", (TokenInfo(5, "he"),)), FinishEvent("llo", (TokenInfo(6, "llo"),), FinishReason.EOS, USAGE)]
         )
         self.admission_stopped = False
+        self.formats = []
 
     def describe(self) -> ModelDescription:
         return self._description
@@ -145,6 +149,17 @@ class FakeBackend:
             return Encoding([], text)
         ids = [ord(c) % 1000 for c in text]
         return Encoding(ids, text, [(i, i + 1) for i in range(len(text))] if offsets else [], list(text) if tokens else [])
+
+    async def check_format(self, fmt: ResponseFormat) -> float | None:
+        """As a compiler would: a spec holding "unsupported" is refused with the library's message;
+        the first sight of a format takes 0.002 s, the next ones come from the cache."""
+        if "unsupported" in fmt.spec:
+            raise InvalidResponseFormat(fmt.field, "Unsupported keyword: unsupported")
+        seen = fmt in self.formats
+        self.formats.append(fmt)
+        return None if seen else 0.002
+
+    formats: list[ResponseFormat]
 
     def submit(self, request: GenerationRequest) -> FakeSubmission:
         self.requests.append(request)
@@ -584,3 +599,79 @@ def test_hand_off_ends_the_streams_in_flight_unavailable_with_the_resume_trailer
     assert backend.submissions[0].cancelled.is_set()
     assert [r.__dict__["code"] for r in logs.finished("handed")] == ["UNAVAILABLE"]
     assert harness.servicer.calls.in_flight == 0
+
+
+# -- response formats (constrained decoding) --------------------------------------------
+
+
+def test_response_format_becomes_the_domain_format_of_its_field() -> None:
+    for fmt, expected in (
+        (pb.ResponseFormat(json_schema='{"type": "object"}'), ResponseFormat("json_schema", '{"type": "object"}')),
+        (pb.ResponseFormat(json_object=True), ResponseFormat("json_object")),
+        (pb.ResponseFormat(regex="[a-z]+"), ResponseFormat("regex", "[a-z]+")),
+        (pb.ResponseFormat(choice=pb.Choice(options=["yes", "no"])), ResponseFormat("choice", options=("yes", "no"))),
+        (pb.ResponseFormat(grammar='root ::= "a"'), ResponseFormat("grammar", 'root ::= "a"')),
+    ):
+        request = pb.GenerateRequest(prompt="x", response_format=fmt)
+        made = conversion.generation_request(request, "r", [1, 2], description(), arrival=0, deadline=None)
+        assert made.response_format == expected and expected.field == f"response_format.{expected.kind}"
+    plain = conversion.generation_request(pb.GenerateRequest(prompt="x"), "r", [1], description(), arrival=0, deadline=None)
+    assert plain.response_format is None
+
+
+def test_a_constrained_call_compiles_its_format_once_and_counts_it(harness: Harness) -> None:
+    backend = harness.backend
+    assert backend is not None
+    request = pb.GenerateRequest(prompt="hey", response_format=pb.ResponseFormat(regex="[a-z]+"))
+    for _ in range(2):
+        assert list(harness.stub.Generate(request, timeout=10))[-1].finish_reason == pb.FINISH_REASON_EOS
+    assert [r.response_format for r in backend.requests] == [ResponseFormat("regex", "[a-z]+")] * 2
+    sample = harness.metrics.registry.get_sample_value
+    assert sample("tokenwire_constrained_requests_total", {"format": "regex"}) == 2
+    # One compile observed (the second call found it cached).
+    assert sample("tokenwire_grammar_compile_seconds_count", {"format": "regex"}) == 1
+
+
+@pytest.mark.parametrize(
+    ("fmt", "field", "words"),
+    [
+        (pb.ResponseFormat(), "response_format", "set one of json_schema"),
+        (pb.ResponseFormat(json_schema=""), "response_format.json_schema", "must not be empty"),
+        (pb.ResponseFormat(json_schema="{not json"), "response_format.json_schema", "is not valid JSON"),
+        (pb.ResponseFormat(json_schema="[1, 2]"), "response_format.json_schema", "must be a JSON object"),
+        (pb.ResponseFormat(json_schema='{"type": "unsupported"}'), "response_format.json_schema", "Unsupported keyword"),
+        (pb.ResponseFormat(json_object=False), "response_format.json_object", "must be true"),
+        (pb.ResponseFormat(regex=""), "response_format.regex", "must not be empty"),
+        (pb.ResponseFormat(regex="unsupported("), "response_format.regex", "Unsupported keyword"),
+        (pb.ResponseFormat(choice=pb.Choice()), "response_format.choice.options", "at least one option"),
+        (pb.ResponseFormat(choice=pb.Choice(options=["a", "b\x00"])), "response_format.choice.options[1]", "not valid text"),
+        (pb.ResponseFormat(grammar="x" * (64 * 1024 + 1)), "response_format.grammar", "at most 65536"),
+        (pb.ResponseFormat(grammar="root ::= unsupported"), "response_format.grammar", "Unsupported keyword"),
+    ],
+)
+def test_a_bad_response_format_is_invalid_argument_naming_its_field(
+    harness: Harness, fmt: pb.ResponseFormat, field: str, words: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        list(harness.stub.Generate(pb.GenerateRequest(prompt="hey", response_format=fmt), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    [(named, description_)] = status_details(caught.value)[0]
+    assert named == field and words in description_
+    assert harness.backend is not None and harness.backend.requests == []  # refused before the engine
+
+
+def test_an_engine_that_cannot_serve_a_valid_request_says_failed_precondition(harness: Harness) -> None:
+    backend = harness.backend
+    assert backend is not None
+
+    def refuse(request: GenerationRequest) -> FakeSubmission:
+        raise NotSupported("the vllm engine cannot resume a stream with a response_format")
+
+    backend.behaviour = refuse
+    request = pb.GenerateRequest(
+        prompt="hey", response_format=pb.ResponseFormat(regex="[a-z]+"), resume=pb.Resume(generated_token_ids=[4])
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        list(harness.stub.Generate(request, timeout=10))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+    assert "cannot resume" in (caught.value.details() or "")  # type: ignore[attr-defined]

@@ -358,3 +358,39 @@ def test_prefix_cache_off_and_a_resumed_stream_on_vllm(tiny_model_dir: Path) -> 
     assert [c.index for c in rest] == list(range(cut, cut + len(rest)))
     assert rest[-1].usage.completion_tokens == 40 and sum(len(c.tokens) for c in rest) == 40 - cut
     assert "".join(c.text for c in rest) == "".join(c.text for c in uncut[cut:])
+
+
+def test_a_constrained_stream_on_vllm_is_refused_as_a_resume_but_served_whole(small_server: ServerProcess) -> None:
+    """vLLM's grammar would start again at the cut, so a resume with a response_format is
+    FAILED_PRECONDITION (it says why); the same request without resume is served."""
+    fmt = pb.ResponseFormat(choice=pb.Choice(options=["yes", "no"]))
+    with grpc.insecure_channel(small_server.target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        request = pb.GenerateRequest(prompt="Well?", sampling=pb.SamplingParams(temperature=0), response_format=fmt,
+                                     output=pb.OutputOptions(token_ids=True))  # fmt: skip
+        whole = list(stub.Generate(request, timeout=60))
+        assert "".join(c.text for c in whole) in ("yes", "no") and whole[-1].finish_reason == pb.FINISH_REASON_EOS
+        request.resume.generated_token_ids.extend(t.id for t in whole[0].tokens)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(request, timeout=60))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+    assert "response_format" in (caught.value.details() or "")  # type: ignore[attr-defined]
+
+
+@pytest.mark.e2e
+def test_the_default_model_answers_in_a_json_schema_on_vllm(default_model_dir: Path) -> None:
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}}, "required": ["city", "country"]}
+    with ServerProcess(["--model", "default", *VLLM], ready_timeout=400) as server, grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="What is the capital of France? Answer in JSON.")])
+        request = pb.GenerateRequest(chat=chat, stopping=pb.StoppingCriteria(max_new_tokens=48),
+                                     response_format=pb.ResponseFormat(json_schema=json.dumps(schema)))  # fmt: skip
+        chunks = list(stub.Generate(request, timeout=300))
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_EOS
+    answer = json.loads("".join(c.text for c in chunks))
+    jsonschema.validate(answer, schema)
+    assert answer["city"] == "Paris"

@@ -32,6 +32,7 @@ from tokenwire.errors import (
     Unimplemented,
     Unknown,
 )
+from tokenwire.formats import IncompleteAnswer
 from tokenwire.request import GenerateOptions
 from tokenwire.results import (
     Chunk,
@@ -68,6 +69,7 @@ __all__ = [
     "FieldViolation",
     "FinishReason",
     "GenerateOptions",
+    "IncompleteAnswer",
     "HealthStatus",
     "Internal",
     "InvalidArgument",

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from tokenwire import formats
 from tokenwire.bench import DEFAULT_PROMPTS, ProgressBar, run_bench
 from tokenwire.channel import TLSConfig
 from tokenwire.client import DEFAULT_TARGET, ChunkStream, Client
@@ -26,6 +27,7 @@ from tokenwire.errors import Cancelled, InvalidArgument, TokenwireError
 from tokenwire.request import GenerateOptions
 from tokenwire.results import HealthStatus, Message
 from tokenwire.retry import RetryPolicy
+from tokenwire.v1 import generation_pb2 as pb
 
 __all__ = ["EXIT_CODES", "exit_code", "main"]
 
@@ -161,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-logprobs", type=int, metavar="N")
     gen.add_argument("--request-id")
     gen.add_argument("--usage", action="store_true", help="print the finish reason and usage to stderr")
+    formats = gen.add_argument_group("response format (the answer follows it; at most one)").add_mutually_exclusive_group()
+    formats.add_argument("--json-schema", type=Path, metavar="FILE", help="a JSON Schema document ('-': stdin)")
+    formats.add_argument("--json-object", action="store_true", help="any JSON object")
+    formats.add_argument("--regex", metavar="PATTERN", help="a regular expression the whole answer matches")
+    formats.add_argument("--choice", metavar="A,B,C", help="exactly one of these comma-separated options")
+    formats.add_argument("--grammar", type=Path, metavar="FILE", help="a grammar: EBNF/GBNF (start rule root) or Lark")
 
     chat = commands.add_parser(
         "chat", parents=[connection, generation], epilog=EPILOG, formatter_class=formatter,
@@ -262,7 +270,27 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
             options[name] = True  # type: ignore[literal-required]
     if args.stop:
         options["stop"] = list(args.stop)
+    fmt = _response_format(args)
+    if fmt is not None:
+        options["response_format"] = fmt
     return options
+
+
+def _response_format(args: argparse.Namespace) -> pb.ResponseFormat | None:
+    """The --json-schema/--json-object/--regex/--choice/--grammar flag as a ResponseFormat."""
+    schema: Path | None = getattr(args, "json_schema", None)
+    if schema is not None:
+        return formats.json_schema(sys.stdin.read() if str(schema) == "-" else schema.read_text(encoding="utf-8"))
+    if getattr(args, "json_object", False):
+        return formats.json_object()
+    if getattr(args, "regex", None) is not None:
+        return formats.regex(args.regex)
+    if getattr(args, "choice", None) is not None:
+        return formats.choice([option.strip() for option in args.choice.split(",")])
+    grammar: Path | None = getattr(args, "grammar", None)
+    if grammar is not None:
+        return formats.grammar(grammar.read_text(encoding="utf-8"))
+    return None
 
 
 def _read_arg(value: str | None) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import TypedDict
 
 from tokenwire.errors import InvalidArgument
+from tokenwire.formats import ResponseFormatLike, response_format
 from tokenwire.results import Message, MessageLike
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.validation import Limits, validate_generate_request, validate_tokenize_request
@@ -44,12 +45,15 @@ class GenerateOptions(TypedDict, total=False):
     top_logprobs: int
     # Caller-chosen id, echoed in every chunk and in the server's logs.
     request_id: str
+    # The format the answer follows: a JSON schema dict, a pydantic model class or a
+    # tokenwire.v1.ResponseFormat (tokenwire.formats).
+    response_format: ResponseFormatLike
 
 
 _SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
 _STOPPING = ("max_new_tokens", "min_new_tokens", "include_stop_sequence", "ignore_eos", "time_limit_ms")
 _OUTPUT = ("token_ids", "logprobs", "top_logprobs")
-_KNOWN = frozenset((*_SAMPLING, *_STOPPING, *_OUTPUT, "stop", "request_id"))
+_KNOWN = frozenset((*_SAMPLING, *_STOPPING, *_OUTPUT, "stop", "request_id", "response_format"))
 
 
 def new_request_id() -> str:
@@ -106,6 +110,8 @@ def build_generate_request(
     for name in _OUTPUT:
         if name in options:
             setattr(request.output, name, options[name])  # type: ignore[literal-required]
+    if options.get("response_format") is not None:
+        request.response_format.CopyFrom(response_format(options["response_format"]))
 
     violations = validate_generate_request(request, limits or Limits())
     if violations:

@@ -9,6 +9,7 @@ in the dotted form used by ``google.rpc.BadRequest.FieldViolation.field``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from enum import Enum
 
@@ -17,6 +18,10 @@ from tokenwire.v1 import generation_pb2 as pb
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_TOP_LOGPROBS = 5
 MAX_REQUEST_ID_CHARS = 128
+# Longest schema, regex or grammar (characters), and most options of a choice.
+MAX_FORMAT_CHARS = 64 * 1024
+MAX_CHOICE_OPTIONS = 1024
+FORMAT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 class Rule(str, Enum):
@@ -47,6 +52,13 @@ class Rule(str, Enum):
     )
     INVALID_UTF8 = "is not valid text (lone surrogate or NUL character)"
     NO_CHAT_TEMPLATE = "this model has no chat template; send a prompt or token_ids instead"
+    NO_FORMAT = "set one of " + ", ".join(FORMAT_KINDS)
+    FORMAT_TOO_LONG = "has {count} characters; at most " + str(MAX_FORMAT_CHARS) + " are allowed"
+    NOT_JSON = "is not valid JSON: {error}"
+    SCHEMA_NOT_OBJECT = "must be a JSON object (a JSON Schema document), got {kind}"
+    JSON_OBJECT_FALSE = "must be true (leave response_format unset for free text)"
+    NO_OPTIONS = "must hold at least one option"
+    TOO_MANY_OPTIONS = "holds {count} options; at most " + str(MAX_CHOICE_OPTIONS) + " are allowed"
 
     def error(self, **blanks: object) -> str:
         return self.value.format(**blanks)
@@ -187,7 +199,48 @@ def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> li
 
     if request.output.top_logprobs > MAX_TOP_LOGPROBS:
         bad("output.top_logprobs", Rule.TOP_LOGPROBS, value=request.output.top_logprobs)
+    if request.HasField("response_format"):
+        out.extend(validate_response_format(request.response_format))
     return out
+
+
+def validate_response_format(fmt: pb.ResponseFormat) -> list[FieldViolation]:
+    """The rules a response format must meet before the server compiles it (the compiler's
+    own errors, such as an unsupported schema keyword or a bad regex, come from the server)."""
+    kind = fmt.WhichOneof("format")
+    if kind is None:
+        return [FieldViolation("response_format", Rule.NO_FORMAT.error())]
+    field = f"response_format.{kind}"
+    if kind == "json_object":
+        return [] if fmt.json_object else [FieldViolation(field, Rule.JSON_OBJECT_FALSE.error())]
+    if kind == "choice":
+        options = fmt.choice.options
+        if not options:
+            return [FieldViolation("response_format.choice.options", Rule.NO_OPTIONS.error())]
+        if len(options) > MAX_CHOICE_OPTIONS:
+            return [FieldViolation("response_format.choice.options", Rule.TOO_MANY_OPTIONS.error(count=len(options)))]
+        total = sum(len(option) for option in options)
+        if total > MAX_FORMAT_CHARS:
+            return [FieldViolation("response_format.choice.options", Rule.FORMAT_TOO_LONG.error(count=total))]
+        for i, option in enumerate(options):
+            if _bad_text(option):
+                return [FieldViolation(f"response_format.choice.options[{i}]", Rule.INVALID_UTF8.error())]
+        return []
+    text: str = getattr(fmt, kind)
+    if not text:
+        return [FieldViolation(field, Rule.EMPTY_TEXT.error())]
+    if len(text) > MAX_FORMAT_CHARS:
+        return [FieldViolation(field, Rule.FORMAT_TOO_LONG.error(count=len(text)))]
+    if _bad_text(text):
+        return [FieldViolation(field, Rule.INVALID_UTF8.error())]
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            return [FieldViolation(field, Rule.NOT_JSON.error(error=exc))]
+        if not isinstance(schema, dict):
+            return [FieldViolation(field, Rule.SCHEMA_NOT_OBJECT.error(kind=type(schema).__name__))]
+    return []
 
 
 def validate_chat(chat: pb.Chat, limits: Limits, field: str) -> list[FieldViolation]:

@@ -6,6 +6,8 @@ neither torch nor transformers. Operations:
 
 - ``describe()``: the model and the server's limits, torch-free;
 - ``encode()``: chat rendering and tokenizing, off the event loop;
+- ``check_format()``: compile a response format (constrained decoding), off the event
+  loop, or refuse it with ``InvalidResponseFormat``;
 - ``submit()``: a plain request in, an async stream of plain events out
   (``Submission``), refused at once with ``EngineOverloaded``/``EngineClosed``;
 - ``close()``: end what runs and free the model.
@@ -30,6 +32,7 @@ from .domain import (
     ModelDescription,
     Prompt,
     RequestHandle,
+    ResponseFormat,
 )
 
 
@@ -55,6 +58,11 @@ class GenerationBackend(Protocol):
 
     async def encode(self, prompt: Prompt, *, offsets: bool = False, tokens: bool = False) -> Encoding:
         """Token ids of a prompt (raises ``NoChatTemplate`` for a chat the model cannot render)."""
+        ...
+
+    async def check_format(self, fmt: ResponseFormat) -> float | None:
+        """Compile a response format, off the event loop, so that ``submit`` finds it ready; return
+        the seconds compiling took (None: it was cached). Raises ``InvalidResponseFormat``."""
         ...
 
     def submit(self, request: GenerationRequest) -> Submission:

@@ -116,6 +116,39 @@ class InvalidResume(ValueError):
     field = "resume.generated_token_ids"
 
 
+class InvalidResponseFormat(ValueError):
+    """A response format the constrained-decoding library cannot use: the message is the
+    library's, ``field`` the request field (``response_format.json_schema``, ...)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponseFormat:
+    """The format an answer must follow (``GenerateRequest.response_format``).
+
+    ``kind`` names the field that was set: ``json_schema`` (``spec`` holds the schema),
+    ``json_object``, ``regex`` (the pattern), ``choice`` (``options``) or ``grammar``
+    (EBNF, or Lark where no line defines a rule with ``::=``).
+    """
+
+    kind: str
+    spec: str = ""
+    options: tuple[str, ...] = ()
+
+    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+    @property
+    def field(self) -> str:
+        return f"response_format.{self.kind}"
+
+
+class NotSupported(ValueError):
+    """A valid request this engine cannot serve (FAILED_PRECONDITION); the message says why and what to do."""
+
+
 class EmptyPrompt(ValueError):
     """The prompt encodes to no tokens: there is nothing to continue."""
 
@@ -194,6 +227,8 @@ class GenerationRequest:
     # these, and goes on at step len(resume_ids) as the uncut stream would have (counts,
     # seed step, stop matcher and detokenizer state included).
     resume_ids: tuple[int, ...] = ()
+    # Constrained decoding: the answer follows this format (None: free text).
+    response_format: ResponseFormat | None = None
 
 
 @dataclasses.dataclass(frozen=True)

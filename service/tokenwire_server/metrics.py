@@ -124,6 +124,19 @@ class Metrics:
             "Streams ended UNAVAILABLE by a drain's hand-off, for their clients to resume on another replica",
             registry=r,
         )
+        self.constrained = Counter(
+            "tokenwire_constrained_requests",
+            "Generate calls with a response format (constrained decoding), by format",
+            ["format"],
+            registry=r,
+        )
+        self.grammar_compile = Histogram(
+            "tokenwire_grammar_compile_seconds",
+            "Time to compile a response format the cache did not hold, by format",
+            ["format"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
         self.cancelled = Counter(
             "tokenwire_cancelled_requests", "Generate calls that ended CANCELLED (the client left)", registry=r
         )

@@ -4,6 +4,7 @@ it: the installed console script in a subprocess, reading its stdout, stderr and
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -79,3 +80,24 @@ def test_info_tokenize_health_and_bench(target: str) -> None:
     report = json.loads(bench.stdout)
     assert (report["requests"], report["succeeded"], report["failed"], report["errors"]) == (4, 4, 0, {})
     assert report["output_tokens"] == 4 * 8 and report["output_tokens_per_s"] > 0
+
+
+def test_generate_follows_a_json_schema_a_regex_and_a_choice(target: str, tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}}, "required": ["ok", "color"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    base = ("generate", "--target", target, "--temperature", "0", "--max-new-tokens", "40", "--usage")
+    done = tokenwire(*base, "--json-schema", str(tmp_path / "schema.json"), "Describe it as JSON")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert set(answer) == {"ok", "color"} and answer["color"] in ("red", "green") and "finish_reason: eos" in done.stderr.lower()
+    choice = tokenwire(*base, "--choice", "yes,no, maybe", "Well?")
+    assert choice.returncode == 0 and choice.stdout.strip() in ("yes", "no", "maybe"), choice
+    code = tokenwire(*base, "--regex", "[0-9]{3}-[a-z]{2}", "Code?")
+    assert code.returncode == 0 and re.fullmatch(r"[0-9]{3}-[a-z]{2}", code.stdout.strip()), code
+    (tmp_path / "g.ebnf").write_text('root ::= "x=" [0-9]')
+    grammar = tokenwire(*base, "--grammar", str(tmp_path / "g.ebnf"), "x?")
+    assert grammar.returncode == 0 and re.fullmatch(r"x=[0-9]", grammar.stdout.strip()), grammar
+    bad = tokenwire(*base, "--regex", "a(b", "Code?")
+    assert bad.returncode == 2 and "response_format.regex" in bad.stderr and "parenthesis" in bad.stderr
+    both = tokenwire(*base, "--regex", "a", "--json-object", "x")
+    assert both.returncode == 2 and "not allowed with" in both.stderr

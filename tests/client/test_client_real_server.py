@@ -9,13 +9,14 @@ the server's words, leaving a loop cancels on the server, a full server's refusa
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import pytest
@@ -560,3 +561,74 @@ def test_a_client_accepts_what_a_server_with_other_limits_accepts(tiny_model_dir
         assert remote.value.details == local.value.details
         assert "at most 32" in remote.value.details
         assert remote_chat.value.field_violations == local_chat.value.field_violations
+
+
+# -- response formats ---------------------------------------------------------------------------
+
+
+SHORT_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+    "required": ["ok", "color"],
+}
+
+
+def test_response_format_takes_a_dict_a_pydantic_class_or_the_message_and_generate_json_parses(client):
+    import pydantic
+    from tokenwire import formats
+
+    class Answer(pydantic.BaseModel):
+        ok: bool
+        color: Literal["red", "green"]
+
+    parsed = client.generate_json("Answer as JSON", schema=SHORT_SCHEMA, temperature=0, max_new_tokens=40)
+    assert isinstance(parsed, dict) and set(parsed) == {"ok", "color"} and parsed["color"] in ("red", "green")
+    model = client.generate_json("Answer as JSON", schema=Answer, temperature=0.7, seed=3, max_new_tokens=60)
+    assert isinstance(model, Answer) and model.color in ("red", "green")
+    picked = client.generate_text("Pick", response_format=formats.choice(["alpha", "beta"]), temperature=0)
+    assert picked.text in ("alpha", "beta") and picked.finish_reason is FinishReason.EOS
+    # Cut by max_new_tokens: a valid prefix, and generate_json says so instead of a JSON error.
+    with pytest.raises(tokenwire.IncompleteAnswer) as caught:
+        client.generate_json("Answer as JSON", schema=SHORT_SCHEMA, temperature=0, max_new_tokens=3)
+    assert caught.value.completion.finish_reason is FinishReason.LENGTH
+    assert caught.value.text.startswith('{"')  # compact JSON, cut short
+
+
+def test_async_generate_json_and_the_servers_refusal_names_the_field(tiny_server):
+    async def main():
+        async with tokenwire.AsyncClient(tiny_server.target, timeout=30) as client:
+            parsed = await client.generate_json("Answer as JSON", schema=SHORT_SCHEMA, temperature=0, max_new_tokens=40)
+            with pytest.raises(tokenwire.InvalidArgument) as caught:
+                await client.generate_text("x", response_format={"type": "object", "properties": {"a": {"type": "nonsense"}}})
+            return parsed, caught.value
+
+    parsed, error = run(main())
+    assert set(parsed) == {"ok", "color"}
+    assert [v.field for v in error.field_violations] == ["response_format.json_schema"]
+    assert "nonsense" in error.field_violations[0].description
+
+
+def test_the_clients_own_checks_of_a_response_format(client):
+    with pytest.raises(tokenwire.InvalidArgument) as caught:
+        client.generate("x", response_format=pb.ResponseFormat(json_schema="{oops"))
+    assert [v.field for v in caught.value.field_violations] == ["response_format.json_schema"]
+    with pytest.raises(TypeError, match="response_format takes"):
+        client.generate("x", response_format="[a-z]+")  # a string is ambiguous: say which format
+    with pytest.raises(TypeError, match="schema="):
+        client.generate_json("x", response_format=SHORT_SCHEMA)
+
+
+def test_a_response_format_becomes_the_message_it_names():
+    import pydantic
+    from tokenwire.request import build_generate_request
+
+    class Point(pydantic.BaseModel):
+        x: int
+
+    def sent(fmt):
+        return build_generate_request("p", options={"response_format": fmt}).response_format
+
+    assert json.loads(sent(SHORT_SCHEMA).json_schema) == SHORT_SCHEMA
+    assert json.loads(sent(Point).json_schema) == Point.model_json_schema()
+    assert sent(pb.ResponseFormat(regex="a+")).regex == "a+"
+    assert not build_generate_request("p").HasField("response_format")

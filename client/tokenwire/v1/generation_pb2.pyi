@@ -74,6 +74,7 @@ class GenerateRequest(_message.Message):
     STOPPING_FIELD_NUMBER: _builtins.int
     OUTPUT_FIELD_NUMBER: _builtins.int
     RESUME_FIELD_NUMBER: _builtins.int
+    RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id for this request, echoed in every chunk and in the server's logs.
     When empty, the `x-request-id` metadata is used; when that is absent too, the
@@ -117,6 +118,20 @@ class GenerateRequest(_message.Message):
         the vllm engine a seeded stream is not (docs/architecture.md, the engine table).
         """
 
+    @_builtins.property
+    def response_format(self) -> Global___ResponseFormat:
+        """Constrain the answer to a format: a JSON schema, any JSON object, a regular
+        expression, one of a list of strings, or a grammar. Each step, tokens that
+        cannot continue a valid answer are excluded before sampling (temperature,
+        top_k and top_p then apply to what is left). The stream ends with
+        FINISH_REASON_EOS when the answer is complete (even with min_new_tokens or
+        ignore_eos set), with FINISH_REASON_STOP_SEQUENCE when a stop sequence matches
+        first, and with FINISH_REASON_LENGTH when max_new_tokens comes first: then the
+        text is a valid prefix, not a whole answer (incomplete JSON). An invalid
+        schema, regex or grammar is INVALID_ARGUMENT naming response_format.<field>,
+        before the first chunk. Logprobs stay the model's, before the constraint.
+        """
+
     def __init__(
         self,
         *,
@@ -128,16 +143,88 @@ class GenerateRequest(_message.Message):
         stopping: Global___StoppingCriteria | None = ...,
         output: Global___OutputOptions | None = ...,
         resume: Global___Resume | None = ...,
+        response_format: Global___ResponseFormat | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "prompt", b"prompt", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "prompt", b"prompt", "response_format", b"response_format", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class ResponseFormat(_message.Message):
+    """The format an answer must follow (GenerateRequest.response_format). Exactly one is set."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """A JSON Schema document (draft 2020-12 keywords as xgrammar supports them). The
+    answer is compact JSON that validates against it; properties the schema does
+    not name are not generated.
+    """
+    json_object: _builtins.bool
+    """Any JSON object (must be true)."""
+    regex: _builtins.str
+    """A regular expression the whole answer matches."""
+    grammar: _builtins.str
+    """A grammar in EBNF (GBNF as llama.cpp writes it; the start rule is `root`), or
+    in Lark syntax.
+    """
+    @_builtins.property
+    def choice(self) -> Global___Choice:
+        """One of these strings, exactly."""
+
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+        regex: _builtins.str = ...,
+        choice: Global___Choice | None = ...,
+        grammar: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "format", b"format", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "format", b"format", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_format: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "choice", "grammar"]  # noqa: Y015
+    _WhichOneofArgType_format: _TypeAlias = _typing.Literal["format", b"format"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_format) -> _WhichOneofReturnType_format | None: ...
+
+Global___ResponseFormat: _TypeAlias = ResponseFormat  # noqa: Y015
+
+@_typing.final
+class Choice(_message.Message):
+    """A list of allowed answers (ResponseFormat.choice)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPTIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def options(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The answers, at least one."""
+
+    def __init__(
+        self,
+        *,
+        options: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["options", b"options"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choice: _TypeAlias = Choice  # noqa: Y015
 
 @_typing.final
 class Resume(_message.Message):

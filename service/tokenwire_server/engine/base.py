@@ -31,6 +31,7 @@ from ..domain import (
     RequestHandle,
 )
 from ..model import LoadedModel
+from ..structured import Grammars
 from ..text import SharedTokenizer
 from .estimate import StartEstimator
 from .faults import FAILED_STEPS_FAULT, Fault, classify, describe
@@ -181,12 +182,16 @@ class Engine(abc.ABC):
         # Engine threads decode token text; each gets its own tokenizer (the Rust tokenizer
         # is not safe to share between threads: "Already borrowed").
         self.tokenizer = SharedTokenizer(loaded.tokenizer)
+        # Response formats compiled for this vocabulary (constrained decoding), cached by content.
+        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> RequestHandle:
         """Queue a request; raise EngineOverloaded or EngineClosed when it cannot be taken."""
         handle = RequestHandle()
         loaded = self.loaded
-        seq = Generation(request, handle, sink, self.tokenizer, loaded.eos_token_ids, loaded.device)
+        fmt = request.response_format
+        constraint = self.grammars.constraint(fmt) if fmt is not None else None  # compiled already: a cache hit
+        seq = Generation(request, handle, sink, self.tokenizer, loaded.eos_token_ids, loaded.device, constraint)
         if seq.ended_at_cut is not None:  # a resume whose tokens already ended the stream: say how
             seq.finish(seq.ended_at_cut)
             return handle

@@ -22,11 +22,13 @@ from ..domain import (
     FinishEvent,
     FinishReason,
     GenerationRequest,
+    InvalidResume,
     RequestHandle,
     TextEvent,
     TokenInfo,
     Usage,
 )
+from ..structured import Constraint
 from ..text import TextStream
 
 
@@ -39,8 +41,12 @@ class Generation:
         tokenizer: Any,
         eos_token_ids: tuple[int, ...],
         device: torch.device,
+        constraint: Constraint | None = None,
     ) -> None:
         self.request = request
+        # Constrained decoding (request.response_format): the sampler masks this row with
+        # it, and each token taken advances it; the answer ends when it is complete.
+        self.constraint = constraint
         self.handle = handle
         self._sink = sink
         self._tokenizer = tokenizer
@@ -70,11 +76,19 @@ class Generation:
         the stop matcher hold back the same partial character or possible stop start now as
         they did when the stream was cut, so what comes next repeats nothing and loses nothing.
         """
-        for token_id in ids:
+        constraint = self.constraint
+        for i, token_id in enumerate(ids):
+            if constraint is not None and not constraint.accept(token_id):
+                raise InvalidResume(
+                    f"token {i} (id {token_id}) does not follow the request's response_format: "
+                    "these are not the tokens this request generated"
+                )
             self.generated.append(token_id)
             _, stopped = self.text.push(token_id)
             if stopped:
                 return FinishReason.STOP_SEQUENCE
+        if constraint is not None and constraint.terminated:
+            return FinishReason.EOS
         if ids and ids[-1] in self._eos and not self.request.ignore_eos and self.eos_allowed:
             return FinishReason.EOS
         if ids and len(self.generated) >= self.request.max_new_tokens:
@@ -134,6 +148,14 @@ class Generation:
         if stopped:
             self.finish(FinishReason.STOP_SEQUENCE, text)
             return True
+        constraint = self.constraint
+        if constraint is not None:
+            if not constraint.accept(token_id):  # the sampler masked it out: a bug, not the caller's
+                self.fail(ErrorKind.INTERNAL, f"token {token_id} breaks the response format")
+                return True
+            if constraint.terminated:  # the answer is complete (min_new_tokens/ignore_eos do not apply)
+                self.finish(FinishReason.EOS, text)
+                return True
         if token_id in self._eos and not request.ignore_eos and self.eos_allowed:
             self.finish(FinishReason.EOS, text)
             return True

@@ -19,6 +19,7 @@ from ..domain import (
     ModelDescription,
     Prompt,
     RequestLimits,
+    ResponseFormat,
 )
 from ..model import LoadedModel
 from ..text import PromptEncoder
@@ -34,6 +35,9 @@ class LocalBackend:
         self._encode_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=encode_threads, thread_name_prefix="tokenwire-encode"
         )
+        # Response formats compile on their own threads: a page-long schema can take seconds,
+        # and must not hold up the prompts of other calls.
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenwire-grammar")
 
     def describe(self) -> ModelDescription:
         loaded, engine = self.loaded, self.engine
@@ -58,6 +62,10 @@ class LocalBackend:
             self._encode_pool, lambda: self.encoder.encode(prompt, offsets=offsets, tokens=tokens)
         )
 
+    async def check_format(self, fmt: ResponseFormat) -> float | None:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._compile_pool, lambda: self.engine.grammars.compile(fmt)[1])
+
     def submit(self, request: GenerationRequest) -> ThreadedSubmission:
         submission = ThreadedSubmission(asyncio.get_running_loop())
         submission.handle = self.engine.submit(request, submission.sink)
@@ -78,3 +86,4 @@ class LocalBackend:
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
         self._encode_pool.shutdown(wait=False, cancel_futures=True)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,8 +1,9 @@
 """Choosing the next token for every row of a batch at once, each row with its own parameters.
 
 All rows are handled as tensors: repetition penalty, EOS blocking (min_new_tokens),
-temperature, top_k, top_p, the draw and the log-probabilities; the results come
-back to the host in one transfer per step. Greedy rows take the exact argmax.
+the grammar mask of constrained rows (``structured``), temperature, top_k, top_p, the
+draw and the log-probabilities; the results come back to the host in one transfer per
+step. Greedy rows take the exact argmax.
 
 Sampled rows draw with the Gumbel-max trick: ``argmax(logits / T + G)`` where the
 noise ``G`` of each (row, token) comes from a counter-based hash of (seed, step,
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ..domain import Alternative
+from ..structured import apply_constraints
 from .generation import Generation
 
 NEG_INF = float("-inf")
@@ -99,8 +101,14 @@ class Sampler:
         # Repetition penalty and EOS blocking change the logits of some rows (a copy).
         processed = logits
         penalised = [i for i, r in enumerate(requests) if r.sampling.repetition_penalty != 1.0]
-        blocked = [i for i, (s, r) in enumerate(zip(seqs, requests, strict=True)) if not s.eos_allowed and not r.ignore_eos]
-        if penalised or (blocked and self._eos):
+        # A constrained row's grammar decides when its answer ends: min_new_tokens does not block EOS there.
+        blocked = [
+            i
+            for i, (s, r) in enumerate(zip(seqs, requests, strict=True))
+            if not s.eos_allowed and not r.ignore_eos and s.constraint is None
+        ]
+        constrained = [(i, s.constraint) for i, s in enumerate(seqs) if s.constraint is not None]
+        if penalised or (blocked and self._eos) or constrained:
             processed = logits.clone()
         if penalised:
             row_index: list[int] = []
@@ -120,6 +128,9 @@ class Sampler:
             b_idx = torch.tensor(blocked, dtype=torch.long, device=device).unsqueeze(1)
             e_idx = torch.tensor(self._eos, dtype=torch.long, device=device).unsqueeze(0)
             processed[b_idx, e_idx] = NEG_INF
+        if constrained:
+            # Tokens that cannot continue a valid answer drop out before temperature, top_k and top_p.
+            apply_constraints(processed, constrained, vocab)
 
         chosen = torch.argmax(processed, dim=-1)  # greedy rows keep this, exactly
         sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy]

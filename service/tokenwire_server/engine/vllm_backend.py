@@ -37,9 +37,12 @@ from ..domain import (
     EngineStats,
     GenerationRequest,
     ModelDescription,
+    NotSupported,
     Prompt,
+    ResponseFormat,
     SamplingOptions,
 )
+from ..structured import Grammars, choice_grammar
 from ..text import PromptEncoder, SharedTokenizer
 from .vllm_submission import VllmSubmission
 
@@ -156,6 +159,9 @@ class VllmBackend:
             "enable_prefix_caching": settings.prefix_cache,
             "disable_log_stats": False,
             "seed": 0,
+            # Response formats go to xgrammar, the library the batched engine uses, with compact
+            # JSON: the same formats, errors and whitespace on both engines.
+            "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
         }
         if settings.max_model_len:
             kwargs["max_model_len"] = settings.max_model_len
@@ -196,9 +202,15 @@ class VllmBackend:
                 "vllm: usage.queue_time_ms ends when the request is handed to vLLM; vLLM's own queue counts in the time to first token",
                 "vllm: a resumed seeded stream (GenerateRequest.resume) does not give the uncut stream's tokens "
                 "(vLLM's generator restarts from the seed); greedy ones matched where measured",
+                "vllm: a stream with a response_format cannot be resumed (vLLM's grammar would start again "
+                "at the cut): FAILED_PRECONDITION",
             ),
         )
+        # Response formats are checked here, with the same library and options vLLM compiles
+        # them with, so a bad one is INVALID_ARGUMENT with the same message on both engines.
+        self.grammars = Grammars(tokenizer, self._vocab, self._eos)
         self._encode_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenwire-encode")
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenwire-grammar")
         self._in_flight = 0
         self._closed = False
         self.last_progress = time.monotonic()
@@ -214,8 +226,17 @@ class VllmBackend:
             self._encode_pool, lambda: self.encoder.encode(prompt, offsets=offsets, tokens=tokens)
         )
 
+    async def check_format(self, fmt: ResponseFormat) -> float | None:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._compile_pool, lambda: self.grammars.compile(fmt)[1])
+
     def submit(self, request: GenerationRequest) -> VllmSubmission:
         settings = self._settings
+        if request.response_format is not None and request.resume_ids:
+            raise NotSupported(
+                "the vllm engine cannot resume a stream with a response_format (vLLM's grammar would start "
+                "again at the cut); send the request again without resume, or serve it with --engine batched"
+            )
         if self._closed or self.engine.errored:
             raise EngineClosed("the engine is shutting down")
         if self._in_flight >= settings.max_active + settings.max_queue:
@@ -262,6 +283,7 @@ class VllmBackend:
         self._closed = True
         self.engine.shutdown()
         self._encode_pool.shutdown(wait=False, cancel_futures=True)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- per request ------------------------------------------------------------------
 
@@ -280,7 +302,10 @@ class VllmBackend:
             logprobs = request.top_logprobs
         elif request.want_logprobs:
             logprobs = 0
+        fmt = request.response_format
+        constrained = fmt is not None
         return SamplingParams(
+            structured_outputs=structured_outputs(fmt) if fmt is not None else None,
             temperature=0.0 if options.greedy else options.temperature,
             top_k=options.top_k if options.top_k > 0 else 0,
             top_p=options.top_p,
@@ -288,13 +313,30 @@ class VllmBackend:
             seed=None if options.seed is None else options.seed & 0x7FFF_FFFF_FFFF_FFFF,
             # A resumed stream counts from its original start: what is left of both.
             max_tokens=request.max_new_tokens - len(request.resume_ids),
-            min_tokens=max(0, min(request.min_new_tokens, request.max_new_tokens) - len(request.resume_ids)),
-            ignore_eos=request.ignore_eos,
+            # A constrained answer ends when its grammar is complete, as on the batched engine.
+            min_tokens=0 if constrained else max(0, min(request.min_new_tokens, request.max_new_tokens) - len(request.resume_ids)),
+            ignore_eos=request.ignore_eos and not constrained,
             logprobs=logprobs,
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
         )
+
+
+def structured_outputs(fmt: ResponseFormat) -> Any:
+    """A response format as vLLM's StructuredOutputsParams."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    compact = {"disable_any_whitespace": True}
+    if fmt.kind == "json_schema":
+        return StructuredOutputsParams(json=fmt.spec, **compact)
+    if fmt.kind == "json_object":
+        return StructuredOutputsParams(json_object=True, **compact)
+    if fmt.kind == "regex":
+        return StructuredOutputsParams(regex=fmt.spec)
+    if fmt.kind == "choice":
+        return StructuredOutputsParams(grammar=choice_grammar(fmt.options))  # the batched engine's grammar for it
+    return StructuredOutputsParams(grammar=fmt.spec)
 
 
 def _device_name() -> str:

@@ -24,6 +24,7 @@ from ..domain import (
     InvalidResume,
     ModelDescription,
     Prompt,
+    ResponseFormat,
     SamplingOptions,
     TextPrompt,
     TokenInfo,
@@ -96,6 +97,20 @@ def sampling_options(params: pb.SamplingParams, defaults: SamplingOptions) -> Sa
     )
 
 
+def response_format(request: pb.GenerateRequest) -> ResponseFormat | None:
+    """The request's (validated) response format as a domain value; None when it has none."""
+    if not request.HasField("response_format"):
+        return None
+    fmt = request.response_format
+    kind = fmt.WhichOneof("format")
+    if kind == "choice":
+        return ResponseFormat("choice", options=tuple(fmt.choice.options))
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    assert kind is not None, "validation refuses a response_format with no format set"
+    return ResponseFormat(kind, spec=getattr(fmt, kind))
+
+
 def generation_request(
     request: pb.GenerateRequest,
     request_id: str,
@@ -146,6 +161,7 @@ def generation_request(
         top_logprobs=output.top_logprobs,
         arrival=arrival,
         resume_ids=resume,
+        response_format=response_format(request),
     )
 
 

@@ -102,6 +102,13 @@ class TextGenerationServicer:
             raise invalid_argument(violations)
         call.input_field = conversion.input_field(request)
         encoding = await backend.encode(conversion.prompt_of(request))
+        fmt = conversion.response_format(request)
+        if fmt is not None:
+            compile_s = await backend.check_format(fmt)  # InvalidResponseFormat: before any chunk
+            if compile_s is not None:
+                self._metrics.grammar_compile.labels(fmt.kind).observe(compile_s)
+            self._metrics.constrained.labels(fmt.kind).inc()
+            call.fields["response_format"] = fmt.kind
         remaining = context.time_remaining()
         generation = conversion.generation_request(
             request,

@@ -22,8 +22,10 @@ from ..domain import (
     EngineFaulted,
     EngineOverloaded,
     ErrorKind,
+    InvalidResponseFormat,
     InvalidResume,
     NoChatTemplate,
+    NotSupported,
     PromptTooLong,
 )
 
@@ -115,9 +117,11 @@ def failure_of(exc: BaseException, input_field: str = "input") -> RpcFailure | N
         return RpcFailure(grpc.StatusCode.UNAVAILABLE, DRAINING)
     if isinstance(exc, NoChatTemplate):
         return RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, Rule.NO_CHAT_TEMPLATE.error())
+    if isinstance(exc, NotSupported):
+        return RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
     if isinstance(exc, EmptyPrompt):
         return invalid_argument([FieldViolation(input_field, "encodes to no tokens: there is nothing to continue")])
-    if isinstance(exc, InvalidResume):
+    if isinstance(exc, InvalidResume | InvalidResponseFormat):
         return invalid_argument([FieldViolation(exc.field, str(exc))])
     if isinstance(exc, PromptTooLong):
         description = Rule.PROMPT_TOO_LONG.error(
