@@ -638,7 +638,7 @@ def test_a_constrained_call_compiles_its_format_once_and_counts_it(harness: Harn
         (pb.ResponseFormat(), "response_format", "set one of json_schema"),
         (pb.ResponseFormat(json_schema=""), "response_format.json_schema", "must not be empty"),
         (pb.ResponseFormat(json_schema="{not json"), "response_format.json_schema", "is not valid JSON"),
-        (pb.ResponseFormat(json_schema="[1, 2]"), "response_format.json_schema", "must be a JSON object"),
+        (pb.ResponseFormat(json_schema="[1, 2]"), "response_format.json_schema", "must be a JSON object (a JSON Schema document), got an array"),
         (pb.ResponseFormat(json_schema='{"type": "unsupported"}'), "response_format.json_schema", "Unsupported keyword"),
         (pb.ResponseFormat(json_object=False), "response_format.json_object", "must be true"),
         (pb.ResponseFormat(regex=""), "response_format.regex", "must not be empty"),

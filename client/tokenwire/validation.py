@@ -239,7 +239,8 @@ def validate_response_format(fmt: pb.ResponseFormat) -> list[FieldViolation]:
         except ValueError as exc:
             return [FieldViolation(field, Rule.NOT_JSON.error(error=exc))]
         if not isinstance(schema, dict):
-            return [FieldViolation(field, Rule.SCHEMA_NOT_OBJECT.error(kind=type(schema).__name__))]
+            kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+            return [FieldViolation(field, Rule.SCHEMA_NOT_OBJECT.error(kind=kinds.get(type(schema), "null")))]
     return []
 
 
