@@ -230,6 +230,36 @@ def test_twelve_constrained_requests_give_the_same_tokens_alone_and_together(tin
     assert len({tuple(r.token_ids) for r in together}) > 6
 
 
+@pytest.mark.e2e
+def test_twelve_constrained_requests_on_the_default_model_are_batch_invariant_and_valid(default_model_dir: Path) -> None:
+    """The real model: the same twelve constrained chats (greedy, seeded top-p, seeded top-k
+    with a penalty) give the same tokens alone and together, and each complete answer is valid."""
+    loaded = load_model(str(default_model_dir), device="cpu", dtype="float32")
+    tok = loaded.tokenizer
+    asks = ["Describe a fruit as JSON.", "Give me a product code.", "Is the sky blue?", "What is 6 times 7?"]
+    kinds = [
+        SamplingOptions(temperature=0.0),
+        SamplingOptions(temperature=0.8, top_p=0.9, seed=1234),
+        SamplingOptions(temperature=1.0, top_k=40, repetition_penalty=1.3, seed=99),
+    ]
+    formats = [FORMATS[1], FORMATS[3], FORMATS[4], FORMATS[5]]
+    requests = []
+    for i in range(12):
+        prompt = tok.apply_chat_template([{"role": "user", "content": asks[i % 4]}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        requests.append(request(i, formats[i % 4], prompt, kinds[i % 3], 48))
+    engine = engine_of(loaded, "batched", "auto")
+    engine.start()
+    try:
+        alone = [run_all(engine, [r], 120)[0] for r in requests]
+        together = run_all(engine, requests, 300)
+    finally:
+        engine.close()
+    for req, a, t in zip(requests, alone, together, strict=True):
+        assert t.token_ids == a.token_ids, (req.response_format, req.sampling)
+        assert req.response_format is not None and t.last.reason is FinishReason.EOS
+        assert follows(req.response_format, t.text), t.text
+
+
 def test_the_grammar_ends_the_answer_even_with_min_new_tokens_and_ignore_eos(tiny: Any) -> None:
     fmt = ResponseFormat("choice", options=("yes", "no"))
     base = prompts(tiny, 1)[0]
