@@ -22,8 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-un
 
 from tokenwire.channel import TLSConfig, channel_options, credentials, resolve_target
 from tokenwire.errors import DeadlineExceeded, TokenwireError, Unavailable, from_rpc_error
-from tokenwire.formats import ResponseFormatLike, json_object, parse_answer
-from tokenwire.request import GenerateOptions, build_generate_request, build_tokenize_request
+from tokenwire.formats import ResponseFormatLike, parse_answer
+from tokenwire.request import GenerateOptions, build_generate_request, build_tokenize_request, json_options
 from tokenwire.results import Chunk, Completion, HealthStatus, MessageLike, ModelInfo, Tokenization
 from tokenwire.resume import Resumption
 from tokenwire.retry import RetryPolicy
@@ -336,13 +336,11 @@ class Client:
         """An answer in a JSON schema (a dict or a pydantic model class; None: any JSON object),
         parsed: a pydantic instance for a model class, else the JSON value. Raises
         ``tokenwire.formats.IncompleteAnswer`` when max_new_tokens cut the answer short."""
-        if "response_format" in params:
-            raise TypeError("generate_json takes the format as schema=, not response_format=")
-        params["response_format"] = json_object() if schema is None else schema
         completion = self.generate_text(
-            prompt, messages=messages, input_ids=input_ids, timeout=timeout, resume=resume, **params
+            prompt, messages=messages, input_ids=input_ids, timeout=timeout, resume=resume, **json_options(params, schema)
         )
         return parse_answer(completion, schema)
+
     # -- unary calls --------------------------------------------------------------
 
     def _unary(self, call: Callable[[float | None], _T], timeout: float | None) -> _T:

@@ -12,12 +12,12 @@ from collections.abc import Iterable, Sequence
 from typing import TypedDict
 
 from tokenwire.errors import InvalidArgument
-from tokenwire.formats import ResponseFormatLike, response_format
+from tokenwire.formats import ResponseFormatLike, json_object, response_format
 from tokenwire.results import Message, MessageLike
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.validation import Limits, validate_generate_request, validate_tokenize_request
 
-__all__ = ["GenerateOptions", "build_generate_request", "build_tokenize_request", "new_request_id"]
+__all__ = ["GenerateOptions", "build_generate_request", "build_tokenize_request", "json_options", "new_request_id"]
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -54,6 +54,13 @@ _SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
 _STOPPING = ("max_new_tokens", "min_new_tokens", "include_stop_sequence", "ignore_eos", "time_limit_ms")
 _OUTPUT = ("token_ids", "logprobs", "top_logprobs")
 _KNOWN = frozenset((*_SAMPLING, *_STOPPING, *_OUTPUT, "stop", "request_id", "response_format"))
+
+
+def json_options(options: GenerateOptions, schema: ResponseFormatLike | None) -> GenerateOptions:
+    """``generate_json``'s options: ``schema`` (None: any JSON object) as the response format."""
+    if "response_format" in options:
+        raise TypeError("generate_json takes the format as schema=, not response_format=")
+    return {**options, "response_format": json_object() if schema is None else schema}
 
 
 def new_request_id() -> str:

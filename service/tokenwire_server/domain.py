@@ -138,8 +138,6 @@ class ResponseFormat:
     spec: str = ""
     options: tuple[str, ...] = ()
 
-    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-
     @property
     def field(self) -> str:
         return f"response_format.{self.kind}"

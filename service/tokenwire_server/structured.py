@@ -98,10 +98,6 @@ class Grammars:
         self._cache: collections.OrderedDict[ResponseFormat, tuple[Any, int]] = collections.OrderedDict()
         self._cached_bytes = 0
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
     def _get_compiler(self) -> Any:
         with self._lock:
             if self._compiler is None:
