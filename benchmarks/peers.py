@@ -11,7 +11,14 @@ new tokens (``ignore_eos``, greedy) and the same concurrency:
   not run unless named: it did not pay);
 - ``tokenwire-vllm``: a tokenwire server, ``--engine vllm`` (run by .venv-vllm's python), over gRPC;
 - ``vllm-openai``: vLLM's own OpenAI-compatible server (``python -m
-  vllm.entrypoints.openai.api_server``, same venv), streaming ``/v1/chat/completions``.
+  vllm.entrypoints.openai.api_server``, same venv), streaming ``/v1/chat/completions``;
+- ``batched-int8``: ``batched`` with ``--quantization int8`` (per-channel int8 weights);
+- ``llamacpp-q4`` / ``llamacpp-q8``: llama-cpp-python's OpenAI server (``make setup-llamacpp``,
+  its own venv) on the shipped Q4_1 GGUF, and on a Q8_0 requantized from it by llama.cpp's
+  own quantizer (made once into the model cache). tokenwire's default model is that same
+  Q4_1 file dequantized, so all three read the same weights. llama.cpp has no
+  ``ignore_eos``: its requests forbid the end tokens by ``logit_bias`` instead. Run when
+  .venv-llamacpp exists, else left out with a note.
 
 Every server is started once and stays up; each repeat then runs every system in turn
 (c=1, then c=16), so machine noise lands on all of them alike, and each ratio is taken
@@ -42,7 +49,8 @@ from typing import Any
 from benchmarks.bench import in_process, machine
 from benchmarks.doc import replace_section
 
-SYSTEMS = ("generate", "batched", "batched-hf", "batched-1t", "tokenwire-vllm", "vllm-openai")
+SYSTEMS = ("generate", "batched", "batched-int8", "batched-hf", "batched-1t", "tokenwire-vllm", "vllm-openai", "llamacpp-q4", "llamacpp-q8")
+LLAMACPP = ("llamacpp-q4", "llamacpp-q8")
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "batched-1t")  # one torch thread did not pay: on request
 LABELS = {
     "generate": "in-process `generate`",
@@ -51,7 +59,13 @@ LABELS = {
     "batched-1t": "tokenwire batched, 1 torch thread (gRPC)",
     "tokenwire-vllm": "tokenwire on vLLM (gRPC)",
     "vllm-openai": "vLLM OpenAI server (HTTP)",
+    "batched-int8": "tokenwire batched, `--quantization int8` (gRPC)",
+    "llamacpp-q4": "llama.cpp Q4_1 (llama-cpp-python server, HTTP)",
+    "llamacpp-q8": "llama.cpp Q8_0 (llama-cpp-python server, HTTP)",
 }
+OPENAI_SYSTEMS = ("vllm-openai", *LLAMACPP)
+# SmolLM2's end tokens (<|endoftext|>, <|im_end|>): forbidden in llama.cpp's requests, its ignore_eos.
+LLAMACPP_NO_EOS = {"0": -100, "2": -100}
 SECTION = "peers"
 OPENAI_PROMPT_TOKENS: dict[str, int] = {}  # prompt -> prompt tokens, as vLLM's OpenAI server counted them
 
@@ -129,7 +143,7 @@ def free_port() -> int:
 
 
 class OpenAIServer:
-    """vLLM's OpenAI-compatible server as a child process group on 127.0.0.1."""
+    """An OpenAI-compatible server (vLLM's or llama-cpp-python's) as a child process group on 127.0.0.1."""
 
     def __init__(
         self,
@@ -139,10 +153,17 @@ class OpenAIServer:
         env: dict[str, str],
         log: Path,
         ready_timeout: float,
+        kind: str = "vllm",
     ) -> None:
         self.port = free_port()
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", "default",
-               "--host", "127.0.0.1", "--port", str(self.port), "--uvicorn-log-level", "warning", *args]  # fmt: skip
+        if kind == "vllm":
+            cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", "default",
+                   "--host", "127.0.0.1", "--port", str(self.port), "--uvicorn-log-level", "warning", *args]  # fmt: skip
+            health = "/health"
+        else:
+            cmd = [python, "-m", "llama_cpp.server", "--model", str(folder), "--model_alias", "default",
+                   "--host", "127.0.0.1", "--port", str(self.port), *args]  # fmt: skip
+            health = "/v1/models"
         self.command = cmd
         self._log = log.open("w")
         self.proc = subprocess.Popen(
@@ -151,13 +172,13 @@ class OpenAIServer:
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM's OpenAI server exited with {self.proc.returncode}; see {log}")
+                raise RuntimeError(f"{kind}'s OpenAI server exited with {self.proc.returncode}; see {log}")
             with contextlib.suppress(OSError):
-                if urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200:
+                if urllib.request.urlopen(f"http://127.0.0.1:{self.port}{health}", timeout=2).status == 200:
                     return
             time.sleep(1)
         self.close()
-        raise RuntimeError(f"vLLM's OpenAI server was not ready in {ready_timeout:.0f} s; see {log}")
+        raise RuntimeError(f"{kind}'s OpenAI server was not ready in {ready_timeout:.0f} s; see {log}")
 
     def close(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -194,11 +215,11 @@ async def _openai_stream(port: int, body: dict[str, Any]) -> tuple[float | None,
     first: float | None = None
     last = 0.0
     gaps: list[float] = []
-    completion = prompt = 0
+    completion = prompt = events_seen = 0
     buffer = b""
 
     def events(data: bytes) -> None:
-        nonlocal buffer, first, last, completion, prompt
+        nonlocal buffer, first, last, completion, prompt, events_seen
         buffer += data
         while b"\n\n" in buffer:
             event, buffer = buffer.split(b"\n\n", 1)
@@ -220,6 +241,7 @@ async def _openai_stream(port: int, body: dict[str, Any]) -> tuple[float | None,
             else:
                 gaps.append(now - last)
                 last = now
+            events_seen += 1
 
     if chunked:
         while size_line := await reader.readline():
@@ -232,11 +254,12 @@ async def _openai_stream(port: int, body: dict[str, Any]) -> tuple[float | None,
         while data := await reader.read(65536):
             events(data)
     writer.close()
-    return (first - started if first is not None else None), gaps, completion, prompt
+    # A server that sends no usage (llama-cpp-python's stream): one event per token.
+    return (first - started if first is not None else None), gaps, completion or events_seen, prompt
 
 
 async def openai_load(
-    port: int, concurrency: int, requests: int, max_new: int, prompts: Sequence[str]
+    port: int, concurrency: int, requests: int, max_new: int, prompts: Sequence[str], extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     ttft: list[float] = []
     itl: list[float] = []
@@ -249,7 +272,7 @@ async def openai_load(
             prompt = prompts[issued % len(prompts)]
             issued += 1
             body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_new,
-                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}  # fmt: skip
             try:
                 first, gaps, completion, prompt_count = await _openai_stream(port, body)
             except (OSError, RuntimeError, ValueError):
@@ -289,11 +312,13 @@ def measure_grpc(
 
 
 def measure_openai(
-    port: int, c: int, repeat: int, requests: int, max_new: int, prompts: Sequence[str]
+    port: int, c: int, repeat: int, requests: int, max_new: int, prompts: Sequence[str], system: str = "vllm-openai"
 ) -> Measure:
-    out = asyncio.run(openai_load(port, c, requests, max_new, prompts))
-    OPENAI_PROMPT_TOKENS.update(out["prompt_tokens"])
-    return Measure("vllm-openai", c, repeat, requests, out["tokens"], out["tokens"] / out["elapsed"],
+    extra = {"logit_bias": LLAMACPP_NO_EOS} if system in LLAMACPP else None
+    out = asyncio.run(openai_load(port, c, requests, max_new, prompts, extra))
+    if system == "vllm-openai":
+        OPENAI_PROMPT_TOKENS.update(out["prompt_tokens"])
+    return Measure(system, c, repeat, requests, out["tokens"], out["tokens"] / out["elapsed"],
                    _pct(out["ttft"], 50), _pct(out["ttft"], 99), _pct(out["itl"], 50), _pct(out["itl"], 99), out["errors"])  # fmt: skip
 
 
@@ -338,6 +363,9 @@ TARGETS = (
     ("#10 CPU c=1: batched ≥ 1.2× in-process generate", "batched", "generate", 1, "tokens_per_s", "ratio", ">=", 1.2),
     ("#10 CPU c=1: batched ≥ 1.0× vLLM-CPU (OpenAI server)", "batched", "vllm-openai", 1, "tokens_per_s", "ratio", ">=", 1.0),
     ("#10 CPU c=1: batched TTFT p50 ≤ in-process + 15 ms (ms)", "batched", "generate", 1, "ttft_p50", "delta", "<=", 15),
+    ("#22 CPU c=1: int8 ≥ 1.6× batched float32", "batched-int8", "batched", 1, "tokens_per_s", "ratio", ">=", 1.6),
+    ("#22 CPU c=1: int8 ≥ 1.0× llama.cpp Q8_0", "batched-int8", "llamacpp-q8", 1, "tokens_per_s", "ratio", ">=", 1.0),
+    ("#22 CPU c=16: int8 ≥ 1.0× batched float32", "batched-int8", "batched", 16, "tokens_per_s", "ratio", ">=", 1.0),
     ("#11 c=16: tokenwire on vLLM ≥ 0.95× vLLM OpenAI server", "tokenwire-vllm", "vllm-openai", 16, "tokens_per_s", "ratio", ">=", 0.95),
     ("#11 c=1: tokenwire on vLLM TTFT p50 ≤ OpenAI server + 10 ms (ms)", "tokenwire-vllm", "vllm-openai", 1, "ttft_p50", "delta", "<=", 10),
 )  # fmt: skip
@@ -367,7 +395,7 @@ def targets(rows: list[Measure]) -> list[tuple[str, list[float], bool | None]]:
 def render(rows: list[Measure], meta: dict[str, Any]) -> str:
     systems = [s for s in SYSTEMS if any(m.system == s for m in rows)]
     lines = [
-        "## Beside the peers (`make bench-peers`)",
+        f"## {meta.get('title', 'Beside the peers (`make bench-peers`)')}",
         "",
         f"Written by `{meta['command']}` at {meta['when']}; do not edit by hand.",
         f"{meta['repeats']} repeats; in each, every system ran c=1 then c=16, one after another, with every server",
@@ -403,6 +431,8 @@ def render(rows: list[Measure], meta: dict[str, Any]) -> str:
             )
     lines += ["", "### Targets", "", "| target | per repeat | median | met |", "|---|---|---:|---|"]
     for name, values, met in targets(rows):
+        if met is None:  # a system it compares did not run here
+            continue
         per = ", ".join(f"{v:.2f}" for v in values) or "-"
         median = f"{statistics.median(values):.2f}" if values else "-"
         lines.append(f"| {name} | {per} | {median} | {'-' if met is None else 'yes' if met else 'NO'} |")
@@ -424,8 +454,9 @@ def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) 
     try:
         for system in systems:
             began = time.monotonic()
-            if system in ("batched", "batched-hf", "batched-1t"):
-                extra = {"batched": [], "batched-hf": ["--forward", "transformers"], "batched-1t": ["--torch-threads", "1"]}[system]
+            if system in ("batched", "batched-hf", "batched-1t", "batched-int8"):
+                extra = {"batched": [], "batched-hf": ["--forward", "transformers"], "batched-1t": ["--torch-threads", "1"],
+                         "batched-int8": ["--quantization", "int8", "--allow-unmet-quality-bar"]}[system]  # fmt: skip
                 servers[system] = ServerProcess(["--model", args.model, "--engine", "batched", *extra], ready_timeout=900)
             elif system == "tokenwire-vllm":
                 servers[system] = ServerProcess(
@@ -447,6 +478,14 @@ def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) 
                     args.vllm_python, folder, peer_args, vllm_env, Path(args.log_dir) / "vllm-openai.log", 900
                 )
                 notes.append("vLLM OpenAI server: `" + " ".join(servers[system].command[1:]) + "`")
+            elif system in LLAMACPP:
+                gguf = llamacpp_gguf(args.llamacpp_python, system)
+                threads = str(os.cpu_count() or 1)
+                llama_args = ["--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads]
+                servers[system] = OpenAIServer(
+                    args.llamacpp_python, gguf, llama_args, {}, Path(args.log_dir) / f"{system}.log", 300, kind="llamacpp"
+                )
+                notes.append(f"{LABELS[system]}: `" + " ".join(servers[system].command[1:]) + "`")
             else:
                 continue
             print(f"  {system}: ready in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
@@ -457,6 +496,30 @@ def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) 
                 server.close()
             else:
                 server.__exit__(None, None, None)
+
+
+def llamacpp_gguf(python: str, system: str) -> Path:
+    """The GGUF a llama.cpp system serves: the shipped Q4_1, or a Q8_0 made from it once by
+    llama.cpp's own quantizer (``llama_model_quantize``, requantizing allowed), in the model cache."""
+    from tokenwire_server.model import default_cache_dir, default_gguf_path
+
+    source = default_gguf_path()
+    if system == "llamacpp-q4":
+        return source
+    target = default_cache_dir() / source.name.replace("Q4_1", "Q8_0")
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        script = (
+            "import sys, llama_cpp\n"
+            "p = llama_cpp.llama_model_quantize_default_params()\n"
+            "p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0\n"
+            "p.allow_requantize = True\n"
+            "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))\n"
+        )
+        partial = target.with_suffix(".partial")
+        subprocess.run([python, "-c", script, str(source), str(partial)], check=True, capture_output=True)
+        partial.rename(target)
+    return target
 
 
 def same_prompts(target: str, openai_counts: dict[str, int]) -> str:
@@ -501,9 +564,12 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-cache-tokens", type=int, default=16 * 2048, help="KV cache of both vLLM servers, in tokens"
     )
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", ".venv-vllm/bin/python"))
+    parser.add_argument("--llamacpp-python", default=os.environ.get("LLAMACPP_PYTHON", ".venv-llamacpp/bin/python"))
     parser.add_argument("--out", default="docs/benchmarks.md")
     parser.add_argument("--log-dir", default="/tmp")
     parser.add_argument("--json", default="", help="also write every measurement as JSON here")
+    parser.add_argument("--section", default=SECTION, help="the section of --out this run replaces")
+    parser.add_argument("--title", default="Beside the peers (`make bench-peers`)", help="that section's heading")
     args = parser.parse_args(argv)
 
     from tokenwire.bench import DEFAULT_PROMPTS
@@ -518,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = (1, 16)
     requests = dict(zip(concurrency, (int(x) for x in args.requests.split(",")), strict=True))
     notes: list[str] = []
+    if set(LLAMACPP) & set(systems) and not Path(args.llamacpp_python).exists():
+        systems = [s for s in systems if s not in LLAMACPP]
+        notes.append(f"llama.cpp left out: {args.llamacpp_python} is missing (`make setup-llamacpp` builds it, ~15 min)")
     rows: list[Measure] = []
     print(f"starting {', '.join(s for s in systems if s != 'generate')} ...", file=sys.stderr, flush=True)
     with started(systems, args, notes) as servers:
@@ -530,8 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                     cpu_before = tree_cpu_seconds(pid)
                     if system == "generate":
                         m = measure_generate(args.model, c, r, requests[c], args.max_new_tokens, prompts)
-                    elif system == "vllm-openai":
-                        m = measure_openai(server.port, c, r, requests[c], args.max_new_tokens, prompts)
+                    elif system in OPENAI_SYSTEMS:
+                        m = measure_openai(server.port, c, r, requests[c], args.max_new_tokens, prompts, system)
                     else:
                         m = measure_grpc(
                             server.target, system, c, r, requests[c], args.max_new_tokens, prompts
@@ -563,6 +632,13 @@ def main(argv: list[str] | None = None) -> int:
         + ", its default CPU binding (`VLLM_CPU_OMP_THREADS_BIND=auto`: on 2 cores the worker computes with 1 thread, the other core is left to the engine loop and front end)",
         "vLLM KV cache": f"{args.kv_cache_tokens} tokens, both vLLM servers; `--max-num-seqs 16`",
     }
+    if not {"tokenwire-vllm", "vllm-openai"} & set(systems):
+        setup = {k: v for k, v in setup.items() if not k.startswith("vLLM")}
+    if set(LLAMACPP) & set(systems):
+        setup["llama.cpp"] = (
+            "llama-cpp-python's server, one stream at a time (it does not batch), all cores; "
+            "no ignore_eos: the end tokens are forbidden by logit_bias"
+        )
     command = "python -m benchmarks.peers " + " ".join(argv if argv is not None else sys.argv[1:])
     meta = {
         "command": command.strip(),
@@ -574,9 +650,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "setup": setup,
         "notes": notes,
+        "title": args.title,
     }
     text = render(rows, meta)
-    replace_section(Path(args.out), SECTION, text)
+    replace_section(Path(args.out), args.section, text)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(m) for m in rows], indent=2))
     print(text)

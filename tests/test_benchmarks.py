@@ -34,11 +34,16 @@ def _sse(record: dict[str, object]) -> bytes:
     return b"data: " + json.dumps(record).encode() + b"\n\n"
 
 
-def test_the_openai_client_reads_chunked_sse_as_vllm_streams_it() -> None:
+@pytest.mark.parametrize("usage", [True, False], ids=["vllm-with-usage", "llamacpp-without-usage"])
+def test_the_openai_client_reads_chunked_sse_as_vllm_streams_it(usage: bool) -> None:
+    """vLLM ends with a usage event; llama-cpp-python's server sends none, and then each
+    token event counts one token."""
     deltas = ["Hel", "", "lo", " there"]  # "" : a token whose text the detokenizer held back
     events = [_sse({"choices": [{"delta": {"role": "assistant", "content": ""}}]})]
     events += [_sse({"choices": [{"delta": {"content": d}}]}) for d in deltas]
-    events += [_sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}), b"data: [DONE]\n\n"]
+    if usage:
+        events.append(_sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}))
+    events.append(b"data: [DONE]\n\n")
     seen: dict[str, object] = {}
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -65,7 +70,7 @@ def test_the_openai_client_reads_chunked_sse_as_vllm_streams_it() -> None:
     assert seen["body"] == {"stream": True, "max_tokens": 4}
     assert ttft is not None and ttft > 0  # at the first event with text, not the role-only one
     assert len(gaps) == 3 and all(g > 0 for g in gaps)  # 4 token events after the first text
-    assert (completion, prompt) == (4, 7)
+    assert (completion, prompt) == ((4, 7) if usage else (4, 0))
 
 
 def _row(system: str, c: int, repeat: int, tps: float) -> Measure:

@@ -251,6 +251,8 @@ class ModelInfo:
     max_message_bytes: int | None = None
     # Most tokens (prompt + completion) one request may hold here: the context or the KV budget.
     max_request_tokens: int | None = None
+    # Weight quantization in force: "none", "int8", "int4", "fp8", or the checkpoint's own (e.g. "gptq").
+    quantization: str = "none"
 
     @classmethod
     def from_proto(cls, info: pb.ModelInfo) -> ModelInfo:
@@ -288,6 +290,7 @@ class ModelInfo:
             max_top_logprobs=published.max_top_logprobs if published else None,
             max_message_bytes=published.max_message_bytes if published else None,
             max_request_tokens=published.max_request_tokens if published else None,
+            quantization=info.quantization or "none",
         )
 
     def to_dict(self) -> dict[str, Any]:

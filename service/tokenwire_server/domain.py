@@ -94,6 +94,7 @@ class ModelDescription:
     max_active: int
     max_queue: int
     notes: tuple[str, ...] = ()
+    quantization: str = "none"
 
     @property
     def context_length(self) -> int:

@@ -21,6 +21,14 @@ from typing import Any
 import torch
 
 from .domain import SamplingOptions
+from .quantize import (
+    QuantizationError,
+    offered,
+    prequantized_method,
+    prequantized_refusal,
+    quality_verdict,
+    quantize_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +56,9 @@ class LoadedModel:
     bos_token_id: int | None
     pad_token_id: int
     default_sampling: SamplingOptions = SamplingOptions(temperature=0.0)
+    # Weight quantization in force: "none", a --quantization mode, or the checkpoint's own
+    # (e.g. "gptq") when it came quantized.
+    quantization: str = "none"
 
     @property
     def dtype_name(self) -> str:
@@ -85,7 +96,7 @@ def resolve_device(device: str) -> str:
 
 def auto_dtype(device: str, capability: tuple[int, int] | None) -> torch.dtype:
     """``--dtype auto``: bf16 only where the GPU computes it natively (compute capability 8.0,
-    Ampere, and up), fp16 on older GPUs, float32 on a CPU.
+    Ampere, and up), fp16 on older GPUs, float32 on a CPU (``cpu_precision`` says why).
 
     ``torch.cuda.is_bf16_supported()`` is not the test: it also says yes where bf16 is
     only emulated (Turing, Volta), which is slower than fp16 there.
@@ -95,8 +106,42 @@ def auto_dtype(device: str, capability: tuple[int, int] | None) -> torch.dtype:
     return torch.bfloat16 if capability >= (8, 0) else torch.float16
 
 
+def cpu_instruction_sets(capabilities: dict[str, Any] | None = None) -> list[str]:
+    """The instruction sets that decide a CPU's fast precision, as torch sees them (for logs
+    and for every benchmark figure)."""
+    caps = capabilities if capabilities is not None else torch.cpu.get_capabilities()
+    names = ("avx2", "fma3", "avx512_f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
+    return [name for name in names if caps.get(name)]
+
+
+def cpu_precision(capabilities: dict[str, Any] | None = None) -> tuple[torch.dtype, str]:
+    """``--dtype auto`` on a CPU: the dtype and why, from what this host computes natively.
+
+    float32 on every host kind measured so far. bf16 needs AMX or AVX512-BF16 to be computed
+    natively; elsewhere oneDNN emulates it (measured 1.8x slower than float32 at 16 rows on an
+    AVX-512 host without them). Where a host has them, bf16 stays an explicit choice until it is
+    measured faster there: on an AMX host with stock torch ops it was not (#22), and it keeps
+    only 11 of 16 greedy answers of the default model identical over 32 tokens
+    (``make bench-quality``).
+    """
+    isa = cpu_instruction_sets(capabilities)
+    native_bf16 = [name for name in ("amx_bf16", "avx512_bf16") if name in isa]
+    if native_bf16:
+        why = (
+            f"float32: this CPU computes bf16 natively ({', '.join(native_bf16)}), but bf16 is not measured faster "
+            f"on such a host yet; --dtype bfloat16 takes it"
+        )
+    else:
+        why = f"float32: this CPU has no native bf16 ({', '.join(isa) or 'no AVX2'}), so oneDNN would emulate it, slower than float32"
+    return torch.float32, why
+
+
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
+        if device == "cpu":
+            chosen, why = cpu_precision()
+            log.info("dtype auto", extra={"dtype": str(chosen).removeprefix("torch."), "why": why})
+            return chosen
         capability = torch.cuda.get_device_capability() if device == "cuda" else None
         return auto_dtype(device, capability)
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -296,13 +341,60 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load_model(model: str, *, device: str = "auto", dtype: str = "auto", cache_dir: str = "") -> LoadedModel:
+def checkpoint_quantization(folder: Path, gguf_file: str | None, device: str, quantization: str) -> str | None:
+    """The checkpoint's own quantization method (None: full precision), refused where it
+    cannot load: on a CPU, or with ``--quantization`` on top of it."""
+    if gguf_file:  # transformers dequantizes GGUF as it loads
+        return None
+    try:
+        import json
+
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {exc}") from exc
+    method = prequantized_method(config)
+    if method is None:
+        return None
+    refusal = prequantized_refusal(method, device)
+    if refusal:
+        raise ModelLoadError(f"--model {folder}: {refusal}")
+    if quantization != "none":
+        raise ModelLoadError(f"--model {folder} is already quantized ({method}); leave --quantization at none")
+    return method
+
+
+def quality_gate(quantization: str, device: str, allow_unmet: bool) -> None:
+    """A mode whose measured quality (``make bench-quality``) misses the bar on this device kind
+    is refused, unless the operator accepts it (``--allow-unmet-quality-bar``), with a warning."""
+    if quantization == "none":
+        return
+    meets, figures = quality_verdict(quantization, device)
+    if meets is False and not allow_unmet:
+        raise ModelLoadError(
+            f"--quantization {quantization} misses the quality bar on {device}: {figures} (docs/benchmarks.md, "
+            f"'Quality'). Serve it anyway with --allow-unmet-quality-bar"
+        )
+    if meets is not True:
+        log.warning("quantization below or without a measured quality bar", extra={"quantization": quantization, "figures": figures})
+    else:
+        log.info("quantization quality", extra={"quantization": quantization, "figures": figures})
+
+
+def load_model(
+    model: str, *, device: str = "auto", dtype: str = "auto", cache_dir: str = "", quantization: str = "none", allow_unmet_quality_bar: bool = True
+) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
 
     folder, gguf_file, name = resolve_model_path(model, cache_dir)
     device_name = resolve_device(device)
+    capability = torch.cuda.get_device_capability() if device_name == "cuda" else None
+    refusal = offered(quantization, torch.device(device_name), capability)
+    if refusal:
+        raise ModelLoadError(f"--quantization {quantization}: {refusal}")
+    checkpoint_method = checkpoint_quantization(folder, gguf_file, device_name, quantization)
+    quality_gate(quantization, device_name, allow_unmet_quality_bar)
     torch_dtype = resolve_dtype(dtype, device_name)
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
     if gguf_file:
@@ -324,9 +416,16 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", cache_d
     if "device_map" not in kwargs:
         lm.to(device_name)
     lm.eval()
+    vocab_size_loaded = int(lm.get_output_embeddings().weight.shape[0]) if lm.get_output_embeddings() is not None else None
+    if quantization != "none":
+        try:
+            report = quantize_model(lm, quantization, torch.device(device_name), capability)
+        except (QuantizationError, ImportError, RuntimeError) as exc:
+            raise ModelLoadError(f"--quantization {quantization}: {exc}") from exc
+        log.info("weights quantized", extra=report)
 
     config = lm.config
-    vocab_size = int(lm.get_output_embeddings().weight.shape[0]) if lm.get_output_embeddings() is not None else config.vocab_size
+    vocab_size = vocab_size_loaded if vocab_size_loaded is not None else int(config.vocab_size)
     if len(tokenizer) > vocab_size:
         raise ModelLoadError(
             f"tokenizer and model do not match: the tokenizer has {len(tokenizer)} tokens, "
@@ -359,6 +458,7 @@ def load_model(model: str, *, device: str = "auto", dtype: str = "auto", cache_d
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=int(pad),
         default_sampling=default_sampling(lm.generation_config),
+        quantization=checkpoint_method or quantization,
     )
 
 

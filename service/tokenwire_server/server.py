@@ -194,7 +194,9 @@ class TokenwireServer:
                 "omp_spin_count": os.environ.get("GOMP_SPINCOUNT", "openmp-default"),
             },
         )
-        loaded = load_model(config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir)
+        loaded = load_model(config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir, quantization=config.quantization,
+            allow_unmet_quality_bar=config.allow_unmet_quality_bar,
+        )
         kv_tokens = config.effective_kv_cache_tokens(loaded.context_length)
         free = free_device_memory(loaded)
         if free is not None:
@@ -246,6 +248,11 @@ class TokenwireServer:
         folder, gguf_file, name = resolve_model_path(config.model, config.cache_dir)
         if gguf_file:
             raise ModelLoadError("--engine vllm needs a model folder (safetensors), not a .gguf file")
+        if config.quantization != "none":
+            raise ModelLoadError(
+                f"--quantization {config.quantization} applies to the batched and simple engines; vLLM serves a "
+                "checkpoint that is already quantized (GPTQ, AWQ, fp8) as it is"
+            )
         kv_bytes = 0
         on_cpu = config.device == "cpu" or not _cuda_available()
         if on_cpu:

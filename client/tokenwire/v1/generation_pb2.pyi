@@ -815,6 +815,7 @@ class ModelInfo(_message.Message):
     NOTES_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
     DEFAULT_SAMPLING_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name or path of the model."""
     context_length: _builtins.int
@@ -839,6 +840,11 @@ class ModelInfo(_message.Message):
     """Most streams decoded at once."""
     max_queued_requests: _builtins.int
     """Most requests waiting for a free slot; past active + queued, RESOURCE_EXHAUSTED."""
+    quantization: _builtins.str
+    """Weight quantization in force: "none", "int8", "int4" or "fp8" (the server's
+    --quantization), or the checkpoint's own method (e.g. "gptq", "awq") when it
+    came quantized.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids."""
@@ -876,10 +882,11 @@ class ModelInfo(_message.Message):
         notes: _abc.Iterable[_builtins.str] | None = ...,
         limits: Global___RequestLimits | None = ...,
         default_sampling: Global___SamplingParams | None = ...,
+        quantization: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "default_sampling", b"default_sampling", "limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "default_sampling", b"default_sampling", "device", b"device", "dtype", b"dtype", "engine", b"engine", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "max_active_streams", b"max_active_streams", "max_new_tokens_limit", b"max_new_tokens_limit", "max_queued_requests", b"max_queued_requests", "name", b"name", "notes", b"notes", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "default_sampling", b"default_sampling", "device", b"device", "dtype", b"dtype", "engine", b"engine", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "max_active_streams", b"max_active_streams", "max_new_tokens_limit", b"max_new_tokens_limit", "max_queued_requests", b"max_queued_requests", "name", b"name", "notes", b"notes", "quantization", b"quantization", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bos_token_id: _TypeAlias = _typing.Literal["bos_token_id"]  # noqa: Y015
     _WhichOneofArgType__bos_token_id: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id"]  # noqa: Y015

@@ -54,6 +54,7 @@ class LocalBackend:
             limits=self._limits,
             max_active=engine.limits.max_active,
             max_queue=engine.limits.max_queue,
+            quantization=loaded.quantization,
         )
 
     async def encode(self, prompt: Prompt, *, offsets: bool = False, tokens: bool = False) -> Encoding:

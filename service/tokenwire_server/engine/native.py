@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import mmap
 import sys
 from typing import Any
@@ -44,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model import attention_shape
+from ..quantize import Int8Linear
 from . import kernels
 from .kv import PagedCache, places
 from .ops import (
@@ -56,6 +58,8 @@ from .ops import (
     chunk_attention,
     chunk_plan,
 )
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = frozenset({"llama"})
 # The work around the GEMMs (decode attention, RMSNorm, RoPE, SiLU*up): ``auto``: the
@@ -83,6 +87,10 @@ def unsupported_reason(model: Any) -> str | None:
         attention = layer.self_attn
         if type(attention).__name__ != "LlamaAttention" or type(layer.mlp).__name__ != "LlamaMLP":
             return f"layer type {type(attention).__name__}/{type(layer.mlp).__name__}"
+    for module in (*inner.layers[0].self_attn.children(), *inner.layers[0].mlp.children()):
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and type(weight) not in (torch.Tensor, torch.nn.Parameter):
+            return f"weights held as {type(weight).__name__} (torchao int4/fp8); the native pass takes full-precision or int8 layers"
     devices = {parameter.device for parameter in model.parameters()}
     if len(devices) != 1:
         return "weights spread over several devices"
@@ -140,6 +148,31 @@ def page_out(tensor: torch.Tensor) -> None:
         pass
 
 
+def _fused_int8(*linears: Int8Linear) -> Int8Linear:
+    """One int8 layer of several (q, k, v; gate, up): their rows, scales and biases one after another."""
+    biases = [linear.bias for linear in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([torch.zeros(linear.out_features, device=linear.qdata.device) if b is None else b for linear, b in zip(linears, biases, strict=True)])
+    # A layer of its own even for one module (sharing its tensors): the model's module may
+    # drop its reference once the pass holds the layer.
+    qdata = torch.cat([linear.qdata for linear in linears]) if len(linears) > 1 else linears[0].qdata
+    scale = torch.cat([linear.scale for linear in linears]) if len(linears) > 1 else linears[0].scale
+    fused = Int8Linear(qdata, scale.float(), bias, linears[0].kernel)
+    fused.scale = scale  # already in the kernel's dtype: no second rounding
+    return fused
+
+
+def _layer(packed: bool, batch_hint: int, *modules: Any) -> Linear | Int8Linear:
+    """The pass's layer for one or several fused modules, full-precision or int8."""
+    if all(isinstance(module, Int8Linear) for module in modules):
+        return _fused_int8(*modules)
+    if any(isinstance(module, Int8Linear) for module in modules):
+        raise ValueError("cannot fuse int8 with full-precision layers")
+    weight, bias = _fused(*modules) if len(modules) > 1 else (modules[0].weight, modules[0].bias)
+    return Linear(weight, bias, packed, batch_hint)
+
+
 def _fused(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)
     biases = [linear.bias for linear in linears]
@@ -152,11 +185,11 @@ def _fused(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 @dataclasses.dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: Linear
-    out: Linear
+    qkv: Linear | Int8Linear
+    out: Linear | Int8Linear
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | Int8Linear
+    down: Linear | Int8Linear
 
 
 class NativeForward:
@@ -177,7 +210,8 @@ class NativeForward:
         self.packed = packed
         release = release_weights
         head = model.get_output_embeddings()
-        tied = head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
+        self.quantized = any(isinstance(module, Int8Linear) for module in model.modules())
+        tied = not isinstance(head, Int8Linear) and head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
         if release and self.device.type == "cpu":
             # Everything but the linear layers (the embedding table, the norms) moves to
             # memory of its own: the loaded weights may be pages of the mmapped checkpoint,
@@ -194,22 +228,19 @@ class NativeForward:
         embed = inner.embed_tokens.weight
         # The lm head is packed before any plain weight is dropped (it may be the
         # embedding table itself, which stays plain for the lookup).
-        self.lm_head = Linear(head.weight, getattr(head, "bias", None), packed, batch_hint)
+        self.lm_head = _layer(packed, batch_hint, head)
         for layer in inner.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            qkv_weight, qkv_bias = _fused(attention.q_proj, attention.k_proj, attention.v_proj)
-            gu_weight, gu_bias = _fused(mlp.gate_proj, mlp.up_proj)
             self.layers.append(
                 Layer(
                     input_norm=layer.input_layernorm.weight.detach(),
-                    qkv=Linear(qkv_weight, qkv_bias, packed, batch_hint),
-                    out=Linear(attention.o_proj.weight, attention.o_proj.bias, packed, batch_hint),
+                    qkv=_layer(packed, batch_hint, attention.q_proj, attention.k_proj, attention.v_proj),
+                    out=_layer(packed, batch_hint, attention.o_proj),
                     post_norm=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=Linear(gu_weight, gu_bias, packed, batch_hint),
-                    down=Linear(mlp.down_proj.weight, mlp.down_proj.bias, packed, batch_hint),
+                    gate_up=_layer(packed, batch_hint, mlp.gate_proj, mlp.up_proj),
+                    down=_layer(packed, batch_hint, mlp.down_proj),
                 )
             )
-            del qkv_weight, gu_weight
             if release:
                 # The pass's copies (packed, or fused) replace the model's weights, layer by
                 # layer, so the peak memory holds one layer twice at most, never the model.
@@ -217,7 +248,7 @@ class NativeForward:
                 # module's reference frees nothing, and costs nothing either.)
                 for module in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                     self._drop(module, packed)
-        if release and head.weight.data_ptr() != embed.data_ptr():
+        if release and (isinstance(head, Int8Linear) or head.weight.data_ptr() != embed.data_ptr()):
             self._drop(head, packed)
         self.norm = inner.norm.weight.detach()
         self.embed = embed.detach()
@@ -244,6 +275,13 @@ class NativeForward:
             if library is not None and "decode_attention" not in self.ops_fallbacks
             else GroupedAttention(heads, kv_heads, self.scale)
         )
+        if self.quantized and isinstance(self.decode_attention, GroupedAttention):
+            log.warning(
+                "int8 layers with stock torch attention: a sampled row may differ alone and in a batch "
+                "(SDPA over rows padded to the longest sums in another order, and int8's bf16 activations "
+                "round that up); the compiled CPU ops attend row by row and keep rows batch-invariant",
+                extra={"ops": "torch", "why": self.ops_reason or self.ops_fallbacks.get("decode_attention", "")},
+            )
 
     @property
     def compiled(self) -> bool:
@@ -252,6 +290,9 @@ class NativeForward:
 
     def _drop(self, module: Any, packed: bool) -> None:
         """Replace a module's weight by an empty one; a packed copy's source pages go back at once."""
+        if isinstance(module, Int8Linear):
+            module.qdata = torch.empty(0, 0, dtype=torch.int8, device=self.device)
+            return
         if packed:
             page_out(module.weight)
         module.weight = torch.nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device), requires_grad=False)

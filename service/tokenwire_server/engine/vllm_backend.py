@@ -197,6 +197,7 @@ class VllmBackend:
             limits=request_limits_for(self._context, self._vocab),
             max_active=settings.max_active,
             max_queue=settings.max_queue,
+            quantization=str(getattr(model_config, "quantization", None) or "none"),
             notes=(
                 "vllm: a request's tokens may differ alone and in a batch (vLLM does not promise batch invariance)",
                 "vllm: usage.queue_time_ms ends when the request is handed to vLLM; vLLM's own queue counts in the time to first token",

@@ -258,6 +258,7 @@ def model_info(description: ModelDescription) -> pb.ModelInfo:
         max_active_streams=description.max_active,
         max_queued_requests=description.max_queue,
         notes=list(description.notes),
+        quantization=description.quantization,
         limits=pb.RequestLimits(
             max_new_tokens_limit=limits.max_new_tokens_limit,
             default_max_new_tokens=limits.default_max_new_tokens,

@@ -1,0 +1,299 @@
+"""Weight quantization (``--quantization``, ``service/tokenwire_server/quantize.py``).
+
+- What is offered where: int8 on any device; int4 and fp8 on CUDA only (fp8 from compute
+  capability 8.9), each refusal saying why and what to use; a checkpoint that came
+  quantized is refused on a CPU by name, with exit status 2, before any weight is read.
+- An int8 layer: torchao's per-channel scales, close to the full-precision layer, both
+  kernels (PyTorch's CPU weight-pack kernel and the dequantizing one every device runs)
+  agree, and a row computes the same alone and beside other rows.
+- On the tiny model: int8 replaces the linear weights (memory), the native pass runs the
+  int8 layers with its fused q/k/v and gate/up and matches transformers' forward over the
+  same layers, and a server says ``quantization: int8`` in ModelInfo.
+- ``--dtype auto`` on a CPU: float32, and the reason names the host's instruction sets.
+- (e2e) The default model answers the Paris question identically in none and int8.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from engine_support import fresh_cache, run_all, slot_segment
+from tokenwire_server.domain import FinishEvent, GenerationRequest, SamplingOptions
+from tokenwire_server.engine import create_engine
+from tokenwire_server.engine.base import EngineLimits
+from tokenwire_server.engine.native import NativeForward, unsupported_reason
+from tokenwire_server.model import ModelLoadError, cpu_precision, load_model
+from tokenwire_server.quantize import (
+    Int8Linear,
+    QuantizationError,
+    offered,
+    prequantized_method,
+    quantize_int8,
+    quantize_model,
+    weight_bytes,
+)
+
+pytestmark = pytest.mark.timeout(300)
+CPU = torch.device("cpu")
+
+
+def test_int8_is_offered_everywhere_int4_and_fp8_on_cuda_only_each_refusal_saying_why() -> None:
+    assert offered("none", CPU) is None and offered("int8", CPU) is None
+    assert "int8" in (offered("int4", CPU) or "") and "CPU" in (offered("int4", CPU) or "")
+    assert "CUDA" in (offered("fp8", CPU) or "")
+    cuda = torch.device("cuda")
+    assert offered("int4", cuda, (8, 0)) is None
+    assert offered("fp8", cuda, (9, 0)) is None and offered("fp8", cuda, (8, 9)) is None
+    assert "8.9" in (offered("fp8", cuda, (8, 0)) or "")
+    assert "unknown" in (offered("int3", CPU) or "")
+    with pytest.raises(QuantizationError, match="--quantization int4"):
+        quantize_model(torch.nn.Linear(4, 4), "int4", CPU)
+
+
+@pytest.mark.parametrize(("mode", "config_name"), [("int4", "Int4WeightOnlyConfig"), ("fp8", "Float8WeightOnlyConfig")])
+def test_int4_and_fp8_on_cuda_hand_the_model_to_torchaos_weight_only_configs(mode: str, config_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here: torchao's quantize_ is replaced by a recorder, to check the wiring (the
+    config, its group size and packing: PyTorch's own tinygemm kernel for int4)."""
+    import torchao.quantization as ao
+
+    seen: list[object] = []
+    monkeypatch.setattr(ao, "quantize_", lambda model, config: seen.append(config))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    report = quantize_model(model, mode, torch.device("cuda"), (9, 0))
+    (config,) = seen
+    assert type(config).__name__ == config_name and report["kernel"] == "torchao" and report["linear_layers"] == 2
+    if mode == "int4":
+        assert config.group_size == 128 and config.int4_packing_format == "tile_packed_to_4d"  # type: ignore[attr-defined]
+
+
+def test_weight_bytes_counts_what_torchaos_tensors_hold() -> None:
+    """int4/fp8 on CUDA leave torchao tensor subclasses in the model; the start-up log's
+    before/after bytes count their inner tensors (here torchao's int8 tensor, on a CPU)."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from torchao.quantization import quantize_ as ao_quantize
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False))
+    assert weight_bytes(model) == 256 * 128 * 4
+    ao_quantize(model, Int8WeightOnlyConfig(set_inductor_config=False))
+    assert type(model[0].weight).__name__ == "Int8Tensor"
+    assert 256 * 128 <= weight_bytes(model) <= 256 * 128 + 128 * 8 + 64
+
+
+def test_an_int8_layer_is_close_to_its_full_precision_layer_and_both_kernels_agree() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96, bias=True)
+    qdata, scale = quantize_int8(linear.weight)
+    assert qdata.dtype == torch.int8 and qdata.shape == (96, 256) and scale.shape == (96,)
+    # Symmetric per channel (torchao: scale = largest |w| / 127.5): every row's largest
+    # weight lands at the end of the int8 range.
+    assert int(qdata.abs().amax(dim=1).min()) >= 126
+    dequantized = qdata.float() * scale[:, None]
+    assert (dequantized - linear.weight).abs().max() <= scale.max() / 2 + 1e-6
+    x = torch.randn(5, 256)
+    want = linear(x)
+    for kernel in ("int8pack", "dequant"):
+        layer = Int8Linear.from_linear(linear, kernel)
+        got = layer(x)
+        assert got.dtype == torch.float32 and got.shape == (5, 96)
+        # bf16 activations (int8pack) round at ~3 significant digits: a few parts in a thousand.
+        assert (got - want).abs().max() / want.abs().max() < 0.02, kernel
+    three_d = Int8Linear.from_linear(linear, "dequant")(x.view(5, 1, 256))
+    assert three_d.shape == (5, 1, 96)
+
+
+@pytest.mark.parametrize("kernel", ["int8pack", "dequant"])
+def test_an_int8_row_computes_the_same_alone_and_beside_other_rows(kernel: str) -> None:
+    """PyTorch's CPU kernel computes each row on its own: bit for bit. The dequantizing
+    kernel is a float GEMM, whose blocking (and so its rounding) may follow the row count,
+    as F.linear's does: equal to float32 rounding."""
+    torch.manual_seed(1)
+    layer = Int8Linear.from_linear(torch.nn.Linear(576, 960, bias=False), kernel)
+    x = torch.randn(16, 576)
+    together = layer(x)
+    for row in range(16):
+        alone = layer(x[row : row + 1])[0]
+        if kernel == "int8pack":
+            assert torch.equal(alone, together[row]), row
+        else:
+            assert (alone - together[row]).abs().max() < 1e-5, row
+
+
+def _tiny_int8(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
+    return load_model(str(tiny_model_dir), device="cpu", dtype="float32", quantization="int8")
+
+
+def test_int8_replaces_every_linear_weight_and_says_so(tiny_model_dir: Path) -> None:
+    full = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    quantized = _tiny_int8(tiny_model_dir)
+    assert quantized.quantization == "int8" and full.quantization == "none"
+    linears = [m for m in quantized.model.modules() if isinstance(m, torch.nn.Linear)]
+    int8 = [m for m in quantized.model.modules() if isinstance(m, Int8Linear)]
+    assert linears == [] and len(int8) == 7 * quantized.model.config.num_hidden_layers + 1
+    full_linear = sum(m.weight.numel() * 4 for m in full.model.modules() if isinstance(m, torch.nn.Linear))
+    # Each linear weight: 1 byte instead of 4, plus its scales; the embedding stays as it was.
+    assert weight_bytes(full.model) - weight_bytes(quantized.model) > 0.7 * full_linear - full.model.get_input_embeddings().weight.numel() * 4
+
+
+@pytest.mark.parametrize("kernel", ["dequant", "int8pack"])
+def test_the_native_pass_runs_int8_layers_fused_and_matches_transformers_forward_on_them(tiny_model_dir: Path, kernel: str) -> None:
+    """The same int8 layers both ways. With float activations (``dequant``) only the order of
+    float additions differs: within 1e-3, as for float32. With bf16 activations (``int8pack``)
+    a last-bit difference upstream can round a bf16 input the other way: within a few parts
+    in a hundred of the logits' scale, and the same next token nearly everywhere."""
+    loaded = _tiny_int8(tiny_model_dir)
+    model = loaded.model
+    for module in model.modules():
+        if isinstance(module, Int8Linear) and module.kernel != kernel:
+            module.kernel, module.scale = kernel, module.scale.float() if kernel == "dequant" else module.scale.to(torch.bfloat16)
+    assert unsupported_reason(model) is None
+    native = NativeForward(model, fresh_cache(model), batch_hint=4)
+    assert native.quantized
+    assert isinstance(native.layers[0].qkv, Int8Linear) and isinstance(native.lm_head, Int8Linear)
+    assert native.layers[0].qkv.kernel == kernel
+    heads, kv, dim = native.heads, native.kv_heads, native.head_dim
+    assert native.layers[0].qkv.out_features == (heads + 2 * kv) * dim
+    ids = torch.randint(10, loaded.vocab_size, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        want = model(input_ids=torch.tensor([ids])).logits[0].float()
+    got = native(torch.tensor(ids), torch.arange(21), [slot_segment(0, 0, 21)], list(range(21)))
+    if kernel == "dequant":
+        assert (got - want).abs().max().item() < 1e-3
+    else:
+        assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("engine", ["batched", "simple"])
+def test_a_server_with_int8_serves_and_says_so_in_model_info(tiny_model_dir: Path, engine: str) -> None:
+    from servers import ServerProcess
+    from tokenwire import Client
+
+    args = ["--model", str(tiny_model_dir), "--engine", engine, "--quantization", "int8", "--allow-unmet-quality-bar"]
+    with ServerProcess(args) as server, Client(server.target) as client:
+        info = client.model_info()
+        assert (info.quantization, info.engine) == ("int8", engine)
+        last = list(client.generate("Hello", max_new_tokens=6, ignore_eos=True))[-1]
+        assert last.usage is not None and last.usage.completion_tokens == 6
+
+
+def _prequantized_folder(tmp_path: Path, tiny_model_dir: Path, method: str) -> Path:
+    folder = tmp_path / f"{method}-model"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_folder_converted_from_gguf_is_full_precision_not_prequantized(default_model_dir: Path) -> None:
+    """The default model's folder keeps transformers' GGUF marker over float32 safetensors."""
+    config = json.loads((default_model_dir / "config.json").read_text())
+    assert prequantized_method(config) is None
+    assert prequantized_method({"quantization_config": {"quant_method": "gguf"}}) is None
+    assert prequantized_method({"quantization_config": {"quant_method": "awq"}}) == "awq"
+    assert prequantized_method({}) is None
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes"])
+def test_a_prequantized_checkpoint_on_a_cpu_is_refused_by_name(tmp_path: Path, tiny_model_dir: Path, method: str) -> None:
+    folder = _prequantized_folder(tmp_path, tiny_model_dir, method)
+    assert prequantized_method(json.loads((folder / "config.json").read_text())) == method
+    with pytest.raises(ModelLoadError, match=rf"already quantized \({method}\).*CUDA.*--quantization int8"):
+        load_model(str(folder), device="cpu")
+
+
+def test_a_prequantized_checkpoint_stops_the_server_with_status_2_and_the_reason(tmp_path: Path, tiny_model_dir: Path) -> None:
+    folder = _prequantized_folder(tmp_path, tiny_model_dir, "gptq")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenwire_server", "--model", str(folder), "--device", "cpu", "--port", "0", "--no-warmup"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "already quantized (gptq)" in proc.stderr and "--quantization int8" in proc.stderr
+
+
+def test_int4_on_a_cpu_stops_the_server_with_status_2_before_loading(tiny_model_dir: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenwire_server", "--model", str(tiny_model_dir), "--quantization", "int4", "--port", "0", "--device", "cpu"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--quantization int4: int4 is not offered on a CPU" in proc.stderr
+
+
+def _quality_table(path: Path, meets: bool) -> Path:
+    entry = {"kl": 0.005, "kl_max": 0.01, "identical": 15 if meets else 5, "of": 16, "parted_median": 32, "meets_bar": meets, "host": "test", "measured": "now"}
+    path.write_text(json.dumps({"bar": {"kl": 0.02, "identical": 14, "of": 16, "greedy_tokens": 32}, "modes": {"int8": {"cpu": entry}}}))
+    return path
+
+
+def test_the_quality_gate_refuses_a_mode_measured_below_the_bar_unless_the_operator_accepts_it(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tokenwire_server.quantize as quantize
+
+    assert quantize.quality_verdict("int8", "cuda", _quality_table(tmp_path / "q.json", False))[0] is None
+    assert quantize.quality_verdict("int8", "cpu", tmp_path / "missing.json")[0] is None
+    meets, figures = quantize.quality_verdict("int8", "cpu", tmp_path / "q.json")
+    assert meets is False and "5/16" in figures and "KL 0.0050" in figures
+    monkeypatch.setattr(quantize, "QUALITY_FILE", tmp_path / "q.json")
+    with pytest.raises(ModelLoadError, match=r"misses the quality bar on cpu.*5/16.*--allow-unmet-quality-bar"):
+        load_model(str(tiny_model_dir), device="cpu", quantization="int8", allow_unmet_quality_bar=False)
+    assert load_model(str(tiny_model_dir), device="cpu", quantization="int8", allow_unmet_quality_bar=True).quantization == "int8"
+    _quality_table(tmp_path / "q.json", True)
+    assert load_model(str(tiny_model_dir), device="cpu", quantization="int8", allow_unmet_quality_bar=False).quantization == "int8"
+
+
+def test_the_server_applies_the_measured_verdict_that_ships_with_it(tiny_model_dir: Path) -> None:
+    """quality.json is what make bench-quality measured on the default model: a server asked
+    for int8 on a CPU starts or refuses by it, and says why when it refuses."""
+    from tokenwire_server.quantize import quality_verdict
+
+    meets, figures = quality_verdict("int8", "cpu")
+    assert meets is not None, figures  # the repository ships a CPU measurement of int8
+    args = ["--model", str(tiny_model_dir), "--quantization", "int8", "--device", "cpu"]
+    if meets:
+        from servers import ServerProcess
+        from tokenwire import Client
+
+        with ServerProcess(args) as server, Client(server.target) as client:
+            assert client.model_info().quantization == "int8"
+        return
+    proc = subprocess.run([sys.executable, "-m", "tokenwire_server", *args, "--port", "0"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "misses the quality bar on cpu" in proc.stderr and "--allow-unmet-quality-bar" in proc.stderr
+
+
+def test_dtype_auto_on_a_cpu_is_float32_and_names_the_instruction_sets_why() -> None:
+    dtype, why = cpu_precision({"avx2": True, "fma3": True})
+    assert dtype == torch.float32 and "no native bf16" in why and "avx2" in why
+    dtype, why = cpu_precision({"avx2": True, "avx512_f": True, "amx_tile": True, "amx_bf16": True})
+    assert dtype == torch.float32 and "amx_bf16" in why and "--dtype bfloat16" in why
+    dtype, why = cpu_precision()  # this host, whatever it is
+    assert dtype == torch.float32 and why
+
+
+@pytest.mark.e2e
+def test_the_default_model_answers_the_paris_question_the_same_in_none_and_int8(default_model_dir: Path) -> None:
+    """Through the batched engine (its native pass), greedy, to the end of the answer."""
+    answers = []
+    for mode in ("none", "int8"):
+        loaded = load_model(str(default_model_dir), device="cpu", dtype="float32", quantization=mode)
+        tok = loaded.tokenizer
+        ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        engine = create_engine("batched", loaded, EngineLimits(4, 4, 4 * 2048), workers=1)
+        engine.start()
+        try:
+            (got,) = run_all(engine, [GenerationRequest(f"paris-{mode}", list(ids), SamplingOptions(temperature=0.0), 40)])
+        finally:
+            engine.close()
+        assert isinstance(got.last, FinishEvent)
+        answers.append(got.text)
+    assert "Paris" in answers[0]
+    assert answers[1] == answers[0]
