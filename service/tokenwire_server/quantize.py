@@ -36,9 +36,12 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
-# torchao (transformers imports it too, when installed) warns of the CUDA-only extensions
-# it skips on a CPU host: nothing an operator can act on.
+# transformers imports torchao whenever it is installed (its torchao quantizer), even for a
+# model that is not quantized. torchao then warns of the CUDA-only extensions it skips on a
+# CPU host, and torch's pytree of an enum torchao registers, in torch's own log format (not
+# the server's JSON lines): nothing an operator can act on.
 logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "fp8")
 # Pre-quantized checkpoints transformers loads natively on CUDA (config.json's
