@@ -389,7 +389,8 @@ def load_model(
 
     folder, gguf_file, name = resolve_model_path(model, cache_dir)
     device_name = resolve_device(device)
-    capability = torch.cuda.get_device_capability() if device_name == "cuda" else None
+    # The GPU's compute capability matters only to a quantization mode (fp8 needs 8.9).
+    capability = torch.cuda.get_device_capability() if device_name == "cuda" and quantization != "none" else None
     refusal = offered(quantization, torch.device(device_name), capability)
     if refusal:
         raise ModelLoadError(f"--quantization {quantization}: {refusal}")
