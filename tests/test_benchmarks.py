@@ -181,3 +181,13 @@ def test_the_structured_bench_checks_answers_and_holds_each_twin_to_its_answers_
     assert not structured.follows("order", '{"order_id":"AB-1","status":"pending","express":true,"items":[]}')
     assert structured.follows("regex", "Paris, France 1990") and not structured.follows("regex", "paris")
     assert structured.follows("choice", "neutral") and not structured.follows("choice", "Neutral")
+
+
+def test_the_quality_bench_holds_both_halves_of_the_bar_and_asks_distinct_prompts() -> None:
+    from benchmarks.quality import BAR, kl_prompts, meets
+
+    assert meets({"kl": BAR["kl"], "identical": BAR["identical"]})
+    assert not meets({"kl": BAR["kl"] * 1.01, "identical": 16})  # KL alone misses
+    assert not meets({"kl": 0.0, "identical": BAR["identical"] - 1})  # greedy alone misses
+    prompts = kl_prompts(64)
+    assert len(prompts) == 64 == len(set(prompts))
