@@ -46,32 +46,41 @@ def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
     return ids
 
 
-def measure(reference: Any, candidate: Any, tokenizer: Any, kl_count: int, kl_tokens: int, greedy_count: int, greedy_tokens: int) -> dict[str, Any]:
+def reference_answers(reference: Any, tokenizer: Any, kl_count: int, kl_tokens: int, greedy_count: int, greedy_tokens: int) -> dict[str, Any]:
+    """float32's own answers, generated once for every mode: ``kl``: (prompt length, prompt and
+    its greedy continuation) per KL prompt; ``greedy``: (prompt ids, greedy answer) per prompt."""
     import torch
     from tokenwire.bench import DEFAULT_PROMPTS
 
+    def greedy(ids: list[int], new: int) -> torch.Tensor:
+        return reference.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+
+    with torch.inference_mode():
+        kl = [(len(ids), greedy(ids, kl_tokens)) for ids in (chat_ids(tokenizer, p) for p in kl_prompts(kl_count))]
+        answers = [(ids, greedy(ids, greedy_tokens)[0, len(ids) :].tolist()) for ids in (chat_ids(tokenizer, p) for p in DEFAULT_PROMPTS[:greedy_count])]
+    return {"kl": kl, "greedy": answers, "greedy_tokens": greedy_tokens}
+
+
+def measure(reference: Any, candidate: Any, answers: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
     kls: list[float] = []
     identical, parted = 0, []
+    new = answers["greedy_tokens"]
     with torch.inference_mode():
-        for prompt in kl_prompts(kl_count):
-            ids = chat_ids(tokenizer, prompt)
-            x = torch.tensor([ids])
-            full = reference.generate(x, max_new_tokens=kl_tokens, min_new_tokens=kl_tokens, do_sample=False)
-            want = torch.log_softmax(reference(full).logits[0, len(ids) - 1 : -1].float(), -1)
-            got = torch.log_softmax(candidate(full).logits[0, len(ids) - 1 : -1].float(), -1)
+        for prompt_length, full in answers["kl"]:
+            want = torch.log_softmax(reference(full).logits[0, prompt_length - 1 : -1].float(), -1)
+            got = torch.log_softmax(candidate(full).logits[0, prompt_length - 1 : -1].float(), -1)
             kls.append(float((want.exp() * (want - got)).sum(-1).mean()))
-        for prompt in DEFAULT_PROMPTS[:greedy_count]:
-            ids = chat_ids(tokenizer, prompt)
-            x = torch.tensor([ids])
-            a = reference.generate(x, max_new_tokens=greedy_tokens, min_new_tokens=greedy_tokens, do_sample=False)[0, len(ids) :].tolist()
-            b = candidate.generate(x, max_new_tokens=greedy_tokens, min_new_tokens=greedy_tokens, do_sample=False)[0, len(ids) :].tolist()
+        for ids, a in answers["greedy"]:
+            b = candidate.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(ids) :].tolist()
             identical += a == b
             parted.append(next((i for i, (u, v) in enumerate(zip(a, b, strict=True)) if u != v), len(a)))
     return {
         "kl": statistics.mean(kls),
         "kl_max": max(kls),
         "identical": identical,
-        "of": greedy_count,
+        "of": len(answers["greedy"]),
         "parted_median": statistics.median(parted),
     }
 
@@ -104,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     reference, tokenizer = loaded.model, loaded.tokenizer
     device = "cpu"
     results: dict[str, dict[str, Any]] = {}
+    answers = reference_answers(reference, tokenizer, args.kl_prompts, args.kl_tokens, args.greedy_prompts, args.greedy_tokens)
     for mode in [m for m in args.modes.split(",") if m]:
         began = time.perf_counter()
         candidate = copy.deepcopy(reference)
@@ -111,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             candidate = candidate.to(torch.bfloat16)
         else:
             quantize_model(candidate, mode, torch.device(device))
-        results[mode] = measure(reference, candidate, tokenizer, args.kl_prompts, args.kl_tokens, args.greedy_prompts, args.greedy_tokens)
+        results[mode] = measure(reference, candidate, answers)
         results[mode]["meets_bar"] = meets(results[mode])
         print(f"  {mode}: {results[mode]} ({time.perf_counter() - began:.0f} s)", file=sys.stderr, flush=True)
         del candidate

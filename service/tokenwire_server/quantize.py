@@ -154,13 +154,18 @@ class Int8Linear(torch.nn.Module):
         super().__init__()
         self.in_features = int(qdata.shape[1])
         self.out_features = int(qdata.shape[0])
-        self.kernel = kernel or ("int8pack" if qdata.device.type == "cpu" else "dequant")
+        self.kernel = kernel or self.default_kernel(qdata.device)
         if self.kernel not in ("int8pack", "dequant"):
             raise ValueError(f"unknown int8 kernel {self.kernel!r}")
         self.register_buffer("qdata", qdata)
         # The CPU kernel takes its scales in the activations' dtype (bf16).
         self.register_buffer("scale", scale.to(torch.bfloat16) if self.kernel == "int8pack" else scale.float())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @staticmethod
+    def default_kernel(device: torch.device) -> str:
+        """PyTorch's int8 kernel on a CPU; the dequantizing GEMM elsewhere."""
+        return "int8pack" if device.type == "cpu" else "dequant"
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, kernel: str | None = None) -> Int8Linear:
@@ -237,7 +242,7 @@ def quantize_model(model: torch.nn.Module, mode: str, device: torch.device, capa
         config = getattr(model, "config", None)
         if config is not None:
             config.tie_word_embeddings = False
-        kernel = "int8pack" if device.type == "cpu" else "dequant"
+        kernel = Int8Linear.default_kernel(device)
     else:  # int4 / fp8 on CUDA: torchao's configs over transformers' forward
         from torchao.quantization import Float8WeightOnlyConfig, Int4WeightOnlyConfig, quantize_
 

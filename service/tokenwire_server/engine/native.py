@@ -149,18 +149,13 @@ def page_out(tensor: torch.Tensor) -> None:
 
 
 def _fused_int8(*linears: Int8Linear) -> Int8Linear:
-    """One int8 layer of several (q, k, v; gate, up): their rows, scales and biases one after another."""
-    biases = [linear.bias for linear in linears]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([torch.zeros(linear.out_features, device=linear.qdata.device) if b is None else b for linear, b in zip(linears, biases, strict=True)])
-    # A layer of its own even for one module (sharing its tensors): the model's module may
-    # drop its reference once the pass holds the layer.
+    """One int8 layer of several (q, k, v; gate, up): their rows, scales and biases one after
+    another. A layer of its own even for one module (sharing its tensors): the model's module
+    may drop its reference once the pass holds the layer."""
     qdata = torch.cat([linear.qdata for linear in linears]) if len(linears) > 1 else linears[0].qdata
     scale = torch.cat([linear.scale for linear in linears]) if len(linears) > 1 else linears[0].scale
-    fused = Int8Linear(qdata, scale.float(), bias, linears[0].kernel)
-    fused.scale = scale  # already in the kernel's dtype: no second rounding
-    return fused
+    bias = _fused_bias([(linear.out_features, linear.bias) for linear in linears], qdata.device, torch.float32)
+    return Int8Linear(qdata, scale, bias, linears[0].kernel)
 
 
 def _layer(packed: bool, batch_hint: int, *modules: Any) -> Linear | Int8Linear:
@@ -173,13 +168,17 @@ def _layer(packed: bool, batch_hint: int, *modules: Any) -> Linear | Int8Linear:
     return Linear(weight, bias, packed, batch_hint)
 
 
+def _fused_bias(parts: list[tuple[int, torch.Tensor | None]], device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """The biases of fused layers, ``(rows, bias)`` each, one after another; zeros for a layer
+    without one; None when none has one."""
+    if all(bias is None for _, bias in parts):
+        return None
+    return torch.cat([torch.zeros(rows, dtype=dtype, device=device) if bias is None else bias.detach().to(dtype) for rows, bias in parts])
+
+
 def _fused(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)
-    biases = [linear.bias for linear in linears]
-    if all(bias is None for bias in biases):
-        return weight, None
-    parts = [torch.zeros(linear.weight.shape[0], dtype=weight.dtype, device=weight.device) if bias is None else bias.detach() for linear, bias in zip(linears, biases, strict=True)]
-    return weight, torch.cat(parts)
+    return weight, _fused_bias([(linear.weight.shape[0], linear.bias) for linear in linears], weight.device, weight.dtype)
 
 
 @dataclasses.dataclass
