@@ -28,7 +28,7 @@ SERVER_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.tokenwire-setup
 
-.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-quality bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-structured soak clean setup-vllm test-vllm setup-llamacpp js-deps test-gpu
+.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-quality bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-structured bench-tenants soak clean setup-vllm test-vllm setup-llamacpp js-deps test-gpu
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -121,6 +121,9 @@ bench-prefix: model ## a shared 1,000-token system prompt: time to first token w
 
 bench-resume: model $(VLLM_STAMP) ## cut streams resumed on a fresh server: exact or not per engine and sampling kind, and what a resume costs; writes its section of docs/benchmarks.md
 	$(PY) -m benchmarks.resume --engines batched,vllm $(RESUME_ARGS)
+
+bench-tenants: model ## two tenants on one server: B's time to first token beside A's backlog of 64 (fair share vs first come, first served), and weights 3:1 at saturation, 3 repeats; writes its section of docs/benchmarks.md
+	$(PY) -m benchmarks.tenants $(TENANTS_ARGS)
 
 bench-structured: model ## constrained answers (4 JSON schemas, regex, choice) at c=16: how many are valid, and tokens/s against unconstrained twins; writes its section of docs/benchmarks.md
 	$(PY) -m benchmarks.structured $(STRUCTURED_ARGS)

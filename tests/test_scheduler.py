@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from tokenwire_server.config import ServerConfig
-from tokenwire_server.domain import ErrorKind
+from tokenwire_server.domain import DEFAULT_TENANT, ErrorKind, Priority
 from tokenwire_server.engine.base import AdmissionQueue, EngineLimits
 from tokenwire_server.engine.batched import BatchedEngine, kv_blocks
 from tokenwire_server.engine.blocks import BLOCK_SIZE, BlockPool, blocks_for, prefix_keys
@@ -35,15 +35,32 @@ from tokenwire_server.model import LoadedModel, ModelLoadError, kv_budget_for_de
 class FakeSeq:
     """What the scheduler reads of a request, and what it calls."""
 
-    def __init__(self, prompt: list[int], max_new: int, name: str = "", resumed: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        prompt: list[int],
+        max_new: int,
+        name: str = "",
+        resumed: tuple[int, ...] = (),
+        tenant: str = DEFAULT_TENANT,
+        priority: Priority = Priority.NORMAL,
+    ) -> None:
         self.request = SimpleNamespace(
-            prompt_ids=list(prompt), max_new_tokens=max_new, request_id=name, arrival=0.0, resume_ids=resumed
+            prompt_ids=list(prompt),
+            max_new_tokens=max_new,
+            request_id=name,
+            arrival=0.0,
+            resume_ids=resumed,
+            tenant=tenant,
+            priority=priority,
         )
         self.handle = SimpleNamespace(cancelled=False)
         self.finished = False
         self.failed: tuple[ErrorKind, str] | None = None
         self.generated: list[int] = list(resumed)
         self.cached_prompt_tokens = 0
+        self.admitted_at: float | None = None
+        self.preemptions = 0
+        self._context = self.request.prompt_ids + list(resumed)
 
     @property
     def prompt_len(self) -> int:
@@ -51,7 +68,11 @@ class FakeSeq:
 
     @property
     def context_ids(self) -> list[int]:
-        return self.request.prompt_ids + list(self.request.resume_ids)
+        return self._context
+
+    def preempt(self) -> None:
+        self._context = self.request.prompt_ids + self.generated
+        self.preemptions += 1
 
     @property
     def context_len(self) -> int:
@@ -65,7 +86,8 @@ class FakeSeq:
         return None
 
     def admit(self, now: float) -> None:
-        self.request.arrival = now
+        if self.admitted_at is None:
+            self.admitted_at = now
 
     def fail(self, kind: ErrorKind, message: str) -> None:
         self.finished, self.failed = True, (kind, message)

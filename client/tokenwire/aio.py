@@ -16,7 +16,7 @@ import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 
-from tokenwire.channel import TLSConfig, channel_options, credentials, resolve_target
+from tokenwire.channel import TLSConfig, channel_options, credentials, resolve_target, trace_metadata
 from tokenwire.client import _HEALTH_STATUS, DEFAULT_TARGET, Deadline, Metadata
 from tokenwire.errors import TokenwireError, Unavailable, from_rpc_error
 from tokenwire.formats import ResponseFormatLike, parse_answer
@@ -231,7 +231,7 @@ class AsyncClient:
         request = build_generate_request(
             prompt, messages=messages, input_ids=input_ids, options=params, limits=self.limits
         )
-        metadata = self._metadata
+        metadata = trace_metadata(self._metadata)  # the caller's trace context, as of this call
 
         def start(remaining: float | None, message: pb.GenerateRequest) -> _AsyncStreamCall:
             return self._stub.Generate(message, timeout=remaining, metadata=metadata)
@@ -318,15 +318,18 @@ class AsyncClient:
             text, messages=messages, return_tokens=return_tokens, return_offsets=return_offsets,
             limits=self.limits,
         )
+        metadata = trace_metadata(self._metadata)
 
         async def call(t: float | None) -> pb.TokenizeResponse:
-            return await self._stub.Tokenize(request, timeout=t, metadata=self._metadata)
+            return await self._stub.Tokenize(request, timeout=t, metadata=metadata)
 
         return Tokenization.from_proto(await self._unary(call, timeout))
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        metadata = trace_metadata(self._metadata)
+
         async def call(t: float | None) -> pb.ModelInfo:
-            return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, metadata=self._metadata)
+            return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, metadata=metadata)
 
         return ModelInfo.from_proto(await self._unary(call, timeout))
 

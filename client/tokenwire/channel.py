@@ -1,4 +1,4 @@
-"""How the client reaches the server: target strings, TLS, auth metadata, load balancing.
+"""How the client reaches the server: target strings, TLS, auth and trace metadata, load balancing.
 
 Every channel uses the ``round_robin`` policy, so a ``dns:///`` name that resolves to
 several replicas (a Kubernetes headless Service) or a list of addresses spreads
@@ -11,12 +11,15 @@ import dataclasses
 import ipaddress
 import json
 import socket
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 
-__all__ = ["ChannelOptions", "PemSource", "TLSConfig", "channel_options", "credentials", "resolve_target"]
+__all__ = [
+    "ChannelOptions", "PemSource", "TLSConfig", "channel_options", "credentials", "resolve_target", "trace_metadata",
+]
 
 PemSource = bytes | str | Path
 ChannelOptions = list[tuple[str, str | int]]
@@ -133,3 +136,25 @@ def channel_options(
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     options.extend(extra)
     return options
+
+
+def trace_metadata(metadata: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """``metadata`` plus the caller's current OpenTelemetry context (W3C ``traceparent`` and
+    ``tracestate``, ``baggage``: whatever the configured propagators write), so the server's
+    span joins the caller's trace.
+
+    OpenTelemetry is optional: without it, or in a process that never imported it (and so
+    cannot have a span to propagate), this is ``metadata`` as it is, at no cost. A key the
+    caller set itself in ``metadata`` is left as the caller set it.
+    """
+    if "opentelemetry" not in sys.modules:
+        return metadata
+    try:
+        from opentelemetry import propagate
+    except ImportError:
+        return metadata
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    present = {key for key, _ in metadata}
+    extra = tuple((key.lower(), value) for key, value in carrier.items() if key.lower() not in present)
+    return (*metadata, *extra) if extra else metadata

@@ -122,6 +122,7 @@ def _generation_parser() -> argparse.ArgumentParser:
     group.add_argument("--include-stop-sequence", action="store_true")
     group.add_argument("--ignore-eos", action="store_true")
     group.add_argument("--time-limit-ms", type=int)
+    group.add_argument("--priority", choices=("high", "normal", "low"), help="admission order among waiting calls (the server may cap it per tenant)")
     group.add_argument("--system", metavar="TEXT", help="system message (chat)")
     group.add_argument(
         "--no-resume",
@@ -270,6 +271,8 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
             options[name] = True  # type: ignore[literal-required]
     if args.stop:
         options["stop"] = list(args.stop)
+    if getattr(args, "priority", None):
+        options["priority"] = args.priority
     fmt = _response_format(args)
     if fmt is not None:
         options["response_format"] = fmt

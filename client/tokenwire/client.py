@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 
-from tokenwire.channel import TLSConfig, channel_options, credentials, resolve_target
+from tokenwire.channel import TLSConfig, channel_options, credentials, resolve_target, trace_metadata
 from tokenwire.errors import DeadlineExceeded, TokenwireError, Unavailable, from_rpc_error
 from tokenwire.formats import ResponseFormatLike, parse_answer
 from tokenwire.request import GenerateOptions, build_generate_request, build_tokenize_request, json_options
@@ -281,7 +281,7 @@ class Client:
         request = build_generate_request(
             prompt, messages=messages, input_ids=input_ids, options=params, limits=self.limits
         )
-        metadata = self._metadata
+        metadata = trace_metadata(self._metadata)  # the caller's trace context, as of this call
 
         def start(remaining: float | None, message: pb.GenerateRequest) -> _StreamCall:
             return self._stub.Generate(message, timeout=remaining, metadata=metadata)
@@ -371,15 +371,15 @@ class Client:
             text, messages=messages, return_tokens=return_tokens, return_offsets=return_offsets,
             limits=self.limits,
         )
-        response = self._unary(
-            lambda t: self._stub.Tokenize(request, timeout=t, metadata=self._metadata), timeout
-        )
+        metadata = trace_metadata(self._metadata)
+        response = self._unary(lambda t: self._stub.Tokenize(request, timeout=t, metadata=metadata), timeout)
         return Tokenization.from_proto(response)
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """The model being served and the server's limits."""
+        metadata = trace_metadata(self._metadata)
         response = self._unary(
-            lambda t: self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, metadata=self._metadata),
+            lambda t: self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, metadata=metadata),
             timeout,
         )
         return ModelInfo.from_proto(response)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 from tokenwire.errors import InvalidArgument
 from tokenwire.formats import ResponseFormatLike, json_object, response_format
@@ -48,12 +48,17 @@ class GenerateOptions(TypedDict, total=False):
     # The format the answer follows: a JSON schema dict, a pydantic model class or a
     # tokenwire.v1.ResponseFormat (tokenwire.formats).
     response_format: ResponseFormatLike
+    # "high", "normal" or "low" (or a tokenwire.v1.Priority value): admission order among
+    # waiting calls; the server may cap it per tenant.
+    priority: PriorityLike
 
 
 _SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
 _STOPPING = ("max_new_tokens", "min_new_tokens", "include_stop_sequence", "ignore_eos", "time_limit_ms")
 _OUTPUT = ("token_ids", "logprobs", "top_logprobs")
-_KNOWN = frozenset((*_SAMPLING, *_STOPPING, *_OUTPUT, "stop", "request_id", "response_format"))
+_KNOWN = frozenset((*_SAMPLING, *_STOPPING, *_OUTPUT, "stop", "request_id", "response_format", "priority"))
+PriorityLike = Literal["high", "normal", "low"] | int
+PRIORITIES = {"high": pb.PRIORITY_HIGH, "normal": pb.PRIORITY_UNSPECIFIED, "low": pb.PRIORITY_LOW}
 
 
 def json_options(options: GenerateOptions, schema: ResponseFormatLike | None) -> GenerateOptions:
@@ -119,6 +124,13 @@ def build_generate_request(
             setattr(request.output, name, options[name])  # type: ignore[literal-required]
     if options.get("response_format") is not None:
         request.response_format.CopyFrom(response_format(options["response_format"]))
+    if "priority" in options:
+        priority = options["priority"]
+        if isinstance(priority, str):
+            if priority not in PRIORITIES:
+                raise TypeError(f"priority must be one of {', '.join(PRIORITIES)} or a tokenwire.v1.Priority, got {priority!r}")
+            priority = PRIORITIES[priority]
+        request.priority = priority  # type: ignore[assignment]  # an unknown int is the validator's to refuse
 
     violations = validate_generate_request(request, limits or Limits())
     if violations:

@@ -52,6 +52,8 @@ class Rule(str, Enum):
     )
     INVALID_UTF8 = "is not valid text (lone surrogate or NUL character)"
     NO_CHAT_TEMPLATE = "this model has no chat template; send a prompt or token_ids instead"
+    UNKNOWN_PRIORITY = "is {value}, not a Priority; expected PRIORITY_UNSPECIFIED (0), PRIORITY_HIGH (1) or PRIORITY_LOW (2)"
+    PRIORITY_ABOVE_CAP = "{value} is above what tenant {tenant!r} may ask for (at most {limit})"
     NO_FORMAT = "set one of " + ", ".join(FORMAT_KINDS)
     FORMAT_TOO_LONG = "has {count} characters; at most " + str(MAX_FORMAT_CHARS) + " are allowed"
     NOT_JSON = "is not valid JSON: {error}"
@@ -144,6 +146,9 @@ def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> li
                 if value >= limits.vocab_size:
                     bad(f"token_ids.ids[{i}]", Rule.TOKEN_OUT_OF_VOCAB, value=value, limit=limits.vocab_size)
                     break
+
+    if request.priority not in pb.Priority.values():
+        bad("priority", Rule.UNKNOWN_PRIORITY, value=request.priority)
 
     resumed = request.resume.generated_token_ids
     if limits.vocab_size is not None:

@@ -63,9 +63,11 @@ class ServerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     auth_token_file: str = ""
+    tenant_config: str = ""
     log_level: str = "INFO"
     log_format: str = "json"
     log_prompts: bool = False
+    otlp_endpoint: str = ""
 
     def effective_kv_cache_tokens(self, context_length: int) -> int:
         """The KV-cache budget in tokens, sized from the admission limits and the context.
@@ -168,10 +170,24 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "tls_cert": ("PEM certificate chain: serve TLS", None),
     "tls_key": ("PEM private key of --tls-cert", None),
     "tls_client_ca": ("PEM CA bundle: require client certificates signed by it (mutual TLS)", None),
-    "auth_token_file": ("file holding a bearer token that every call but health must present", None),
+    "auth_token_file": (
+        "file of bearer tokens, one 'TOKEN [TENANT]' per line, one of which every call but health must present; "
+        "the token names the caller's tenant (none: the default tenant)",
+        None,
+    ),
+    "tenant_config": (
+        "TOML file of tenants ([tenants.NAME]: weight, max_active, max_queued, tokens_per_minute, max_priority): "
+        "fair share, limits and quotas per tenant (docs/operations.md, Tenants); empty: one default tenant",
+        None,
+    ),
     "log_level": ("log level", ("DEBUG", "INFO", "WARNING", "ERROR")),
     "log_format": ("log format", ("json", "text")),
     "log_prompts": ("log prompts and outputs (off by default)", None),
+    "otlp_endpoint": (
+        "OTLP/gRPC endpoint traces are exported to, e.g. http://otel-collector:4317 "
+        "(empty: tracing off unless OTEL_EXPORTER_OTLP_ENDPOINT is set)",
+        None,
+    ),
 }
 
 
@@ -223,9 +239,24 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     args.pop("prepare_only")
     config = ServerConfig(**args)
     errors = validate_config(config)
+    if not errors:
+        errors = check_files(config)
     if errors:
         parser.error("; ".join(errors))
     return config
+
+
+def check_files(config: ServerConfig) -> list[str]:
+    """The files the flags name, read once so that a bad one is a usage error, not a crash."""
+    from .security import read_tokens
+    from .tenancy import TenantConfigError, tenants_of
+
+    try:
+        tokens = read_tokens(config.auth_token_file) if config.auth_token_file else {}
+        tenants_of(config, tokens.values())
+    except (OSError, ValueError, TenantConfigError) as exc:
+        return [str(exc)]
+    return []
 
 
 def validate_config(config: ServerConfig) -> list[str]:

@@ -30,6 +30,21 @@ class ErrorKind(str, enum.Enum):
     HANDOFF = "handoff"  # the server drains and hands the stream off, to be resumed on another replica
 
 
+class Priority(enum.IntEnum):
+    """How urgent a request is (``GenerateRequest.priority``); a lower value is admitted first."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+DEFAULT_TENANT = "default"
+
+
 # Below this a temperature is greedy: dividing logits by it overflows float32 to inf.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 # Most alternatives a request may ask for per token (OutputOptions.top_logprobs).
@@ -228,6 +243,10 @@ class GenerationRequest:
     resume_ids: tuple[int, ...] = ()
     # Constrained decoding: the answer follows this format (None: free text).
     response_format: ResponseFormat | None = None
+    # Who asks (from the call's credentials, never from the request) and how urgently:
+    # the admission queue shares slots between tenants by weight, higher priority first.
+    tenant: str = DEFAULT_TENANT
+    priority: Priority = Priority.NORMAL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +314,21 @@ class EngineOverloaded(Exception):
         self.deadline = deadline  # refused because it could not start in time
 
 
+class TenantOverLimit(EngineOverloaded):
+    """Admission refused for one tenant's own limit (its active or queued streams, or its
+    tokens per minute); other tenants are unaffected. ``subject`` and ``limit`` name it
+    for the QuotaFailure detail."""
+
+    def __init__(self, message: str, retry_after_s: float, tenant: str, limit: str) -> None:
+        super().__init__(message, retry_after_s)
+        self.tenant = tenant
+        self.limit = limit
+
+    @property
+    def subject(self) -> str:
+        return f"tenant:{self.tenant}"
+
+
 class EngineClosed(Exception):
     """The engine no longer admits requests (it is draining or stopped)."""
 
@@ -329,6 +363,10 @@ class EngineObserver(Protocol):
 
     def decode_step(self, seconds: float) -> None: ...
 
+    def preempted(self, tenant: str) -> None:
+        """A running request of ``tenant`` gave up its slot to a more deserving one."""
+        ...
+
 
 class NoObserver:
     def admitted(self, queue_wait_s: float) -> None:
@@ -340,6 +378,19 @@ class NoObserver:
     def decode_step(self, seconds: float) -> None:
         pass
 
+    def preempted(self, tenant: str) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class TenantLoad:
+    """One tenant's requests at one priority: running and waiting."""
+
+    tenant: str
+    priority: str
+    active: int
+    queued: int
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
@@ -348,3 +399,4 @@ class EngineStats:
     batch_size: int
     kv_tokens_reserved: int = 0
     kv_tokens_budget: int = 0
+    tenants: tuple[TenantLoad, ...] = ()

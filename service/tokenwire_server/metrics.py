@@ -40,6 +40,22 @@ GpuMemoryProbe = Callable[[], Mapping[str, tuple[int, int, int]]]
 GpuUtilisationProbe = Callable[[], Mapping[str, tuple[float, int]]]
 
 
+class _TenantCollector(Collector):
+    """Active and queued requests per tenant and priority, read from ``EngineStats`` at scrape time."""
+
+    def __init__(self) -> None:
+        self.stats: Callable[[], EngineStats] | None = None  # set once an engine runs (``Metrics.watch``)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["tenant", "priority"]
+        active = GaugeMetricFamily("tokenwire_tenant_active_streams", "Requests generating now, per tenant and priority", labels=labels)
+        queued = GaugeMetricFamily("tokenwire_tenant_queue_depth", "Requests waiting for a slot, per tenant and priority", labels=labels)
+        for load in self.stats().tenants if self.stats is not None else ():
+            active.add_metric([load.tenant, load.priority], load.active)
+            queued.add_metric([load.tenant, load.priority], load.queued)
+        yield from (active, queued)
+
+
 class _GpuCollector(Collector):
     def __init__(self, memory: GpuMemoryProbe | None, utilisation: GpuUtilisationProbe | None) -> None:
         self._memory = memory
@@ -145,6 +161,34 @@ class Metrics:
             "Generate calls refused at arrival because they could not start before their deadline",
             registry=r,
         )
+        # Per tenant: label values are the configured tenants (--tenant-config, --auth-token-file).
+        self.tenant_refusals = Counter(
+            "tokenwire_tenant_refusals",
+            "Calls refused RESOURCE_EXHAUSTED for a tenant's own limit, by limit (max_active, max_queued, tokens_per_minute)",
+            ["tenant", "limit"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "tokenwire_tenant_tokens",
+            "Prompt and completion tokens of finished calls, per tenant and priority",
+            ["tenant", "priority", "kind"],
+            registry=r,
+        )
+        self.tenant_preemptions = Counter(
+            "tokenwire_tenant_preemptions",
+            "Running streams that gave their slot to a more urgent or fairer one and were queued again (batched engine)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_ttft = Histogram(
+            "tokenwire_tenant_time_to_first_token_seconds",
+            "Arrival to first streamed text, per tenant and priority",
+            ["tenant", "priority"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._tenant_loads = _TenantCollector()
+        r.register(self._tenant_loads)
         self.active = Gauge("tokenwire_active_streams", "Requests generating now", registry=r)
         self.queued = Gauge("tokenwire_queue_depth", "Requests waiting for a slot", registry=r)
         self.batch = Gauge("tokenwire_batch_size", "Sequences in the current decode batch", registry=r)
@@ -168,6 +212,9 @@ class Metrics:
     def decode_step(self, seconds: float) -> None:
         self.decode_step_seconds.observe(seconds)
 
+    def preempted(self, tenant: str) -> None:
+        self.tenant_preemptions.labels(tenant).inc()
+
     def watch(self, stats: Callable[[], EngineStats], max_active: int, max_queue: int) -> None:
         """Read the engine's gauges from ``stats`` at every scrape."""
         self.active.set_function(lambda: stats().active)
@@ -177,6 +224,7 @@ class Metrics:
         self.kv_budget.set_function(lambda: stats().kv_tokens_budget)
         self.max_active.set(max_active)
         self.max_queue.set(max_queue)
+        self._tenant_loads.stats = stats
 
     def gauge_function(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         """An engine-specific gauge read at every scrape (e.g. vLLM's own KV-cache usage)."""

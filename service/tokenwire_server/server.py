@@ -32,7 +32,9 @@ from .config import ServerConfig
 from .domain import ChatPrompt, ErrorEvent, GenerationRequest, ResponseFormat, SamplingOptions, TextPrompt
 from .health import Health
 from .metrics import Metrics, nvml_probe
-from .security import BearerTokenInterceptor, read_token, server_credentials
+from .security import BearerTokenInterceptor, Identities, read_tokens, server_credentials
+from .tenancy import tenants_of
+from .tracing import create_tracing
 from .transport.servicer import SERVICE_NAME, TextGenerationServicer
 
 if TYPE_CHECKING:
@@ -67,9 +69,20 @@ class TokenwireServer:
         self.metrics_port = 0
         self.backend: GenerationBackend | None = None
         self.draining = False
+        tokens = read_tokens(config.auth_token_file) if config.auth_token_file else {}
+        self.tenants = tenants_of(config, tokens.values())
+        self._tokens = list(tokens)
         self._servicer = TextGenerationServicer(
-            self.metrics, retry_after_s=config.retry_after_ms / 1000, log_prompts=config.log_prompts
+            self.metrics,
+            retry_after_s=config.retry_after_ms / 1000,
+            log_prompts=config.log_prompts,
+            tenants=self.tenants,
+            identities=Identities(self.tenants, tokens),
         )
+        self.tracing = create_tracing(config.otlp_endpoint)  # off (no-op) unless an endpoint is set
+        if self.tracing.enabled:
+            log.info("tracing", extra={"otlp_endpoint": self.tracing.endpoint})
+        self._servicer.calls.tracing = self.tracing
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.exit_code = 0
@@ -78,7 +91,7 @@ class TokenwireServer:
         config = self.config
         interceptors = []
         if config.auth_token_file:
-            interceptors.append(BearerTokenInterceptor(read_token(config.auth_token_file)))
+            interceptors.append(BearerTokenInterceptor(self._tokens))
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -181,6 +194,12 @@ class TokenwireServer:
         for gpu in gpu_report():
             log.info("gpu", extra=gpu)
         if config.engine == "vllm":
+            if len(self.tenants) > 1:
+                log.warning(
+                    "the vllm engine admits by its own scheduler: tenants' weights, max_active and max_queued are "
+                    "not applied (tokens_per_minute and max_priority are)",
+                    extra={"tenants": list(self.tenants.names)},
+                )
             return self._build_vllm_backend()
         import torch
 
@@ -222,6 +241,7 @@ class TokenwireServer:
             retry_after_s=config.retry_after_ms / 1000,
             max_prefill_tokens=config.max_prefill_tokens,
             batch_window_s=config.batch_window_ms / 1000,
+            tenants=self.tenants,
         )
         engine = create_engine(
             config.engine,
@@ -347,6 +367,8 @@ class TokenwireServer:
         if backend is not None:
             await backend.close()
         self.metrics.close()
+        if self.tracing.enabled:  # the last calls' spans: exported before the process ends (bounded)
+            await asyncio.to_thread(self.tracing.shutdown)
         log.info("stopped")
         self._stopped.set()
 

@@ -160,6 +160,12 @@ def test_dashboard_shows_traffic_load_and_resources(dashboard: dict[str, Any]) -
     assert shown('code="RESOURCE_EXHAUSTED"', "rate(tokenwire_requests_total{"), "refusals"
     assert shown("rate(tokenwire_deadline_refusals_total{"), "deadline refusals"
     assert shown("tokenwire_ready{"), "ready replicas"
+    # the per-tenant row
+    assert shown("sumby(tenant)(rate(tokenwire_tenant_tokens_total{", 'kind="completion"'), "tokens per tenant"
+    assert shown("sumby(tenant,priority)(tokenwire_tenant_active_streams{"), "active streams per tenant"
+    assert shown("sumby(tenant,priority)(tokenwire_tenant_queue_depth{"), "queued per tenant"
+    assert shown("sumby(tenant,limit)(rate(tokenwire_tenant_refusals_total{"), "refusals per tenant and limit"
+    assert quantiles_of(dashboard, "tokenwire_tenant_time_to_first_token_seconds") >= {0.5, 0.99}
 
 
 # --- the alerts ------------------------------------------------------------------

@@ -28,6 +28,30 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _Priority:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PriorityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Priority.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PRIORITY_UNSPECIFIED: _Priority.ValueType  # 0
+    """Normal priority."""
+    PRIORITY_HIGH: _Priority.ValueType  # 1
+    """Admitted before every waiting normal and low call."""
+    PRIORITY_LOW: _Priority.ValueType  # 2
+    """Admitted after every waiting high and normal call (batch jobs)."""
+
+class Priority(_Priority, metaclass=_PriorityEnumTypeWrapper):
+    """GenerateRequest.priority."""
+
+PRIORITY_UNSPECIFIED: Priority.ValueType  # 0
+"""Normal priority."""
+PRIORITY_HIGH: Priority.ValueType  # 1
+"""Admitted before every waiting normal and low call."""
+PRIORITY_LOW: Priority.ValueType  # 2
+"""Admitted after every waiting high and normal call (batch jobs)."""
+Global___Priority: _TypeAlias = Priority  # noqa: Y015
+
 class _FinishReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -75,6 +99,7 @@ class GenerateRequest(_message.Message):
     OUTPUT_FIELD_NUMBER: _builtins.int
     RESUME_FIELD_NUMBER: _builtins.int
     RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id for this request, echoed in every chunk and in the server's logs.
     When empty, the `x-request-id` metadata is used; when that is absent too, the
@@ -82,6 +107,13 @@ class GenerateRequest(_message.Message):
     """
     prompt: _builtins.str
     """Raw text, tokenized as is: no chat template is applied."""
+    priority: Global___Priority.ValueType
+    """How urgent this call is among its tenant's calls. When slots free up, the server
+    admits waiting HIGH calls before NORMAL ones and NORMAL before LOW, then shares
+    what is left between tenants by weight (docs/operations.md, "Tenants"). A tenant's
+    configuration may cap the priority it may ask for: above its cap the call is
+    INVALID_ARGUMENT naming priority. Unset is normal.
+    """
     @_builtins.property
     def chat(self) -> Global___Chat:
         """A conversation, rendered with the model's own chat template and its
@@ -144,10 +176,11 @@ class GenerateRequest(_message.Message):
         output: Global___OutputOptions | None = ...,
         resume: Global___Resume | None = ...,
         response_format: Global___ResponseFormat | None = ...,
+        priority: Global___Priority.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "prompt", b"prompt", "response_format", b"response_format", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015

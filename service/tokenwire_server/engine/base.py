@@ -12,6 +12,7 @@ import abc
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -28,10 +29,14 @@ from ..domain import (
     EventSink,
     GenerationRequest,
     NoObserver,
+    Priority,
     RequestHandle,
+    TenantLoad,
+    TenantOverLimit,
 )
 from ..model import LoadedModel
 from ..structured import Grammars
+from ..tenancy import TenantPolicy, Tenants
 from ..text import SharedTokenizer
 from .estimate import StartEstimator
 from .faults import FAILED_STEPS_FAULT, Fault, classify, describe
@@ -48,81 +53,279 @@ class EngineLimits:
     retry_after_s: float = 0.5
     max_prefill_tokens: int = 20
     batch_window_s: float = 0.01
+    tenants: Tenants = dataclasses.field(default_factory=Tenants)
+
+
+class _Lane:
+    """One tenant's side of the admission queue: its waiting requests by priority, its
+    running count, and its virtual finish tag (weighted fair queuing)."""
+
+    def __init__(self, policy: TenantPolicy) -> None:
+        self.policy = policy
+        self.waiting: tuple[collections.deque[Generation], ...] = tuple(collections.deque() for _ in Priority)
+        self.running = [0 for _ in Priority]
+        self.tag = 0.0  # virtual time at which its last admitted request's share ends
+
+    @property
+    def queued(self) -> int:
+        return sum(len(q) for q in self.waiting)
+
+    @property
+    def active(self) -> int:
+        return sum(self.running)
+
+    def at_active_limit(self) -> bool:
+        return 0 < self.policy.max_active <= self.active
+
+
+def cost_of(seq: Generation) -> int:
+    """What admitting ``seq`` charges its tenant's share: the tokens it may compute."""
+    request = seq.request
+    return len(request.prompt_ids) + len(request.resume_ids) + request.max_new_tokens
 
 
 class AdmissionQueue:
-    """Requests waiting for a slot, bounded; the engine's own thread(s) take from it."""
+    """Requests waiting for a slot, bounded; the engine's own thread(s) take from it.
+
+    Which waiting request goes next (``take``): the most urgent priority first, across all
+    tenants; within a priority, a tenant running fewer than its weighted share of the slots
+    (among the tenants with work) before one running its share or more, since every
+    running stream decodes a token a step, the share of slots is the share of tokens;
+    between tenants alike in that, weighted fair queuing by tokens (start-time fair
+    queuing: each admission advances its tenant's tag by the tokens it may compute over
+    the tenant's weight, and the lowest tag goes next; a tenant that was idle starts at the
+    current virtual time, so it banks no credit); within a tenant and priority, arrival
+    order. What a request did not generate is given back to its tenant's tag when it leaves.
+
+    Bounds (``put``): a tenant at its own ``max_queued`` is refused (``TenantOverLimit``).
+    Past the server's ``max_active + max_queue``, only a tenant holding less than its
+    weighted share of ``max_queue`` is still queued, so one tenant that fills the queue
+    cannot lock the others out; the queue then holds at most about twice ``max_queue``.
+    """
 
     def __init__(self, limits: EngineLimits) -> None:
         self._limits = limits
-        self._waiting: collections.deque[Generation] = collections.deque()
+        self._tenants = limits.tenants
+        self._lanes: dict[str, _Lane] = {}
         self._active = 0
+        self._queued = 0
+        self._vtime = 0.0  # the system's virtual time: the start tag of the last admission
         self._closed = False
         self._refusal: EngineClosed = EngineClosed("the engine is shutting down")
         self._cond = threading.Condition()
 
-    def put(self, seq: Generation, check: Callable[[int], None] | None = None) -> None:
-        """Queue ``seq``, or raise: EngineClosed, EngineOverloaded when full, or whatever
-        ``check(queued_ahead)`` raises once there is room (deadline-aware admission)."""
+    def _lane(self, tenant: str) -> _Lane:
+        lane = self._lanes.get(tenant)
+        if lane is None:
+            lane = self._lanes[tenant] = _Lane(self._tenants.policy(tenant))
+        return lane
+
+    def _queue_share(self, lane: _Lane) -> int:
+        """``lane``'s weighted share of ``max_queue`` among the tenants with work here."""
+        present = [other for other in self._lanes.values() if other.queued or other.active or other is lane]
+        total = sum(other.policy.weight for other in present)
+        return max(1, int(self._limits.max_queue * lane.policy.weight / total))
+
+    def put(self, seq: Generation, check: Callable[[int | None], None] | None = None) -> None:
+        """Queue ``seq``, or raise: EngineClosed, EngineOverloaded when full (TenantOverLimit for
+        its tenant's own limit), or whatever ``check(ahead)`` raises once there is room
+        (deadline-aware admission): ``ahead`` is how many waiting requests go first, None
+        when ``seq`` takes a slot at once by preempting one."""
+        request = seq.request
         with self._cond:
             if self._closed:
                 raise self._refusal
             limits = self._limits
-            if self._active + len(self._waiting) >= limits.max_active + limits.max_queue:
+            lane = self._lane(request.tenant)
+            policy = lane.policy
+            if 0 < policy.max_queued <= lane.queued:
+                raise TenantOverLimit(
+                    f"tenant {request.tenant!r} has {lane.queued} requests waiting, its limit (max_queued); "
+                    "retry later",
+                    limits.retry_after_s,
+                    request.tenant,
+                    "max_queued",
+                )
+            full = self._active + self._queued >= limits.max_active + limits.max_queue
+            if full and (len(self._lanes) == 1 or lane.queued >= self._queue_share(lane)):
                 raise EngineOverloaded(
-                    f"server is full: {self._active} active and {len(self._waiting)} queued requests "
+                    f"server is full: {self._active} active and {self._queued} queued requests "
                     f"(limits {limits.max_active} + {limits.max_queue}); retry later or on another replica",
                     limits.retry_after_s,
                 )
             if check is not None:
-                check(len(self._waiting))
-            self._waiting.append(seq)
+                check(None if self._preempts_at_once(lane, request.priority) else self._ahead_of(lane, request.priority))
+            if not lane.queued and not lane.active:
+                lane.tag = max(lane.tag, self._vtime)  # back from idle: no banked credit
+            lane.waiting[request.priority].append(seq)
+            self._queued += 1
             self._cond.notify()
 
+    def _ahead_of(self, lane: _Lane, priority: Priority) -> int:
+        """About how many waiting requests are admitted before one of ``lane`` at ``priority``
+        arriving now: every more urgent one; its own tenant's at that priority; and of each
+        other tenant's, as many as their weight gives them while those go."""
+        lanes = self._lanes.values()
+        urgent = sum(len(other.waiting[p]) for other in lanes for p in Priority if p < priority)
+        mine = len(lane.waiting[priority])
+        turns = (mine + 1) / lane.policy.weight
+        others = sum(
+            min(len(other.waiting[priority]), math.ceil(turns * other.policy.weight)) for other in lanes if other is not lane
+        )
+        return urgent + mine + others
+
+    def _preempts_at_once(self, lane: _Lane, priority: Priority) -> bool:
+        """Whether a request of ``lane`` at ``priority`` arriving now is the next to go and takes
+        a running request's slot at once (see ``victim``)."""
+        if self._active < self._limits.max_active:
+            return False  # a slot is free: no preemption, and ``_ahead_of`` tells the wait
+        if any(lane.waiting[p] for p in Priority if p <= priority):
+            return False
+        if any(other.waiting[p] for other in self._lanes.values() for p in Priority if p < priority):
+            return False
+        return self._donor(lane, priority) is not None
+
+    def _donor(self, lane: _Lane, priority: Priority) -> tuple[_Lane, Priority] | None:
+        """The tenant that gives a slot to ``lane``'s next request at ``priority``, and the least
+        urgent priority it may give up (``victim``'s rules); None: nobody."""
+        if priority is Priority.HIGH:
+            lows = [other for other in self._lanes.values() if other.running[Priority.LOW]]
+            if lows:
+                return max(lows, key=lambda other: other.tag), Priority.LOW
+        present = [other for other in self._lanes.values() if other.queued or other.active or other is lane]
+        total = sum(other.policy.weight for other in present)
+        slots = self._limits.max_active
+
+        def over(other: _Lane) -> float:
+            return other.active - slots * other.policy.weight / total
+
+        if over(lane) >= 0:
+            return None
+        donors = [
+            other
+            for other in present
+            if other is not lane and over(other) >= 1 and any(other.running[p] for p in Priority if p >= priority)
+        ]
+        return (max(donors, key=over), priority) if donors else None
+
+    def _below_share(self) -> Callable[[_Lane], bool]:
+        """Whether a tenant runs fewer than its weighted share of the slots, among the tenants with work."""
+        total = sum(lane.policy.weight for lane in self._lanes.values() if lane.queued or lane.active)
+        slots = self._limits.max_active
+        return lambda lane: lane.active < slots * lane.policy.weight / max(total, lane.policy.weight)
+
+    def _next(self) -> tuple[_Lane, collections.deque[Generation]] | None:
+        """The lane and priority queue whose head goes next (see the class doc)."""
+        below = self._below_share()
+        for priority in Priority:
+            ready = [lane for lane in self._lanes.values() if lane.waiting[priority] and not lane.at_active_limit()]
+            if ready:
+                best = min(ready, key=lambda lane: (not below(lane), lane.tag))
+                return best, best.waiting[priority]
+        return None
+
     def take(self, fits: Callable[[Generation], bool], block: bool, max_count: int) -> list[Generation]:
-        """Move waiting sequences that ``fits`` accepts (in arrival order) to active.
+        """Move waiting sequences that ``fits`` accepts, in the order above, to active.
 
         Stops at the first one that does not fit, so a large request is not starved
         by a stream of small ones. Blocks until there is one when ``block`` is set.
         """
         with self._cond:
             if block:
-                while not self._waiting and not self._closed:
+                while not self._queued and not self._closed:
                     self._cond.wait(timeout=0.5)
             taken: list[Generation] = []
-            while self._waiting and len(taken) < max_count:
-                seq = self._waiting[0]
+            while len(taken) < max_count:
+                picked = self._next()
+                if picked is None:
+                    break
+                lane, waiting = picked
+                seq = waiting[0]
                 if seq.handle.cancelled:  # gone before it started: drop it quietly
-                    self._waiting.popleft()
+                    self._pop(waiting)
                     seq.abandon()
                     continue
                 if seq.expired(time.monotonic()) is ErrorKind.DEADLINE:  # waited past its deadline
-                    self._waiting.popleft()
+                    self._pop(waiting)
                     seq.fail(ErrorKind.DEADLINE, "the call's deadline passed while it waited for a slot")
                     continue
                 if not fits(seq):
                     break
-                self._waiting.popleft()
+                self._pop(waiting)
+                if not seq.preemptions:  # a preempted request coming back was charged when first admitted
+                    start = max(lane.tag, self._vtime)
+                    self._vtime = start
+                    lane.tag = start + cost_of(seq) / lane.policy.weight
+                lane.running[seq.request.priority] += 1
+                self._active += 1
                 taken.append(seq)
-            self._active += len(taken)
             return taken
+
+    def _pop(self, waiting: collections.deque[Generation]) -> None:
+        waiting.popleft()
+        self._queued -= 1
+
+    def victim(self) -> tuple[str, Priority] | None:
+        """When every slot is taken: whose running request should give its slot to the request
+        that goes next, as ``(tenant, least urgent priority it may take)``; None: nobody's.
+
+        - Priority: a waiting HIGH request takes the slot of a running LOW one (any tenant's).
+        - Fair share: the next request's tenant runs fewer than its weighted share of the
+          slots (among the tenants with work), and another tenant runs more than its own:
+          that tenant gives up a slot, of a request no more urgent than the waiting one.
+
+        The preempted request goes back to the front of its tenant's queue
+        (``requeue``); one that is the next by fair share never preempts, so slots do not
+        change hands back and forth.
+        """
+        with self._cond:
+            picked = self._next()
+            if picked is None:
+                return None
+            lane, waiting = picked
+            donor = self._donor(lane, Priority(lane.waiting.index(waiting)))
+            return None if donor is None else (donor[0].policy.name, donor[1])
+
+    def requeue(self, seq: Generation) -> None:
+        """``seq`` (taken earlier) was preempted: back to the front of its tenant's queue. Its
+        tenant keeps the charge of its first admission, and is not charged again when it
+        comes back: a refund now would move the tenant's tag back ahead of the request that
+        preempted it, and hand the slot straight back (tested)."""
+        with self._cond:
+            request = seq.request
+            lane = self._lane(request.tenant)
+            lane.running[request.priority] -= 1
+            self._active -= 1
+            lane.waiting[request.priority].appendleft(seq)
+            self._queued += 1
+            self._cond.notify()
 
     def wait_for_arrival(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a request to be waiting; True when one is."""
         with self._cond:
-            if not self._waiting and not self._closed:
+            if not self._queued and not self._closed:
                 self._cond.wait(timeout=timeout_s)
-            return bool(self._waiting)
+            return self._queued > 0
 
-    def release(self, count: int = 1) -> None:
+    def release(self, *seqs: Generation) -> None:
+        """``seqs`` (taken earlier) left their slots: what they did not generate goes back to their tenants."""
         with self._cond:
-            self._active -= count
+            for seq in seqs:
+                lane = self._lane(seq.request.tenant)
+                lane.running[seq.request.priority] -= 1
+                self._active -= 1
+                unused = seq.request.max_new_tokens - len(seq.generated)
+                if unused > 0:
+                    lane.tag -= unused / lane.policy.weight
             self._cond.notify()
 
     def drain_waiting(self) -> list[Generation]:
         with self._cond:
-            waiting = list(self._waiting)
-            self._waiting.clear()
+            waiting = [seq for lane in self._lanes.values() for q in lane.waiting for seq in q]
+            for lane in self._lanes.values():
+                for q in lane.waiting:
+                    q.clear()
+            self._queued = 0
             return waiting
 
     def close(self, refusal: EngineClosed | None = None) -> None:
@@ -132,6 +335,15 @@ class AdmissionQueue:
             if refusal is not None:
                 self._refusal = refusal
             self._cond.notify_all()
+
+    def by_tenant(self) -> list[TenantLoad]:
+        """Active and queued requests per tenant and priority (the metrics' per-tenant gauges)."""
+        with self._cond:
+            return [
+                TenantLoad(name, p.label, lane.running[p], len(lane.waiting[p]))
+                for name, lane in self._lanes.items()
+                for p in Priority
+            ]
 
     @property
     def closed(self) -> bool:
@@ -143,7 +355,7 @@ class AdmissionQueue:
 
     @property
     def queued(self) -> int:
-        return len(self._waiting)
+        return self._queued
 
 
 class _Observers:
@@ -163,6 +375,9 @@ class _Observers:
     def decode_step(self, seconds: float) -> None:
         self._outer.decode_step(seconds)
         self._estimator.decode_step(seconds)
+
+    def preempted(self, tenant: str) -> None:
+        self._outer.preempted(tenant)
 
 
 class Engine(abc.ABC):
@@ -203,11 +418,13 @@ class Engine(abc.ABC):
         """The requests generating now, each with the tokens it has generated (for estimates)."""
         return []
 
-    def _refuse_if_late(self, request: GenerationRequest, queued_ahead: int) -> None:
-        """Deadline-aware admission: refuse at once what cannot start before its deadline."""
+    def _refuse_if_late(self, request: GenerationRequest, queued_ahead: int | None) -> None:
+        """Deadline-aware admission: refuse at once what cannot start before its deadline
+        (``queued_ahead`` None: it takes a running request's slot at once)."""
         assert request.deadline is not None
+        running = self.running() if queued_ahead is not None else []
         estimate = self.estimator.earliest_first_token_s(
-            len(request.prompt_ids) + len(request.resume_ids), self.running(), queued_ahead, self.limits.max_active
+            len(request.prompt_ids) + len(request.resume_ids), running, queued_ahead or 0, self.limits.max_active
         )
         left = request.deadline - time.monotonic()
         if left <= 0:
@@ -221,7 +438,8 @@ class Engine(abc.ABC):
             )
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.queue.active, self.queue.queued, self.queue.active, 0, self.limits.kv_cache_tokens)
+        queue = self.queue
+        return EngineStats(queue.active, queue.queued, queue.active, 0, self.limits.kv_cache_tokens, tuple(queue.by_tenant()))
 
     def stalled(self, timeout_s: float, now: float | None = None) -> bool:
         """True when work is pending but the engine has made no progress for ``timeout_s``."""
@@ -234,8 +452,16 @@ class Engine(abc.ABC):
         if seqs and self.queue.active <= len(seqs):
             self._mark_progress()  # work starts on an idle engine: the stall clock starts now
         for seq in seqs:
+            if seq.admitted_at is None:  # not a preempted request coming back
+                self.observer.admitted(now - seq.request.arrival)
             seq.admit(now)
-            self.observer.admitted(now - seq.request.arrival)
+
+    def _preempted(self, seq: Generation) -> None:
+        self.observer.preempted(seq.request.tenant)
+        log.debug(
+            "preempted",
+            extra={"request_id": seq.request.request_id, "tenant": seq.request.tenant, "generated": len(seq.generated)},
+        )
 
     def _mark_progress(self) -> None:
         self.last_progress = time.monotonic()

@@ -110,6 +110,7 @@ class BatchedEngine(Engine):
             prefill_span_columns(config),
             limits.batch_window_s,
             on_admit=self._admit,
+            on_preempt=self._preempted,
         )
         reason = unsupported_reason(loaded.model)
         if forward == "native" and reason is not None:
@@ -160,7 +161,12 @@ class BatchedEngine(Engine):
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            self.queue.active, self.queue.queued, len(self._rows), self.kv_tokens_reserved(), self.limits.kv_cache_tokens
+            self.queue.active,
+            self.queue.queued,
+            len(self._rows),
+            self.kv_tokens_reserved(),
+            self.limits.kv_cache_tokens,
+            tuple(self.queue.by_tenant()),
         )
 
     def running(self) -> list[tuple[GenerationRequest, int]]:

@@ -58,6 +58,7 @@ class Generation:
         self.first_token_at: float | None = None
         self.finished = False
         self.cached_prompt_tokens = 0  # prompt tokens an engine found in its prefix cache
+        self.preemptions = 0  # times its slot was taken for a more deserving request
         # What the model reads before its first pick: the prompt, and a resumed stream's tokens
         # (built once: the scheduler slices it for every prompt chunk).
         resumed = request.resume_ids
@@ -122,7 +123,17 @@ class Generation:
         return self.request.prompt_ids + self.generated
 
     def admit(self, now: float | None = None) -> None:
-        self.admitted_at = time.monotonic() if now is None else now
+        """Admitted into a slot; after a preemption, the first admission still counts (queue
+        time, time limit)."""
+        if self.admitted_at is None:
+            self.admitted_at = time.monotonic() if now is None else now
+
+    def preempt(self) -> None:
+        """Its slot and blocks were taken for another request: when admitted again, the engine
+        reads the prompt and every token generated so far, and goes on from there as a
+        resumed stream does (same sampler step, stop matcher and detokenizer state)."""
+        self.context_ids = self.request.prompt_ids + self.generated
+        self.preemptions += 1
 
     def expired(self, now: float) -> ErrorKind | FinishReason | None:
         """Whether the deadline or the time limit has passed (checked between steps)."""

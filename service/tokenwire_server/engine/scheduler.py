@@ -106,6 +106,7 @@ class Scheduler:
         span_columns: float,
         batch_window_s: float,
         on_admit: Callable[[list[Generation]], None] = lambda group: None,
+        on_preempt: Callable[[Generation], None] = lambda seq: None,
     ) -> None:
         self.queue = queue  # base.AdmissionQueue
         self.pool = pool
@@ -114,6 +115,7 @@ class Scheduler:
         self.span_columns = span_columns
         self.batch_window_s = batch_window_s
         self._on_admit = on_admit
+        self._on_preempt = on_preempt
         self.rows: list[Row] = []
         self._last_busy_rows = 0  # most rows in the batch since it was last empty
 
@@ -121,6 +123,9 @@ class Scheduler:
 
     def admit(self) -> None:
         room = self.max_active - len(self.rows)
+        if room <= 0:
+            self.preempt()
+            room = self.max_active - len(self.rows)
         if room <= 0:
             return
         busy = bool(self.rows)
@@ -169,7 +174,7 @@ class Scheduler:
                         f"the request needs {seq.budget_tokens} KV-cache tokens, more than the whole budget "
                         f"({pool.num_blocks * pool.block_size}, --kv-cache-tokens)",
                     )
-                self.queue.release()
+                self.queue.release(seq)
                 continue
             lease, keys = taken
             seq.cached_prompt_tokens = lease.cached_tokens
@@ -252,6 +257,30 @@ class Scheduler:
                 gone.append(row)
         self.leave(gone)
 
+    def preempt(self) -> Row | None:
+        """Every slot is taken and a waiting request deserves one more than a running request
+        (``AdmissionQueue.victim``: priority, then fair share): that request's least urgent,
+        least advanced row gives up its slot and blocks, and goes back to the front of its
+        tenant's queue, to be read again (prompt + tokens so far) when admitted again."""
+        victim = self.queue.victim()
+        if victim is None:
+            return None
+        tenant, least_urgent = victim
+        rows = [
+            row
+            for row in self.rows
+            if row.seq.request.tenant == tenant and row.seq.request.priority >= least_urgent and not row.seq.finished
+        ]
+        if not rows:
+            return None
+        row = max(rows, key=lambda r: (r.seq.request.priority, -len(r.seq.generated)))
+        self.rows.remove(row)
+        self.pool.release(row.lease)
+        row.seq.preempt()
+        self.queue.requeue(row.seq)
+        self._on_preempt(row.seq)
+        return row
+
     def leave(self, rows: list[Row]) -> None:
         """Give the rows' blocks back and release their admission."""
         if not rows:
@@ -260,7 +289,7 @@ class Scheduler:
         self.rows = [row for row in self.rows if id(row) not in leaving]
         for row in rows:
             self.pool.release(row.lease)
-        self.queue.release(len(rows))
+        self.queue.release(*(row.seq for row in rows))
 
     def running(self) -> list[tuple[Any, int]]:
         return [(row.seq.request, len(row.seq.generated)) for row in list(self.rows)]

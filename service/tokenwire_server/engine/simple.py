@@ -148,7 +148,7 @@ class SimpleEngine(Engine):
                         self._running.discard(seq)
                     if seq.handle.cancelled and not seq.finished:
                         seq.abandon()
-                    self.queue.release()
+                    self.queue.release(seq)
 
     def _generate(self, seq: Generation) -> None:
         loaded = self.loaded

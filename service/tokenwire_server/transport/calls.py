@@ -5,7 +5,8 @@ call its request id (sent back in the ``x-request-id`` trailer), maps whatever
 the handler raises to a deliberate gRPC status (``status.failure_of``; a bug ends
 as INTERNAL, never UNKNOWN), counts the call in the metrics, keeps the count of
 calls in flight that drain waits for, and writes the one "request finished" log
-line. Handlers only do their RPC's own work.
+line, and opens and ends the call's trace span (``tracing``; a no-op unless tracing is on).
+Handlers only do their RPC's own work.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from tokenwire.validation import FieldViolation
 
-from ..domain import EngineOverloaded
+from ..domain import EngineOverloaded, Usage
 from ..metrics import Metrics
+from ..tracing import NO_SPAN, NO_TRACING, CallSpan, Tracing
 from .conversion import REQUEST_ID_METADATA, request_id
 from .status import RpcFailure, failure_of, invalid_argument
 
@@ -73,12 +75,19 @@ class Call:
     code: grpc.StatusCode = grpc.StatusCode.OK
     completed: bool = False
     fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # What the handler learns of the call, for its trace span.
+    tenant: str = "default"
+    priority: str = "normal"
+    usage: Usage | None = None  # a Generate that finished
+    reason: str = ""  # its finish reason (FinishReason's value)
+    span: CallSpan = NO_SPAN
 
 
 class Calls:
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
         self.in_flight = 0
+        self.tracing: Tracing = NO_TRACING  # bootstrap sets it when tracing is on
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no call is running, at most ``timeout_s``; True when none is."""
@@ -127,7 +136,9 @@ class Calls:
     def _open(self, method: str, request: Any, context: Context) -> Call:
         self.in_flight += 1
         own_id = getattr(request, "request_id", "") if not isinstance(request, Undecodable) else ""
-        call = Call(method, request_id(own_id, context.invocation_metadata()), time.monotonic())
+        metadata = context.invocation_metadata()
+        call = Call(method, request_id(own_id, metadata), time.monotonic())
+        call.span = self.tracing.start_call(method, metadata, call.request_id, call.started)
         context.set_trailing_metadata(self._id_trailer(call))
         return call
 
@@ -175,3 +186,4 @@ class Calls:
         line = {"request_id": call.request_id, "method": call.method, "code": code.name, "duration_ms": round(elapsed * 1000, 1)}
         line.update(call.fields)
         log.info("request finished", extra=line)
+        call.span.finish(call, code)

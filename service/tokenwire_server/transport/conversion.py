@@ -17,12 +17,14 @@ from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.validation import Limits
 
 from ..domain import (
+    DEFAULT_TENANT,
     ChatPrompt,
     Encoding,
     FinishReason,
     GenerationRequest,
     InvalidResume,
     ModelDescription,
+    Priority,
     Prompt,
     ResponseFormat,
     SamplingOptions,
@@ -111,6 +113,19 @@ def response_format(request: pb.GenerateRequest) -> ResponseFormat | None:
     return ResponseFormat(kind, spec=getattr(fmt, kind))
 
 
+_PRIORITIES = {
+    pb.PRIORITY_UNSPECIFIED: Priority.NORMAL,
+    pb.PRIORITY_HIGH: Priority.HIGH,
+    pb.PRIORITY_LOW: Priority.LOW,
+}
+PRIORITY_NAMES = {Priority.NORMAL: "PRIORITY_UNSPECIFIED (normal)", Priority.HIGH: "PRIORITY_HIGH", Priority.LOW: "PRIORITY_LOW"}
+
+
+def priority_of(request: pb.GenerateRequest) -> Priority:
+    """The domain priority of a validated request (an unknown value was refused by validation)."""
+    return _PRIORITIES[request.priority]
+
+
 def generation_request(
     request: pb.GenerateRequest,
     request_id: str,
@@ -119,6 +134,7 @@ def generation_request(
     *,
     arrival: float,
     deadline: float | None,
+    tenant: str = DEFAULT_TENANT,
 ) -> GenerationRequest:
     """The engine's request for a validated GenerateRequest whose prompt encoded to ``prompt_ids``.
 
@@ -156,6 +172,8 @@ def generation_request(
         ignore_eos=stopping.ignore_eos,
         time_limit_s=stopping.time_limit_ms / 1000 if stopping.time_limit_ms else None,
         deadline=deadline,
+        tenant=tenant,
+        priority=priority_of(request),
         want_tokens=output.token_ids or output.logprobs or output.top_logprobs > 0,
         want_logprobs=output.logprobs or output.top_logprobs > 0,
         top_logprobs=output.top_logprobs,

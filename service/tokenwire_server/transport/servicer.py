@@ -8,16 +8,18 @@ of the model itself. Status mapping, metrics and the log line are the wrapper's
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from tokenwire.v1 import generation_pb2 as pb
-from tokenwire.validation import validate_generate_request, validate_tokenize_request
+from tokenwire.validation import FieldViolation, Rule, validate_generate_request, validate_tokenize_request
 
 from ..backend import GenerationBackend, Submission
-from ..domain import ErrorEvent, ErrorKind, FinishEvent, ModelDescription, TextEvent
+from ..domain import ErrorEvent, ErrorKind, FinishEvent, ModelDescription, TenantOverLimit, TextEvent
 from ..metrics import Metrics
+from ..security import Identities
+from ..tenancy import QuotaLedger, Tenants
 from . import conversion
 from .calls import Call, Calls, check_decoded, lenient
 from .status import DRAINING, HANDOFF, RpcFailure, from_error, invalid_argument
@@ -25,12 +27,26 @@ from .status import DRAINING, HANDOFF, RpcFailure, from_error, invalid_argument
 if TYPE_CHECKING:
     from .calls import Context
 
+T = TypeVar("T")
+R = TypeVar("R")
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 
 
 class TextGenerationServicer:
-    def __init__(self, metrics: Metrics, *, retry_after_s: float = 0.5, log_prompts: bool = False) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        retry_after_s: float = 0.5,
+        log_prompts: bool = False,
+        tenants: Tenants | None = None,
+        identities: Identities | None = None,
+    ) -> None:
         self._metrics = metrics
+        self._tenants = tenants or Tenants()
+        self._identities = identities or Identities(self._tenants)
+        self._quota = QuotaLedger(self._tenants, retry_after_s)
         self._retry_after_s = retry_after_s
         self._log_prompts = log_prompts
         self._backend: GenerationBackend | None = None
@@ -101,6 +117,17 @@ class TextGenerationServicer:
         if violations:
             raise invalid_argument(violations)
         call.input_field = conversion.input_field(request)
+        tenant = call.tenant = self._identities.tenant_of(context)
+        priority = conversion.priority_of(request)
+        call.priority = priority.label
+        call.fields.update(tenant=tenant, priority=priority.label)
+        policy = self._tenants.policy(tenant)
+        if not policy.allows(priority):
+            names = conversion.PRIORITY_NAMES
+            raise invalid_argument(
+                [FieldViolation("priority", Rule.PRIORITY_ABOVE_CAP.error(value=names[priority], tenant=tenant, limit=names[policy.max_priority]))]
+            )
+        self._refused_for_tenant(self._quota.check, tenant)
         encoding = await backend.encode(conversion.prompt_of(request))
         fmt = conversion.response_format(request)
         if fmt is not None:
@@ -117,8 +144,10 @@ class TextGenerationServicer:
             description,
             arrival=call.started,
             deadline=time.monotonic() + remaining if remaining is not None else None,
+            tenant=tenant,
         )
-        submission = backend.submit(generation)
+        submission = self._refused_for_tenant(backend.submit, generation)
+        charged = len(generation.prompt_ids)  # what the quota is charged if the stream ends early
         metrics = self._metrics
         output: list[str] | None = [] if self._log_prompts else None
         index = first = request.resume.next_index  # a resumed stream goes on from the caller's next index
@@ -140,6 +169,7 @@ class TextGenerationServicer:
                     raise from_error(event.kind, event.message, self._retry_after_s)
                 if index == first:
                     metrics.ttft.observe(now - call.started)
+                    metrics.tenant_ttft.labels(tenant, priority.label).observe(now - call.started)
                 elif isinstance(event, TextEvent):
                     metrics.itl.observe(now - last)
                 last = now
@@ -148,19 +178,34 @@ class TextGenerationServicer:
                 chunk_seed = seed if index == first else None
                 if isinstance(event, FinishEvent):
                     u = event.usage
-                    metrics.generated_tokens.inc(max(0, u.completion_tokens - len(generation.resume_ids)))  # here, not before the cut
+                    new_tokens = max(0, u.completion_tokens - len(generation.resume_ids))  # here, not before the cut
+                    metrics.generated_tokens.inc(new_tokens)
                     metrics.prompt_tokens.inc(u.prompt_tokens)
+                    metrics.tenant_tokens.labels(tenant, priority.label, "prompt").inc(u.prompt_tokens)
+                    metrics.tenant_tokens.labels(tenant, priority.label, "completion").inc(new_tokens)
+                    charged = u.prompt_tokens + new_tokens
+                    call.usage, call.reason = u, event.reason.value
                     metrics.prefix_hit_tokens.inc(u.cached_prompt_tokens)
                     call.fields.update(conversion.usage_fields(u, event.reason))
                     if output is not None:
                         call.fields["output"] = "".join(output)
                     yield conversion.chunk(call.request_id, index, event.text, event.tokens, event.reason, u, chunk_seed)
                     return
+                charged += max(1, len(event.tokens))  # a chunk holds at least one token
                 yield conversion.chunk(call.request_id, index, event.text, event.tokens, seed=chunk_seed)
                 index += 1
         finally:
+            self._quota.charge(tenant, charged)
             self._streams.discard(submission)
             submission.cancel()  # no-op when finished; frees the slot when the client left early
+
+    def _refused_for_tenant(self, admit: Callable[[T], R], arg: T) -> R:
+        """``admit(arg)``, counting a refusal for the tenant's own limit in its metrics."""
+        try:
+            return admit(arg)
+        except TenantOverLimit as exc:
+            self._metrics.tenant_refusals.labels(exc.tenant, exc.limit).inc()
+            raise
 
     async def _tokenize(
         self, request: pb.TokenizeRequest, context: Context, call: Call

@@ -27,6 +27,7 @@ from ..domain import (
     NoChatTemplate,
     NotSupported,
     PromptTooLong,
+    TenantOverLimit,
 )
 
 ERROR_CODES = {
@@ -87,6 +88,15 @@ def resource_exhausted(message: str, retry_after_s: float) -> RpcFailure:
     )
 
 
+def quota_exceeded(exc: TenantOverLimit) -> RpcFailure:
+    """RESOURCE_EXHAUSTED for one tenant's own limit: RetryInfo, and a QuotaFailure naming it."""
+    failure = resource_exhausted(str(exc), exc.retry_after_s)
+    quota = error_details_pb2.QuotaFailure(
+        violations=[error_details_pb2.QuotaFailure.Violation(subject=exc.subject, description=f"{exc.limit}: {exc}")]
+    )
+    return RpcFailure(failure.code, failure.message, [*failure.details, _pack(quota)], failure.trailers)
+
+
 def from_error(kind: ErrorKind, message: str, retry_after_s: float) -> RpcFailure:
     if kind is ErrorKind.OUT_OF_MEMORY:
         return resource_exhausted(message, retry_after_s)
@@ -109,6 +119,8 @@ def failure_of(exc: BaseException, input_field: str = "input") -> RpcFailure | N
     """The status a domain exception ends a call with; None for an unexpected one (a bug)."""
     if isinstance(exc, RpcFailure):
         return exc
+    if isinstance(exc, TenantOverLimit):
+        return quota_exceeded(exc)
     if isinstance(exc, EngineOverloaded):
         return resource_exhausted(str(exc), exc.retry_after_s)
     if isinstance(exc, EngineFaulted):
