@@ -511,3 +511,21 @@ def test_a_newcomer_keeps_preempting_up_to_its_share_and_no_further() -> None:
     assert [n for n in names if n.startswith("b")] == ["b0", "b1"]
     assert s.queue.victim() is None
     assert sum(row.seq.request.tenant == "a" for row in s.rows) == 2
+
+
+def test_a_call_that_preempted_has_its_prompt_read_alone_in_the_next_step() -> None:
+    """Its first token waits for one light step, not a whole batch's; then everyone decodes."""
+    s = tenant_scheduler(TenantPolicy("a"), TenantPolicy("b"), max_active=4)
+    for i in range(6):
+        s.queue.put(seq("a", new=40, name=f"a{i}"))
+    step(s, 3)
+    s.queue.put(seq("b", prompt=12, new=8, name="b0"))
+    s.admit()
+    plan = s.schedule()
+    assert plan is not None
+    assert [(p.row.seq.request.request_id, p.count, p.decodes) for p in plan.parts] == [("b0", 12, False)]
+    s.postprocess(plan, [(7, None, ())])
+    plan = s.schedule()
+    assert plan is not None and len(plan.parts) == 4 and all(p.decodes for p in plan.parts)
+    # the preempted row, admitted again later, is read with the others as usual (not alone)
+    assert not any(row.urgent for row in s.rows)

@@ -9,7 +9,8 @@ One step of the engine is ``schedule()`` → the runner's ``run(plan)`` → ``po
 - ``schedule`` plans one forward pass: every decoding row's next token and, while
   anyone decodes, up to ``max_prefill_tokens`` tokens of waiting prompts (chunked
   prefill, a token at column c counting ``1 + c / span_columns``); with nobody
-  decoding, up to ``IDLE_PREFILL_TOKENS``. Each part gets the blocks it writes to.
+  decoding, up to ``IDLE_PREFILL_TOKENS``. A row that just took its slot by preemption
+  (``Row.urgent``) has its short prompt read alone first. Each part gets the blocks it writes to.
   Nothing about a row changes until ``postprocess``: a plan that fails (out of memory)
   is planned again without its newest row, and the others get the same tokens.
 - ``postprocess`` commits the plan: lengths move, full prompt blocks are published to
@@ -47,6 +48,10 @@ class Row:
     decoding: bool = False  # the prompt is read; the next token is ``last``
     last: int = 0
     published: int = 0  # leading blocks in the prefix cache
+    # Took its slot by preemption (a HIGH call, or a tenant below its share): its short prompt
+    # is read alone in the next step, so its first token waits for one light step, not a
+    # full batch's (the other rows skip that one step).
+    urgent: bool = False
 
     @property
     def table(self) -> list[int]:
@@ -123,8 +128,9 @@ class Scheduler:
 
     def admit(self) -> None:
         room = self.max_active - len(self.rows)
+        preempted = False
         if room <= 0:
-            self.preempt()
+            preempted = self.preempt() is not None
             room = self.max_active - len(self.rows)
         if room <= 0:
             return
@@ -179,7 +185,8 @@ class Scheduler:
             lease, keys = taken
             seq.cached_prompt_tokens = lease.cached_tokens
             shared = lease.cached_tokens // pool.block_size
-            self.rows.append(Row(seq, lease, keys, length=lease.cached_tokens, published=shared))
+            urgent = preempted and not seq.preemptions and seq.context_len - lease.cached_tokens <= self.max_prefill_tokens
+            self.rows.append(Row(seq, lease, keys, length=lease.cached_tokens, published=shared, urgent=urgent))
         self._last_busy_rows = max(self._last_busy_rows, len(self.rows))
 
     # -- planning --------------------------------------------------------------------
@@ -207,6 +214,11 @@ class Scheduler:
 
     def schedule(self) -> Plan | None:
         """The next step's plan (None: nothing to run); each part's blocks are taken from its promise."""
+        urgent = next((row for row in self.rows if row.urgent and not row.decoding and row.length < row.seq.context_len), None)
+        if urgent is not None:  # its whole prompt, alone (see Row.urgent)
+            part = Part(urgent, urgent.length, urgent.seq.context_len - urgent.length, False)
+            self.pool.grow(urgent.lease, part.start + part.count)
+            return Plan([part], part.count)
         decoding = [row for row in self.rows if row.decoding]
         chunks, used = self._next_chunks(decoding=bool(decoding))
         if not decoding and not chunks:
@@ -234,7 +246,7 @@ class Scheduler:
         for row, (token, logprob, top_alternatives) in zip(plan.emitters, picks, strict=True):
             if row.decoding:
                 row.length += 1
-            row.decoding, row.last = True, token
+            row.decoding, row.last, row.urgent = True, token, False
             if not row.seq.finished and not row.seq.handle.cancelled:
                 row.seq.add_token(token, logprob, top_alternatives)
         self.retire(expire=False)
