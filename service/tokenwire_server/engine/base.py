@@ -120,10 +120,13 @@ class AdmissionQueue:
             lane = self._lanes[tenant] = _Lane(self._tenants.policy(tenant))
         return lane
 
+    def _present(self, joining: _Lane | None = None) -> list[_Lane]:
+        """The tenants with work here (running or waiting), and ``joining``: those that shares are taken among."""
+        return [other for other in self._lanes.values() if other.queued or other.active or other is joining]
+
     def _queue_share(self, lane: _Lane) -> int:
         """``lane``'s weighted share of ``max_queue`` among the tenants with work here."""
-        present = [other for other in self._lanes.values() if other.queued or other.active or other is lane]
-        total = sum(other.policy.weight for other in present)
+        total = sum(other.policy.weight for other in self._present(lane))
         return max(1, int(self._limits.max_queue * lane.policy.weight / total))
 
     def put(self, seq: Generation, check: Callable[[int | None], None] | None = None) -> None:
@@ -192,7 +195,7 @@ class AdmissionQueue:
             lows = [other for other in self._lanes.values() if other.running[Priority.LOW]]
             if lows:
                 return max(lows, key=lambda other: other.tag), Priority.LOW
-        present = [other for other in self._lanes.values() if other.queued or other.active or other is lane]
+        present = self._present(lane)
         total = sum(other.policy.weight for other in present)
         slots = self._limits.max_active
 
@@ -210,7 +213,7 @@ class AdmissionQueue:
 
     def _below_share(self) -> Callable[[_Lane], bool]:
         """Whether a tenant runs fewer than its weighted share of the slots, among the tenants with work."""
-        total = sum(lane.policy.weight for lane in self._lanes.values() if lane.queued or lane.active)
+        total = sum(lane.policy.weight for lane in self._present())
         slots = self._limits.max_active
         return lambda lane: lane.active < slots * lane.policy.weight / max(total, lane.policy.weight)
 
