@@ -28,7 +28,7 @@ SERVER_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.tokenwire-setup
 
-.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-quality bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-structured bench-tenants soak clean setup-vllm test-vllm setup-llamacpp js-deps test-gpu
+.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-quality bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-structured bench-tenants soak clean setup-vllm test-vllm setup-llamacpp js-deps test-gpu gpu-wheels
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -72,8 +72,23 @@ js-deps: $(JS_STAMP) ## install the grpc-js client the tests use (npm ci in test
 test: model kernels $(JS_STAMP) ## run the whole test suite (creates everything it needs)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-gpu: model ## the GPU subset: the contract on CUDA in bf16, batched == alone, OOM, drain (skipped without a GPU)
+# On a bare GPU machine (benchmarks/gpu-check.sh) the tests build their tiny model around the
+# tokenizer the bundle carries (TOKENWIRE_TOKENIZER_DIR), with that machine's python (PY=python3).
+test-gpu: $(if $(TOKENWIRE_TOKENIZER_DIR),,model) ## the GPU subset: the contract on CUDA in bf16 on both forwards, batched == alone, OOM, drain, a sticky fault (skipped without a GPU)
 	$(PY) -m pytest tests/gpu $(PYTEST_ARGS)
+
+# What a bare GPU machine lacks for benchmarks/gpu-check.sh: the wheels in
+# benchmarks/gpu-wheels.txt for its Python (the device machines run 3.12), and the default
+# model's tokenizer files; 60 MiB at most, checked. Carry $(GPU_BUNDLE) there.
+GPU_PYTHON ?= 3.12
+GPU_BUNDLE ?= .gpu
+GPU_PLATFORMS := $(foreach n,28 27 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
+gpu-wheels: model ## pack .gpu/ for benchmarks/gpu-check.sh on a bare GPU machine: wheels for Python $(GPU_PYTHON) (benchmarks/gpu-wheels.txt) and the tokenizer
+	rm -rf $(GPU_BUNDLE)/wheels && mkdir -p $(GPU_BUNDLE)/wheels
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	  $(GPU_PLATFORMS) -d $(GPU_BUNDLE)/wheels -r benchmarks/gpu-wheels.txt
+	$(PY) -m benchmarks.gpu_bundle pack $(GPU_BUNDLE)
+	$(PY) -m benchmarks.gpu_bundle check $(GPU_BUNDLE) --python $(GPU_PYTHON)
 
 test-fast: setup $(JS_STAMP) ## run the suite without the end-to-end tests on the real model
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)

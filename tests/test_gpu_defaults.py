@@ -87,3 +87,22 @@ def test_on_one_gpu_the_weights_load_straight_onto_it(tiny_model_dir, monkeypatc
     with pytest.raises(model_module.ModelLoadError, match="stop here"):
         model_module.load_model(str(tiny_model_dir))
     assert seen["device_map"] == "auto"  # several GPUs: accelerate spreads the layers
+
+
+def test_a_process_capped_by_a_memory_fraction_sizes_from_its_cap_not_the_whole_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 24 GB card tested on a 141 GB one (``set_per_process_memory_fraction``), or a shared
+    GPU: the cap is the total, and free is the cap less what torch's allocator holds."""
+    import torch
+    from tokenwire_server.model import device_memory
+
+    gib = 2**30
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (120 * gib, 141 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 16 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: 1.0)
+    assert device_memory(device) == (141 * gib, 120 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: 24 / 141)
+    total, free = device_memory(device)
+    assert total == int(141 * gib * 24 / 141) and free == total - 16 * gib
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 30 * gib)
+    assert device_memory(device)[1] == 0  # past its cap: nothing free, never negative

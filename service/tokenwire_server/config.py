@@ -43,6 +43,8 @@ class ServerConfig:
     omp_spin_count: int = 1000
     forward: str = "auto"
     kernels: str = "auto"
+    step_graphs: str = "auto"
+    compile_step: str = "off"
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 2048
     max_stop_sequences: int = 16
@@ -145,6 +147,17 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         "(built once with the host's C++ compiler, cached; float32 on an AVX2+FMA CPU) where they build, else stock "
         "torch ops; compiled: insist on them; torch: never",
         ("auto", "compiled", "torch"),
+    ),
+    "step_graphs": (
+        "native pass: decode steps padded to batch buckets (1, 2, 4 ... up to --max-active) and replayed as one CUDA "
+        "graph per bucket; prompt chunks run eagerly. auto: on CUDA; cuda: insist; static: the same fixed-shape step "
+        "without a graph (any device, for checking); off: the eager step",
+        ("auto", "off", "static", "cuda"),
+    ),
+    "compile_step": (
+        "native pass: compile the fixed-shape decode step with torch.compile (inductor) once per bucket, before it is "
+        "graphed; on: also on a CPU, where the step then runs static",
+        ("off", "on"),
     ),
     "default_max_new_tokens": ("max_new_tokens when a request leaves it unset", None),
     "max_new_tokens_limit": ("cap on max_new_tokens; above it is INVALID_ARGUMENT", None),

@@ -245,16 +245,31 @@ def device_memory_after_warmup(loaded: LoadedModel, tokens: int) -> tuple[int, i
         loaded.model(input_ids=ids, use_cache=False, logits_to_keep=1)
     torch.cuda.synchronize(device)
     peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
-    free, total = torch.cuda.mem_get_info(device)
+    total, free = device_memory(device)
     return int(total), int(total - free + peak_extra)
 
 
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """``(total, free)`` bytes this process may use on ``device``. A process capped by
+    ``torch.cuda.set_per_process_memory_fraction`` (a shared GPU, or a test of a smaller card
+    on a larger one) sees its cap as the total, and the cap less what torch's allocator holds
+    as free: ``mem_get_info`` reads the whole device and would size a KV cache the allocator
+    then refuses."""
+    free, total = torch.cuda.mem_get_info(device)
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = float(getter(device)) if getter is not None else 1.0
+    if fraction < 1.0:
+        cap = int(total * fraction)
+        return cap, max(0, min(int(free), cap - int(torch.cuda.memory_reserved(device))))
+    return int(total), int(free)
+
+
 def free_device_memory(loaded: LoadedModel) -> int | None:
-    """Free bytes on the GPU that holds the model's first layer; None off CUDA."""
+    """Free bytes on the GPU that holds the model's first layer (within this process's cap,
+    ``device_memory``); None off CUDA."""
     if loaded.device.type != "cuda":
         return None
-    free, _total = torch.cuda.mem_get_info(loaded.device)
-    return int(free)
+    return device_memory(loaded.device)[1]
 
 
 def default_cache_dir(cache_dir: str = "") -> Path:

@@ -253,6 +253,8 @@ class TokenwireServer:
             own_weights=True,
             kernels=config.kernels,
             prefix_cache=config.prefix_cache == "on",
+            step_graphs=config.step_graphs,
+            compile_step=config.compile_step == "on",
         )
         engine.start()
         self.metrics.watch_gpu(gpu_memory_probe(loaded), nvml_probe())

@@ -27,13 +27,18 @@ def create_engine(
     own_weights: bool = False,
     kernels: str = "auto",
     prefix_cache: bool = True,
+    step_graphs: str = "auto",
+    compile_step: bool = False,
 ) -> Engine:
     """``own_weights``: the engine may drop the model's plain weights where it keeps its
     own (packed) copy; the model's own ``forward`` cannot run afterwards."""
     if name == "batched":
         from .batched import BatchedEngine
 
-        return BatchedEngine(loaded, limits, observer, forward=forward, own_weights=own_weights, kernels=kernels, prefix_cache=prefix_cache)
+        return BatchedEngine(
+            loaded, limits, observer, forward=forward, own_weights=own_weights, kernels=kernels, prefix_cache=prefix_cache,
+            step_graphs=step_graphs, compile_step=compile_step,
+        )  # fmt: skip
     if name == "simple":
         from .simple import SimpleEngine
 

@@ -37,6 +37,7 @@ from ..domain import EngineObserver, EngineStats, ErrorKind, GenerationRequest
 from ..model import LoadedModel, attention_shape
 from .base import Engine, EngineLimits
 from .blocks import BLOCK_SIZE, BlockPool, blocks_for
+from .graphs import DecodeGraphs, resolve_mode
 from .kv import PagedCache, layer_placements
 from .native import NativeForward, unsupported_reason
 from .runner import FORWARDS, ModelRunner
@@ -85,6 +86,8 @@ class BatchedEngine(Engine):
         own_weights: bool = False,
         kernels: str = "auto",
         prefix_cache: bool = True,
+        step_graphs: str = "auto",
+        compile_step: bool = False,
     ) -> None:
         super().__init__(loaded, limits, observer)
         if forward not in FORWARDS:
@@ -121,8 +124,26 @@ class BatchedEngine(Engine):
             # forward until the native pass has been run there (``--forward native`` opts in).
             reason = f"auto takes the native pass on a CPU only (device {loaded.device.type})"
         if forward != "transformers" and reason is None:
-            native = NativeForward(loaded.model, self._cache, limits.max_active, release_weights=own_weights, kernel_choice=kernels)
-        self.runner = ModelRunner(loaded, self._cache, native)
+            native = NativeForward(
+                loaded.model, self._cache, limits.max_active, release_weights=own_weights, kernel_choice=kernels, pack_weights=not compile_step
+            )
+        graph_mode, why_no_graphs = resolve_mode(step_graphs, native is not None, loaded.device, compile_step)
+        graphs: DecodeGraphs | None = None
+        if graph_mode != "off":
+            assert native is not None
+            graphs = DecodeGraphs(
+                native.decode_step,
+                loaded.device,
+                BLOCK_SIZE,
+                self._cache.scratch,
+                limits.max_active,
+                min(self.pool.num_blocks, blocks_for(loaded.context_length)),
+                loaded.pad_token_id,
+                capture=graph_mode == "cuda",
+                compile_step=compile_step,
+            )
+        self.runner = ModelRunner(loaded, self._cache, native, graphs)
+        self.step_graphs = graph_mode
         self.forward = "native" if native is not None else "transformers"
         # What the native pass runs around its GEMMs (None: transformers' forward).
         self.kernels = None if native is None else "compiled" if native.compiled else "torch"
@@ -135,6 +156,9 @@ class BatchedEngine(Engine):
                 "why_not_compiled": native.ops_reason if native is not None else None,
                 "compiled_ops_on_torch": native.ops_fallbacks if native is not None else None,
                 "why_not_native": (reason or f"--forward {forward}") if native is None else None,
+                "step_graphs": graph_mode,
+                "compiled_step": compile_step and graphs is not None,
+                "why_no_step_graphs": why_no_graphs,
                 "kv_blocks": self.pool.num_blocks,
                 "kv_block_tokens": BLOCK_SIZE,
                 "kv_cache_bytes": self._cache.nbytes(),

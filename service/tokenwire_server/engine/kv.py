@@ -96,7 +96,7 @@ def places(tables: list[list[int]], starts: list[int], counts: list[int], block_
 def flat_index(blocks: torch.Tensor, offsets: torch.Tensor, heads: int, block_size: int) -> torch.Tensor:
     """Where each (token, kv head) vector goes in a layer's buffer flattened to
     ``[(num_blocks + 1) * heads * block_size, dim]``; the order is token, head."""
-    head = torch.arange(heads, dtype=torch.long).view(1, heads)
+    head = torch.arange(heads, dtype=torch.long, device=blocks.device).view(1, heads)
     return ((blocks.view(-1, 1) * heads + head) * block_size + offsets.view(-1, 1)).reshape(-1)
 
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from ..model import attention_shape
 from ..quantize import Int8Linear
 from . import kernels
-from .kv import PagedCache, places
+from .kv import PagedCache, flat_index, places, write
 from .ops import (
     CompiledOps,
     GroupedAttention,
@@ -57,6 +57,7 @@ from .ops import (
     TorchOps,
     chunk_attention,
     chunk_plan,
+    static_decode_attention,
 )
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,9 @@ class Layer:
 class NativeForward:
     """The forward pass of a Llama-shaped model over a ``PagedCache``; weights taken from the loaded model."""
 
-    def __init__(self, model: Any, cache: PagedCache, batch_hint: int, release_weights: bool = False, kernel_choice: str = "auto") -> None:
+    def __init__(
+        self, model: Any, cache: PagedCache, batch_hint: int, release_weights: bool = False, kernel_choice: str = "auto", pack_weights: bool = True
+    ) -> None:
         if kernel_choice not in KERNEL_CHOICES:
             raise ValueError(f"unknown kernels {kernel_choice!r}; expected one of {', '.join(KERNEL_CHOICES)}")
         config = model.config
@@ -205,7 +208,9 @@ class NativeForward:
         self.eps = float(config.rms_norm_eps)
         self.scale = self.head_dim**-0.5
         self.cache = cache
-        packed = onednn_available(self.device) and self.dtype == torch.float32
+        # oneDNN's packed GEMM is an op torch.compile cannot trace (no fake kernel): a
+        # compiled step (``--compile-step``) takes plain weights, and inductor picks the GEMM.
+        packed = pack_weights and onednn_available(self.device) and self.dtype == torch.float32
         self.packed = packed
         release = release_weights
         head = model.get_output_embeddings()
@@ -256,6 +261,9 @@ class NativeForward:
         self.intermediate = int(config.intermediate_size)
         library, self.ops_reason = self._compiled_ops(kernel_choice)
         heads, kv_heads, head_dim, intermediate = self.heads, self.kv_heads, self.head_dim, self.intermediate
+        # The fixed-shape decode step (``decode_step``, what ``graphs`` captures) runs stock torch
+        # ops on any device: the compiled CPU ops are not for a CUDA graph.
+        self.static_ops = TorchOps(self.eps, heads, kv_heads, head_dim, intermediate)
         self.ops: TorchOps = (
             TorchOps(self.eps, heads, kv_heads, head_dim, intermediate)
             if library is None
@@ -360,3 +368,36 @@ class NativeForward:
 
         picked = hidden if emit == list(range(tokens)) else hidden.index_select(0, torch.tensor(emit, dtype=torch.long, device=device))
         return self.lm_head(ops.rms_norm(picked, self.norm)).float()
+
+    def decode_step(
+        self, ids: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """One decode step in fixed shapes: ``rows`` one-token rows (``ids``, ``positions``,
+        ``blocks``/``offsets`` where each writes, ``lengths`` = position + 1: ``[rows]``;
+        ``tables``: ``[rows, width]``), all already on the device. Every row reads its
+        table's full width, masked past its length, so the shapes depend on ``rows`` and
+        ``width`` alone and no value goes back to the host: ``graphs.DecodeGraphs`` captures
+        this as a CUDA graph per (rows, width) bucket. Padding rows write the scratch block.
+        Returns ``[rows, vocab]`` fp32 logits. Called under the runner's inference mode (not
+        decorated: ``torch.compile`` traces it)."""
+        ops = self.static_ops
+        rows = int(ids.shape[0])
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        hidden = F.embedding(ids, self.embed)
+        if self.embed_scale != 1.0:
+            hidden = hidden * self.embed_scale
+        cos, sin = ops.rope_tables(*self.rotary(hidden, positions.unsqueeze(0)))
+        flat = flat_index(blocks, offsets, kv_heads, self.cache.block_size)
+        for index, layer in enumerate(self.layers):
+            normed = ops.rms_norm(hidden, layer.input_norm)
+            qkv = layer.qkv(normed)
+            qk = ops.rope(qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+            keys, values = self.cache.layers[index].keys, self.cache.layers[index].values
+            write(keys, values, flat, k, v)
+            attended = static_decode_attention(q.contiguous(), keys, values, tables, lengths, kv_heads, self.scale)
+            hidden = layer.out.plus(attended.reshape(rows, heads * dim), hidden)
+            normed = ops.rms_norm(hidden, layer.post_norm)
+            hidden = layer.down.plus(ops.silu_mul(layer.gate_up(normed)), hidden)
+        return self.lm_head(ops.rms_norm(hidden, self.norm)).float()

@@ -191,6 +191,23 @@ class GroupedAttention:
         return out[0] if len(out) == 1 else torch.cat(out)
 
 
+def static_decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, kv_heads: int, scale: float
+) -> torch.Tensor:
+    """One-token rows over their tables in fixed shapes (the compiled decode step, ``graphs``):
+    every row reads ``tables``' full width, columns from its own length on masked (and zeroed
+    in the copy, so the scratch block's garbage cannot be NaN). Nothing here depends on a
+    host value: a CUDA graph can hold it. ``q``: ``[rows, heads, dim]``; ``tables``:
+    ``[rows, width]``; ``lengths``: ``[rows]``, all on the buffers' device."""
+    rows, heads, dim = q.shape
+    columns = int(tables.shape[1]) * int(keys.shape[2])
+    sk, sv = gather(keys, values, tables, columns, lengths)
+    mask = (torch.arange(columns, device=q.device).view(1, columns) < lengths.view(-1, 1)).view(rows, 1, 1, columns)
+    grouped = q.view(rows, kv_heads, heads // kv_heads, dim)
+    attended = F.scaled_dot_product_attention(grouped, sk, sv, attn_mask=mask, scale=scale)
+    return attended.reshape(rows, heads, dim)
+
+
 def chunk_plan(chunks: list[Segment], block_size: int, scratch: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each prompt chunk's table and causal mask ``[1, 1, count, start + count]``."""
     out = []

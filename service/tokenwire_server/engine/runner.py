@@ -12,6 +12,10 @@ Two forward passes run a plan, both over the paged KV cache (``kv.PagedCache``):
   pass's keys and values into the rows' blocks and gathers their columns for attention,
   and a 4D mask hides, per row, every column past its own position.
 
+A step of decode rows alone may instead go through ``graphs.DecodeGraphs`` (``--step-graphs``):
+the native pass's fixed-shape ``decode_step``, padded to a batch bucket and replayed as a
+CUDA graph on a GPU.
+
 Rows are at different lengths: each has its own position ids and reads only its own
 columns, so a row computes what it would alone. Tokens are picked for all the rows that
 emit at once by the shared ``Sampler``.
@@ -26,6 +30,7 @@ import torch
 
 from ..model import LoadedModel
 from .blocks import blocks_for
+from .graphs import DecodeGraphs
 from .kv import PagedCache, places, table_tensor
 from .native import NativeForward
 from .ops import Segment
@@ -57,12 +62,14 @@ def cache_argument(model: object) -> str:
 
 
 class ModelRunner:
-    """Runs plans over one model and its cache; ``native`` is None for transformers' forward."""
+    """Runs plans over one model and its cache; ``native`` is None for transformers' forward;
+    ``graphs`` (native pass only) runs the steps of one-token rows in fixed-shape buckets."""
 
-    def __init__(self, loaded: LoadedModel, cache: PagedCache, native: NativeForward | None) -> None:
+    def __init__(self, loaded: LoadedModel, cache: PagedCache, native: NativeForward | None, graphs: DecodeGraphs | None = None) -> None:
         self.loaded = loaded
         self.cache = cache
         self.native = native
+        self.graphs = graphs
         self.sampler = Sampler(loaded.eos_token_ids)
         self._cache_arg = cache_argument(loaded.model)
         self._mask_dtype = loaded.model.dtype if loaded.model.dtype.is_floating_point else torch.float32
@@ -70,9 +77,19 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: Plan) -> list[tuple[int, float | None, Any]]:
         """Run the plan's forward pass(es) and pick a token for each row that emits, in plan order."""
-        logits = self._native(plan) if self.native is not None else self._transformers(plan)
+        logits = self._graphed(plan)
+        if logits is None:
+            logits = self._native(plan) if self.native is not None else self._transformers(plan)
         emitters = plan.emitters
         return self.sampler(logits, [row.seq for row in emitters]) if emitters else []
+
+    def _graphed(self, plan: Plan) -> torch.Tensor | None:
+        """A step of decode rows alone through ``graphs`` (None: no graphs, a prompt chunk in the
+        step, or more rows than the largest bucket)."""
+        parts = plan.parts
+        if self.graphs is None or not parts or not all(part.decodes for part in parts):
+            return None
+        return self.graphs.run([part.row.last for part in parts], [part.start for part in parts], [part.row.table for part in parts])
 
     def _native(self, plan: Plan) -> torch.Tensor:
         assert self.native is not None

@@ -1,0 +1,176 @@
+"""The compiled decode step (``engine/graphs.py``), checked on a CPU.
+
+A CUDA graph holds what ``graphs.DecodeGraphs`` feeds it: the native pass's fixed-shape
+``decode_step`` over a bucket's buffers. ``--step-graphs static`` runs that same step
+and those same buffers without the graph, so here, without a GPU:
+
+- the buckets: batch sizes, table widths, what falls back to the eager step;
+- which mode ``--step-graphs`` / ``--compile-step`` come to, and what they refuse;
+- the fixed-shape step's logits equal the eager native pass's, with padding rows in the
+  bucket, on a cache whose unused memory is NaN, and it writes nowhere but each row's
+  own column and the scratch block;
+- the engine gives the same greedy and seeded tokens with ``static`` as with the eager
+  step, steps of decode rows alone go through a bucket and steps with a prompt chunk do not;
+- ``--compile-step on`` (inductor's C++ backend on this CPU) gives the same tokens.
+
+What only a GPU shows (the capture itself, its speed) is ``make test-gpu`` and
+``benchmarks/gpu-check.sh``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_support import fresh_cache, run_all, slot_segment, slot_table
+from tokenwire_server.config import parse_config
+from tokenwire_server.domain import GenerationRequest, SamplingOptions
+from tokenwire_server.engine import create_engine
+from tokenwire_server.engine.base import EngineLimits
+from tokenwire_server.engine.graphs import DecodeGraphs, batch_buckets, bucket_for, resolve_mode, width_for
+from tokenwire_server.engine.native import NativeForward
+from tokenwire_server.model import load_model
+
+pytestmark = pytest.mark.timeout(600)
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_batch_buckets_reach_the_first_at_or_past_max_active() -> None:
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(16) == (1, 2, 4, 8, 16)
+    assert batch_buckets(12) == (1, 2, 4, 8, 16)
+    assert batch_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert batch_buckets(200) == (1, 2, 4, 8, 16, 32, 64, 128, 200)
+    assert [bucket_for(n, batch_buckets(16)) for n in (1, 2, 3, 5, 9, 16, 17)] == [1, 2, 4, 8, 16, 16, None]
+
+
+def test_table_widths_are_powers_of_two_up_to_a_rows_most() -> None:
+    assert [width_for(b, 128) for b in (0, 1, 2, 3, 5, 8, 9, 100, 128)] == [1, 1, 2, 4, 8, 8, 16, 128, 128]
+    assert width_for(9, 12) == 12  # a row never has more blocks than the context holds
+
+
+def test_the_modes_graph_on_cuda_by_default_and_refuse_what_cannot_run() -> None:
+    assert resolve_mode("auto", True, CUDA) == ("cuda", None)
+    mode, why = resolve_mode("auto", True, CPU)
+    assert mode == "off" and why is not None and "CUDA" in why
+    assert resolve_mode("auto", True, CPU, compile_step=True) == ("static", None)
+    assert resolve_mode("auto", False, CUDA)[0] == "off"  # transformers' forward: nothing to graph
+    assert resolve_mode("static", True, CPU) == ("static", None)
+    assert resolve_mode("off", True, CUDA) == ("off", "--step-graphs off")
+    with pytest.raises(ValueError, match="--step-graphs cuda needs a CUDA device"):
+        resolve_mode("cuda", True, CPU)
+    with pytest.raises(ValueError, match="needs the native pass"):
+        resolve_mode("static", False, CPU)
+    with pytest.raises(ValueError, match="--compile-step on needs the native pass"):
+        resolve_mode("auto", False, CPU, compile_step=True)
+    with pytest.raises(ValueError, match="not with --step-graphs off"):
+        resolve_mode("off", True, CPU, compile_step=True)
+    with pytest.raises(ValueError, match="unknown step graphs"):
+        resolve_mode("always", True, CPU)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        DecodeGraphs(lambda *a: torch.zeros(0), CPU, 16, 0, 4, 4, 0, capture=True)
+
+
+def test_the_flags_parse() -> None:
+    config = parse_config(["--step-graphs", "static", "--compile-step", "on"])
+    assert (config.step_graphs, config.compile_step) == ("static", "on")
+    assert (parse_config([]).step_graphs, parse_config([]).compile_step) == ("auto", "off")
+    with pytest.raises(SystemExit):
+        parse_config(["--step-graphs", "sometimes"])
+
+
+def test_the_fixed_shape_step_matches_the_eager_pass_and_writes_only_its_rows_and_scratch(tiny_model_dir: Path) -> None:
+    loaded = load_model(str(tiny_model_dir))
+    cache = fresh_cache(loaded.model, poisoned=True)  # unused memory is NaN: any stray read shows
+    native = NativeForward(loaded.model, cache, batch_hint=4, kernel_choice="torch")
+    generator = torch.Generator().manual_seed(3)
+    # Three rows at different lengths (one past a block boundary), prompts read eagerly.
+    lengths = [5, 17, 33]
+    prompts = [torch.randint(10, loaded.vocab_size, (n,), generator=generator) for n in lengths]
+    for slot, prompt in enumerate(prompts):
+        native(prompt, torch.arange(len(prompt)), [slot_segment(slot, 0, len(prompt))], [len(prompt) - 1])
+    nxt = [7, 8, 9]
+    eager = native(torch.tensor(nxt), torch.tensor(lengths), [slot_segment(s, n, 1) for s, n in enumerate(lengths)], [0, 1, 2])
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+    graphs = DecodeGraphs(native.decode_step, CPU, cache.block_size, cache.scratch, max_rows=4, max_width=16, pad_id=0, capture=False)
+    tables = [list(slot_table(s)) for s in range(3)]
+    with torch.inference_mode():
+        static = graphs.run(nxt, lengths, tables)
+    assert static is not None and static.shape == eager.shape
+    assert torch.isfinite(static).all()
+    assert (static - eager).abs().max().item() < 1e-4
+    assert graphs.keys() == [(4, 4)]  # 3 rows in the bucket of 4 (a padding row); 34 columns: 3 blocks -> width 4
+
+    # Nothing moved but each row's own column (rewritten: the same token) and the scratch block.
+    written = {(slot_table(s)[n // 16], n % 16) for s, n in enumerate(lengths)}
+    for (keys_before, values_before), layer in zip(before, cache.layers, strict=True):
+        for block in range(cache.scratch):
+            for offset in range(16):
+                if (block, offset) in written:
+                    continue
+                for old, new in ((keys_before, layer.keys), (values_before, layer.values)):
+                    assert torch.equal(old[block, :, offset].nan_to_num(7.0), new[block, :, offset].nan_to_num(7.0)), (block, offset)
+
+
+def test_more_rows_than_the_largest_bucket_or_a_wider_table_fall_back_to_the_eager_step(tiny_model_dir: Path) -> None:
+    loaded = load_model(str(tiny_model_dir))
+    cache = fresh_cache(loaded.model)
+    native = NativeForward(loaded.model, cache, batch_hint=4, kernel_choice="torch")
+    graphs = DecodeGraphs(native.decode_step, CPU, cache.block_size, cache.scratch, max_rows=2, max_width=2, pad_id=0, capture=False)
+    tables = [list(slot_table(s)) for s in range(3)]
+    with torch.inference_mode():
+        assert graphs.run([1, 2, 3], [0, 0, 0], tables) is None  # 3 rows: buckets stop at 2
+        assert graphs.run([1], [40], tables[:1]) is None  # 41 columns: 3 blocks, wider than 2
+        assert graphs.run([1, 2], [0, 20], tables[:2]) is not None
+    assert graphs.keys() == [(2, 2)] and graphs.replays == 1
+
+
+def requests_for(loaded: object, sampled: bool) -> list[GenerationRequest]:
+    tok = loaded.tokenizer  # type: ignore[attr-defined]
+    out = []
+    for i in range(5):
+        sampling = SamplingOptions(temperature=0.8, top_p=0.9, seed=100 + i) if sampled and i % 2 else SamplingOptions(temperature=0.0)
+        prompt = tok(f"Story {i}: " + "once upon a time " * (i * 4))["input_ids"]
+        out.append(GenerationRequest(f"r{i}", prompt, sampling, 24, ignore_eos=True, want_tokens=True))
+    return out
+
+
+def generate(model_dir: Path, step_graphs: str, compile_step: bool = False, max_active: int = 8) -> tuple[list[list[int]], object]:
+    loaded = load_model(str(model_dir))
+    engine = create_engine(
+        "batched", loaded, EngineLimits(max_active, 8, 8 * 1024, max_prefill_tokens=16), workers=1,
+        kernels="torch", step_graphs=step_graphs, compile_step=compile_step,
+    )  # fmt: skip
+    engine.start()
+    try:
+        recorders = run_all(engine, requests_for(loaded, sampled=True), timeout=300)
+    finally:
+        engine.close()
+    return [r.token_ids for r in recorders], engine
+
+
+def test_the_engine_gives_the_same_tokens_through_the_buckets_as_eagerly(tiny_model_dir: Path) -> None:
+    eager, plain = generate(tiny_model_dir, "off")
+    assert plain.runner.graphs is None  # type: ignore[attr-defined]
+    static, engine = generate(tiny_model_dir, "static")
+    assert static == eager
+    graphs = engine.runner.graphs  # type: ignore[attr-defined]
+    assert engine.step_graphs == "static" and graphs is not None  # type: ignore[attr-defined]
+    # Steps of decode rows alone went through a bucket; those that read a prompt chunk (the
+    # 16-token prefill budget splits every prompt) did not.
+    assert 0 < graphs.replays < engine.steps + engine.prefill_steps  # type: ignore[attr-defined]
+    assert {rows for rows, _ in graphs.keys()} <= {1, 2, 4, 8}
+    assert graphs.captures == len(graphs.keys())
+
+
+def test_a_compiled_step_on_this_cpu_gives_the_same_tokens(tiny_model_dir: Path) -> None:
+    """inductor's C++ backend compiles the step once per bucket (2 buckets here: max_active 2)."""
+    eager, _ = generate(tiny_model_dir, "off", max_active=2)
+    compiled, engine = generate(tiny_model_dir, "auto", compile_step=True, max_active=2)
+    assert engine.step_graphs == "static"  # type: ignore[attr-defined]
+    graphs = engine.runner.graphs  # type: ignore[attr-defined]
+    assert graphs.compiled and graphs.replays > 0
+    assert engine.runner.native.packed is False  # type: ignore[attr-defined]  # plain weights: inductor traces them
+    assert compiled == eager
