@@ -39,6 +39,7 @@ import dataclasses
 import logging
 import mmap
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,6 +64,8 @@ from .ops import (
 log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = frozenset({"llama"})
+# One layer's attention, given (layer index, qkv, q, k, v): stores its keys and values, returns [tokens, heads, dim].
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # The work around the GEMMs (decode attention, RMSNorm, RoPE, SiLU*up): ``auto``: the
 # compiled CPU ops (``kernels``) where they build and run (float32 on an AVX2+FMA CPU),
 # else stock torch ops; ``compiled``: insist; ``torch``: never.
@@ -321,6 +324,31 @@ class NativeForward:
             raise ValueError(f"--kernels compiled: {reason}")
         return None, reason
 
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor, ops: TorchOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tokens' embeddings ``[tokens, hidden]`` and their rotary tables, as ``ops.rope`` takes them."""
+        hidden = F.embedding(ids, self.embed)
+        if self.embed_scale != 1.0:
+            hidden = hidden * self.embed_scale
+        cos, sin = ops.rope_tables(*self.rotary(hidden, positions.unsqueeze(0)))
+        return hidden, cos, sin
+
+    def _layers(self, hidden: torch.Tensor, ops: TorchOps, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Every decoder layer over the step's tokens. ``attend(index, qkv, q, k, v)`` stores the
+        layer's keys and values and returns its attention ``[tokens, heads, dim]``: the eager
+        step (segments) and the fixed-shape one (``decode_step``) differ there alone."""
+        tokens = int(hidden.shape[0])
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        for index, layer in enumerate(self.layers):
+            normed = ops.rms_norm(hidden, layer.input_norm)
+            qkv = layer.qkv(normed)
+            qk = ops.rope(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin)  # q and k at once
+            v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+            attended = attend(index, qkv, qk[:, :heads], qk[:, heads:], v)
+            hidden = layer.out.plus(attended.reshape(tokens, heads * dim), hidden)
+            normed = ops.rms_norm(hidden, layer.post_norm)
+            hidden = layer.down.plus(ops.silu_mul(layer.gate_up(normed)), hidden)
+        return hidden
+
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment], emit: list[int]) -> torch.Tensor:
         """Run one step. ``ids``/``positions``: ``[tokens]`` (segment after segment, one-token
@@ -330,12 +358,8 @@ class NativeForward:
         ids = ids.to(device)
         positions = positions.to(device)
         tokens = int(ids.shape[0])
-        hidden = F.embedding(ids, self.embed)
-        if self.embed_scale != 1.0:
-            hidden = hidden * self.embed_scale
         ops, attention = self.ops, self.decode_attention
-        cos, sin = ops.rope_tables(*self.rotary(hidden, positions.unsqueeze(0)))
-        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        hidden, cos, sin = self._embed(ids, positions, ops)
 
         singles = [segment for segment in segments if segment.count == 1]
         chunks = [segment for segment in segments if segment.count > 1]
@@ -346,12 +370,7 @@ class NativeForward:
         single_plan = attention.plan(singles, block_size, scratch, device) if singles else None
         chunk_plans = chunk_plan(chunks, block_size, scratch, device)
 
-        for index, layer in enumerate(self.layers):
-            normed = ops.rms_norm(hidden, layer.input_norm)
-            qkv = layer.qkv(normed)
-            qk = ops.rope(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin)  # q and k at once
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+        def attend(index: int, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = cache.layers[index].keys, cache.layers[index].values
             ops.store_kv(qkv, k, v, keys, values, where)
             attended: list[torch.Tensor] = []  # [count, heads, dim] per segment kind, in token order
@@ -361,11 +380,9 @@ class NativeForward:
             for segment, plan in zip(chunks, chunk_plans, strict=True):
                 attended.append(chunk_attention(q[offset : offset + segment.count], keys, values, segment, plan, self.scale))
                 offset += segment.count
-            joined = attended[0] if len(attended) == 1 else torch.cat(attended)
-            hidden = layer.out.plus(joined.reshape(tokens, heads * dim), hidden)
-            normed = ops.rms_norm(hidden, layer.post_norm)
-            hidden = layer.down.plus(ops.silu_mul(layer.gate_up(normed)), hidden)
+            return attended[0] if len(attended) == 1 else torch.cat(attended)
 
+        hidden = self._layers(hidden, ops, cos, sin, attend)
         picked = hidden if emit == list(range(tokens)) else hidden.index_select(0, torch.tensor(emit, dtype=torch.long, device=device))
         return self.lm_head(ops.rms_norm(picked, self.norm)).float()
 
@@ -381,23 +398,13 @@ class NativeForward:
         Returns ``[rows, vocab]`` fp32 logits. Called under the runner's inference mode (not
         decorated: ``torch.compile`` traces it)."""
         ops = self.static_ops
-        rows = int(ids.shape[0])
-        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        hidden = F.embedding(ids, self.embed)
-        if self.embed_scale != 1.0:
-            hidden = hidden * self.embed_scale
-        cos, sin = ops.rope_tables(*self.rotary(hidden, positions.unsqueeze(0)))
-        flat = flat_index(blocks, offsets, kv_heads, self.cache.block_size)
-        for index, layer in enumerate(self.layers):
-            normed = ops.rms_norm(hidden, layer.input_norm)
-            qkv = layer.qkv(normed)
-            qk = ops.rope(qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim), cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+        hidden, cos, sin = self._embed(ids, positions, ops)
+        flat = flat_index(blocks, offsets, self.kv_heads, self.cache.block_size)
+
+        def attend(index: int, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = self.cache.layers[index].keys, self.cache.layers[index].values
             write(keys, values, flat, k, v)
-            attended = static_decode_attention(q.contiguous(), keys, values, tables, lengths, kv_heads, self.scale)
-            hidden = layer.out.plus(attended.reshape(rows, heads * dim), hidden)
-            normed = ops.rms_norm(hidden, layer.post_norm)
-            hidden = layer.down.plus(ops.silu_mul(layer.gate_up(normed)), hidden)
+            return static_decode_attention(q.contiguous(), keys, values, tables, lengths, self.kv_heads, self.scale)
+
+        hidden = self._layers(hidden, ops, cos, sin, attend)
         return self.lm_head(ops.rms_norm(hidden, self.norm)).float()
