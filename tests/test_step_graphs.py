@@ -11,7 +11,10 @@ and those same buffers without the graph, so here, without a GPU:
   own column and the scratch block;
 - the engine gives the same greedy and seeded tokens with ``static`` as with the eager
   step, steps of decode rows alone go through a bucket and steps with a prompt chunk do not;
-- ``--compile-step on`` (inductor's C++ backend on this CPU) gives the same tokens.
+- ``--compile-step on`` (inductor's C++ backend on this CPU) gives the same tokens;
+- the capture itself, with CUDA's stream and graph calls faked (``FakeGraph``: a replay
+  runs the recorded step again on the buffers' current contents): warm-up on a side
+  stream, one recording per key, one shared pool, every step replayed, the same tokens.
 
 What only a GPU shows (the capture itself, its speed) is ``make test-gpu`` and
 ``benchmarks/gpu-check.sh``.
@@ -20,6 +23,7 @@ What only a GPU shows (the capture itself, its speed) is ``make test-gpu`` and
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -133,7 +137,8 @@ def requests_for(loaded: object, sampled: bool) -> list[GenerationRequest]:
     for i in range(5):
         sampling = SamplingOptions(temperature=0.8, top_p=0.9, seed=100 + i) if sampled and i % 2 else SamplingOptions(temperature=0.0)
         prompt = tok(f"Story {i}: " + "once upon a time " * (i * 4))["input_ids"]
-        out.append(GenerationRequest(f"r{i}", prompt, sampling, 24, ignore_eos=True, want_tokens=True))
+        # Lengths 24, 20, ... 8: the batch shrinks as they end, through several buckets.
+        out.append(GenerationRequest(f"r{i}", prompt, sampling, 24 - 4 * i, ignore_eos=True, want_tokens=True))
     return out
 
 
@@ -174,3 +179,95 @@ def test_a_compiled_step_on_this_cpu_gives_the_same_tokens(tiny_model_dir: Path)
     assert graphs.compiled and graphs.replays > 0
     assert engine.runner.native.packed is False  # type: ignore[attr-defined]  # plain weights: inductor traces them
     assert compiled == eager
+
+
+class FakeGraph:
+    """What a CUDA graph does, on a CPU: capture records the step (its function, its input
+    buffers, its output buffer); replay runs it again on whatever the buffers now hold and
+    writes into the same output. A graph that read stale inputs, or an output read after the
+    next replay, shows as wrong tokens."""
+
+    capturing: list[FakeGraph] = []
+
+    def __init__(self) -> None:
+        self.recorded: tuple[Any, tuple[torch.Tensor, ...], torch.Tensor] | None = None
+        self.replays = 0
+
+    def pool(self) -> tuple[str, int]:
+        return ("pool", id(self))
+
+    def replay(self) -> None:
+        assert self.recorded is not None, "replayed before anything was captured"
+        step, inputs, out = self.recorded
+        out.copy_(step(*inputs))
+        self.replays += 1
+
+
+class FakeStream:
+    def __init__(self, device: object = None) -> None:
+        self.waited: list[FakeStream] = []
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.waited.append(other)
+
+
+def test_the_capture_warms_up_on_a_side_stream_records_once_per_key_and_replays_with_each_steps_inputs(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import contextlib
+
+    eager, _ = generate(tiny_model_dir, "off")
+    loaded = load_model(str(tiny_model_dir))
+    engine = create_engine(
+        "batched", loaded, EngineLimits(8, 8, 8 * 1024, max_prefill_tokens=16), workers=1, kernels="torch", step_graphs="static"
+    )
+    graphs = engine.runner.graphs  # type: ignore[attr-defined]
+    graphs.capture = True  # what --step-graphs cuda sets; the CUDA calls below are fakes
+    pools: list[object] = []
+    calls = {"warm-up": 0, "capture": 0}
+    on_side = [False]
+    current = FakeStream()
+    step = graphs.step
+
+    def recording(*inputs: torch.Tensor) -> torch.Tensor:
+        out = step(*inputs)
+        if FakeGraph.capturing:
+            calls["capture"] += 1
+            FakeGraph.capturing[-1].recorded = (step, inputs, out)
+        else:
+            assert on_side[0], "a step outside a capture ran off the side stream"
+            calls["warm-up"] += 1
+        return out
+
+    @contextlib.contextmanager
+    def side_stream(stream: FakeStream) -> Any:
+        on_side[0] = True
+        yield
+        on_side[0] = False
+
+    @contextlib.contextmanager
+    def capture(graph: FakeGraph, pool: object = None) -> Any:
+        pools.append(pool)
+        FakeGraph.capturing.append(graph)
+        yield
+        FakeGraph.capturing.pop()
+
+    graphs.step = recording
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", side_stream)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    engine.start()
+    try:
+        recorders = run_all(engine, requests_for(loaded, sampled=True), timeout=300)
+    finally:
+        engine.close()
+    assert [r.token_ids for r in recorders] == eager
+    keys = graphs.keys()
+    assert len(keys) >= 2 and graphs.captures == len(keys)
+    assert calls == {"warm-up": 2 * len(keys), "capture": len(keys)}  # WARMUP_RUNS each, then one recording
+    assert pools[0] is None and graphs._pool is not None
+    assert set(pools[1:]) <= {graphs._pool}  # every later graph in the first one's pool
+    assert sum(entry.graph.replays for entry in graphs._entries.values()) == graphs.replays
+    assert current.waited  # the capture waited for the side stream's warm-up
