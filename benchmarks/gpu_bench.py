@@ -344,18 +344,21 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     results: list[Result] = []
     skipped: list[str] = []
-    for shape, what in phases:
+    order = {shape: i for i, shape in enumerate(shapes)}
+    command = "python -m benchmarks.gpu_bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = ""
+    for index, (shape, what) in enumerate(phases):
         if args.budget_s and time.monotonic() - started > args.budget_s:
             skipped.append(f"{shape} {what}")
-            continue
-        results += run_ceiling(shape, args, batches) if what == "ceiling" else run_shape(shape, what, args)
-    order = {shape: i for i, shape in enumerate(shapes)}
-    results.sort(key=lambda r: (order[r.shape], r.path.startswith("ceiling"), r.path, r.concurrency))
-    command = "python -m benchmarks.gpu_bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = render(results, command.strip(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), skipped)
+        else:
+            results += run_ceiling(shape, args, batches) if what == "ceiling" else run_shape(shape, what, args)
+        results.sort(key=lambda r: (order[r.shape], r.path.startswith("ceiling"), r.path, r.concurrency))
+        not_yet = [f"{s} {w}" for s, w in phases[index + 1 :]]
+        note = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()) + (f"; still to run: {', '.join(not_yet)}" if not_yet else "")
+        text = render(results, command.strip(), note, skipped)
+        if args.out:  # after every phase: a run cut short still leaves what it measured
+            Path(args.out).write_text(text)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text)
     return 0
 
 
