@@ -20,7 +20,7 @@ fixed shapes and fixed addresses, so:
 
 ``static`` replays the same fixed-shape step eagerly, without a graph, on any device: what
 the CPU tests check (padding, buckets, masks, the inputs' layout) is exactly what a CUDA
-graph captures. ``compile`` wraps the step in ``torch.compile`` first (inductor: Triton
+graph captures. ``--compile-step on`` wraps the step in ``torch.compile`` first (inductor: Triton
 on CUDA, C++ on a CPU), one compiled graph per bucket (``dynamic=False``).
 """
 
