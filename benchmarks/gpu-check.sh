@@ -4,8 +4,8 @@
 # benchmarks/gpu-wheels.txt, and the default model's tokenizer files). It installs the
 # wheels beside the machine's own packages, runs `make test-gpu`, then the GPU bench
 # (benchmarks/gpu_bench.py) at the 135M and 1B shapes with random weights, c = 1, 16, 64,
-# 128, the engine's native pass (CUDA graphs) and transformers' forward, and compiled
-# static-batch generate as the ceiling; it prints one table and writes it to
+# 128, the engine's native pass (CUDA graphs) and transformers' forward, compiled
+# static-batch generate as the ceiling, and (time left) the prompt budget; it prints one table and writes it to
 # docs/benchmarks-cuda.md (and $OUT, where set). Budget: 8 minutes in all.
 #
 #   make gpu-wheels                                  # here, once (GPU_PYTHON=3.12 by default)
@@ -39,7 +39,8 @@ PYVER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 SITE=${TMPDIR:-/tmp}/tokenwire-gpu-site
 REPORT=docs/benchmarks-cuda.md  # a CPU run's table goes to /tmp: it is no GPU figure
 if [ "$DEVICE" = cuda ]; then
-  BENCH=(--device cuda --random-weights 135m,1b --concurrency 1,16,64,128 --max-new-tokens 128)
+  # Last, where time is left: the prompt budget at the 1B shape (a long prompt among 16 streams).
+  BENCH=(--device cuda --random-weights 135m,1b --concurrency 1,16,64,128 --max-new-tokens 128 --prefill-budgets 64,256,1024)
 else
   BENCH=(--device cpu --random-weights 135m --concurrency 1,4 --max-new-tokens 16 --requests-per-stream 1)
   REPORT=${TMPDIR:-/tmp}/gpu-check-cpu.md

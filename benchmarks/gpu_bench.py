@@ -288,7 +288,36 @@ def run_ceiling(shape: str, args: argparse.Namespace, batches: list[int]) -> lis
     return results
 
 
-def render(results: list[Result], command: str, note: str, skipped: list[str]) -> str:
+@dataclasses.dataclass
+class PrefillResult:
+    shape: str
+    budget: int
+    stall_ratio: float  # the decoding streams' largest gap while the long prompt was read ÷ their ITL p50 before
+    itl_p50_ms: float
+    max_gap_ms: float
+    first_token_s: float  # the long prompt's own time to first token
+
+
+def run_prefill(shape: str, args: argparse.Namespace) -> list[PrefillResult]:
+    """The prompt budget (``--max-prefill-tokens``) on this device: for each of
+    ``--prefill-budgets``, a server with the native pass; ``--prefill-streams`` streams
+    decode, a 1,500-token prompt arrives (``benchmarks.bench.long_prompt``); how long the
+    streams stall while it is read, against how soon it gets its first token."""
+    from benchmarks.bench import long_prompt
+
+    folder = model_folder(shape, args)
+    out = []
+    for budget in [int(b) for b in args.prefill_budgets.split(",") if b]:
+        extra = ["--device", args.device, "--forward", "native", "--max-prefill-tokens", str(budget), "--max-active", str(args.prefill_streams + 1),
+                 "--step-graphs", args.step_graphs, *args.server_arg]  # fmt: skip
+        runs = long_prompt(str(folder), repeats=2, streams=args.prefill_streams, extra=extra, stream_tokens=args.prefill_stream_tokens)
+        worst = max(runs, key=lambda run: run.ratio)  # the worse of two arrivals
+        out.append(PrefillResult(shape, budget, worst.ratio, worst.itl_p50_ms, worst.max_gap_ms, max(run.first_token_s for run in runs)))
+        print(f"  {shape} prompt budget {budget}: stall {worst.ratio:.1f}x, long prompt TTFT {out[-1].first_token_s:.2f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def render(results: list[Result], command: str, note: str, skipped: list[str], prefill: list[PrefillResult] | None = None) -> str:
     def f(value: float | None, digits: int = 1, scale: float = 1.0) -> str:
         return "-" if value is None else f"{value * scale:.{digits}f}"
 
@@ -310,6 +339,17 @@ def render(results: list[Result], command: str, note: str, skipped: list[str]) -
             f"| {r.shape} | {r.path} | {r.concurrency} | {r.tokens_per_s:.0f} | {f(r.ttft_p50)} | {f(r.ttft_p99)} | {f(r.itl_p50, 2)} "
             f"| {f(r.itl_p99, 2)} | {f(r.step_ms, 2)} | {f(r.gpu_busy, 0)} | {f(r.mbu, 1, 100)} | {f(r.reserved_gib, 2)} |"
         )
+    if prefill:
+        lines += [
+            "",
+            "Prompt budget (`--max-prefill-tokens`, native pass): streams decode, a 1,500-token prompt",
+            "arrives (two arrivals, the worse shown); stall: the streams' largest gap while it is read ÷",
+            "their ITL p50 before; TTFT: the long prompt's own.",
+            "",
+            "| shape | budget | stall × | ITL p50 ms | largest gap ms | long prompt TTFT s |",
+            "|---|---:|---:|---:|---:|---:|",
+            *(f"| {p.shape} | {p.budget} | {p.stall_ratio:.1f} | {p.itl_p50_ms:.1f} | {p.max_gap_ms:.1f} | {p.first_token_s:.2f} |" for p in prefill),
+        ]
     if skipped:
         lines += ["", "Not run (the time budget was spent): " + "; ".join(skipped) + "."]
     return "\n".join(lines) + "\n"
@@ -324,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-graphs", default="auto", help="the native pass's --step-graphs (auto: CUDA graphs on CUDA)")
     parser.add_argument("--ceiling", default="ends", choices=("ends", "all", "none"),
                         help="static-batch generate at the smallest and largest concurrency (ends), at each, or not")  # fmt: skip
+    parser.add_argument("--prefill-budgets", default="", help="comma-separated --max-prefill-tokens to measure at the last shape, last of all (empty: none)")
+    parser.add_argument("--prefill-streams", type=int, default=16)
+    parser.add_argument("--prefill-stream-tokens", type=int, default=2000)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--peak-gbs", type=float, default=None, help="peak memory bandwidth, GB/s (default: from the GPU's name)")
@@ -341,21 +384,26 @@ def main(argv: list[str] | None = None) -> int:
     phases: list[tuple[str, str]] = [(shape, forwards[0]) for shape in shapes] if forwards else []
     phases += [(shape, "ceiling") for shape in shapes if batches]
     phases += [(shape, forward) for forward in forwards[1:] for shape in shapes]
+    if args.prefill_budgets:
+        phases.append((shapes[-1], "prefill"))
     started = time.monotonic()
     results: list[Result] = []
     skipped: list[str] = []
+    prefill: list[PrefillResult] = []
     order = {shape: i for i, shape in enumerate(shapes)}
     command = "python -m benchmarks.gpu_bench " + " ".join(argv if argv is not None else sys.argv[1:])
     text = ""
     for index, (shape, what) in enumerate(phases):
         if args.budget_s and time.monotonic() - started > args.budget_s:
             skipped.append(f"{shape} {what}")
+        elif what == "prefill":
+            prefill += run_prefill(shape, args)
         else:
             results += run_ceiling(shape, args, batches) if what == "ceiling" else run_shape(shape, what, args)
         results.sort(key=lambda r: (order[r.shape], r.path.startswith("ceiling"), r.path, r.concurrency))
         not_yet = [f"{s} {w}" for s, w in phases[index + 1 :]]
         note = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()) + (f"; still to run: {', '.join(not_yet)}" if not_yet else "")
-        text = render(results, command.strip(), note, skipped)
+        text = render(results, command.strip(), note, skipped, prefill)
         if args.out:  # after every phase: a run cut short still leaves what it measured
             Path(args.out).write_text(text)
     print(text)

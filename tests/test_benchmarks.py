@@ -130,6 +130,14 @@ def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Pa
     # A budget already spent runs nothing more than the first phase and says what it skipped.
     assert main([*argv, "--budget-s", "0.001", "--forwards", "native"]) == 0
     assert "Not run (the time budget was spent): tiny ceiling." in out.read_text()
+    # The prompt budget alone: a long prompt among 2 decoding streams, at two budgets.
+    assert main([*argv, "--forwards", "", "--ceiling", "none", "--prefill-budgets", "64,256", "--prefill-streams", "2",
+                 "--prefill-stream-tokens", "400"]) == 0  # fmt: skip
+    prefill = [[c.strip() for c in line.split("|")[1:-1]] for line in out.read_text().splitlines() if line.startswith("| tiny | ")]
+    assert [int(r[1]) for r in prefill] == [64, 256]
+    for row in prefill:
+        stall, itl, gap, ttft = (float(x) for x in row[2:])
+        assert stall == pytest.approx(gap / itl, rel=0.01, abs=0.06) and itl > 0 and ttft > 0
 
 
 def test_the_long_prompt_stall_is_the_largest_gap_while_it_is_read_against_the_gaps_before() -> None:
