@@ -117,14 +117,10 @@ class DecodeGraphs:
         self._pool: Any = None  # one memory pool for every graph: steps never run two at once
         self.captures = 0  # keys set up (a graph captured, or buffers made for ``static``)
         self.replays = 0  # steps run through a bucket
-        self.capture_s = 0.0
 
     @property
     def mode(self) -> str:
         return "cuda" if self.capture else "static"
-
-    def fits(self, rows: int) -> bool:
-        return bucket_for(rows, self.buckets) is not None
 
     def run(self, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]) -> torch.Tensor | None:
         """Logits ``[len(ids), vocab]`` for one-token rows (``ids[i]`` at column
@@ -191,7 +187,6 @@ class DecodeGraphs:
         self._entries[(rows, width)] = entry
         self.captures += 1
         elapsed = time.monotonic() - started
-        self.capture_s += elapsed
         log.info(
             "decode step bucket ready",
             extra={"rows": rows, "width_blocks": width, "mode": self.mode, "compiled": self.compiled, "seconds": round(elapsed, 3)},
