@@ -59,6 +59,11 @@ SHAPES: dict[str, dict[str, Any]] = {
 PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10G": 600.0, "L4": 300.0}
 
 
+def peak_gbs(device_name: str) -> float | None:
+    """The peak memory bandwidth of a GPU known by its name (``PEAK_GBS``), else None."""
+    return next((gbs for key, gbs in PEAK_GBS.items() if key in device_name), None)
+
+
 def tokenizer_source(given: str | None = None) -> Path:
     """Where the default model's tokenizer files are: ``given``, else ``$TOKENWIRE_TOKENIZER_DIR``
     (what ``make gpu-wheels`` packs for a bare GPU machine: no GGUF, no conversion), else the
@@ -216,7 +221,7 @@ def run_shape(shape: str, forward: str, args: argparse.Namespace) -> list[Result
     with ServerProcess(server_args, ready_timeout=900) as server:
         if peak is None and args.device == "cuda":
             name = next((r.get("name", "") for r in server.records if r.get("msg") == "gpu"), "")
-            peak = next((gbs for key, gbs in PEAK_GBS.items() if key in str(name)), None)
+            peak = peak_gbs(str(name))
         engine = next((r for r in server.records if r.get("msg") == "batched engine forward pass"), {})
         path = f"tokenwire {engine.get('forward', forward)}" + (f" +{engine['step_graphs']} graphs" if engine.get("step_graphs") not in (None, "off") else "")
         run_bench(server.target, concurrency=1, requests=1, max_new_tokens=4)  # warm
@@ -254,8 +259,7 @@ def run_ceiling(shape: str, args: argparse.Namespace, batches: list[int]) -> lis
     vocab = model.config.vocab_size
     peak = args.peak_gbs
     if peak is None and args.device == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = next((gbs for key, gbs in PEAK_GBS.items() if key in name), None)
+        peak = peak_gbs(torch.cuda.get_device_name(device))
     label = "ceiling: static generate" + (" (compiled)" if args.device == "cuda" else " (eager)")
     results = []
     new = args.max_new_tokens

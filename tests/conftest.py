@@ -186,14 +186,12 @@ def build_tiny_model(
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(request: pytest.FixtureRequest) -> Path:
+def tokenizer_dir() -> Path:
     """The default model's tokenizer files: ``$TOKENWIRE_TOKENIZER_DIR`` where set (a bare GPU
     machine, benchmarks/gpu-check.sh: no GGUF there to convert), else the converted default model."""
-    given = os.environ.get("TOKENWIRE_TOKENIZER_DIR")
-    if given:
-        return Path(given)
-    folder: Path = request.getfixturevalue("default_model_dir")
-    return folder
+    from benchmarks.gpu_bench import tokenizer_source
+
+    return tokenizer_source()
 
 
 @pytest.fixture(scope="session")

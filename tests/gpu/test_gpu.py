@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import re
 import signal
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +43,8 @@ from production_support import (
 from servers import ServerProcess
 from tokenwire.v1 import generation_pb2 as pb
 from transformers import AutoTokenizer
+
+from benchmarks.gpu_bench import reserved_bytes
 
 pytestmark = pytest.mark.timeout(300)
 CUDA = ["--device", "cuda", "--dtype", "auto"]
@@ -233,6 +233,5 @@ def test_a_24_gib_card_on_a_larger_one_starts_with_its_kv_cache_sized_from_the_c
         [sized] = server.find("kv cache sized from device memory")
         assert abs(sized["total_bytes"] - cap * 2**30) < 2**20  # the cap, not the device's 141 GB
         assert list(generation_stub(server.target).Generate(long_request(64), timeout=60))[-1].finish_reason == pb.FINISH_REASON_LENGTH
-        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-        reserved = max(float(v) for v in re.findall(r"^tokenwire_gpu_memory_reserved_bytes\{[^}]*\} (\S+)$", text, re.M))
-        assert reserved <= cap * 2**30
+        reserved = reserved_bytes(server.metrics_port)
+        assert reserved is not None and reserved <= cap * 2**30
