@@ -137,7 +137,9 @@ def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Pa
     assert [int(r[1]) for r in prefill] == [64, 256]
     for row in prefill:
         stall, itl, gap, ttft = (float(x) for x in row[2:])
-        assert stall == pytest.approx(gap / itl, rel=0.01, abs=0.06) and itl > 0 and ttft > 0
+        # The table rounds ITL and gap to 0.1 ms and the stall to 0.1: recomputed from the
+        # rounded cells the ratio moves by up to ~4 % at a 3 ms ITL.
+        assert stall == pytest.approx(gap / itl, rel=0.05, abs=0.06) and itl > 0 and ttft > 0
 
 
 def test_the_long_prompt_stall_is_the_largest_gap_while_it_is_read_against_the_gaps_before() -> None:
