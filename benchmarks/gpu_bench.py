@@ -220,9 +220,8 @@ def run_shape(shape: str, forward: str, args: argparse.Namespace) -> list[Result
     results: list[Result] = []
     with ServerProcess(server_args, ready_timeout=900) as server:
         if peak is None and args.device == "cuda":
-            name = next((r.get("name", "") for r in server.records if r.get("msg") == "gpu"), "")
-            peak = peak_gbs(str(name))
-        engine = next((r for r in server.records if r.get("msg") == "batched engine forward pass"), {})
+            peak = peak_gbs(str(next((r.get("name", "") for r in server.find("gpu")), "")))
+        engine = next(iter(server.find("batched engine forward pass")), {})
         path = f"tokenwire {engine.get('forward', forward)}" + (f" +{engine['step_graphs']} graphs" if engine.get("step_graphs") not in (None, "off") else "")
         run_bench(server.target, concurrency=1, requests=1, max_new_tokens=4)  # warm
         for c in concurrency:

@@ -267,11 +267,7 @@ class NativeForward:
         # The fixed-shape decode step (``decode_step``, what ``graphs`` captures) runs stock torch
         # ops on any device: the compiled CPU ops are not for a CUDA graph.
         self.static_ops = TorchOps(self.eps, heads, kv_heads, head_dim, intermediate)
-        self.ops: TorchOps = (
-            TorchOps(self.eps, heads, kv_heads, head_dim, intermediate)
-            if library is None
-            else CompiledOps(library, self.eps, heads, kv_heads, head_dim, intermediate)
-        )
+        self.ops: TorchOps = self.static_ops if library is None else CompiledOps(library, self.eps, heads, kv_heads, head_dim, intermediate)
         # Compiled ops this model is past the limits of, each with why: those run on stock
         # torch, checked here once rather than failing every step.
         self.ops_fallbacks: dict[str, str] = {}
