@@ -14,7 +14,9 @@ then:
 - GPU busy: NVML's utilisation sampled every 100 ms during the run (``nvidia-ml-py``;
   "-" without it);
 - the decode step: the server's own ``tokenwire_decode_step_seconds`` (mean over the
-  run, from /metrics);
+  run, from /metrics), and the host's own part of a step
+  (``tokenwire_decode_step_host_seconds``: wall time, delivery included, less the wait
+  on the device);
 - MBU: bytes one decode step must read (every weight once, plus the KV cache of the
   rows in the batch) ÷ the step time ÷ the device's peak memory bandwidth
   (``--peak-gbs``, or known from the device name).
@@ -152,12 +154,24 @@ class GpuSampler:
         return sum(self.samples) / len(self.samples) if self.samples else None
 
 
-def decode_step_totals(metrics_port: int) -> tuple[float, int]:
-    """(sum of seconds, count) of the server's ``tokenwire_decode_step_seconds``."""
+STEP_HISTOGRAMS = ("tokenwire_decode_step_seconds", "tokenwire_decode_step_host_seconds")
+
+
+def step_totals(metrics_port: int) -> dict[str, tuple[float, int]]:
+    """(sum of seconds, count) of each of the server's ``STEP_HISTOGRAMS``."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    total = re.search(r"^tokenwire_decode_step_seconds_sum (\S+)$", text, re.M)
-    count = re.search(r"^tokenwire_decode_step_seconds_count (\S+)$", text, re.M)
-    return (float(total.group(1)) if total else 0.0, int(float(count.group(1))) if count else 0)
+    totals: dict[str, tuple[float, int]] = {}
+    for name in STEP_HISTOGRAMS:
+        total = re.search(rf"^{name}_sum (\S+)$", text, re.M)
+        count = re.search(rf"^{name}_count (\S+)$", text, re.M)
+        totals[name] = (float(total.group(1)) if total else 0.0, int(float(count.group(1))) if count else 0)
+    return totals
+
+
+def mean_between(before: tuple[float, int], after: tuple[float, int]) -> float | None:
+    """The mean of a histogram's observations between two readings (None: none)."""
+    count = after[1] - before[1]
+    return (after[0] - before[0]) / count if count else None
 
 
 @dataclasses.dataclass
@@ -171,6 +185,7 @@ class Result:
     itl_p50: float | None = None
     itl_p99: float | None = None
     step_ms: float | None = None
+    host_ms: float | None = None
     gpu_busy: float | None = None
     mbu: float | None = None
     reserved_gib: float | None = None
@@ -225,18 +240,17 @@ def run_shape(shape: str, forward: str, args: argparse.Namespace) -> list[Result
         path = f"tokenwire {engine.get('forward', forward)}" + (f" +{engine['step_graphs']} graphs" if engine.get("step_graphs") not in (None, "off") else "")
         run_bench(server.target, concurrency=1, requests=1, max_new_tokens=4)  # warm
         for c in concurrency:
-            before = decode_step_totals(server.metrics_port)
+            before = step_totals(server.metrics_port)
             with GpuSampler() as gpu:
                 report = run_bench(
                     server.target, concurrency=c, requests=c * args.requests_per_stream, max_new_tokens=args.max_new_tokens, timeout=3600
                 )
-            after = decode_step_totals(server.metrics_port)
-            steps = after[1] - before[1]
-            step_s = (after[0] - before[0]) / steps if steps else None
+            after = step_totals(server.metrics_port)
+            step_s, host_s = (mean_between(before[name], after[name]) for name in STEP_HISTOGRAMS)
             reserved = reserved_bytes(server.metrics_port)
             results.append(
                 Result(shape, path, c, report.output_tokens_per_s, report.ttft_ms.p50, report.ttft_ms.p99, report.itl_ms.p50,
-                       report.itl_ms.p99, step_s * 1000 if step_s else None, gpu.mean(),
+                       report.itl_ms.p99, step_s * 1000 if step_s else None, None if host_s is None else host_s * 1000, gpu.mean(),
                        mbu_of(shape, folder, args.device, c, step_s, peak, args.max_new_tokens),
                        None if reserved is None else reserved / 2**30)  # fmt: skip
             )
@@ -332,15 +346,17 @@ def render(results: list[Result], command: str, note: str, skipped: list[str], p
         "(TTFT and ITL from the client; decode step: the server's mean). Ceiling rows: transformers",
         "`generate` on a static batch with a static cache, in-process (ITL there is the mean step,",
         "prefill included). MBU: bytes a decode step reads (weights + the batch's KV cache) ÷ step",
-        "time ÷ peak bandwidth. Reserved: torch's device memory high-water mark.",
+        "time ÷ peak bandwidth. Host ms/step: the server's mean `tokenwire_decode_step_host_seconds`, a",
+        "decode step's wall time (delivery included) less its compute (CPU) or its wait on the device",
+        "(CUDA): on a GPU, host work the device may idle through. Reserved: torch's device memory high-water mark.",
         "",
-        "| shape | path | c | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | decode step ms | GPU busy % | MBU % | reserved GiB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| shape | path | c | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | decode step ms | host ms/step | GPU busy % | MBU % | reserved GiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r.shape} | {r.path} | {r.concurrency} | {r.tokens_per_s:.0f} | {f(r.ttft_p50)} | {f(r.ttft_p99)} | {f(r.itl_p50, 2)} "
-            f"| {f(r.itl_p99, 2)} | {f(r.step_ms, 2)} | {f(r.gpu_busy, 0)} | {f(r.mbu, 1, 100)} | {f(r.reserved_gib, 2)} |"
+            f"| {f(r.itl_p99, 2)} | {f(r.step_ms, 2)} | {f(r.host_ms, 2)} | {f(r.gpu_busy, 0)} | {f(r.mbu, 1, 100)} | {f(r.reserved_gib, 2)} |"
         )
     if prefill:
         lines += [

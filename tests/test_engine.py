@@ -7,10 +7,11 @@ the full-server refusal in production/test_backpressure_deadlines.py.)"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
-from engine_support import kernel_choices, run_all
+from engine_support import Recorder, kernel_choices, run_all
 from tokenwire_server.domain import (
     FinishEvent,
     FinishReason,
@@ -212,3 +213,72 @@ def test_a_stream_that_asked_for_tokens_gets_each_one_when_it_is_made(loaded, wa
     else:
         assert all(e.tokens == () for e in events)
         assert all(text for text in texts[:-1])  # no empty event before the last
+
+
+class StepTimes:
+    """An engine observer that keeps each decode step's time and the host's own part of it."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self.host: list[float] = []
+
+    def admitted(self, queue_wait_s: float) -> None:
+        pass
+
+    def prefill_step(self, seconds: float, tokens: int = 0) -> None:
+        pass
+
+    def decode_step(self, seconds: float) -> None:
+        self.steps.append(seconds)
+
+    def step_host(self, seconds: float) -> None:
+        self.host.append(seconds)
+
+    def preempted(self, tenant: str) -> None:
+        pass
+
+
+class SlowSink(Recorder):
+    """Delivery that takes 30 ms an event: host work inside the step, after its forward pass."""
+
+    def __call__(self, event: object) -> None:
+        time.sleep(0.03)
+        super().__call__(event)
+
+
+@pytest.mark.parametrize("slow", ["forward", "delivery"])
+def test_the_host_time_of_a_step_counts_delivery_and_not_the_forward_pass(loaded, slow):
+    """``tokenwire_decode_step_host_seconds``: a step's wall time less its compute. A forward pass
+    made 30 ms slower leaves the host's part under 30 ms; delivery made 30 ms slower puts it over."""
+    times = StepTimes()
+    eng = create_engine("batched", loaded, EngineLimits(8, 16, 8 * 1024), workers=1, observer=times)
+    runner = eng.runner
+    runner.graphs = None  # every step through the eager pass, the one made slow here
+    forward = runner._native if runner.native is not None else runner._transformers
+
+    def slow_forward(plan):
+        time.sleep(0.03)
+        return forward(plan)
+
+    if slow == "forward":
+        if runner.native is not None:
+            runner._native = slow_forward
+        else:
+            runner._transformers = slow_forward
+    sink = Recorder() if slow == "forward" else SlowSink()
+    eng.start()
+    try:
+        req = request(loaded, "h", "Once upon a time", max_new=6, ignore_eos=True)
+        sink.request = req
+        eng.submit(req, sink)
+        assert sink.done.wait(60)
+    finally:
+        eng.close()
+    assert isinstance(sink.last, FinishEvent) and len(sink.token_ids) == 6
+    assert len(times.host) == 5  # one a decode step (the first token comes from the prompt's step)
+    for host, step in zip(times.host, times.steps, strict=True):
+        assert host >= 0.0
+        if slow == "forward":
+            assert step >= 0.03 and host < 0.03
+        else:
+            assert host >= 0.03

@@ -363,6 +363,11 @@ class EngineObserver(Protocol):
 
     def decode_step(self, seconds: float) -> None: ...
 
+    def step_host(self, seconds: float) -> None:
+        """The host's own time in one decode step (``BatchedEngine._step``): its wall time, delivery
+        included, less the time computing (CPU) or waiting for the device (CUDA)."""
+        ...
+
     def preempted(self, tenant: str) -> None:
         """A running request of ``tenant`` gave up its slot to a more deserving one."""
         ...
@@ -376,6 +381,9 @@ class NoObserver:
         pass
 
     def decode_step(self, seconds: float) -> None:
+        pass
+
+    def step_host(self, seconds: float) -> None:
         pass
 
     def preempted(self, tenant: str) -> None:

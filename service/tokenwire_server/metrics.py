@@ -127,6 +127,13 @@ class Metrics:
         self.decode_step_seconds = Histogram(
             "tokenwire_decode_step_seconds", "Time of one engine decode step over the batch", buckets=_STEP_BUCKETS, registry=r
         )
+        self.step_host_seconds = Histogram(
+            "tokenwire_decode_step_host_seconds",
+            "Host time of one decode step (batched engine): its wall time, delivery included, less the time computing"
+            " the forward pass (CPU) or waiting for the device (CUDA)",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
         self.generated_tokens = Counter("tokenwire_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("tokenwire_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.prefix_hit_tokens = Counter(
@@ -211,6 +218,9 @@ class Metrics:
 
     def decode_step(self, seconds: float) -> None:
         self.decode_step_seconds.observe(seconds)
+
+    def step_host(self, seconds: float) -> None:
+        self.step_host_seconds.observe(seconds)
 
     def preempted(self, tenant: str) -> None:
         self.tenant_preemptions.labels(tenant).inc()

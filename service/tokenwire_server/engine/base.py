@@ -379,6 +379,9 @@ class _Observers:
         self._outer.decode_step(seconds)
         self._estimator.decode_step(seconds)
 
+    def step_host(self, seconds: float) -> None:
+        self._outer.step_host(seconds)
+
     def preempted(self, tenant: str) -> None:
         self._outer.preempted(tenant)
 

@@ -224,7 +224,8 @@ class BatchedEngine(Engine):
         scheduler.leave(list(scheduler.rows))
 
     def _step(self) -> None:
-        """schedule → run → postprocess; one report of the step to the metrics."""
+        """schedule → run → postprocess; the step's time (and, for a decode step, the host's own
+        part of it) reported to the metrics."""
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan is None:
@@ -244,6 +245,9 @@ class BatchedEngine(Engine):
         if decodes:
             self.steps += 1
         self.scheduler.postprocess(plan, picks)
+        if decodes and not plan.prompt_tokens:
+            # The host's own time in the step, delivery included: on a GPU, what the device waits through.
+            self.observer.step_host(max(0.0, time.perf_counter() - started - self.runner.compute_s))
 
     def _until_it_fits(self, step: Callable[[], None]) -> None:
         """Run ``step``; when it runs out of device memory, the newest row in it gives way

@@ -24,6 +24,7 @@ emit at once by the shared ``Sampler``.
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Any
 
 import torch
@@ -73,15 +74,25 @@ class ModelRunner:
         self.sampler = Sampler(loaded.eos_token_ids)
         self._cache_arg = cache_argument(loaded.model)
         self._mask_dtype = loaded.model.dtype if loaded.model.dtype.is_floating_point else torch.float32
+        # The last run's compute time, which the engine takes from its step's wall time to count
+        # the host's own: on a CPU the host computes the forward pass itself; on CUDA the host
+        # only launches it and waits in the sampler's one device -> host copy.
+        self._waits_on_device = loaded.device.type == "cuda"
+        self.compute_s = 0.0
 
     @torch.inference_mode()
     def run(self, plan: Plan) -> list[tuple[int, float | None, Any]]:
         """Run the plan's forward pass(es) and pick a token for each row that emits, in plan order."""
+        started = time.perf_counter()
         logits = self._graphed(plan)
         if logits is None:
             logits = self._native(plan) if self.native is not None else self._transformers(plan)
+        self.compute_s = 0.0 if self._waits_on_device else time.perf_counter() - started
         emitters = plan.emitters
-        return self.sampler(logits, [row.seq for row in emitters]) if emitters else []
+        picks = self.sampler(logits, [row.seq for row in emitters]) if emitters else []
+        if self._waits_on_device:
+            self.compute_s = self.sampler.wait_s
+        return picks
 
     def _graphed(self, plan: Plan) -> torch.Tensor | None:
         """A step of decode rows alone through ``graphs`` (None: no graphs, a prompt chunk in the

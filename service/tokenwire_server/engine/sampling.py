@@ -15,6 +15,7 @@ in any batch, and on either engine (both use this sampler).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -90,6 +91,7 @@ Pick = tuple[int, float | None, tuple[Alternative, ...]]
 class Sampler:
     def __init__(self, eos_token_ids: Sequence[int]) -> None:
         self._eos = list(eos_token_ids)
+        self.wait_s = 0.0  # the last call's device -> host copy (on CUDA: waiting for the step to finish)
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[Generation]) -> list[Pick]:
         """Pick one token per row of ``logits`` ([batch, vocab]) for ``seqs`` in the same order."""
@@ -149,7 +151,9 @@ class Sampler:
             if top_n:
                 values, ids = torch.topk(logprobs, top_n, dim=-1)
                 parts += [ids.to(torch.float64), values.to(torch.float64)]
+        waited = time.perf_counter()
         host = torch.cat(parts, dim=1).tolist()  # the one device -> host transfer of the step
+        self.wait_s = time.perf_counter() - waited
 
         out: list[Pick] = []
         for i in range(rows):
