@@ -146,6 +146,34 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def start_gated(model_dir: Path, gates: Path, awaited: str) -> tuple[subprocess.Popen[str], list[str], list[int], threading.Event]:
+    """GATED_SERVER on ``model_dir`` (its load and warm-up held at files in ``gates``): the
+    process, its output lines as they come, its port once it listens, and an event set once
+    it logs ``awaited`` (or its output ends)."""
+    gates.mkdir()
+    cmd = [sys.executable, "-c", GATED_SERVER, "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
+           "--log-format", "json"]  # fmt: skip
+    env = {**os.environ, "TOKENWIRE_TEST_GATES": str(gates), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    port: list[int] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            record = json.loads(line) if line.startswith("{") else {}
+            if record.get("msg") == "listening":
+                port.append(int(record["port"]))
+            if record.get("msg") == awaited:
+                seen.set()
+        seen.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return proc, lines, port, seen
+
+
 def test_readiness_is_not_serving_while_the_model_loads_and_warms_up(tiny_model_dir: Path, tmp_path: Path) -> None:
     """README: readiness is NOT_SERVING until the model is loaded and warmed up; the port opens
     first (server.py), with liveness SERVING, so a startupProbe sees the process alive."""
@@ -153,25 +181,7 @@ def test_readiness_is_not_serving_while_the_model_loads_and_warms_up(tiny_model_
     from tokenwire_server.health import LIVENESS_SERVICE, NOT_SERVING, SERVING
 
     gates = tmp_path / "gates"
-    gates.mkdir()
-    cmd = [sys.executable, "-c", GATED_SERVER, "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", "0",
-           "--log-format", "json"]  # fmt: skip
-    env = {**os.environ, "TOKENWIRE_TEST_GATES": str(gates), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    listening = threading.Event()
-    port: list[int] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if '"listening"' in line:
-                port.append(int(json.loads(line)["port"]))
-                listening.set()
-        listening.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    proc, lines, port, listening = start_gated(tiny_model_dir, gates, "listening")
     seen: list[tuple[str, int]] = []  # (phase, readiness), in the order observed
 
     def check(phase: str) -> int:
@@ -219,3 +229,44 @@ def test_readiness_is_not_serving_while_the_model_loads_and_warms_up(tiny_model_
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.parametrize("phase", ["loading", "warming"])
+def test_a_signal_during_start_up_stops_the_server_without_it_ever_being_ready(tiny_model_dir: Path, tmp_path: Path, phase: str) -> None:
+    """SIGTERM while the model loads (or warms up): the drain runs at once and says "stopped";
+    when the load (warm-up) then returns, the server does not go on to serve: no "ready"
+    line, readiness never SERVING, the engine closed, and the process exits 0."""
+    import signal
+
+    from servers import READINESS, health_check
+    from tokenwire_server.health import SERVING
+
+    proc, lines, port, stopped = start_gated(tiny_model_dir, tmp_path / "gates", "stopped")
+    gates = tmp_path / "gates"
+    try:
+        if phase == "warming":
+            (gates / "load").touch()
+        deadline = time.monotonic() + 60
+        while not (gates / phase).exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-50:])
+            time.sleep(0.01)
+        if phase == "warming":  # loaded, held before its warm-up
+            assert port
+        proc.send_signal(signal.SIGTERM)
+        assert stopped.wait(30), "".join(lines[-50:])
+        if port:
+            try:
+                assert health_check(f"127.0.0.1:{port[0]}", READINESS, timeout=2) != SERVING
+            except grpc.RpcError:
+                pass  # the port is already closed: not serving either
+        (gates / "load").touch()
+        (gates / "warm").touch()
+        assert proc.wait(60) == 0, "".join(lines[-50:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    messages = [str(r.get("msg")) for r in records]
+    assert "stopped" in messages and "ready" not in messages, messages
+    assert any(m.startswith("start-up stopped") for m in messages), messages

@@ -149,6 +149,10 @@ class TokenwireServer:
             backend = await loop.run_in_executor(loader, self._build_backend)
         finally:
             loader.shutdown(wait=False)  # its thread, and with it its OpenMP pool, ends
+        if self.draining:  # a signal came while the model loaded: nothing is served (drain said "stopped")
+            log.info("start-up stopped: a signal came while the model loaded", extra={"seconds": round(time.monotonic() - started, 2)})
+            await backend.close()
+            return
         self.backend = backend
         description = backend.describe()
         self.metrics.watch(backend.stats, description.max_active, description.max_queue)
@@ -167,6 +171,9 @@ class TokenwireServer:
         )
         if config.warmup:
             await warm_up(backend)
+        if self.draining:  # a signal came during the warm-up: the drain closes the backend
+            log.info("start-up stopped: a signal came during the warm-up")
+            return
         settle_heap()
         self._servicer.attach(backend)
         await self.health.set_ready(True)
@@ -254,6 +261,7 @@ class TokenwireServer:
             kernels=config.kernels,
             prefix_cache=config.prefix_cache == "on",
             step_graphs=config.step_graphs,
+            overlap=config.overlap,
             compile_step=config.compile_step == "on",
         )
         engine.start()
@@ -444,6 +452,12 @@ async def serve(config: ServerConfig) -> int:
     except Exception as exc:
         from .model import ModelLoadError
 
+        if server.draining and not isinstance(exc, ModelLoadError):
+            # A signal's drain closed the backend under the warm-up: a stop, not a failure.
+            log.info("start-up stopped: the warm-up ended with the drain", extra={"error": str(exc)})
+            await server.wait()
+            watchdog.cancel()
+            return server.exit_code
         if isinstance(exc, ModelLoadError):
             log.error("cannot start: %s", exc)
         else:
