@@ -95,9 +95,12 @@ class FakeSeq:
     def abandon(self) -> None:
         self.finished = True
 
-    def add_token(self, token: int, logprob: float | None = None, top: Any = ()) -> bool:
+    def take(self, token: int, logprob: float | None = None, top: Any = ()) -> bool:
         self.generated.append(token)
         self.finished = len(self.generated) >= self.request.max_new_tokens
+        return self.finished
+
+    def deliver(self) -> bool:
         return self.finished
 
 

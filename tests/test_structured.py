@@ -104,6 +104,8 @@ def engine_of(loaded: Any, kind: str, kernels: str = "torch") -> Any:
     limits = EngineLimits(max_active=16, max_queue=64, kv_cache_tokens=16 * 1024, max_prefill_tokens=24)
     if kind == "simple":
         return create_engine("simple", loaded, limits, workers=2)
+    if kind == "overlap":  # the batched engine delivering each step's text while the next one runs
+        return create_engine("batched", loaded, limits, workers=1, kernels=kernels, overlap="on")
     return create_engine("batched", loaded, limits, workers=1, kernels=kernels)
 
 
@@ -211,9 +213,10 @@ def test_unconstrained_rows_are_untouched_by_constrained_neighbours(tiny: Any) -
     assert [r.token_ids for r in mixed] == [r.token_ids for r in alone]
 
 
-@pytest.mark.parametrize("kernels", [*kernel_choices(), "simple engine"])
+@pytest.mark.parametrize("kernels", [*kernel_choices(), "simple engine", "overlap"])
 def test_twelve_constrained_requests_give_the_same_tokens_alone_and_together(tiny: Any, kernels: str) -> None:
-    kind = "simple" if kernels == "simple engine" else "batched"
+    kind = {"simple engine": "simple", "overlap": "overlap"}.get(kernels, "batched")
+    kernels = "torch" if kernels == "overlap" else kernels
     base = prompts(tiny, 12)
     kinds = [
         SamplingOptions(temperature=0.0),

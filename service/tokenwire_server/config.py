@@ -45,6 +45,7 @@ class ServerConfig:
     kernels: str = "auto"
     step_graphs: str = "auto"
     compile_step: str = "off"
+    overlap: str = "auto"
     default_max_new_tokens: int = 256
     max_new_tokens_limit: int = 2048
     max_stop_sequences: int = 16
@@ -158,6 +159,12 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         "native pass: compile the fixed-shape decode step with torch.compile (inductor) once per bucket, before it is "
         "graphed; on: also on a CPU, where the step then runs static",
         ("off", "on"),
+    ),
+    "overlap": (
+        "batched engine: deliver a step's text (detokenizing, stop sequences, events) while the device runs the next "
+        "step, whose inputs come from the step's picks at its one host synchronisation. auto: on CUDA; on: also on a "
+        "CPU (where the host computes the step itself: the text then leaves one step later); off: never",
+        ("auto", "on", "off"),
     ),
     "default_max_new_tokens": ("max_new_tokens when a request leaves it unset", None),
     "max_new_tokens_limit": ("cap on max_new_tokens; above it is INVALID_ARGUMENT", None),

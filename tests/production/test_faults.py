@@ -43,7 +43,7 @@ from tokenwire.v1 import generation_pb2 as pb
 pytestmark = pytest.mark.timeout(60)
 
 # The engines under fault: the batched one on both kernel choices (its native pass runs the
-# work around the GEMMs compiled or on stock torch), and the simple one.
+# work around the GEMMs compiled or on stock torch) and with --overlap on, and the simple one.
 _UNBUILDABLE = engine_support.kernel_unbuildable()
 ENGINES = [
     pytest.param(
@@ -52,6 +52,8 @@ ENGINES = [
         marks=pytest.mark.skipif(_UNBUILDABLE is not None, reason=f"compiled CPU ops: {_UNBUILDABLE}"),
     ),
     pytest.param({"engine": "batched", "kernels": "torch"}, id="batched-torch"),
+    # Each step's text delivered while the next step is launched (--overlap, CUDA's default).
+    pytest.param({"engine": "batched", "kernels": "torch", "overlap": "on"}, id="batched-overlap"),
     pytest.param({"engine": "simple"}, id="simple"),
 ]
 

@@ -29,6 +29,7 @@ def create_engine(
     prefix_cache: bool = True,
     step_graphs: str = "auto",
     compile_step: bool = False,
+    overlap: str = "auto",
 ) -> Engine:
     """``own_weights``: the engine may drop the model's plain weights where it keeps its
     own (packed) copy; the model's own ``forward`` cannot run afterwards."""
@@ -37,7 +38,7 @@ def create_engine(
 
         return BatchedEngine(
             loaded, limits, observer, forward=forward, own_weights=own_weights, kernels=kernels, prefix_cache=prefix_cache,
-            step_graphs=step_graphs, compile_step=compile_step,
+            step_graphs=step_graphs, compile_step=compile_step, overlap=overlap,
         )  # fmt: skip
     if name == "simple":
         from .simple import SimpleEngine

@@ -13,6 +13,10 @@ step's plan, the delivery of tokens; no torch) and the model runner
    so a long prompt slows the others a little at each step instead of freezing them.
 3. ``run(plan)``: the forward pass and the sampled tokens. ``postprocess`` commits them.
 
+With ``--overlap`` (CUDA's default) step 3 is split: the step's picks are collected and
+*taken* (what the next step's sampler reads), the next step is launched, and only then
+is the step's text *delivered*, while the device computes (``_overlapped_step``).
+
 The KV cache is a pool of fixed-size blocks (``kv.PagedCache``), sized to the budget
 that start-up checks (``--kv-cache-tokens``, or on a GPU ``--kv-cache-memory-fraction``
 of its memory), and nothing more: concurrency is bounded by the blocks in use, and any
@@ -40,10 +44,12 @@ from .blocks import BLOCK_SIZE, BlockPool, blocks_for
 from .graphs import DecodeGraphs, resolve_mode
 from .kv import PagedCache, layer_placements
 from .native import NativeForward, unsupported_reason
-from .runner import FORWARDS, ModelRunner
+from .runner import FORWARDS, Launched, ModelRunner
 from .scheduler import Plan, Scheduler
 
 log = logging.getLogger(__name__)
+
+OVERLAP_MODES = ("auto", "on", "off")
 
 # How many times more a FLOP of attention costs than a FLOP of the linear layers, for a
 # prompt chunk read beside decoding rows, on a CPU (the measurement: docs/architecture.md,
@@ -88,10 +94,18 @@ class BatchedEngine(Engine):
         prefix_cache: bool = True,
         step_graphs: str = "auto",
         compile_step: bool = False,
+        overlap: str = "auto",
     ) -> None:
         super().__init__(loaded, limits, observer)
         if forward not in FORWARDS:
             raise ValueError(f"unknown forward {forward!r}; expected one of {', '.join(FORWARDS)}")
+        if overlap not in OVERLAP_MODES:
+            raise ValueError(f"unknown overlap {overlap!r}; expected one of {', '.join(OVERLAP_MODES)}")
+        # Deliver a step's tokens while the device runs the next (see _overlapped_step): on CUDA by
+        # default; on a CPU the host computes the step itself, so there is nothing to overlap with.
+        self.overlap = overlap == "on" or (overlap == "auto" and loaded.device.type == "cuda")
+        self._flight: Launched | None = None  # the step launched and not yet collected (overlap)
+        self._collected_at: float | None = None  # when the last overlapped step's picks came back
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.steps = 0  # steps that decoded
@@ -157,6 +171,7 @@ class BatchedEngine(Engine):
                 "compiled_ops_on_torch": native.ops_fallbacks if native is not None else None,
                 "why_not_native": (reason or f"--forward {forward}") if native is None else None,
                 "step_graphs": graph_mode,
+                "overlap": self.overlap,
                 "compiled_step": compile_step and graphs is not None,
                 "why_no_step_graphs": why_no_graphs,
                 "kv_blocks": self.pool.num_blocks,
@@ -208,11 +223,16 @@ class BatchedEngine(Engine):
             try:
                 scheduler.retire(expire=True)
                 scheduler.admit()
-                if not scheduler.rows:
+                if not scheduler.rows and self._flight is None:
+                    self._collected_at = None
                     continue
-                self._until_it_fits(self._step)
+                if self.overlap:
+                    self._overlapped_step()
+                else:
+                    self._until_it_fits(self._step)
                 self._step_worked()
             except Exception as exc:  # a failed step fails its batch, never the loop (engine.faults)
+                self._flight, self._collected_at = None, None
                 rows = list(scheduler.rows)
                 self._step_failed([row.seq for row in rows], exc)
                 scheduler.leave(rows)
@@ -248,6 +268,51 @@ class BatchedEngine(Engine):
         if decodes and not plan.prompt_tokens:
             # The host's own time in the step, delivery included: on a GPU, what the device waits through.
             self.observer.step_host(max(0.0, time.perf_counter() - started - self.runner.compute_s))
+
+    def _overlapped_step(self) -> None:
+        """One step with the next one in flight (``--overlap``): collect step N's picks (the one
+        host synchronisation), take them (the state step N+1's sampler reads; rows that ended by
+        end of sequence or length leave), plan and launch step N+1, and only then deliver step
+        N's text, which on CUDA runs while the device computes N+1. A row that a stop sequence
+        ends in that delivery has already been launched into N+1: that pick is dropped (one
+        wasted row-step, within its promised blocks). Same tokens as the plain loop: the sampler
+        draws from (seed, step), and reads each row's state after its last token is taken."""
+        scheduler = self.scheduler
+        if self._flight is None:
+            self._until_it_fits(self._launch)
+            if self._flight is None:
+                return
+        launched, self._flight = self._flight, None
+        picks = self.runner.collect(launched)
+        collected = time.perf_counter()
+        plan = launched.plan
+        decode_only = plan.decodes > 0 and not plan.prompt_tokens
+        if plan.prompt_tokens:
+            self.prefill_steps += 1
+            self.observer.prefill_step(collected - launched.started, plan.prompt_tokens + plan.decodes)
+        elif plan.decodes:
+            self.observer.decode_step(collected - launched.started)
+        if plan.decodes:
+            self.steps += 1
+        waiting = scheduler.take(plan, picks)
+        scheduler.retire(expire=False)
+        try:
+            self._until_it_fits(self._launch)
+        finally:  # step N's text goes out even when step N+1 fails to launch
+            scheduler.deliver(waiting)
+        scheduler.retire(expire=False)
+        if decode_only and self._collected_at is not None:
+            # The host's own time in a step period (collect to collect), less its compute or wait.
+            self.observer.step_host(max(0.0, collected - self._collected_at - self.runner.compute_s))
+        self._collected_at = collected
+
+    def _launch(self) -> None:
+        """Plan the next step and launch it (``_flight``); nothing to run leaves it None."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return
+        self._in_step = plan
+        self._flight = self.runner.launch(plan)
 
     def _until_it_fits(self, step: Callable[[], None]) -> None:
         """Run ``step``; when it runs out of device memory, the newest row in it gives way

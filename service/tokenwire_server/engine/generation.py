@@ -54,6 +54,11 @@ class Generation:
         self.text = TextStream(tokenizer, request.stop_sequences, request.include_stop_sequence)
         self.generated: list[int] = []
         self._pending_tokens: list[TokenInfo] = []
+        # Tokens taken and not yet delivered (``take``/``deliver``), and how the request ends on
+        # the last of them, if it does: a finish, or why the token broke its grammar (a fault).
+        self._taken: list[tuple[int, float | None, tuple[Alternative, ...]]] = []
+        self._ending: FinishReason | None = None
+        self._broken: str | None = None
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.finished = False
@@ -148,30 +153,57 @@ class Generation:
     # -- tokens in, events out -----------------------------------------------------
 
     def add_token(self, token_id: int, logprob: float | None = None, top: tuple[Alternative, ...] = ()) -> bool:
-        """Take one generated token; return True when the request is now finished."""
+        """Take one generated token and deliver it; return True when the request is now finished."""
+        self.take(token_id, logprob, top)
+        return self.deliver()
+
+    def take(self, token_id: int, logprob: float | None = None, top: tuple[Alternative, ...] = ()) -> bool:
+        """Commit a token without delivering it: what the next step's sampler reads (the tokens
+        so far, the grammar's state) is up to date, and whether the request ends on it by end of
+        sequence, length or its grammar is known. A token that ends it is delivered at once;
+        otherwise its text, stop matching and events wait for ``deliver`` (an engine that
+        overlaps steps delivers while the device runs the next one). Return True when finished.
+        A stop sequence is found only by delivery: until then the request may take one more."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.generated.append(token_id)
+        self._taken.append((token_id, logprob, top))
         request = self.request
-        if request.want_tokens or request.want_logprobs or request.top_logprobs:
-            self._pending_tokens.append(TokenInfo(token_id, self.token_text(token_id), logprob, top))
-        text, stopped = self.text.push(token_id)
-        if stopped:
-            self.finish(FinishReason.STOP_SEQUENCE, text)
-            return True
         constraint = self.constraint
         if constraint is not None:
             if not constraint.accept(token_id):  # the sampler masked it out: a bug, not the caller's
-                self.fail(ErrorKind.INTERNAL, f"token {token_id} breaks the response format")
+                self._broken = f"token {token_id} breaks the response format"
+            elif constraint.terminated:  # the answer is complete (min_new_tokens/ignore_eos do not apply)
+                self._ending = FinishReason.EOS
+        if self._ending is None and self._broken is None:
+            if token_id in self._eos and not request.ignore_eos and self.eos_allowed:
+                self._ending = FinishReason.EOS
+            elif len(self.generated) >= request.max_new_tokens:
+                self._ending = FinishReason.LENGTH
+        return self.deliver() if self._ending is not None or self._broken is not None else False
+
+    def deliver(self) -> bool:
+        """Send what the tokens taken since the last delivery release: text through the detokenizer
+        and the stop matcher, and the finish their ending decided. Return True when finished."""
+        taken, self._taken = self._taken, []
+        if self.finished or not taken:
+            return self.finished
+        request = self.request
+        want_tokens = request.want_tokens or request.want_logprobs or request.top_logprobs
+        text = ""
+        for token_id, logprob, top in taken:
+            if want_tokens:
+                self._pending_tokens.append(TokenInfo(token_id, self.token_text(token_id), logprob, top))
+            piece, stopped = self.text.push(token_id)
+            text += piece
+            if stopped:
+                self.finish(FinishReason.STOP_SEQUENCE, text)
                 return True
-            if constraint.terminated:  # the answer is complete (min_new_tokens/ignore_eos do not apply)
-                self.finish(FinishReason.EOS, text)
-                return True
-        if token_id in self._eos and not request.ignore_eos and self.eos_allowed:
-            self.finish(FinishReason.EOS, text)
+        if self._broken is not None:
+            self.fail(ErrorKind.INTERNAL, self._broken)
             return True
-        if len(self.generated) >= request.max_new_tokens:
-            self.finish(FinishReason.LENGTH, text)
+        if self._ending is not None:
+            self.finish(self._ending, text)
             return True
         if text or self._pending_tokens:
             # A caller that asked for tokens gets each one in the step that made it, even

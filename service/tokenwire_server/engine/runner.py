@@ -23,6 +23,7 @@ emit at once by the shared ``Sampler``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from typing import Any
@@ -35,7 +36,7 @@ from .graphs import DecodeGraphs
 from .kv import PagedCache, places, table_tensor
 from .native import NativeForward
 from .ops import Segment
-from .sampling import Sampler
+from .sampling import Drawn, Sampler
 from .scheduler import Part, Plan
 
 # ``auto``: the engine's own pass (``native.NativeForward``) where the model is
@@ -62,6 +63,17 @@ def cache_argument(model: object) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    """A step whose picks are on their way: its plan, the picks (None: no row emits) and the
+    time its forward pass took to run (CPU) or to be queued (CUDA)."""
+
+    plan: Plan
+    drawn: Drawn | None
+    forward_s: float
+    started: float  # time.perf_counter() when the launch began
+
+
 class ModelRunner:
     """Runs plans over one model and its cache; ``native`` is None for transformers' forward;
     ``graphs`` (native pass only) runs the steps of one-token rows in fixed-shape buckets."""
@@ -80,18 +92,27 @@ class ModelRunner:
         self._waits_on_device = loaded.device.type == "cuda"
         self.compute_s = 0.0
 
-    @torch.inference_mode()
     def run(self, plan: Plan) -> list[tuple[int, float | None, Any]]:
         """Run the plan's forward pass(es) and pick a token for each row that emits, in plan order."""
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: Plan) -> Launched:
+        """The plan's forward pass(es) and its picks as device work, not yet read: on CUDA this
+        returns once the work is queued; on a CPU it has been computed."""
         started = time.perf_counter()
         logits = self._graphed(plan)
         if logits is None:
             logits = self._native(plan) if self.native is not None else self._transformers(plan)
-        self.compute_s = 0.0 if self._waits_on_device else time.perf_counter() - started
+        forward_s = time.perf_counter() - started
         emitters = plan.emitters
-        picks = self.sampler(logits, [row.seq for row in emitters]) if emitters else []
-        if self._waits_on_device:
-            self.compute_s = self.sampler.wait_s
+        drawn = self.sampler.launch(logits, [row.seq for row in emitters]) if emitters else None
+        return Launched(plan, drawn, forward_s, started)
+
+    def collect(self, launched: Launched) -> list[tuple[int, float | None, Any]]:
+        """The launched step's picks on the host (on CUDA: waits for the step to finish)."""
+        picks = self.sampler.collect(launched.drawn) if launched.drawn is not None else []
+        self.compute_s = self.sampler.wait_s if self._waits_on_device else launched.forward_s
         return picks
 
     def _graphed(self, plan: Plan) -> torch.Tensor | None:

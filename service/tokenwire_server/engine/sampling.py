@@ -15,6 +15,7 @@ in any batch, and on either engine (both use this sampler).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -88,6 +89,17 @@ def _overflow_safe(rows: torch.Tensor) -> torch.Tensor:
 Pick = tuple[int, float | None, tuple[Alternative, ...]]
 
 
+@dataclasses.dataclass(frozen=True)
+class Drawn:
+    """Picks launched on the device and not yet read: per row, the id, then (where asked) its
+    log-probability and the top alternatives' ids and log-probabilities, as float64."""
+
+    values: torch.Tensor
+    seqs: Sequence[Generation]
+    want_logprobs: list[bool]
+    top_n: int
+
+
 class Sampler:
     def __init__(self, eos_token_ids: Sequence[int]) -> None:
         self._eos = list(eos_token_ids)
@@ -95,9 +107,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[Generation]) -> list[Pick]:
         """Pick one token per row of ``logits`` ([batch, vocab]) for ``seqs`` in the same order."""
+        return self.collect(self.launch(logits, seqs))
+
+    def launch(self, logits: torch.Tensor, seqs: Sequence[Generation]) -> Drawn:
+        """The picks as tensor work on the logits' device, not yet read (on CUDA: queued behind
+        the forward pass); ``collect`` reads them. Reads each row's state now (tokens so far,
+        grammar), so a row's previous token must have been taken (``Generation.take``) first."""
         device = logits.device
         logits = logits.float()
-        rows, vocab = int(logits.shape[0]), int(logits.shape[1])
+        vocab = int(logits.shape[1])
         requests = [seq.request for seq in seqs]
 
         # Repetition penalty and EOS blocking change the logits of some rows (a copy).
@@ -151,13 +169,17 @@ class Sampler:
             if top_n:
                 values, ids = torch.topk(logprobs, top_n, dim=-1)
                 parts += [ids.to(torch.float64), values.to(torch.float64)]
-        waited = time.perf_counter()
-        host = torch.cat(parts, dim=1).tolist()  # the one device -> host transfer of the step
-        self.wait_s = time.perf_counter() - waited
+        return Drawn(torch.cat(parts, dim=1), seqs, want_logprobs, top_n)
 
+    def collect(self, drawn: Drawn) -> list[Pick]:
+        """Read launched picks to the host: the step's one synchronisation with the device."""
+        waited = time.perf_counter()
+        host = drawn.values.tolist()  # the one device -> host transfer of the step
+        self.wait_s = time.perf_counter() - waited
+        seqs, want_logprobs, top_n = drawn.seqs, drawn.want_logprobs, drawn.top_n
+        requests = [seq.request for seq in seqs]
         out: list[Pick] = []
-        for i in range(rows):
-            line = host[i]
+        for i, line in enumerate(host):
             token = int(line[0])
             logprob: float | None = None
             top: tuple[Alternative, ...] = ()

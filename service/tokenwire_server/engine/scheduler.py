@@ -22,6 +22,7 @@ One step of the engine is ``schedule()`` → the runner's ``run(plan)`` → ``po
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,9 @@ class Row:
     # is read alone in the next step, so its first token waits for one light step, not a
     # full batch's (the other rows skip that one step).
     urgent: bool = False
+    # Left the scheduler (finished, cancelled, expired, failed or preempted; its blocks are
+    # back in the pool): a step launched before that commits nothing for it.
+    left: bool = False
 
     @property
     def table(self) -> list[int]:
@@ -90,8 +94,10 @@ class Plan:
     def rows(self) -> list[Row]:
         return [part.row for part in self.parts]
 
-    @property
+    @functools.cached_property
     def emitters(self) -> list[Row]:
+        """The rows that pick a token, in plan order; fixed when first read (at launch), so a
+        row preempted before its step is collected still lines up with its pick."""
         return [part.row for part in self.parts if part.emits]
 
     @property
@@ -234,22 +240,37 @@ class Scheduler:
 
     def postprocess(self, plan: Plan, picks: list[tuple[int, float | None, Any]]) -> None:
         """Commit a step that ran: lengths, the prefix cache, and each picked token to its request."""
+        self.deliver(self.take(plan, picks))
+        self.retire(expire=False)
+
+    def take(self, plan: Plan, picks: list[tuple[int, float | None, Any]]) -> list[Row]:
+        """Commit a step's lengths, prefix-cache blocks and picked tokens (``Generation.take``)
+        without delivering their text; the rows whose token waits for ``deliver`` come back.
+        Rows that left since the step was launched commit nothing (their pick is dropped)."""
         block_size = self.pool.block_size
         for part in plan.parts:
-            if not part.decodes:
-                row = part.row
+            row = part.row
+            if not part.decodes and not row.left:
                 row.length += part.count
                 full = min(row.length, row.seq.context_len, len(row.keys) * block_size) // block_size
                 while row.published < full:
                     self.pool.publish(row.lease, row.published, row.keys[row.published])
                     row.published += 1
+        waiting: list[Row] = []
         for row, (token, logprob, top_alternatives) in zip(plan.emitters, picks, strict=True):
+            if row.left:
+                continue
             if row.decoding:
                 row.length += 1
             row.decoding, row.last, row.urgent = True, token, False
-            if not row.seq.finished and not row.seq.handle.cancelled:
-                row.seq.add_token(token, logprob, top_alternatives)
-        self.retire(expire=False)
+            if not row.seq.finished and not row.seq.handle.cancelled and not row.seq.take(token, logprob, top_alternatives):
+                waiting.append(row)
+        return waiting
+
+    def deliver(self, rows: list[Row]) -> None:
+        """Deliver the tokens ``take`` committed for ``rows`` (text, stop sequences, events)."""
+        for row in rows:
+            row.seq.deliver()
 
     def retire(self, expire: bool) -> None:
         """Drop finished, cancelled and (between steps) expired requests; their blocks free at once."""
@@ -287,6 +308,7 @@ class Scheduler:
             return None
         row = max(rows, key=lambda r: (r.seq.request.priority, -len(r.seq.generated)))
         self.rows.remove(row)
+        row.left = True
         self.pool.release(row.lease)
         row.seq.preempt()
         self.queue.requeue(row.seq)
@@ -300,6 +322,7 @@ class Scheduler:
         leaving = {id(row) for row in rows}
         self.rows = [row for row in self.rows if id(row) not in leaving]
         for row in rows:
+            row.left = True
             self.pool.release(row.lease)
         self.queue.release(*(row.seq for row in rows))
 

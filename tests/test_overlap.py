@@ -1,0 +1,142 @@
+"""``--overlap``: the batched engine delivers step N's text while step N+1 runs (CUDA's
+default). On this CPU the host computes each step itself, so nothing is hidden here; what
+is checked is that the overlapped loop gives exactly the plain loop's streams: the same
+events, tokens, log-probabilities and endings for every kind of request in one batch, a
+stop sequence that ends a row already launched into the next step, cancellation, and
+every block back in the pool afterwards. (Faults with overlap: production/test_faults.py,
+the batched-overlap engine; constrained rows: test_structured.py.)"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_support import Recorder, run_all
+from tokenwire_server.domain import ErrorEvent, FinishEvent, FinishReason, GenerationRequest, SamplingOptions
+from tokenwire_server.engine import create_engine
+from tokenwire_server.engine.base import EngineLimits
+from tokenwire_server.model import load_model
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path) -> Any:
+    return load_model(str(tiny_model_dir))
+
+
+def engine(loaded: Any, overlap: str, **kwargs: Any) -> Any:
+    limits = EngineLimits(max_active=8, max_queue=16, kv_cache_tokens=8 * 1024, max_prefill_tokens=12)
+    eng = create_engine("batched", loaded, limits, workers=1, overlap=overlap, **kwargs)
+    assert eng.overlap is (overlap == "on")
+    return eng
+
+
+def requests(loaded: Any, stop: str) -> list[GenerationRequest]:
+    tok = loaded.tokenizer
+
+    def req(rid: str, text: str, new: int, sampling: SamplingOptions, **more: Any) -> GenerationRequest:
+        return GenerationRequest(rid, tok(text)["input_ids"], sampling, new, **more)
+
+    greedy = SamplingOptions(temperature=0.0)
+    return [
+        req("greedy", "The weather today", 24, greedy, ignore_eos=True, want_tokens=True),
+        req("seeded", "Once upon a time", 24, SamplingOptions(temperature=0.9, top_k=30, top_p=0.9, seed=7), ignore_eos=True),
+        req("penalty", "In a galaxy far", 24, SamplingOptions(temperature=0.8, repetition_penalty=1.4, seed=3),
+            ignore_eos=True, want_logprobs=True, top_logprobs=3),  # fmt: skip
+        req("stop", "The weather today", 24, greedy, ignore_eos=True, stop_sequences=(stop,)),
+        req("short", "Numbers: 1, 2,", 3, greedy, ignore_eos=True),
+        req("eos", "Hello", 40, SamplingOptions(temperature=1.0, seed=11), min_new_tokens=2, want_tokens=True),
+        req("long-prompt", "word " * 60, 8, greedy, ignore_eos=True),  # read in several chunks beside the others
+    ]
+
+
+def stream(rec: Recorder) -> list[tuple[Any, ...]]:
+    """A stream as the caller sees it, less its timings."""
+    out: list[tuple[Any, ...]] = []
+    for event in rec.events:
+        if isinstance(event, FinishEvent):
+            out.append(("finish", event.text, event.tokens, event.reason, event.usage.completion_tokens, event.usage.prompt_tokens))
+        elif isinstance(event, ErrorEvent):
+            out.append(("error", event.kind, event.message))
+        else:
+            out.append(("text", event.text, event.tokens))
+    return out
+
+
+def run(loaded: Any, overlap: str, reqs: list[GenerationRequest]) -> tuple[list[Recorder], Any]:
+    eng = engine(loaded, overlap)
+    eng.start()
+    try:
+        return run_all(eng, reqs, timeout=120), eng
+    finally:
+        eng.close()
+
+
+def test_the_overlapped_loop_gives_the_plain_loops_streams_event_for_event(loaded: Any) -> None:
+    alone = run(loaded, "off", requests(loaded, "x"))[0][0]
+    stop = alone.text[6:10]  # a stop sequence the greedy row reaches mid-stream
+    plain, plain_engine = run(loaded, "off", requests(loaded, stop))
+    overlapped, overlap_engine = run(loaded, "on", requests(loaded, stop))
+    for p, o in zip(plain, overlapped, strict=True):
+        assert stream(o) == stream(p), o.request.request_id if o.request else ""
+    ends = {rec.request.request_id: rec.last.reason for rec in overlapped if rec.request}
+    assert ends["stop"] is FinishReason.STOP_SEQUENCE and ends["short"] is FinishReason.LENGTH
+    assert overlapped[3].text == alone.text[: alone.text.index(stop)]
+    assert any(event.tokens and event.tokens[0].top for event in overlapped[2].events)  # log-probabilities came
+    # Every block back in the pool, and both loops ran the same decode steps but for the
+    # stopped row's dropped one (it shares a step with the others, so no extra step).
+    assert plain_engine.kv_tokens_reserved() == 0 and overlap_engine.kv_tokens_reserved() == 0
+    assert overlap_engine.steps == plain_engine.steps
+
+
+def test_a_row_that_a_stop_sequence_ends_has_its_next_pick_dropped(loaded: Any) -> None:
+    """Alone, a row stopped by a stop sequence has already been launched into one more step:
+    that step runs (one more than the plain loop), and its token goes nowhere."""
+    tok = loaded.tokenizer
+    base = GenerationRequest("s", tok("The weather today")["input_ids"], SamplingOptions(temperature=0.0), 24, ignore_eos=True)
+    full = run(loaded, "off", [base])[0][0].text
+    stop = full[6:10]
+    stopped = GenerationRequest("s", base.prompt_ids, base.sampling, 24, ignore_eos=True, stop_sequences=(stop,), want_tokens=True)
+    (plain,), plain_engine = run(loaded, "off", [stopped])
+    (overlapped,), overlap_engine = run(loaded, "on", [stopped])
+    assert stream(overlapped) == stream(plain)
+    assert overlapped.last.reason is FinishReason.STOP_SEQUENCE
+    assert overlap_engine.steps == plain_engine.steps + 1
+    assert overlap_engine.kv_tokens_reserved() == 0
+
+
+def test_a_cancelled_stream_leaves_and_the_others_go_on_with_their_own_tokens(loaded: Any) -> None:
+    tok = loaded.tokenizer
+    greedy = SamplingOptions(temperature=0.0)
+    keep = GenerationRequest("keep", tok("Once upon a time")["input_ids"], greedy, 40, ignore_eos=True)
+    reference = run(loaded, "on", [keep])[0][0]
+    eng = engine(loaded, "on")
+    eng.start()
+    try:
+        gone, kept = Recorder(), Recorder()
+        kept.request = keep
+        handle = eng.submit(GenerationRequest("gone", tok("In a galaxy far")["input_ids"], greedy, 2000, ignore_eos=True), gone)
+        eng.submit(keep, kept)
+        deadline = time.monotonic() + 30
+        while len(gone.events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        handle.cancel()
+        assert kept.done.wait(60)
+        deadline = time.monotonic() + 10
+        while eng.kv_tokens_reserved() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.kv_tokens_reserved() == 0  # the cancelled row's blocks came back
+    finally:
+        eng.close()
+    assert stream(kept) == stream(reference)
+    assert not gone.done.is_set() and len(gone.events) < 2000  # it stopped, and nothing ended it as if it had finished
+
+
+def test_auto_overlaps_on_cuda_only(loaded: Any) -> None:
+    eng = create_engine("batched", loaded, EngineLimits(2, 4, 1024), workers=1, overlap="auto")
+    assert eng.overlap is False  # this CPU computes its steps on the host: nothing to overlap with
+    with pytest.raises(ValueError, match="unknown overlap"):
+        create_engine("batched", loaded, EngineLimits(2, 4, 1024), workers=1, overlap="sometimes")
