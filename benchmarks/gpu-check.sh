@@ -4,8 +4,9 @@
 # benchmarks/gpu-wheels.txt, and the default model's tokenizer files). It installs the
 # wheels beside the machine's own packages, runs `make test-gpu`, then the GPU bench
 # (benchmarks/gpu_bench.py) at the 135M and 1B shapes with random weights, c = 1, 16, 64,
-# 128, the engine's native pass (CUDA graphs) and transformers' forward, compiled
-# static-batch generate as the ceiling, and (time left) the prompt budget; it prints one table and writes it to
+# 128, the engine's native pass (CUDA graphs, overlap) and transformers' forward, compiled
+# static-batch generate as the ceiling, and (time left) the native pass with --overlap off
+# and the prompt budget; it prints one table and writes it to
 # docs/benchmarks-cuda.md (and $OUT, where set). Budget: 8 minutes in all.
 #
 #   make gpu-wheels                                  # here, once (GPU_PYTHON=3.12 by default)

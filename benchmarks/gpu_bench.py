@@ -21,10 +21,11 @@ then:
   rows in the batch) ÷ the step time ÷ the device's peak memory bandwidth
   (``--peak-gbs``, or known from the device name).
 
-Each shape is served twice, once per ``--forwards`` entry: ``native`` (the engine's own
-pass, decode steps as CUDA graphs per batch bucket: ``--step-graphs auto``) and
-``transformers`` (the model's own forward), so ``--forward auto`` on CUDA can be set from
-a measurement. Then the ceiling, in the same run: transformers ``generate`` on a static
+Each shape is served once per ``--forwards`` entry: ``native`` (the engine's own pass,
+decode steps as CUDA graphs per batch bucket: ``--step-graphs auto``; on CUDA with
+``--overlap``), ``transformers`` (the model's own forward), so ``--forward auto`` on CUDA
+can be set from a measurement, and ``native:no-overlap`` (``--overlap off``: the host
+time per step before and after overlap). Then the ceiling, in the same run: transformers ``generate`` on a static
 batch with a static cache, compiled (``torch.compile``, as transformers does by itself on
 CUDA), at the smallest and largest concurrency. ``--budget-s`` stops starting phases once
 spent; the table says what was skipped.
@@ -218,19 +219,24 @@ def mbu_of(shape: str, folder: Path, device: str, concurrency: int, step_s: floa
     return (weight_bytes(shape, vocab, element) + concurrency * context * per_token_kv) / step_s / (peak * 1e9)
 
 
-def run_shape(shape: str, forward: str, args: argparse.Namespace) -> list[Result]:
-    """The engine over gRPC at each concurrency, with one ``--forward``."""
+def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
+    """The engine over gRPC at each concurrency, with one ``--forward`` (``native:no-overlap``:
+    the native pass with ``--overlap off``, each step's text delivered before the next launches)."""
     from tokenwire.bench import run_bench
 
     from benchmarks.launcher import ServerProcess
 
+    forward, _, variant = spec.partition(":")
+    if variant not in ("", "no-overlap"):
+        raise ValueError(f"unknown variant {variant!r} of --forwards entry {spec!r} (known: no-overlap)")
     folder = model_folder(shape, args)
     concurrency = [int(c) for c in args.concurrency.split(",")]
     peak = args.peak_gbs
     server_args = [
         "--model", str(folder), "--engine", "batched", "--device", args.device, "--max-active", str(max(concurrency)),
         "--max-queue", str(2 * max(concurrency)), "--metrics-port", "-1", "--forward", forward,
-        *(["--step-graphs", args.step_graphs] if forward == "native" else []), *args.server_arg,
+        *(["--step-graphs", args.step_graphs] if forward == "native" else []),
+        *(["--overlap", "off"] if variant == "no-overlap" else []), *args.server_arg,
     ]  # fmt: skip
     results: list[Result] = []
     with ServerProcess(server_args, ready_timeout=900) as server:
@@ -238,6 +244,7 @@ def run_shape(shape: str, forward: str, args: argparse.Namespace) -> list[Result
             peak = peak_gbs(str(next((r.get("name", "") for r in server.find("gpu")), "")))
         engine = next(iter(server.find("batched engine forward pass")), {})
         path = f"tokenwire {engine.get('forward', forward)}" + (f" +{engine['step_graphs']} graphs" if engine.get("step_graphs") not in (None, "off") else "")
+        path += " +overlap" if engine.get("overlap") else " -overlap" if variant else ""
         run_bench(server.target, concurrency=1, requests=1, max_new_tokens=4)  # warm
         for c in concurrency:
             before = step_totals(server.metrics_port)
@@ -379,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-weights", default="135m,1b", help=f"comma-separated shapes, from {', '.join(SHAPES)}")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--concurrency", default="1,16,64,128")
-    parser.add_argument("--forwards", default="native,transformers", help="the engine's --forward values to serve each shape with")
+    parser.add_argument(
+        "--forwards",
+        default="native,transformers,native:no-overlap",
+        help="the engine's --forward values to serve each shape with (native:no-overlap: with --overlap off)",
+    )
     parser.add_argument("--step-graphs", default="auto", help="the native pass's --step-graphs (auto: CUDA graphs on CUDA)")
     parser.add_argument("--ceiling", default="ends", choices=("ends", "all", "none"),
                         help="static-batch generate at the smallest and largest concurrency (ends), at each, or not")  # fmt: skip

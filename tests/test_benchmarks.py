@@ -107,8 +107,9 @@ def test_the_gpu_bench_counts_the_default_models_weights_exactly(default_model_d
 
 def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Path) -> None:
     """The same code `benchmarks/gpu-check.sh` runs on a GPU, on the tiny shape on this CPU:
-    a random-weight model folder, a server per forward, two concurrencies, the server's step
-    time and its host part, MBU, and the static-batch ceiling at both ends."""
+    a random-weight model folder, a server per forward (and one with --overlap off), two
+    concurrencies, the server's step time and its host part, MBU, and the static-batch
+    ceiling at both ends."""
     from benchmarks.gpu_bench import main
 
     out = tmp_path / "cuda.md"
@@ -120,6 +121,7 @@ def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Pa
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.read_text().splitlines() if line.startswith("| tiny")]
     assert [(r[1], int(r[2])) for r in rows] == [
         ("tokenwire native +static graphs", 1), ("tokenwire native +static graphs", 2),
+        ("tokenwire native +static graphs -overlap", 1), ("tokenwire native +static graphs -overlap", 2),
         ("tokenwire transformers", 1), ("tokenwire transformers", 2),
         ("ceiling: static generate (eager)", 1), ("ceiling: static generate (eager)", 2),
     ]  # fmt: skip
