@@ -67,6 +67,7 @@ def test_the_contract_on_cuda_in_bf16(cuda_server: ServerProcess, tiny_model_dir
     [engine] = cuda_server.find("batched engine forward pass")
     if engine["forward"] == "native":
         assert engine["step_graphs"] == "cuda"  # the decode step replayed as CUDA graphs
+    assert engine["overlap"] is True  # --overlap auto: each step's text delivered while the next runs
     stub = generation_stub(cuda_server.target)
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     assert info.device.startswith("cuda")
@@ -113,6 +114,10 @@ def test_alone_equals_batched_on_cuda_in_fp32(forward: str, tiny_model_dir: Path
     with ServerProcess(args) as server:
         alone, together = alone_and_together(server.target, story_requests(samplings))
     assert [[t.id for t in row] for row in together] == [[t.id for t in row] for row in alone]
+    if forward == "native":  # the overlapped loop (CUDA's default) gives the plain loop's tokens
+        with ServerProcess([*args, "--overlap", "off"]) as server:
+            _, plain = alone_and_together(server.target, story_requests(samplings))
+        assert [[t.id for t in row] for row in plain] == [[t.id for t in row] for row in together]
 
 
 def test_alone_and_batched_in_bf16_differ_only_past_a_near_tie(cuda_server: ServerProcess) -> None:
