@@ -166,10 +166,15 @@ def test_a_client_certificates_common_name_names_its_tenant(in_process_server: A
     assert value(samples, "tokenwire_tenant_tokens_total", tenant="tokenwire test client", priority="normal", kind="completion") == 4
 
 
-def test_a_high_call_preempts_a_low_stream_which_resumes_with_the_same_tokens(in_process_server: Any, tenant_files: dict[str, str]) -> None:
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_high_call_preempts_a_low_stream_which_resumes_with_the_same_tokens(
+    in_process_server: Any, tenant_files: dict[str, str], overlap: str
+) -> None:
     """One slot, held by a sampled LOW stream; a HIGH call takes the slot at once (no cancel),
-    and the LOW stream, read again from its prompt and tokens, ends exactly as it would have."""
-    server = in_process_server(max_active=1, **tenant_files)
+    and the LOW stream, read again from its prompt and tokens, ends exactly as it would have.
+    With ``--overlap on`` the LOW stream is preempted with its next step in flight: that pick
+    is dropped, and the token is drawn again when it is read back."""
+    server = in_process_server(max_active=1, overlap=overlap, **tenant_files)
     stub = generation_stub(server.target)
     low = pb.GenerateRequest(
         prompt="hello",
