@@ -53,6 +53,16 @@ def requests(loaded: Any, stop: str) -> list[GenerationRequest]:
     ]
 
 
+def stop_after(loaded: Any, rec: Recorder, tokens: int) -> str:
+    """Four characters of ``rec``'s text first found past its first ``tokens`` tokens' text, so
+    a stop sequence made of them ends the stream while it decodes, not at its first token."""
+    text = rec.text
+    head = len(loaded.tokenizer.decode(rec.token_ids[:tokens], skip_special_tokens=True, clean_up_tokenization_spaces=False))
+    stop = next((text[i : i + 4] for i in range(head, len(text) - 3) if text.find(text[i : i + 4]) >= head), None)
+    assert stop is not None, text
+    return stop
+
+
 def stream(rec: Recorder) -> list[tuple[Any, ...]]:
     """A stream as the caller sees it, less its timings."""
     out: list[tuple[Any, ...]] = []
@@ -77,7 +87,7 @@ def run(loaded: Any, overlap: str, reqs: list[GenerationRequest]) -> tuple[list[
 
 def test_the_overlapped_loop_gives_the_plain_loops_streams_event_for_event(loaded: Any) -> None:
     alone = run(loaded, "off", requests(loaded, "x"))[0][0]
-    stop = alone.text[6:10]  # a stop sequence the greedy row reaches mid-stream
+    stop = stop_after(loaded, alone, 3)  # a stop sequence the greedy row reaches mid-stream
     plain, plain_engine = run(loaded, "off", requests(loaded, stop))
     overlapped, overlap_engine = run(loaded, "on", requests(loaded, stop))
     for p, o in zip(plain, overlapped, strict=True):
@@ -96,14 +106,14 @@ def test_a_row_that_a_stop_sequence_ends_has_its_next_pick_dropped(loaded: Any) 
     """Alone, a row stopped by a stop sequence has already been launched into one more step:
     that step runs (one more than the plain loop), and its token goes nowhere."""
     tok = loaded.tokenizer
-    base = GenerationRequest("s", tok("The weather today")["input_ids"], SamplingOptions(temperature=0.0), 24, ignore_eos=True)
-    full = run(loaded, "off", [base])[0][0].text
-    stop = full[6:10]
+    base = GenerationRequest("s", tok("The weather today")["input_ids"], SamplingOptions(temperature=0.0), 24, ignore_eos=True, want_tokens=True)
+    stop = stop_after(loaded, run(loaded, "off", [base])[0][0], 3)
     stopped = GenerationRequest("s", base.prompt_ids, base.sampling, 24, ignore_eos=True, stop_sequences=(stop,), want_tokens=True)
     (plain,), plain_engine = run(loaded, "off", [stopped])
     (overlapped,), overlap_engine = run(loaded, "on", [stopped])
     assert stream(overlapped) == stream(plain)
     assert overlapped.last.reason is FinishReason.STOP_SEQUENCE
+    assert plain_engine.steps >= 2  # it stopped while decoding, not at its prompt's token
     assert overlap_engine.steps == plain_engine.steps + 1
     assert overlap_engine.kv_tokens_reserved() == 0
 
