@@ -158,9 +158,14 @@ class GpuSampler:
 STEP_HISTOGRAMS = ("tokenwire_decode_step_seconds", "tokenwire_decode_step_host_seconds")
 
 
+def metrics_text(metrics_port: int) -> str:
+    """The server's /metrics page."""
+    return str(urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode())
+
+
 def step_totals(metrics_port: int) -> dict[str, tuple[float, int]]:
     """(sum of seconds, count) of each of the server's ``STEP_HISTOGRAMS``."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    text = metrics_text(metrics_port)
     totals: dict[str, tuple[float, int]] = {}
     for name in STEP_HISTOGRAMS:
         total = re.search(rf"^{name}_sum (\S+)$", text, re.M)
@@ -195,7 +200,7 @@ class Result:
 def reserved_bytes(metrics_port: int) -> int | None:
     """The most any device's ``tokenwire_gpu_memory_reserved_bytes`` reads (torch's cache keeps
     its high-water mark), or None where the server exports none (a CPU)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    text = metrics_text(metrics_port)
     values = [float(v) for v in re.findall(r"^tokenwire_gpu_memory_reserved_bytes\{[^}]*\} (\S+)$", text, re.M)]
     return int(max(values)) if values else None
 

@@ -16,6 +16,7 @@ from tokenwire_server.domain import (
     FinishEvent,
     FinishReason,
     GenerationRequest,
+    NoObserver,
     SamplingOptions,
     TextEvent,
 )
@@ -215,27 +216,18 @@ def test_a_stream_that_asked_for_tokens_gets_each_one_when_it_is_made(loaded, wa
         assert all(text for text in texts[:-1])  # no empty event before the last
 
 
-class StepTimes:
+class StepTimes(NoObserver):
     """An engine observer that keeps each decode step's time and the host's own part of it."""
 
     def __init__(self) -> None:
         self.steps: list[float] = []
         self.host: list[float] = []
 
-    def admitted(self, queue_wait_s: float) -> None:
-        pass
-
-    def prefill_step(self, seconds: float, tokens: int = 0) -> None:
-        pass
-
     def decode_step(self, seconds: float) -> None:
         self.steps.append(seconds)
 
     def step_host(self, seconds: float) -> None:
         self.host.append(seconds)
-
-    def preempted(self, tenant: str) -> None:
-        pass
 
 
 class SlowSink(Recorder):

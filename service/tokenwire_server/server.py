@@ -455,16 +455,14 @@ async def serve(config: ServerConfig) -> int:
         if server.draining and not isinstance(exc, ModelLoadError):
             # A signal's drain closed the backend under the warm-up: a stop, not a failure.
             log.info("start-up stopped: the warm-up ended with the drain", extra={"error": str(exc)})
-            await server.wait()
-            watchdog.cancel()
-            return server.exit_code
-        if isinstance(exc, ModelLoadError):
-            log.error("cannot start: %s", exc)
         else:
-            log.exception("cannot start")
-        await server.drain("start-up failed")
-        watchdog.cancel()
-        return 2
+            if isinstance(exc, ModelLoadError):
+                log.error("cannot start: %s", exc)
+            else:
+                log.exception("cannot start")
+            await server.drain("start-up failed")
+            watchdog.cancel()
+            return 2
     await server.wait()
     watchdog.cancel()
     return server.exit_code

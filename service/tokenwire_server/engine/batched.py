@@ -253,7 +253,14 @@ class BatchedEngine(Engine):
         self._in_step = plan
         picks = self.runner.run(plan)
         # Nothing is committed before here: a step that ran out of memory runs again as it was.
-        elapsed = time.perf_counter() - started
+        self._count(plan, time.perf_counter() - started)
+        self.scheduler.postprocess(plan, picks)
+        if plan.decodes and not plan.prompt_tokens:
+            # The host's own time in the step, delivery included: on a GPU, what the device waits through.
+            self.observer.step_host(max(0.0, time.perf_counter() - started - self.runner.compute_s))
+
+    def _count(self, plan: Plan, elapsed: float) -> None:
+        """Count a step that ran and report its time to the metrics and the deadline estimator."""
         decodes = plan.decodes
         if plan.prompt_tokens:
             self.prefill_steps += 1
@@ -264,10 +271,6 @@ class BatchedEngine(Engine):
             self.observer.decode_step(elapsed)
         if decodes:
             self.steps += 1
-        self.scheduler.postprocess(plan, picks)
-        if decodes and not plan.prompt_tokens:
-            # The host's own time in the step, delivery included: on a GPU, what the device waits through.
-            self.observer.step_host(max(0.0, time.perf_counter() - started - self.runner.compute_s))
 
     def _overlapped_step(self) -> None:
         """One step with the next one in flight (``--overlap``): collect step N's picks (the one
@@ -286,14 +289,7 @@ class BatchedEngine(Engine):
         picks = self.runner.collect(launched)
         collected = time.perf_counter()
         plan = launched.plan
-        decode_only = plan.decodes > 0 and not plan.prompt_tokens
-        if plan.prompt_tokens:
-            self.prefill_steps += 1
-            self.observer.prefill_step(collected - launched.started, plan.prompt_tokens + plan.decodes)
-        elif plan.decodes:
-            self.observer.decode_step(collected - launched.started)
-        if plan.decodes:
-            self.steps += 1
+        self._count(plan, collected - launched.started)
         waiting = scheduler.take(plan, picks)
         scheduler.retire(expire=False)
         try:
@@ -301,7 +297,7 @@ class BatchedEngine(Engine):
         finally:  # step N's text goes out even when step N+1 fails to launch
             scheduler.deliver(waiting)
         scheduler.retire(expire=False)
-        if decode_only and self._collected_at is not None:
+        if plan.decodes and not plan.prompt_tokens and self._collected_at is not None:
             # The host's own time in a step period (collect to collect), less its compute or wait.
             self.observer.step_host(max(0.0, collected - self._collected_at - self.runner.compute_s))
         self._collected_at = collected

@@ -93,11 +93,19 @@ class Generation:
             _, stopped = self.text.push(token_id)
             if stopped:
                 return FinishReason.STOP_SEQUENCE
-        if constraint is not None and constraint.terminated:
+        return self._ends_after(ids[-1] if ids else None)
+
+    def _ends_after(self, last: int | None) -> FinishReason | None:
+        """How the request ends on its tokens so far, ``last`` the latest (None: none yet), if it
+        does: its grammar complete (min_new_tokens/ignore_eos do not apply), end of sequence, or
+        length. Stop sequences are the text stream's to find."""
+        if self.constraint is not None and self.constraint.terminated:
             return FinishReason.EOS
-        if ids and ids[-1] in self._eos and not self.request.ignore_eos and self.eos_allowed:
+        if last is None:
+            return None
+        if last in self._eos and not self.request.ignore_eos and self.eos_allowed:
             return FinishReason.EOS
-        if ids and len(self.generated) >= self.request.max_new_tokens:
+        if len(self.generated) >= self.request.max_new_tokens:
             return FinishReason.LENGTH
         return None
 
@@ -168,18 +176,10 @@ class Generation:
             self.first_token_at = time.monotonic()
         self.generated.append(token_id)
         self._taken.append((token_id, logprob, top))
-        request = self.request
-        constraint = self.constraint
-        if constraint is not None:
-            if not constraint.accept(token_id):  # the sampler masked it out: a bug, not the caller's
-                self._broken = f"token {token_id} breaks the response format"
-            elif constraint.terminated:  # the answer is complete (min_new_tokens/ignore_eos do not apply)
-                self._ending = FinishReason.EOS
-        if self._ending is None and self._broken is None:
-            if token_id in self._eos and not request.ignore_eos and self.eos_allowed:
-                self._ending = FinishReason.EOS
-            elif len(self.generated) >= request.max_new_tokens:
-                self._ending = FinishReason.LENGTH
+        if self.constraint is not None and not self.constraint.accept(token_id):
+            self._broken = f"token {token_id} breaks the response format"  # the sampler masked it out: a bug, not the caller's
+        else:
+            self._ending = self._ends_after(token_id)
         return self.deliver() if self._ending is not None or self._broken is not None else False
 
     def deliver(self) -> bool:
