@@ -333,7 +333,7 @@ def test_retries_stop_at_the_deadline(client, fake):
     started = time.monotonic()
     with pytest.raises(tokenwire.Overloaded):
         client.generate_text("x", timeout=0.5)
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 3  # not the 5 s the server asked to wait (loose: a loaded CI host)
     assert fake.servicer.refused == 1
 
 

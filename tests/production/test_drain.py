@@ -79,7 +79,7 @@ def test_grace_period_bounds_the_drain(tiny_model_dir: Path) -> None:
 def test_handoff_ends_streams_unavailable_with_the_resume_trailer_and_exits_soon(tiny_model_dir: Path) -> None:
     """--handoff-after-s: the streams still running that long after SIGTERM end UNAVAILABLE
     with the ``tokenwire-resume: handoff`` trailer (a resumable cut, not a failure), and the
-    process exits 0 well before the grace period.
+    process exits 0 well before the grace period (60 s).
 
     The stream is in flight at the hand-off by construction, not by being slow: its client
     reads one chunk, then nothing until after the hand-off, and a stream that is not read
@@ -101,7 +101,14 @@ def test_handoff_ends_streams_unavailable_with_the_resume_trailer_and_exits_soon
         assert "resume it on another replica" in cut.value.details()
         assert ("tokenwire-resume", "handoff") in tuple(cut.value.trailing_metadata())
         assert server.proc.wait(15) == 0
-        assert time.monotonic() - sent <= 0.5 + 2
+        # Exits on the hand-off, not on the grace period: the log says so, in order, and the
+        # exit comes far inside the 60 s grace. The bound is loose on purpose (it is not a
+        # speed figure): a loaded 2-core CI host once took 2.85 s here, 0.8 s when idle.
+        server._reader.join(10)  # the whole log, to the end of the process
+        assert not server.find("grace period over; cancelling calls in flight")
+        msgs = [r.get("msg") for r in server.records]
+        assert msgs.index("handing off the streams in flight") < msgs.index("stopped")
+        assert time.monotonic() - sent < 0.5 + 10
         assert [c.index for c in received] == list(range(len(received)))
         assert received[-1].finish_reason == pb.FINISH_REASON_UNSPECIFIED
         [line] = [r for r in server.find("request finished") if r.get("request_id") == "handed-off"]
