@@ -73,7 +73,7 @@ def test_grace_period_bounds_the_drain(tiny_model_dir: Path) -> None:
         assert cut.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
         assert server.proc.wait(15) == 0
         assert time.monotonic() - sent < 10
-        assert wait_until(lambda: bool(server.find("grace period over; cancelling calls in flight")), 2)
+        assert wait_until(lambda: bool(server.find("grace period over; cancelling calls in flight")), 10)
 
 
 def test_handoff_ends_streams_unavailable_with_the_resume_trailer_and_exits_soon(tiny_model_dir: Path) -> None:

@@ -273,7 +273,7 @@ def test_steps_that_keep_failing_fault_the_engine(
             list(stub.Generate(short_request(), timeout=10))
         assert caught.value.code() == grpc.StatusCode.INTERNAL
         assert "injected step fault" in caught.value.details()
-    assert wait_until(lambda: health_status(server.target, LIVENESS) == NOT_SERVING, 2.0)
+    assert wait_until(lambda: health_status(server.target, LIVENESS) == NOT_SERVING, 10.0)
     with pytest.raises(grpc.RpcError) as refused:
         list(stub.Generate(short_request(), timeout=10))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
