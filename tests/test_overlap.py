@@ -13,11 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from engine_support import Recorder, run_all
-from tokenwire_server.domain import ErrorEvent, FinishEvent, FinishReason, GenerationRequest, SamplingOptions
-from tokenwire_server.engine import create_engine
+from tokenwire_server.domain import (
+    ErrorEvent,
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    RequestHandle,
+    SamplingOptions,
+)
+from tokenwire_server.engine import create_engine, transfer
 from tokenwire_server.engine.base import EngineLimits
+from tokenwire_server.engine.generation import Generation
+from tokenwire_server.engine.sampling import Sampler
 from tokenwire_server.model import load_model
+from torch.overrides import TorchFunctionMode
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -150,3 +161,94 @@ def test_auto_overlaps_on_cuda_only(loaded: Any) -> None:
     assert eng.overlap is False  # this CPU computes its steps on the host: nothing to overlap with
     with pytest.raises(ValueError, match="unknown overlap"):
         create_engine("batched", loaded, EngineLimits(2, 4, 1024), workers=1, overlap="sometimes")
+
+
+# -- what the host queues after the forward pass does not make it wait -------------------
+#
+# On CUDA a plain host -> device copy synchronises the stream: made after the forward pass
+# is queued (the kept rows, the sampler's parameters), it would make the host wait for the
+# whole pass, the wait --overlap hides. There is no CUDA here, so the step runs on ``meta``
+# (no data: a launch that read a device value would fail there) taken for CUDA, and every
+# host -> device transfer is recorded: blocking, or queued from pinned memory.
+
+
+class Transfers(TorchFunctionMode):
+    """Host -> device transfers made under it. A CPU build of torch cannot pin memory, so
+    ``pin_memory`` stands in: it marks the tensor, and only a marked tensor copied with
+    ``non_blocking=True`` counts as queued; anything else that crosses is blocking."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocking: list[str] = []
+        self.queued = 0
+        self._pinned: set[int] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.pin_memory:
+            self._pinned.add(id(args[0]))
+            return args[0]
+        if func in (torch.tensor, torch.as_tensor) and on_device(kwargs.get("device")):
+            self.blocking.append(f"torch.{func.__name__}(..., device={kwargs['device']})")
+        elif func is torch.Tensor.to and args[0].device.type == "cpu":
+            target = next((a for a in (*args[1:], kwargs.get("device")) if isinstance(a, (str, torch.device))), None)
+            if on_device(target):
+                if kwargs.get("non_blocking") and id(args[0]) in self._pinned:
+                    self.queued += 1
+                else:
+                    self.blocking.append(f"Tensor.to({target}, non_blocking={kwargs.get('non_blocking', False)})")
+        elif func is torch.Tensor.copy_ and on_device(args[0].device) and args[1].device.type == "cpu":
+            self.blocking.append("Tensor.copy_ from the host")
+        return func(*args, **kwargs)
+
+
+def on_device(device: Any) -> bool:
+    return device is not None and torch.device(device).type != "cpu"
+
+
+@pytest.fixture
+def meta_as_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transfer, "PINNED_DEVICE_TYPES", frozenset({"cuda", "meta"}))
+
+
+def generation(prompt: list[int], sampling: SamplingOptions, generated: list[int], **more: Any) -> Generation:
+    request = GenerationRequest("r", prompt, sampling, 8, **more)
+    seq = Generation(request, RequestHandle(), lambda event: None, None, (2,), torch.device("cpu"))
+    seq.generated = list(generated)
+    return seq
+
+
+def test_the_sampler_launch_queues_its_parameters_without_waiting(meta_as_cuda: None) -> None:
+    """Greedy, seeded top-k/top-p, a repetition penalty, EOS blocked by min_new_tokens and
+    log-probabilities, in one batch: their launch crosses to the device only by queued copies."""
+    rows = [
+        generation([5], SamplingOptions(temperature=0.0), [], ignore_eos=True),
+        generation([5, 6], SamplingOptions(temperature=0.9, top_k=20, top_p=0.8, seed=11), [7], ignore_eos=True),
+        generation([7, 7, 9], SamplingOptions(temperature=1.2, repetition_penalty=1.3, seed=12), [9, 4], ignore_eos=True),
+        generation([1], SamplingOptions(temperature=0.7, seed=13), [], min_new_tokens=4, want_logprobs=True, top_logprobs=3),
+    ]
+    with Transfers() as transfers:
+        drawn = Sampler([2]).launch(torch.empty(4, 500, device="meta"), rows)
+    assert drawn.values.device.type == "meta" and drawn.values.shape == (4, 1 + 1 + 2 * 3)
+    assert transfers.blocking == []
+    assert transfers.queued >= 10  # penalty (3), EOS block (2), rows drawn, temperatures, keys, top-k, top-p (7)
+
+
+def test_an_eager_native_step_queues_its_inputs_without_waiting(tiny_model_dir: Path, meta_as_cuda: None) -> None:
+    """Decode rows beside a prompt chunk, only some positions' logits kept: the native pass's
+    inputs, attention plans, KV write index and kept-rows index cross only by queued copies."""
+    from engine_support import BLOCK, SLOTS, slot_segment
+    from tokenwire_server.engine.kv import PagedCache
+    from tokenwire_server.engine.native import NativeForward
+    from tokenwire_server.model import attention_shape
+
+    model = load_model(str(tiny_model_dir)).model.to("meta")  # its own copy: the module's model stays on the CPU
+    _, kv_heads, head_dim = attention_shape(model.config)
+    placements = [(torch.device("meta"), torch.float32)] * model.config.num_hidden_layers
+    native = NativeForward(model, PagedCache(SLOTS * 256 // BLOCK, BLOCK, kv_heads, head_dim, placements), batch_hint=4, kernel_choice="torch")
+    ids, positions = torch.tensor([5, 5, *range(10, 25)]), torch.tensor([37, 37, *range(15)])
+    with Transfers() as transfers:
+        logits = native(ids, positions, [slot_segment(0, 37, 1), slot_segment(1, 37, 1), slot_segment(2, 0, 15)], [0, 1, 16])
+    assert logits.device.type == "meta" and logits.shape[0] == 3
+    assert transfers.blocking == []
+    assert transfers.queued >= 7  # ids, positions, decode tables/lengths/mask, chunk table/mask, write index, kept rows

@@ -163,9 +163,11 @@ def apply_constraints(logits: Any, rows: Sequence[tuple[int, Constraint]], vocab
     """
     import xgrammar as xgr
 
+    from .engine.transfer import to_device
+
     mask = xgr.allocate_token_bitmask(int(logits.shape[0]), vocab_size)
     for row, constraint in rows:
         constraint.fill(mask, row)
     if logits.device.type != "cpu":
-        mask = mask.to(logits.device, non_blocking=True)
+        mask = to_device(mask, logits.device)  # pinned, queued: the host does not wait for the forward pass
     xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size, indices=[row for row, _ in rows])

@@ -28,6 +28,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .blocks import blocks_for
+from .transfer import to_device
 
 
 def decoder_layers(model: Any) -> list[Any]:
@@ -148,7 +149,7 @@ class CachePlan:
         found = self._on.get(device)
         if found is None:
             flat = flat_index(self.write_blocks.reshape(-1), self.write_offsets.reshape(-1), heads, block_size)
-            found = (flat.to(device), self.tables.to(device), self.lengths.to(device))
+            found = (to_device(flat, device), to_device(self.tables, device), to_device(self.lengths, device))
             self._on[device] = found
         return found
 

@@ -60,6 +60,7 @@ from .ops import (
     chunk_plan,
     static_decode_attention,
 )
+from .transfer import host_tensor, to_device
 
 log = logging.getLogger(__name__)
 
@@ -351,8 +352,8 @@ class NativeForward:
         segments first); ``emit``: the token indices whose next-token logits are returned
         (``[len(emit), vocab]``, fp32)."""
         device = self.device
-        ids = ids.to(device)
-        positions = positions.to(device)
+        ids = to_device(ids, device)
+        positions = to_device(positions, device)
         tokens = int(ids.shape[0])
         ops, attention = self.ops, self.decode_attention
         hidden, cos, sin = self._embed(ids, positions, ops)
@@ -379,7 +380,7 @@ class NativeForward:
             return attended[0] if len(attended) == 1 else torch.cat(attended)
 
         hidden = self._layers(hidden, ops, cos, sin, attend)
-        picked = hidden if emit == list(range(tokens)) else hidden.index_select(0, torch.tensor(emit, dtype=torch.long, device=device))
+        picked = hidden if emit == list(range(tokens)) else hidden.index_select(0, host_tensor(emit, torch.long, device))
         return self.lm_head(ops.rms_norm(picked, self.norm)).float()
 
     def decode_step(

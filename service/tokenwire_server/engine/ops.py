@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .blocks import blocks_for
 from .kv import flat_index, gather, table_tensor, write
+from .transfer import to_device
 
 # What one more attention call per layer costs, in row-columns (one row attending over one
 # column) on a CPU: a call ~25 us, a row-column ~0.15-0.2 us (docs/architecture.md).
@@ -78,7 +79,7 @@ class TorchOps:
 
     def store_kv(self, qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, places: Places) -> None:
         if places.flat is None:
-            places.flat = flat_index(places.blocks, places.offsets, self.kv_heads, keys.shape[2]).to(keys.device)
+            places.flat = to_device(flat_index(places.blocks, places.offsets, self.kv_heads, keys.shape[2]), keys.device)
         write(keys, values, places.flat, k, v)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -174,10 +175,10 @@ class GroupedAttention:
         for first, rows in single_groups(singles):
             group = singles[first : first + rows]
             columns = max(s.start for s in group) + 1
-            tables = table_tensor([list(s.table) for s in group], scratch, blocks_for(columns, block_size)).to(device)
+            tables = to_device(table_tensor([list(s.table) for s in group], scratch, blocks_for(columns, block_size)), device)
             starts = torch.tensor([s.start for s in group], dtype=torch.long)
-            mask = (torch.arange(columns).view(1, columns) <= starts.view(-1, 1)).view(rows, 1, 1, columns).to(device)
-            groups.append((first, rows, tables, (starts + 1).to(device), mask))
+            mask = to_device((torch.arange(columns).view(1, columns) <= starts.view(-1, 1)).view(rows, 1, 1, columns), device)
+            groups.append((first, rows, tables, to_device(starts + 1, device), mask))
         return groups
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Any) -> torch.Tensor:
@@ -213,9 +214,9 @@ def chunk_plan(chunks: list[Segment], block_size: int, scratch: int, device: tor
     out = []
     for segment in chunks:
         end = segment.start + segment.count
-        table = table_tensor([list(segment.table)], scratch, blocks_for(end, block_size)).to(device)
+        table = to_device(table_tensor([list(segment.table)], scratch, blocks_for(end, block_size)), device)
         query = torch.arange(segment.start, end).view(-1, 1)
-        mask = (torch.arange(end).view(1, end) <= query).view(1, 1, segment.count, end).to(device)
+        mask = to_device((torch.arange(end).view(1, end) <= query).view(1, 1, segment.count, end), device)
         out.append((table, mask))
     return out
 

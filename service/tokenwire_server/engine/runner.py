@@ -38,6 +38,7 @@ from .native import NativeForward
 from .ops import Segment
 from .sampling import Drawn, Sampler
 from .scheduler import Part, Plan
+from .transfer import host_tensor, to_device
 
 # ``auto``: the engine's own pass (``native.NativeForward``) where the model is
 # Llama-shaped and runs on a CPU, else transformers' forward; ``native`` insists; ``transformers``
@@ -150,7 +151,7 @@ class ModelRunner:
             logits = self._pass(chunks, only_last=True)
             keep = [b for b, part in enumerate(chunks) if part.emits]
             if emitting and len(keep) < len(chunks):
-                logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
+                logits = logits.index_select(0, host_tensor(keep, torch.long, logits.device))
             if emitting:
                 out.append(logits)
         if not out:
@@ -182,13 +183,13 @@ class ModelRunner:
         self.cache.plan.set(tables, write_blocks, write_offsets, lengths, columns)
         device = self.loaded.device
         extra: dict[str, object] = {}
-        device_last = last.to(device)
+        device_last = to_device(last, device)
         if only_last:
             extra["logits_to_keep"] = device_last if PER_ROW_LOGITS else 0
         output = self.loaded.model(
-            input_ids=ids.to(device),
+            input_ids=to_device(ids, device),
             attention_mask=self._mask(positions, columns),
-            position_ids=positions.to(device),
+            position_ids=to_device(positions, device),
             **{self._cache_arg: self.cache},
             use_cache=True,
             **extra,
@@ -205,4 +206,4 @@ class ModelRunner:
         allowed = torch.arange(columns).view(1, 1, columns) <= positions.unsqueeze(-1)
         blocked = torch.finfo(self._mask_dtype).min
         mask = torch.zeros(allowed.shape, dtype=self._mask_dtype).masked_fill_(~allowed, blocked)
-        return mask.unsqueeze(1).to(self.loaded.device)
+        return to_device(mask.unsqueeze(1), self.loaded.device)

@@ -24,6 +24,7 @@ import torch
 from ..domain import Alternative
 from ..structured import apply_constraints
 from .generation import Generation
+from .transfer import host_tensor
 
 NEG_INF = float("-inf")
 _M32 = 0xFFFF_FFFF
@@ -139,14 +140,14 @@ class Sampler:
                 row_index += [i] * len(seen)
                 col_index += seen
                 factors += [requests[i].sampling.repetition_penalty] * len(seen)
-            r_idx = torch.tensor(row_index, dtype=torch.long, device=device)
-            c_idx = torch.tensor(col_index, dtype=torch.long, device=device)
-            factor = torch.tensor(factors, dtype=torch.float32, device=device)
+            r_idx = host_tensor(row_index, torch.long, device)
+            c_idx = host_tensor(col_index, torch.long, device)
+            factor = host_tensor(factors, torch.float32, device)
             values = processed[r_idx, c_idx]
             processed[r_idx, c_idx] = torch.where(values > 0, values / factor, values * factor)
         if blocked and self._eos:
-            b_idx = torch.tensor(blocked, dtype=torch.long, device=device).unsqueeze(1)
-            e_idx = torch.tensor(self._eos, dtype=torch.long, device=device).unsqueeze(0)
+            b_idx = host_tensor(blocked, torch.long, device).unsqueeze(1)
+            e_idx = host_tensor(self._eos, torch.long, device).unsqueeze(0)
             processed[b_idx, e_idx] = NEG_INF
         if constrained:
             # Tokens that cannot continue a valid answer drop out before temperature, top_k and top_p.
@@ -155,7 +156,7 @@ class Sampler:
         chosen = torch.argmax(processed, dim=-1)  # greedy rows keep this, exactly
         sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy]
         if sampled:
-            chosen[torch.tensor(sampled, dtype=torch.long, device=device)] = self._draw(
+            chosen[host_tensor(sampled, torch.long, device)] = self._draw(
                 processed, sampled, seqs, vocab
             )
 
@@ -197,19 +198,17 @@ class Sampler:
 
     def _draw(self, processed: torch.Tensor, sampled: list[int], seqs: Sequence[Generation], vocab: int) -> torch.Tensor:
         device = processed.device
-        index = torch.tensor(sampled, dtype=torch.long, device=device)
+        index = host_tensor(sampled, torch.long, device)
         options = [seqs[i].request.sampling for i in sampled]
-        temperature = torch.tensor([o.temperature for o in options], dtype=torch.float32, device=device).unsqueeze(1)
+        temperature = host_tensor([o.temperature for o in options], torch.float32, device).unsqueeze(1)
         scaled = _overflow_safe(processed.index_select(0, index) / temperature)
-        keys = torch.tensor(
-            [row_keys(seqs[i].seed, len(seqs[i].generated)) for i in sampled], dtype=torch.int64, device=device
-        )
+        keys = host_tensor([row_keys(seqs[i].seed, len(seqs[i].generated)) for i in sampled], torch.int64, device)
         noise = gumbel_noise(keys, vocab)
         if not any(0 < o.top_k < vocab or o.top_p < 1.0 for o in options):
             return torch.argmax(scaled + noise, dim=-1)
-        top_k = torch.tensor([o.top_k if 0 < o.top_k < vocab else vocab for o in options], device=device).unsqueeze(1)
-        top_p = torch.tensor([o.top_p for o in options], dtype=torch.float32, device=device).unsqueeze(1)
-        limited_p = torch.tensor([o.top_p < 1.0 for o in options], device=device).unsqueeze(1)
+        top_k = host_tensor([o.top_k if 0 < o.top_k < vocab else vocab for o in options], torch.long, device).unsqueeze(1)
+        top_p = host_tensor([o.top_p for o in options], torch.float32, device).unsqueeze(1)
+        limited_p = host_tensor([o.top_p < 1.0 for o in options], torch.bool, device).unsqueeze(1)
         ordered, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
         rank = torch.arange(vocab, device=device).unsqueeze(0)
         ordered = ordered.masked_fill(rank >= top_k, NEG_INF)
