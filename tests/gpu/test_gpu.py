@@ -15,7 +15,9 @@ as CUDA graphs per batch bucket, ``--step-graphs auto``).
 - a real device-side assert (a sticky fault, ``site/sitecustomize.py``) ends the stream
   INTERNAL and turns liveness NOT_SERVING;
 - a server capped to a 24 GiB card (``set_per_process_memory_fraction``) sizes its KV cache
-  from the cap, starts and serves.
+  from the cap, starts and serves;
+- an eager native step and the sampler's launch make no synchronisation (sync debug mode
+  ``error``): the host is free while the device computes, which ``--overlap`` relies on.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -240,3 +243,52 @@ def test_a_24_gib_card_on_a_larger_one_starts_with_its_kv_cache_sized_from_the_c
         assert list(generation_stub(server.target).Generate(long_request(64), timeout=60))[-1].finish_reason == pb.FINISH_REASON_LENGTH
         reserved = reserved_bytes(server.metrics_port)
         assert reserved is not None and reserved <= cap * 2**30
+
+
+def test_a_launch_does_not_synchronise_with_the_device(tiny_model_dir: Path) -> None:
+    """With torch's sync debug mode on ``error``, an eager native step (decode rows beside a
+    prompt chunk, some positions' logits kept) and the sampler's launch for every kind of row
+    queue their kernels and host values without one synchronisation (engine/transfer.py: a
+    plain host -> device copy syncs the stream, which would undo --overlap). Reading the
+    picks is the step's one synchronisation, outside the mode. The CPU twin, on ``meta``:
+    tests/test_overlap.py."""
+    from engine_support import BLOCK, SLOTS, slot_segment
+    from tokenwire_server.domain import GenerationRequest, RequestHandle, SamplingOptions
+    from tokenwire_server.engine.generation import Generation
+    from tokenwire_server.engine.kv import PagedCache
+    from tokenwire_server.engine.native import NativeForward
+    from tokenwire_server.engine.sampling import Sampler
+    from tokenwire_server.model import attention_shape, load_model
+
+    model = load_model(str(tiny_model_dir), device="cuda", dtype="float32").model
+    _, kv_heads, head_dim = attention_shape(model.config)
+    placements = [(torch.device("cuda"), torch.float32)] * model.config.num_hidden_layers
+    native = NativeForward(model, PagedCache(SLOTS * 256 // BLOCK, BLOCK, kv_heads, head_dim, placements), batch_hint=4)
+
+    def row(sampling: SamplingOptions, generated: list[int], **more: Any) -> Generation:
+        text = SimpleNamespace(decode=lambda ids, **kw: "x")  # the alternatives' text: not what is checked here
+        seq = Generation(GenerationRequest("r", [5, 6], sampling, 8, **more), RequestHandle(), lambda event: None, text, (2,), torch.device("cuda"))
+        seq.generated = list(generated)
+        return seq
+
+    rows = [
+        row(SamplingOptions(temperature=0.0), [], ignore_eos=True),
+        row(SamplingOptions(temperature=0.9, top_k=20, top_p=0.8, seed=11), [7], ignore_eos=True),
+        row(SamplingOptions(temperature=1.2, repetition_penalty=1.3, seed=12), [9, 4], ignore_eos=True),
+        row(SamplingOptions(temperature=0.7, seed=13), [], min_new_tokens=4, want_logprobs=True, top_logprobs=3),
+    ]
+    ids, positions = torch.tensor([5, 5, 5, *range(10, 25)]), torch.tensor([0, 0, 0, *range(15)])
+    segments = [slot_segment(0, 0, 1), slot_segment(1, 0, 1), slot_segment(3, 0, 1), slot_segment(2, 0, 15)]
+    sampler = Sampler([2])
+
+    def step() -> Any:
+        return sampler.launch(native(ids, positions, segments, [0, 1, 2, 17]), rows)
+
+    sampler.collect(step())  # warm: cuBLAS handles, the caching allocators
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        drawn = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(sampler.collect(drawn)) == 4
