@@ -25,7 +25,9 @@ Each shape is served once per ``--forwards`` entry: ``native`` (the engine's own
 decode steps as CUDA graphs per batch bucket: ``--step-graphs auto``; on CUDA with
 ``--overlap``), ``transformers`` (the model's own forward), so ``--forward auto`` on CUDA
 can be set from a measurement, and ``native:no-overlap`` (``--overlap off``: the host
-time per step before and after overlap). Then the ceiling, in the same run: transformers ``generate`` on a static
+time per step before and after overlap). ``:sampled`` sends sampled requests (temperature
+0.8, seed 1) instead of greedy ones, whose sampler parameters cross to the
+device every step (``native:sampled+no-overlap``: the same with ``--overlap off``). Then the ceiling, in the same run: transformers ``generate`` on a static
 batch with a static cache, compiled (``torch.compile``, as transformers does by itself on
 CUDA), at the smallest and largest concurrency. ``--budget-s`` stops starting phases once
 spent; the table says what was skipped.
@@ -156,6 +158,8 @@ class GpuSampler:
 
 
 STEP_HISTOGRAMS = ("tokenwire_decode_step_seconds", "tokenwire_decode_step_host_seconds")
+# ``:sampled`` requests: the sampler's temperatures, rows and seed keys cross to the device every step.
+SAMPLED = {"temperature": 0.8, "seed": 1}
 
 
 def metrics_text(metrics_port: int) -> str:
@@ -225,15 +229,18 @@ def mbu_of(shape: str, folder: Path, device: str, concurrency: int, step_s: floa
 
 
 def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
-    """The engine over gRPC at each concurrency, with one ``--forward`` (``native:no-overlap``:
-    the native pass with ``--overlap off``, each step's text delivered before the next launches)."""
+    """The engine over gRPC at each concurrency, with one ``--forward`` and its variants, joined
+    by ``+`` after a colon: ``no-overlap`` (``--overlap off``, each step's text delivered before
+    the next launches) and ``sampled`` (SAMPLED requests, not greedy)."""
     from tokenwire.bench import run_bench
 
     from benchmarks.launcher import ServerProcess
 
     forward, _, variant = spec.partition(":")
-    if variant not in ("", "no-overlap"):
-        raise ValueError(f"unknown variant {variant!r} of --forwards entry {spec!r} (known: no-overlap)")
+    variants = {v for v in variant.split("+") if v}
+    if variants - {"no-overlap", "sampled"}:
+        raise ValueError(f"unknown variant {variant!r} of --forwards entry {spec!r} (known: no-overlap, sampled)")
+    sampling = SAMPLED if "sampled" in variants else {}
     folder = model_folder(shape, args)
     concurrency = [int(c) for c in args.concurrency.split(",")]
     peak = args.peak_gbs
@@ -241,7 +248,7 @@ def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
         "--model", str(folder), "--engine", "batched", "--device", args.device, "--max-active", str(max(concurrency)),
         "--max-queue", str(2 * max(concurrency)), "--metrics-port", "-1", "--forward", forward,
         *(["--step-graphs", args.step_graphs] if forward == "native" else []),
-        *(["--overlap", "off"] if variant == "no-overlap" else []), *args.server_arg,
+        *(["--overlap", "off"] if "no-overlap" in variants else []), *args.server_arg,
     ]  # fmt: skip
     results: list[Result] = []
     with ServerProcess(server_args, ready_timeout=900) as server:
@@ -249,14 +256,16 @@ def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
             peak = peak_gbs(str(next((r.get("name", "") for r in server.find("gpu")), "")))
         engine = next(iter(server.find("batched engine forward pass")), {})
         path = f"tokenwire {engine.get('forward', forward)}" + (f" +{engine['step_graphs']} graphs" if engine.get("step_graphs") not in (None, "off") else "")
-        path += " +overlap" if engine.get("overlap") else " -overlap" if variant else ""
+        path += " +overlap" if engine.get("overlap") else " -overlap" if "no-overlap" in variants else ""
+        path += " sampled" if sampling else ""
         run_bench(server.target, concurrency=1, requests=1, max_new_tokens=4)  # warm
         for c in concurrency:
             before = step_totals(server.metrics_port)
             with GpuSampler() as gpu:
                 report = run_bench(
-                    server.target, concurrency=c, requests=c * args.requests_per_stream, max_new_tokens=args.max_new_tokens, timeout=3600
-                )
+                    server.target, concurrency=c, requests=c * args.requests_per_stream, max_new_tokens=args.max_new_tokens, timeout=3600,
+                    **sampling,
+                )  # fmt: skip
             after = step_totals(server.metrics_port)
             step_s, host_s = (mean_between(before[name], after[name]) for name in STEP_HISTOGRAMS)
             reserved = reserved_bytes(server.metrics_port)
@@ -393,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,16,64,128")
     parser.add_argument(
         "--forwards",
-        default="native,transformers,native:no-overlap",
-        help="the engine's --forward values to serve each shape with (native:no-overlap: with --overlap off)",
+        default="native,transformers,native:no-overlap,native:sampled,native:sampled+no-overlap",
+        help="the engine's --forward values to serve each shape with, variants after a colon joined by + "
+        "(no-overlap: with --overlap off; sampled: sampled requests, not greedy)",
     )
     parser.add_argument("--step-graphs", default="auto", help="the native pass's --step-graphs (auto: CUDA graphs on CUDA)")
     parser.add_argument("--ceiling", default="ends", choices=("ends", "all", "none"),

@@ -11,6 +11,7 @@ import asyncio
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -105,13 +106,25 @@ def test_the_gpu_bench_counts_the_default_models_weights_exactly(default_model_d
     assert kv_bytes_per_token(model.config, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
 
 
-def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Path) -> None:
+def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same code `benchmarks/gpu-check.sh` runs on a GPU, on the tiny shape on this CPU:
-    a random-weight model folder, a server per forward (and one with --overlap off), two
+    a random-weight model folder, a server per forward (and with --overlap off, and sampled
+    requests with and without it), two
     concurrencies, the server's step time and its host part, MBU, and the static-batch
     ceiling at both ends."""
-    from benchmarks.gpu_bench import main
+    import tokenwire.bench
 
+    from benchmarks.gpu_bench import SAMPLED, main
+
+    sent: list[float | None] = []  # each measured run's temperature (the warm-up asks for 4 tokens)
+    real_run_bench = tokenwire.bench.run_bench
+
+    def run_bench(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("max_new_tokens") != 4:
+            sent.append(kwargs.get("temperature"))
+        return real_run_bench(*args, **kwargs)
+
+    monkeypatch.setattr(tokenwire.bench, "run_bench", run_bench)
     out = tmp_path / "cuda.md"
     argv = ["--random-weights", "tiny", "--device", "cpu", "--concurrency", "1,2", "--max-new-tokens", "8",
             "--requests-per-stream", "1", "--peak-gbs", "10", "--cache", str(tmp_path), "--out", str(out),
@@ -122,6 +135,8 @@ def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Pa
     assert [(r[1], int(r[2])) for r in rows] == [
         ("tokenwire native +static graphs", 1), ("tokenwire native +static graphs", 2),
         ("tokenwire native +static graphs -overlap", 1), ("tokenwire native +static graphs -overlap", 2),
+        ("tokenwire native +static graphs -overlap sampled", 1), ("tokenwire native +static graphs -overlap sampled", 2),
+        ("tokenwire native +static graphs sampled", 1), ("tokenwire native +static graphs sampled", 2),
         ("tokenwire transformers", 1), ("tokenwire transformers", 2),
         ("ceiling: static generate (eager)", 1), ("ceiling: static generate (eager)", 2),
     ]  # fmt: skip
@@ -131,6 +146,7 @@ def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Pa
         # The host's own part of a server's decode step; the in-process ceiling has none.
         assert (row[9] == "-") if row[1].startswith("ceiling") else (float(row[9]) > 0)
     assert "Not run" not in out.read_text()
+    assert sent.count(SAMPLED["temperature"]) == 4 and sent.count(None) == 6  # the sampled arms sent sampled requests
     # A budget already spent runs nothing more than the first phase and says what it skipped.
     assert main([*argv, "--budget-s", "0.001", "--forwards", "native"]) == 0
     assert "Not run (the time budget was spent): tiny ceiling." in out.read_text()
