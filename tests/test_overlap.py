@@ -231,7 +231,7 @@ def test_the_sampler_launch_queues_its_parameters_without_waiting(meta_as_cuda: 
         drawn = Sampler([2]).launch(torch.empty(4, 500, device="meta"), rows)
     assert drawn.values.device.type == "meta" and drawn.values.shape == (4, 1 + 1 + 2 * 3)
     assert transfers.blocking == []
-    assert transfers.queued >= 10  # penalty (3), EOS block (2), rows drawn, temperatures, keys, top-k, top-p (7)
+    assert transfers.queued >= 10  # penalty (3), EOS block (2); rows drawn, temperatures, keys, top-k, top-p, top-p flags (6)
 
 
 def test_an_eager_native_step_queues_its_inputs_without_waiting(tiny_model_dir: Path, meta_as_cuda: None) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .blocks import blocks_for
+from .transfer import pinned
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +176,7 @@ class DecodeGraphs:
     def _set_up(self, rows: int, width: int) -> _Entry:
         started = time.monotonic()
         size = rows * (_INPUTS + width)
-        pinned = self.device.type == "cuda"
-        host = torch.empty(size, dtype=torch.long, pin_memory=pinned)
+        host = torch.empty(size, dtype=torch.long, pin_memory=pinned(self.device))
         entry = _Entry(rows, width, host, torch.empty(size, dtype=torch.long, device=self.device))
         self._pad(host.numpy(), rows)
         entry.device.copy_(host)

@@ -156,9 +156,8 @@ class Sampler:
         chosen = torch.argmax(processed, dim=-1)  # greedy rows keep this, exactly
         sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy]
         if sampled:
-            chosen[host_tensor(sampled, torch.long, device)] = self._draw(
-                processed, sampled, seqs, vocab
-            )
+            index = host_tensor(sampled, torch.long, device)  # sent once: _draw gathers the rows with it too
+            chosen[index] = self._draw(processed, sampled, index, seqs, vocab)
 
         # Log-probabilities are of the model's distribution (before penalties and temperature).
         want_logprobs = [r.want_logprobs or r.top_logprobs > 0 for r in requests]
@@ -196,9 +195,11 @@ class Sampler:
             out.append((token, logprob, top))
         return out
 
-    def _draw(self, processed: torch.Tensor, sampled: list[int], seqs: Sequence[Generation], vocab: int) -> torch.Tensor:
+    def _draw(
+        self, processed: torch.Tensor, sampled: list[int], index: torch.Tensor, seqs: Sequence[Generation], vocab: int
+    ) -> torch.Tensor:
+        """The sampled rows' picks; ``index``: ``sampled`` on the logits' device."""
         device = processed.device
-        index = host_tensor(sampled, torch.long, device)
         options = [seqs[i].request.sampling for i in sampled]
         temperature = host_tensor([o.temperature for o in options], torch.float32, device).unsqueeze(1)
         scaled = _overflow_safe(processed.index_select(0, index) / temperature)

@@ -21,15 +21,21 @@ import torch
 PINNED_DEVICE_TYPES = frozenset({"cuda"})  # the device types whose host copies go through pinned memory
 
 
+def pinned(device: torch.device) -> bool:
+    """Whether host values bound for ``device`` are staged in pinned memory (also the decode
+    graphs' input buffer, engine/graphs.py)."""
+    return device.type in PINNED_DEVICE_TYPES
+
+
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` (on the host) on ``device``; on CUDA a queued copy the host does not wait for."""
-    if device.type not in PINNED_DEVICE_TYPES or tensor.device.type != "cpu":
+    if not pinned(device) or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def host_tensor(values: Sequence[object], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype)`` on ``device`` (see ``to_device``)."""
-    if device.type not in PINNED_DEVICE_TYPES:
+    if not pinned(device):
         return torch.tensor(values, dtype=dtype, device=device)
     return to_device(torch.tensor(values, dtype=dtype), device)
