@@ -54,6 +54,7 @@ class FakeSeq:
             priority=priority,
         )
         self.handle = SimpleNamespace(cancelled=False)
+        self.reader = None  # no stream behind it: never parked
         self.finished = False
         self.failed: tuple[ErrorKind, str] | None = None
         self.generated: list[int] = list(resumed)

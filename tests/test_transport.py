@@ -136,7 +136,9 @@ class FakeBackend:
     def describe(self) -> ModelDescription:
         return self._description
 
-    async def encode(self, prompt: Prompt, *, offsets: bool = False, tokens: bool = False) -> Encoding:
+    async def encode(
+        self, prompt: Prompt, *, offsets: bool = False, tokens: bool = False, max_tokens: int | None = None
+    ) -> Encoding:
         if isinstance(prompt, ChatPrompt):
             if not self._description.has_chat_template:
                 raise NoChatTemplate("no template")
@@ -150,7 +152,7 @@ class FakeBackend:
         ids = [ord(c) % 1000 for c in text]
         return Encoding(ids, text, [(i, i + 1) for i in range(len(text))] if offsets else [], list(text) if tokens else [])
 
-    async def check_format(self, fmt: ResponseFormat) -> float | None:
+    async def check_format(self, fmt: ResponseFormat, tenant: str = "default", *, limited: bool = True) -> float | None:
         """As a compiler would: a spec holding "unsupported" is refused with the library's message;
         the first sight of a format takes 0.002 s, the next ones come from the cache."""
         if "unsupported" in fmt.spec:
@@ -352,7 +354,12 @@ def test_prompts_requests_ids_and_chunks() -> None:
     assert conversion.prompt_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[4, 5]))) == TokenPrompt((4, 5))
     assert conversion.prompt_of(pb.TokenizeRequest(text="t")) == TextPrompt("t")
     assert conversion.request_id("own", [("x-request-id", "md")]) == "own"
-    assert conversion.request_id("", [("x-request-id", "m" * 200)]) == "m" * 128
+    # An id past the limit, or with control characters, is replaced, not cut or echoed.
+    for bad in ("m" * 129, "a\r\nforged", "\x00"):
+        replaced = conversion.request_id("", [("x-request-id", bad)])
+        assert len(replaced) == 32 and replaced != bad[:32], bad
+        assert len(conversion.request_id(bad, None)) == 32
+    assert conversion.request_id("", [("x-request-id", "m" * 128)]) == "m" * 128
     assert len(conversion.request_id("", None)) == 32
     last = conversion.chunk("r", 3, "end", (TokenInfo(9, "end", -0.5),), FinishReason.STOP_SEQUENCE, USAGE)
     assert (last.index, last.text, last.finish_reason) == (3, "end", pb.FINISH_REASON_STOP_SEQUENCE)

@@ -251,6 +251,17 @@ class ModelInfo:
     max_message_bytes: int | None = None
     # Most tokens (prompt + completion) one request may hold here: the context or the KV budget.
     max_request_tokens: int | None = None
+    # What a request's values may be (None: a server older than these limits): the longest
+    # request_id, the deepest json_schema, the longest format, the longest prompt text in
+    # characters (0: no bound on this tokenizer), the longest a format may compile, in ms.
+    max_request_id_chars: int | None = None
+    max_json_schema_depth: int | None = None
+    max_format_chars: int | None = None
+    max_prompt_chars: int | None = None
+    max_format_compile_ms: int | None = None
+    # What an error reply holds at most: characters of a value it quotes, bytes of trailers.
+    max_quoted_chars: int | None = None
+    max_error_trailer_bytes: int | None = None
     # Weight quantization in force: "none", "int8", "int4", "fp8", or the checkpoint's own (e.g. "gptq").
     quantization: str = "none"
 
@@ -290,6 +301,16 @@ class ModelInfo:
             max_top_logprobs=published.max_top_logprobs if published else None,
             max_message_bytes=published.max_message_bytes if published else None,
             max_request_tokens=published.max_request_tokens if published else None,
+            **_published(
+                published,
+                "max_request_id_chars",
+                "max_json_schema_depth",
+                "max_format_chars",
+                "max_prompt_chars",
+                "max_format_compile_ms",
+                "max_quoted_chars",
+                "max_error_trailer_bytes",
+            ),
             quantization=info.quantization or "none",
         )
 
@@ -305,3 +326,11 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+def _published(limits: pb.RequestLimits | None, *names: str) -> dict[str, int | None]:
+    """These limits as a server publishes them; None for each that it does not (an older server
+    leaves them 0, except max_prompt_chars, whose 0 says "no bound" only beside a known depth)."""
+    if limits is None or not limits.max_json_schema_depth:
+        return dict.fromkeys(names)
+    return {name: int(getattr(limits, name)) for name in names}

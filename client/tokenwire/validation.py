@@ -21,6 +21,15 @@ MAX_REQUEST_ID_CHARS = 128
 # Longest schema, regex or grammar (characters), and most options of a choice.
 MAX_FORMAT_CHARS = 64 * 1024
 MAX_CHOICE_OPTIONS = 1024
+# Deepest nesting of arrays and objects in a json_schema document, checked without recursion
+# before it is parsed: compiling a schema grows much faster than its depth (xgrammar: 0.03 s at
+# 64 levels, 0.4 s at 200, 2.9 s at 400), and the JSON parser itself recurses.
+MAX_JSON_SCHEMA_DEPTH = 64
+# Most characters of a caller's value that an error message (or its details, or a log line)
+# quotes; past it the quote ends with how long the value was.
+MAX_QUOTED_CHARS = 64
+# A chunk's index is a uint32: resume.next_index + max_new_tokens must not pass it.
+MAX_CHUNK_INDEX = 2**32 - 1
 FORMAT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
@@ -29,12 +38,17 @@ class Rule(str, Enum):
 
     EMPTY_INPUT = "one of prompt, chat or token_ids must be set and non-empty"
     EMPTY_TEXT = "must not be empty"
-    REQUEST_ID_TOO_LONG = f"must be at most {MAX_REQUEST_ID_CHARS} characters"
+    REQUEST_ID_TOO_LONG = "has {count} characters; at most " + str(MAX_REQUEST_ID_CHARS) + " are allowed"
     NO_MESSAGES = "must hold at least one message"
     TOO_MANY_MESSAGES = "holds {count} messages; at most {limit} are allowed"
-    UNKNOWN_ROLE = "unknown role {role!r}; expected one of " + ", ".join(CHAT_ROLES)
+    UNKNOWN_ROLE = "unknown role {role}; expected one of " + ", ".join(CHAT_ROLES)
     TOKEN_OUT_OF_VOCAB = "token id {value} is outside the vocabulary [0, {limit})"
     RESUME_OVER_MAX = "holds {count} tokens, more than max_new_tokens ({limit})"
+    RESUME_INDEX_OVERFLOW = (
+        "is {value}; with up to {limit} more chunks the stream's chunk index would pass "
+        + str(MAX_CHUNK_INDEX)
+        + " (next_index + max_new_tokens must be at most that)"
+    )
     TEMPERATURE = "must be a finite number >= 0 (0 is greedy), got {value}"
     TOP_P = "must be in (0, 1], got {value}"
     REPETITION_PENALTY = "must be a finite number > 0, got {value}"
@@ -50,13 +64,19 @@ class Rule(str, Enum):
         "above the {limit} tokens one request may hold on this server (the model's context, "
         "or the KV-cache budget where that is smaller)"
     )
+    PROMPT_OVER_LIMIT = (
+        "the prompt ({chars} characters) is more than {limit} tokens, the most one request may hold on this "
+        "server (the model's context, or the KV-cache budget where that is smaller); it was not read whole"
+    )
     INVALID_UTF8 = "is not valid text (lone surrogate or NUL character)"
+    UNPRINTABLE = "must be printable text (no control characters such as CR or LF)"
     NO_CHAT_TEMPLATE = "this model has no chat template; send a prompt or token_ids instead"
     UNKNOWN_PRIORITY = "is {value}, not a Priority; expected PRIORITY_UNSPECIFIED (0), PRIORITY_HIGH (1) or PRIORITY_LOW (2)"
     PRIORITY_ABOVE_CAP = "{value} is above what tenant {tenant!r} may ask for (at most {limit})"
     NO_FORMAT = "set one of " + ", ".join(FORMAT_KINDS)
     FORMAT_TOO_LONG = "has {count} characters; at most " + str(MAX_FORMAT_CHARS) + " are allowed"
     NOT_JSON = "is not valid JSON: {error}"
+    SCHEMA_TOO_DEEP = "nests arrays and objects more than " + str(MAX_JSON_SCHEMA_DEPTH) + " levels deep; at most " + str(MAX_JSON_SCHEMA_DEPTH) + " are allowed"
     SCHEMA_NOT_OBJECT = "must be a JSON object (a JSON Schema document), got {kind}"
     JSON_OBJECT_FALSE = "must be true (leave response_format unset for free text)"
     NO_OPTIONS = "must hold at least one option"
@@ -105,6 +125,39 @@ class Limits:
         )
 
 
+def quoted(value: str) -> str:
+    """``value`` as an error message quotes it: its repr, cut to ``MAX_QUOTED_CHARS`` characters
+    (then saying how long it was), so that what a caller sends never makes a reply or a log
+    line grow with it."""
+    if len(value) <= MAX_QUOTED_CHARS:
+        return repr(value)
+    return f"{value[:MAX_QUOTED_CHARS]!r}... ({len(value)} characters)"
+
+
+def json_depth_over(text: str, limit: int) -> bool:
+    """Whether the JSON text ``text`` nests arrays and objects more than ``limit`` deep; one pass,
+    no recursion, brackets inside strings ignored (the text need not be valid JSON)."""
+    depth = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
+
+
 def _bad_text(text: str) -> bool:
     if "\x00" in text:
         return True
@@ -123,9 +176,11 @@ def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> li
         out.append(FieldViolation(field, rule.error(**blanks)))
 
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-        bad("request_id", Rule.REQUEST_ID_TOO_LONG)
+        bad("request_id", Rule.REQUEST_ID_TOO_LONG, count=len(request.request_id))
     elif _bad_text(request.request_id):
         bad("request_id", Rule.INVALID_UTF8)
+    elif not request.request_id.isprintable():
+        bad("request_id", Rule.UNPRINTABLE)
 
     kind = request.WhichOneof("input")
     if kind is None:
@@ -158,6 +213,13 @@ def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> li
                 break
     if request.stopping.HasField("max_new_tokens") and len(resumed) > request.stopping.max_new_tokens >= 1:
         bad("resume.generated_token_ids", Rule.RESUME_OVER_MAX, count=len(resumed), limit=request.stopping.max_new_tokens)
+    # Chunk indexes run from next_index up by at most one per token: they must stay a uint32.
+    # Without max_new_tokens the server's cap bounds the stream (the server checks again with
+    # the max_new_tokens it settles on).
+    most_new = request.stopping.max_new_tokens if request.stopping.HasField("max_new_tokens") else limits.max_new_tokens_limit
+    next_index = request.resume.next_index
+    if most_new is not None and next_index + most_new > MAX_CHUNK_INDEX:
+        bad("resume.next_index", Rule.RESUME_INDEX_OVERFLOW, value=next_index, limit=most_new)
 
     sampling = request.sampling
     if sampling.HasField("temperature"):
@@ -239,9 +301,11 @@ def validate_response_format(fmt: pb.ResponseFormat) -> list[FieldViolation]:
     if _bad_text(text):
         return [FieldViolation(field, Rule.INVALID_UTF8.error())]
     if kind == "json_schema":
+        if json_depth_over(text, MAX_JSON_SCHEMA_DEPTH):
+            return [FieldViolation(field, Rule.SCHEMA_TOO_DEEP.error())]
         try:
             schema = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             return [FieldViolation(field, Rule.NOT_JSON.error(error=exc))]
         if not isinstance(schema, dict):
             kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
@@ -265,7 +329,7 @@ def validate_chat(chat: pb.Chat, limits: Limits, field: str) -> list[FieldViolat
         return out
     for i, message in enumerate(messages):
         if message.role not in CHAT_ROLES:
-            out.append(FieldViolation(f"{field}.messages[{i}].role", Rule.UNKNOWN_ROLE.error(role=message.role)))
+            out.append(FieldViolation(f"{field}.messages[{i}].role", Rule.UNKNOWN_ROLE.error(role=quoted(message.role))))
         if _bad_text(message.content):
             out.append(FieldViolation(f"{field}.messages[{i}].content", Rule.INVALID_UTF8.error()))
     return out

@@ -19,7 +19,8 @@ they call its ``sink`` from any thread, the transport iterates it on the loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol, runtime_checkable
 
 from .domain import (
@@ -56,13 +57,18 @@ class GenerationBackend(Protocol):
 
     def describe(self) -> ModelDescription: ...
 
-    async def encode(self, prompt: Prompt, *, offsets: bool = False, tokens: bool = False) -> Encoding:
-        """Token ids of a prompt (raises ``NoChatTemplate`` for a chat the model cannot render)."""
+    async def encode(
+        self, prompt: Prompt, *, offsets: bool = False, tokens: bool = False, max_tokens: int | None = None
+    ) -> Encoding:
+        """Token ids of a prompt (raises ``NoChatTemplate`` for a chat the model cannot render).
+        With ``max_tokens``, a longer prompt comes back ``truncated`` (``intake``)."""
         ...
 
-    async def check_format(self, fmt: ResponseFormat) -> float | None:
+    async def check_format(self, fmt: ResponseFormat, tenant: str = "default", *, limited: bool = True) -> float | None:
         """Compile a response format, off the event loop, so that ``submit`` finds it ready; return
-        the seconds compiling took (None: it was cached). Raises ``InvalidResponseFormat``."""
+        the seconds compiling took (None: it was cached). Raises ``InvalidResponseFormat``, also
+        when compiling takes longer than the published limit (``intake``; not ``limited``: the
+        warm-up's, which also builds the compiler)."""
         ...
 
     def submit(self, request: GenerationRequest) -> Submission:
@@ -89,20 +95,55 @@ class GenerationBackend(Protocol):
 
 
 class ThreadedSubmission:
-    """Events from an engine thread, delivered on the event loop in order."""
+    """Events from an engine thread, delivered on the event loop in order.
+
+    It is also the stream's ``StreamReader``: the engine counts what it sends (``sink``), the
+    iteration what the transport takes, and the difference is how far the caller is behind.
+    gRPC's ``yield`` waits while the client's HTTP/2 window is full, so a client that stops
+    reading stops the iteration here; the engine sees ``unread()`` grow and parks the stream
+    (docs/architecture.md, "A reader that falls behind"), so this queue stays bounded.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self.handle: RequestHandle | None = None  # set once the engine has admitted it
+        self._sent = 0  # events the engine has sent (written by the engine's thread only)
+        self._taken = 0  # events the transport has taken (written on the event loop only)
+        self._last_read = time.monotonic()
+        self._wake: tuple[int, Callable[[], None]] | None = None  # (down_to, wake): the engine waits
 
     def sink(self, event: Event) -> None:
         """Called by the engine, from its own thread."""
+        self._sent += 1
         self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    # -- StreamReader: what the engine asks ----------------------------------------------
+
+    def unread(self) -> int:
+        return max(0, self._sent - self._taken)  # end() adds an event of its own
+
+    def last_read(self) -> float:
+        return self._last_read
+
+    def wake_when_read(self, down_to: int, wake: Callable[[], None]) -> None:
+        self._wake = (down_to, wake)
+        # The reader may have caught up (or left) between the engine's look and this call.
+        if self.unread() <= down_to or (self.handle is not None and self.handle.cancelled):
+            self._fire()
+
+    def _fire(self) -> None:
+        """Wake the engine once; two threads may both get here, and ``wake`` is idempotent."""
+        waiting, self._wake = self._wake, None
+        if waiting is not None:
+            waiting[1]()
+
+    # -- the transport's side ------------------------------------------------------------
 
     def cancel(self) -> None:
         if self.handle is not None:
             self.handle.cancel()
+            self._fire()  # a parked stream is dropped now, not when its stall timeout passes
 
     def end(self, event: ErrorEvent) -> None:
         """Called on the event loop; what the engine sends after it is never read."""
@@ -112,6 +153,11 @@ class ThreadedSubmission:
     async def __aiter__(self) -> AsyncIterator[Event]:
         while True:
             event = await self._events.get()
+            self._taken += 1
+            self._last_read = time.monotonic()
+            waiting = self._wake
+            if waiting is not None and self.unread() <= waiting[0]:
+                self._fire()
             yield event
             if isinstance(event, FinishEvent | ErrorEvent):
                 return

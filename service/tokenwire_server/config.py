@@ -52,12 +52,15 @@ class ServerConfig:
     max_stop_sequence_chars: int = 256
     max_chat_messages: int = 256
     max_message_bytes: int = 4 * 1024 * 1024
+    format_compile_timeout_s: float = 5.0
     keepalive_time_s: float = 20.0
     keepalive_timeout_s: float = 10.0
     min_client_ping_interval_s: float = 10.0
     grace_period: float = 25.0
     handoff_after_s: float = 5.0
     stall_timeout: float = 60.0
+    stream_backlog_chunks: int = 256
+    stalled_reader_timeout: float = 30.0
     retry_after_ms: int = 500
     warmup: bool = True
     cache_dir: str = ""
@@ -94,6 +97,7 @@ class ServerConfig:
             max_stop_sequence_chars=self.max_stop_sequence_chars,
             max_chat_messages=self.max_chat_messages,
             max_message_bytes=self.max_message_bytes,
+            format_compile_timeout_s=self.format_compile_timeout_s,
         )
 
     def public(self) -> dict[str, Any]:
@@ -172,6 +176,11 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "max_stop_sequence_chars": ("longest stop sequence, in characters", None),
     "max_chat_messages": ("most messages in one chat", None),
     "max_message_bytes": ("largest request message the server receives, in bytes", None),
+    "format_compile_timeout_s": (
+        "longest a response format may take to compile (RequestLimits.max_format_compile_ms); past it the call is "
+        "INVALID_ARGUMENT 'too complex' and the same format is refused at once after; a tenant compiles one format at a time",
+        None,
+    ),
     "keepalive_time_s": ("seconds between the server's HTTP/2 keepalive pings on a connection, also while a stream waits in the queue or a prompt is read: keeps load balancers from cutting a silent stream as idle", None),
     "keepalive_timeout_s": ("seconds to wait for a keepalive ping's answer before the connection counts as dead and its streams are cancelled", None),
     "min_client_ping_interval_s": ("shortest interval at which clients may send keepalive pings without being disconnected (GOAWAY too_many_pings)", None),
@@ -183,6 +192,17 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         None,
     ),
     "stall_timeout": ("seconds without engine progress while work is pending before liveness turns NOT_SERVING", None),
+    "stream_backlog_chunks": (
+        "batched and simple engines: most chunks a stream's reader may leave unread on the server; past it the stream "
+        "stops decoding and gives its slot and KV blocks to others (parked, holding no queue place either) until the "
+        "reader has taken all but a quarter of them, then goes on with the same tokens",
+        None,
+    ),
+    "stalled_reader_timeout": (
+        "seconds a stream may wait for its reader (parked, or on vllm with a chunk unread) with nothing read before "
+        "the call ends ABORTED (0: it waits as long as the call lasts)",
+        None,
+    ),
     "retry_after_ms": ("retry delay suggested to refused clients (RetryInfo, grpc-retry-pushback-ms)", None),
     "warmup": ("run one warm-up generation before reporting ready", None),
     "cache_dir": ("where the default model is converted to safetensors (default: ~/.cache/tokenwire)", None),
@@ -302,10 +322,16 @@ def validate_config(config: ServerConfig) -> list[str]:
         errors.append("--tls-client-ca needs --tls-cert and --tls-key")
     if config.batch_window_ms < 0:
         errors.append("--batch-window-ms must not be negative")
+    if not config.format_compile_timeout_s > 0:
+        errors.append("--format-compile-timeout-s must be positive")
     if min(config.keepalive_time_s, config.keepalive_timeout_s, config.min_client_ping_interval_s) <= 0:
         errors.append("--keepalive-time-s, --keepalive-timeout-s and --min-client-ping-interval-s must be positive")
     if config.handoff_after_s < 0:
         errors.append("--handoff-after-s must not be negative (0: no hand-off)")
+    if config.stream_backlog_chunks < 1:
+        errors.append("--stream-backlog-chunks must be at least 1")
+    if config.stalled_reader_timeout < 0:
+        errors.append("--stalled-reader-timeout must not be negative (0: no timeout)")
     if config.grace_period < 0 or config.stall_timeout <= 0:
         errors.append("--grace-period must not be negative and --stall-timeout must be positive")
     return errors

@@ -28,6 +28,10 @@ class ErrorKind(str, enum.Enum):
     DEADLINE = "deadline"  # the call's deadline passed (before or during generation)
     SHUTDOWN = "shutdown"  # the engine stopped before the request finished
     HANDOFF = "handoff"  # the server drains and hands the stream off, to be resumed on another replica
+    STALLED_READER = "stalled_reader"  # the caller left its stream unread for --stalled-reader-timeout
+    # The response format reached a point no token of the vocabulary can continue (the
+    # caller's format, e.g. a regex asking for a control character no token holds).
+    FORMAT_DEAD_END = "format_dead_end"
 
 
 class Priority(enum.IntEnum):
@@ -80,6 +84,12 @@ class RequestLimits:
     max_chat_messages: int
     max_message_bytes: int
     max_top_logprobs: int = MAX_TOP_LOGPROBS
+    # Longest prompt text, in characters, that could fit ``max_request_tokens`` (this tokenizer's
+    # longest token times that); longer ones are refused before they are tokenized. 0: no bound
+    # is known for this tokenizer (they are tokenized, cut one past the limit).
+    max_prompt_chars: int = 0
+    # Longest a response format may take to compile; past it the call is INVALID_ARGUMENT.
+    format_compile_timeout_s: float = 5.0
     # Most tokens (prompt + completion) one request may hold: the context, or the KV-cache
     # budget where that is smaller (0: the context). A request that could never fit the
     # budget is refused like one that does not fit the context, never admitted over it.
@@ -119,17 +129,23 @@ class ModelDescription:
 class PromptTooLong(ValueError):
     """The prompt (with the completion it asks for) does not fit the model's context."""
 
-    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int, *, at_least: bool = False, chars: int = 0) -> None:
         super().__init__(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new > context {context_length}")
         self.prompt_tokens = prompt_tokens
         self.max_new_tokens = max_new_tokens
         self.context_length = context_length
+        # The prompt was not read whole (``Encoding.truncated``): it has more than
+        # ``prompt_tokens`` tokens, or ``chars`` characters, more than any prompt that fits.
+        self.at_least = at_least
+        self.chars = chars
 
 
 class InvalidResume(ValueError):
     """A resume that this request cannot continue from (``GenerateRequest.resume``)."""
 
-    field = "resume.generated_token_ids"
+    def __init__(self, message: str, field: str = "resume.generated_token_ids") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class InvalidResponseFormat(ValueError):
@@ -215,6 +231,10 @@ class Encoding:
     text: str = ""
     offsets: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     tokens: list[str] = dataclasses.field(default_factory=list)
+    # Encoded with a token bound (a Generate's prompt) and longer than it: ``ids`` is empty (the
+    # text has more characters than that many tokens can hold) or cut one past the bound.
+    truncated: bool = False
+    chars: int = 0  # characters of the text that was (or would have been) tokenized
 
 
 class NoChatTemplate(ValueError):
@@ -354,6 +374,25 @@ class RequestHandle:
         return self._cancelled.is_set()
 
 
+class StreamReader(Protocol):
+    """The caller's side of a stream's flow control (``backend.ThreadedSubmission``): how far it
+    is behind. An engine stops a stream whose reader leaves too much unread (it *parks* it) and
+    asks to be woken once the reader has caught up."""
+
+    def unread(self) -> int:
+        """Events sent to the caller that it has not taken yet."""
+        ...
+
+    def last_read(self) -> float:
+        """``time.monotonic()`` when the caller last took an event (when the stream opened, before any)."""
+        ...
+
+    def wake_when_read(self, down_to: int, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (from any thread, maybe at once, maybe more than once) when at most
+        ``down_to`` events are unread, or the caller cancels."""
+        ...
+
+
 class EngineObserver(Protocol):
     """What an engine reports as it works (the metrics implement it)."""
 
@@ -372,6 +411,14 @@ class EngineObserver(Protocol):
         """A running request of ``tenant`` gave up its slot to a more deserving one."""
         ...
 
+    def parked(self, tenant: str) -> None:
+        """A running request of ``tenant`` left its slot because its reader fell behind."""
+        ...
+
+    def reader_stalled(self, tenant: str) -> None:
+        """A parked request of ``tenant`` ended STALLED_READER: its reader did not come back."""
+        ...
+
 
 class NoObserver:
     def admitted(self, queue_wait_s: float) -> None:
@@ -387,6 +434,12 @@ class NoObserver:
         pass
 
     def preempted(self, tenant: str) -> None:
+        pass
+
+    def parked(self, tenant: str) -> None:
+        pass
+
+    def reader_stalled(self, tenant: str) -> None:
         pass
 
 
@@ -408,3 +461,4 @@ class EngineStats:
     kv_tokens_reserved: int = 0
     kv_tokens_budget: int = 0
     tenants: tuple[TenantLoad, ...] = ()
+    parked: int = 0  # streams out of the batch until their readers catch up (no slot, no queue place)

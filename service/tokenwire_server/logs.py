@@ -26,12 +26,24 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str, ensure_ascii=False)
 
 
+def escape_controls(text: str) -> str:
+    """``text`` with every unprintable character (CR, LF, ESC, other controls, line and
+    paragraph separators) written as its escape, so that no value can start a forged log
+    line or move a terminal's cursor."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
 class TextFormatter(logging.Formatter):
+    """``HH:MM:SS LEVEL message  key=value ...``: one line a record (a traceback follows on its own
+    lines); the message and the values are escaped, since callers' values reach them."""
+
     def format(self, record: logging.LogRecord) -> str:
         extras = " ".join(
-            f"{k}={v}" for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")
+            f"{k}={escape_controls(str(v))}" for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")
         )
-        line = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname:<7} {record.getMessage()}"
+        line = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname:<7} {escape_controls(record.getMessage())}"
         if extras:
             line += f"  {extras}"
         if record.exc_info:

@@ -187,6 +187,20 @@ class Metrics:
             ["tenant"],
             registry=r,
         )
+        self.parks = Counter(
+            "tokenwire_stream_parks",
+            "Times a stream left its slot (and KV blocks) because its reader left --stream-backlog-chunks chunks "
+            "unread; it comes back, with the same tokens, once the reader catches up (batched and simple engines)",
+            ["tenant"],
+            registry=r,
+        )
+        self.stalled_readers = Counter(
+            "tokenwire_stalled_reader_streams",
+            "Streams ended ABORTED because their reader read nothing for --stalled-reader-timeout while the stream "
+            "waited for it (or too many streams waited at once)",
+            ["tenant"],
+            registry=r,
+        )
         self.tenant_ttft = Histogram(
             "tokenwire_tenant_time_to_first_token_seconds",
             "Arrival to first streamed text, per tenant and priority",
@@ -199,6 +213,11 @@ class Metrics:
         self.active = Gauge("tokenwire_active_streams", "Requests generating now", registry=r)
         self.queued = Gauge("tokenwire_queue_depth", "Requests waiting for a slot", registry=r)
         self.batch = Gauge("tokenwire_batch_size", "Sequences in the current decode batch", registry=r)
+        self.parked_streams = Gauge(
+            "tokenwire_parked_streams",
+            "Streams out of the batch until their readers catch up: holding no slot, KV blocks or queue place",
+            registry=r,
+        )
         self.max_active = Gauge("tokenwire_max_active_streams", "Most streams generating at once (--max-active)", registry=r)
         self.max_queue = Gauge("tokenwire_max_queue_depth", "Most requests that may wait (--max-queue)", registry=r)
         self.kv_reserved = Gauge(
@@ -225,11 +244,18 @@ class Metrics:
     def preempted(self, tenant: str) -> None:
         self.tenant_preemptions.labels(tenant).inc()
 
+    def parked(self, tenant: str) -> None:
+        self.parks.labels(tenant).inc()
+
+    def reader_stalled(self, tenant: str) -> None:
+        self.stalled_readers.labels(tenant).inc()
+
     def watch(self, stats: Callable[[], EngineStats], max_active: int, max_queue: int) -> None:
         """Read the engine's gauges from ``stats`` at every scrape."""
         self.active.set_function(lambda: stats().active)
         self.queued.set_function(lambda: stats().queued)
         self.batch.set_function(lambda: stats().batch_size)
+        self.parked_streams.set_function(lambda: stats().parked)
         self.kv_reserved.set_function(lambda: stats().kv_tokens_reserved)
         self.kv_budget.set_function(lambda: stats().kv_tokens_budget)
         self.max_active.set(max_active)

@@ -89,8 +89,13 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if method.startswith(self._exempt):
             return await continuation(handler_call_details)
-        presented = _bearer(handler_call_details.invocation_metadata).encode()
+        metadata = handler_call_details.invocation_metadata
         handler = await continuation(handler_call_details)
+        if sum(1 for key, _ in metadata or () if key == "authorization") > 1:
+            # Which one would count is a guess the caller and a proxy in between may make
+            # differently: refuse rather than take the first.
+            return _refusing(handler, "more than one 'authorization' header; send exactly one 'authorization: Bearer <token>'")
+        presented = _bearer(metadata).encode()
         # Every token is compared (constant time each): the time taken says nothing of which matched.
         matched = [hmac.compare_digest(presented, expected) for expected in self._expected]
         if any(matched):

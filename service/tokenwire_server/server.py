@@ -248,6 +248,8 @@ class TokenwireServer:
             retry_after_s=config.retry_after_ms / 1000,
             max_prefill_tokens=config.max_prefill_tokens,
             batch_window_s=config.batch_window_ms / 1000,
+            stream_backlog=config.stream_backlog_chunks,
+            stalled_reader_timeout_s=config.stalled_reader_timeout,
             tenants=self.tenants,
         )
         engine = create_engine(
@@ -312,8 +314,9 @@ class TokenwireServer:
             dtype="float32" if on_cpu and config.dtype == "auto" else config.dtype,
             kv_cache_bytes=kv_bytes,
             prefix_cache=config.prefix_cache == "on",
+            stalled_reader_timeout_s=config.stalled_reader_timeout,
         )
-        backend = VllmBackend(folder, name, settings, config.request_limits)
+        backend = VllmBackend(folder, name, settings, config.request_limits, observer=self.metrics)
         for metric, (help_text, read) in backend.extra_gauges().items():
             self.metrics.gauge_function(metric, help_text, read)
         return backend
@@ -421,7 +424,7 @@ async def warm_up(backend: GenerationBackend) -> None:
     prompt = ChatPrompt((("user", text),)) if backend.describe().has_chat_template else TextPrompt(text)
     encoding = await backend.encode(prompt)
     fmt = ResponseFormat("json_object")
-    await backend.check_format(fmt)
+    await backend.check_format(fmt, limited=False)  # building the compiler is no caller's format
     request = GenerationRequest(
         "warm-up", encoding.ids, SamplingOptions(temperature=0.0), max_new_tokens=4, ignore_eos=True, response_format=fmt
     )

@@ -58,6 +58,10 @@ def is_lark(grammar: str) -> bool:
     return True
 
 
+DEAD_END = "no token of this model's vocabulary can begin an answer in this format (does it need a character no token holds?)"
+STUCK = "the answer reached a point that no token of this model's vocabulary can continue in this format (does it need a character no token holds?)"
+
+
 def choice_grammar(options: Sequence[str]) -> str:
     """An EBNF grammar whose answers are exactly ``options``."""
     return "root ::= " + " | ".join(json.dumps(option, ensure_ascii=False) for option in options)
@@ -70,6 +74,7 @@ class Constraint:
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled)
+        self._vocab_size = int(compiled.tokenizer_info.vocab_size)
 
     def fill(self, bitmask: Any, row: int) -> None:
         """Write the tokens that may come next into ``bitmask[row]``."""
@@ -78,6 +83,14 @@ class Constraint:
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False when the grammar does not allow it (nothing changes)."""
         return bool(self._matcher.accept_token(token_id))
+
+    def can_continue(self) -> bool:
+        """Whether any token (end of sequence included) may come next from here."""
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(1, self._vocab_size)
+        self._matcher.fill_next_token_bitmask(mask, 0)
+        return bool(mask.any())
 
     @property
     def terminated(self) -> bool:
@@ -109,6 +122,10 @@ class Grammars:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
             return self._compiler
 
+    def prepare(self) -> None:
+        """Build the compiler now (it reads the whole vocabulary, ~0.3 s), not in the first compile."""
+        self._get_compiler()
+
     def compile(self, fmt: ResponseFormat) -> tuple[Any, float | None]:
         """The compiled grammar of ``fmt`` and the seconds compiling took (None: from the cache).
 
@@ -125,6 +142,8 @@ class Grammars:
             compiled = self._compile(compiler, fmt)
         except Exception as exc:  # the library reports a bad format with RuntimeError/ValueError/TypeError
             raise InvalidResponseFormat(fmt.field, library_message(exc)) from None
+        if not Constraint(compiled).can_continue():
+            raise InvalidResponseFormat(fmt.field, DEAD_END)
         seconds = time.perf_counter() - started
         size = int(getattr(compiled, "memory_size_bytes", 0))
         with self._lock:

@@ -11,6 +11,7 @@ concatenation of what it emits equals the decoded completion, cut at the stop.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -180,19 +181,54 @@ class PromptEncoder:
             )
         )
 
-    def encode(self, prompt: Prompt, *, offsets: bool = False, tokens: bool = False) -> Encoding:
-        """Token ids of ``prompt``; with the rendered text, and offsets/token strings on request."""
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """Most characters of text one token can stand for; 0 when no bound is known.
+
+        A token covers at most as many characters as its vocabulary entry is long (byte-level
+        entries are one character per byte, SentencePiece ones one per character, byte
+        fallbacks ``<0x0A>`` more). A normalizer can drop characters, and an added token that
+        strips the spaces beside it covers more than its entry: with either, no bound."""
+        tokenizer = self._tokenizer.get()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            return 0
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        if any(getattr(token, "lstrip", False) or getattr(token, "rstrip", False) for token in added.values()):
+            return 0
+        return max((len(entry) for entry in tokenizer.get_vocab()), default=0)
+
+    def max_chars(self, max_tokens: int) -> int:
+        """Longest text that can encode to at most ``max_tokens`` tokens (0: no bound known)."""
+        return max_tokens * self.longest_token_chars
+
+    def encode(
+        self, prompt: Prompt, *, offsets: bool = False, tokens: bool = False, max_tokens: int | None = None
+    ) -> Encoding:
+        """Token ids of ``prompt``; with the rendered text, and offsets/token strings on request.
+
+        With ``max_tokens`` (a Generate's prompt, which must fit the context), a text that
+        cannot encode to that few tokens is not tokenized at all, and a longer one is cut at
+        ``max_tokens + 1`` ids: either way the encoding says ``truncated``, and its ids tell
+        only that the prompt is longer than ``max_tokens``."""
         if isinstance(prompt, TokenPrompt):
             ids = list(prompt.ids)
             return Encoding(ids, tokens=self.token_strings(ids) if tokens else [])
         templated = isinstance(prompt, ChatPrompt)
         text = self.render_chat(prompt.messages) if isinstance(prompt, ChatPrompt) else prompt.text
         tokenizer = self._tokenizer.get()
+        cut: dict[str, Any] = {}
+        if max_tokens is not None:
+            bound = self.max_chars(max_tokens)
+            if bound and len(text) > bound:
+                return Encoding([], text, truncated=True, chars=len(text))
+            cut = {"truncation": True, "max_length": max_tokens + 1}
         # A rendered chat already holds its special tokens; raw text gets the model's usual ones.
-        encoded = tokenizer(text, add_special_tokens=not templated, return_offsets_mapping=offsets and tokenizer.is_fast)
+        encoded = tokenizer(text, add_special_tokens=not templated, return_offsets_mapping=offsets and tokenizer.is_fast, **cut)
         ids = [int(i) for i in encoded["input_ids"]]
         spans = [(int(a), int(b)) for a, b in encoded.get("offset_mapping", [])] if offsets else []
-        return Encoding(ids, text, spans, self.token_strings(ids) if tokens else [])
+        over = max_tokens is not None and len(ids) > max_tokens
+        return Encoding(ids, text, spans, self.token_strings(ids) if tokens else [], truncated=over, chars=len(text))
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         tokenizer = self._tokenizer.get()

@@ -234,8 +234,9 @@ def _with_empty_ids() -> pb.GenerateRequest:
     return request
 
 
-def _server_says(stub: pb_grpc.TextGenerationStub, request: pb.GenerateRequest) -> tuple[str, list[tuple[str, str]]]:
-    """The INVALID_ARGUMENT message and field violations the server gives a raw request."""
+def _server_says(stub: pb_grpc.TextGenerationStub, request: pb.GenerateRequest) -> tuple[str, list[tuple[str, str]], str]:
+    """The INVALID_ARGUMENT message and field violations the server gives a raw request, and
+    the request id it echoed (x-request-id)."""
     call = stub.Generate(request, timeout=10)
     with pytest.raises(grpc.RpcError) as caught:
         next(call)
@@ -248,7 +249,8 @@ def _server_says(stub: pb_grpc.TextGenerationStub, request: pb.GenerateRequest) 
             detail.Unpack(bad)
             violations.extend((v.field, v.description) for v in bad.field_violations)
     assert caught.value is call
-    return call.details(), violations
+    echoed = dict(call.trailing_metadata() or ()).get("x-request-id", "")
+    return call.details(), violations, echoed
 
 
 @pytest.mark.parametrize(("kwargs", "raw"), [(m[1], m[2]) for m in MISTAKES], ids=[m[0] for m in MISTAKES])
@@ -261,9 +263,16 @@ def test_client_validation_matches_the_server(tiny_server, info, kwargs, raw):
     # A fixed id (the long-id case) may already be in the shared server's log from another test.
     before = len(finished(tiny_server, request.request_id, timeout=0))
     with tiny_server.channel() as channel:
-        details, violations = _server_says(pb_grpc.TextGenerationStub(channel), request)
+        details, violations, echoed = _server_says(pb_grpc.TextGenerationStub(channel), request)
     assert violations, details
-    records = finished(tiny_server, request.request_id, count=before + 1)[before:]
+    if len(request.request_id) > info.max_request_id_chars:
+        # An invalid id is never echoed: the trailer and the log line carry an id of the server's.
+        assert echoed != request.request_id and len(echoed) == 32
+        assert finished(tiny_server, request.request_id, timeout=0) == []
+        records = finished(tiny_server, echoed)
+    else:
+        assert echoed == request.request_id
+        records = finished(tiny_server, request.request_id, count=before + 1)[before:]
     assert [r["code"] for r in records] == ["INVALID_ARGUMENT"]
 
     logged = len(tiny_server.records)

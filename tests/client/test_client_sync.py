@@ -165,7 +165,7 @@ def test_client_side_validation_uses_the_shared_messages(client, fake):
     assert info.value.field_violations[0].field == "input"
     with pytest.raises(tokenwire.InvalidArgument) as info:
         client.chat([("robot", "hi")])
-    assert info.value.field_violations[0].description == Rule.UNKNOWN_ROLE.error(role="robot")
+    assert info.value.field_violations[0].description == Rule.UNKNOWN_ROLE.error(role=repr("robot"))
     with pytest.raises(tokenwire.InvalidArgument):
         client.chat([])
     with pytest.raises(tokenwire.InvalidArgument):

@@ -268,12 +268,18 @@ class Resume(_message.Message):
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     NEXT_INDEX_FIELD_NUMBER: _builtins.int
     next_index: _builtins.int
-    """The index of the next chunk to send: one past the last chunk received."""
+    """The index of the next chunk to send: one past the last chunk received.
+    next_index + max_new_tokens (or the server's cap, when max_new_tokens is unset)
+    must be at most 4294967295, the largest chunk index.
+    """
     @_builtins.property
     def generated_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The token ids the caller has already received (TokenChunk.tokens, in order;
         ask for them with OutputOptions.token_ids). Each in [0, vocab_size); no more
-        than max_new_tokens of them.
+        than max_new_tokens of them. The server reads them as context, so they are
+        charged as prompt tokens: to the tenant's tokens_per_minute quota (when the call
+        is admitted), its fair share, the deadline estimate and the prompt-token
+        metrics. Usage on the last chunk still reports the uncut stream's counts.
         """
 
     def __init__(
@@ -945,6 +951,13 @@ class RequestLimits(_message.Message):
     CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     MAX_REQUEST_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_REQUEST_ID_CHARS_FIELD_NUMBER: _builtins.int
+    MAX_JSON_SCHEMA_DEPTH_FIELD_NUMBER: _builtins.int
+    MAX_FORMAT_CHARS_FIELD_NUMBER: _builtins.int
+    MAX_QUOTED_CHARS_FIELD_NUMBER: _builtins.int
+    MAX_PROMPT_CHARS_FIELD_NUMBER: _builtins.int
+    MAX_FORMAT_COMPILE_MS_FIELD_NUMBER: _builtins.int
+    MAX_ERROR_TRAILER_BYTES_FIELD_NUMBER: _builtins.int
     max_new_tokens_limit: _builtins.int
     """Cap on StoppingCriteria.max_new_tokens."""
     default_max_new_tokens: _builtins.int
@@ -970,6 +983,36 @@ class RequestLimits(_message.Message):
     server's KV-cache budget where that is smaller. Beyond it a request with an
     explicit max_new_tokens is INVALID_ARGUMENT; the default max_new_tokens is shortened.
     """
+    max_request_id_chars: _builtins.int
+    """Longest GenerateRequest.request_id, in characters (it must also be printable: no
+    CR, LF or other control characters). An x-request-id header that breaks these rules
+    is replaced by an id of the server's.
+    """
+    max_json_schema_depth: _builtins.int
+    """Deepest nesting of arrays and objects in ResponseFormat.json_schema."""
+    max_format_chars: _builtins.int
+    """Longest ResponseFormat.json_schema, regex or grammar, and the most characters of
+    all choice options together.
+    """
+    max_quoted_chars: _builtins.int
+    """Most characters of a request's value that an error message, its details or a log
+    line quote; past it the quote says how long the value was.
+    """
+    max_prompt_chars: _builtins.int
+    """Longest prompt text, in characters, that could fit max_request_tokens on this
+    tokenizer (its longest token times that); a longer Generate prompt (or rendered
+    chat) is INVALID_ARGUMENT at once, before it is tokenized. 0: no bound is known
+    for this tokenizer.
+    """
+    max_format_compile_ms: _builtins.int
+    """Longest a response format may take to compile, in milliseconds; past it the call
+    is INVALID_ARGUMENT ("too complex") naming the response_format field, and the
+    same format sent again is refused at once.
+    """
+    max_error_trailer_bytes: _builtins.int
+    """Every error reply's trailing metadata (status message, details, x-request-id)
+    stays under this many bytes.
+    """
     def __init__(
         self,
         *,
@@ -983,10 +1026,17 @@ class RequestLimits(_message.Message):
         context_length: _builtins.int = ...,
         vocab_size: _builtins.int = ...,
         max_request_tokens: _builtins.int = ...,
+        max_request_id_chars: _builtins.int = ...,
+        max_json_schema_depth: _builtins.int = ...,
+        max_format_chars: _builtins.int = ...,
+        max_quoted_chars: _builtins.int = ...,
+        max_prompt_chars: _builtins.int = ...,
+        max_format_compile_ms: _builtins.int = ...,
+        max_error_trailer_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "max_chat_messages", b"max_chat_messages", "max_message_bytes", b"max_message_bytes", "max_new_tokens_limit", b"max_new_tokens_limit", "max_request_tokens", b"max_request_tokens", "max_stop_sequence_chars", b"max_stop_sequence_chars", "max_stop_sequences", b"max_stop_sequences", "max_top_logprobs", b"max_top_logprobs", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "max_chat_messages", b"max_chat_messages", "max_error_trailer_bytes", b"max_error_trailer_bytes", "max_format_chars", b"max_format_chars", "max_format_compile_ms", b"max_format_compile_ms", "max_json_schema_depth", b"max_json_schema_depth", "max_message_bytes", b"max_message_bytes", "max_new_tokens_limit", b"max_new_tokens_limit", "max_prompt_chars", b"max_prompt_chars", "max_quoted_chars", b"max_quoted_chars", "max_request_id_chars", b"max_request_id_chars", "max_request_tokens", b"max_request_tokens", "max_stop_sequence_chars", b"max_stop_sequence_chars", "max_stop_sequences", b"max_stop_sequences", "max_top_logprobs", b"max_top_logprobs", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

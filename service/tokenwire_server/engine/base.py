@@ -4,6 +4,12 @@ An engine takes plain ``GenerationRequest`` objects and sends plain events to a
 sink; it knows nothing of protobuf or gRPC. Admission is bounded: at most
 ``max_active`` requests generate at once and at most ``max_queue`` wait; past
 that, ``submit`` raises ``EngineOverloaded`` at once, before any work.
+
+A stream whose reader falls ``stream_backlog`` events behind is *parked*: it leaves its
+slot (and, on the batched engine, its KV blocks) and holds no queue place until the reader
+has caught up, then goes back to the front of its tenant's queue like a preempted request,
+with the same tokens; parked past ``stalled_reader_timeout_s`` with nothing read, it ends
+``STALLED_READER`` (docs/architecture.md, "A reader that falls behind").
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from ..domain import (
     NoObserver,
     Priority,
     RequestHandle,
+    StreamReader,
     TenantLoad,
     TenantOverLimit,
 )
@@ -54,6 +61,24 @@ class EngineLimits:
     max_prefill_tokens: int = 20
     batch_window_s: float = 0.01
     tenants: Tenants = dataclasses.field(default_factory=Tenants)
+    # Flow control: a stream whose reader leaves this many events unread is parked until it
+    # has read all but a quarter of them (``--stream-backlog-chunks``) ...
+    stream_backlog: int = 256
+    # ... and a stream parked this long with nothing read ends STALLED_READER (0: never;
+    # ``--stalled-reader-timeout``).
+    stalled_reader_timeout_s: float = 30.0
+
+    @property
+    def resume_backlog(self) -> int:
+        """The unread events at or below which a parked stream goes back to the queue."""
+        return self.stream_backlog // 4
+
+    @property
+    def max_parked(self) -> int:
+        """Most streams parked at once: as many as may run and wait. Past it the one whose
+        reader has been idle longest ends STALLED_READER, so memory stays bounded however many
+        callers stop reading."""
+        return max(1, self.max_active + self.max_queue)
 
 
 class _Lane:
@@ -103,7 +128,10 @@ class AdmissionQueue:
     cannot lock the others out; the queue then holds at most about twice ``max_queue``.
     """
 
-    def __init__(self, limits: EngineLimits) -> None:
+    # How often parked streams are looked at for their stall timeout (at most).
+    SWEEP_INTERVAL_S = 0.1
+
+    def __init__(self, limits: EngineLimits, on_stalled: Callable[[Generation], None] = lambda seq: None) -> None:
         self._limits = limits
         self._tenants = limits.tenants
         self._lanes: dict[str, _Lane] = {}
@@ -113,6 +141,12 @@ class AdmissionQueue:
         self._closed = False
         self._refusal: EngineClosed = EngineClosed("the engine is shutting down")
         self._cond = threading.Condition()
+        # Parked streams (their readers fell behind) -> when parked, oldest first. They count
+        # as neither active nor queued: no slot, no queue place, nothing in the fair shares or
+        # in the start estimate that refuses callers (see ``park``).
+        self._parked: dict[Generation, float] = {}
+        self._next_sweep = 0.0
+        self._on_stalled = on_stalled
 
     def _lane(self, tenant: str) -> _Lane:
         lane = self._lanes.get(tenant)
@@ -237,6 +271,7 @@ class AdmissionQueue:
             if block:
                 while not self._queued and not self._closed:
                     self._cond.wait(timeout=0.5)
+                    self._expire_parked(time.monotonic())  # an idle engine still ends stalled readers
             taken: list[Generation] = []
             while len(taken) < max_count:
                 picked = self._next()
@@ -255,7 +290,7 @@ class AdmissionQueue:
                 if not fits(seq):
                     break
                 self._pop(waiting)
-                if not seq.preemptions:  # a preempted request coming back was charged when first admitted
+                if not seq.preemptions:  # a preempted (or parked) request coming back was charged when first admitted
                     start = max(lane.tag, self._vtime)
                     self._vtime = start
                     lane.tag = start + cost_of(seq) / lane.policy.weight
@@ -317,18 +352,121 @@ class AdmissionQueue:
                 lane = self._lane(seq.request.tenant)
                 lane.running[seq.request.priority] -= 1
                 self._active -= 1
-                unused = seq.request.max_new_tokens - len(seq.generated)
-                if unused > 0:
-                    lane.tag -= unused / lane.policy.weight
+                self._refund(lane, seq)
             self._cond.notify()
 
+    def _refund(self, lane: _Lane, seq: Generation) -> None:
+        unused = seq.request.max_new_tokens - len(seq.generated)
+        if unused > 0:
+            lane.tag -= unused / lane.policy.weight
+
+    # -- parked streams (flow control) ---------------------------------------------------
+
+    def behind(self, seq: Generation) -> bool:
+        """Whether ``seq``'s reader has left ``stream_backlog`` events unread: time to park it."""
+        reader = seq.reader
+        return reader is not None and not seq.finished and reader.unread() >= self._limits.stream_backlog
+
+    def park(self, seq: Generation, now: float | None = None) -> None:
+        """``seq`` (taken earlier, its slot and blocks given back) waits for its reader: it holds no
+        slot and no queue place until the reader is down to ``resume_backlog`` unread events
+        (``unpark``, called from the reader's side), then goes to the front of its tenant's queue
+        as a preempted request does, and is not charged again.
+
+        Why a parked stream counts nowhere: the slot and the blocks are what other callers
+        wait for, and a place in the queue would refuse them (RESOURCE_EXHAUSTED, or a first
+        token estimated too late for their deadline) for a stream that cannot use either. What
+        it does hold is bounded: its unread events, at most ``stream_backlog`` (+1), and at most
+        ``max_parked`` parked streams (past that the one idle longest ends STALLED_READER).
+        Coming back, it may take the queue past ``max_queue`` by itself, as a preempted
+        request does; it was admitted once, and is never refused."""
+        now = time.monotonic() if now is None else now
+        reader = seq.reader
+        assert reader is not None, "only a stream with a reader falls behind"
+        request = seq.request
+        with self._cond:
+            lane = self._lane(request.tenant)
+            lane.running[request.priority] -= 1
+            self._active -= 1
+            self._parked[seq] = now
+            if len(self._parked) > self._limits.max_parked:
+                oldest = min(self._parked, key=self._idle_since)
+                self._end_parked(
+                    oldest,
+                    f"the caller stopped reading this stream ({self._unread(oldest)} chunks unread), and more streams "
+                    f"wait for their callers than the server keeps ({self._limits.max_parked}); read a stream as it "
+                    "comes, or resume it from the tokens received (GenerateRequest.resume)",
+                )
+            self._cond.notify()
+        reader.wake_when_read(self._limits.resume_backlog, lambda: self.unpark(seq))
+
+    def unpark(self, seq: Generation) -> None:
+        """``seq``'s reader caught up (or left): back to the front of its tenant's queue (or, when
+        cancelled, dropped quietly: nobody listens). Called from any thread; a no-op unless parked."""
+        with self._cond:
+            if self._parked.pop(seq, None) is None:
+                return
+            request = seq.request
+            lane = self._lane(request.tenant)
+            if seq.handle.cancelled:
+                self._refund(lane, seq)
+                seq.abandon()
+                return
+            lane.waiting[request.priority].appendleft(seq)
+            self._queued += 1
+            self._cond.notify()
+
+    def expire_parked(self, now: float | None = None) -> None:
+        """End the parked streams whose readers have read nothing for ``stalled_reader_timeout_s``
+        (called by the engine between steps; cheap when nothing is due)."""
+        now = time.monotonic() if now is None else now
+        if not self._parked or now < self._next_sweep:
+            return
+        with self._cond:
+            self._expire_parked(now)
+
+    def _expire_parked(self, now: float) -> None:
+        timeout = self._limits.stalled_reader_timeout_s
+        if timeout <= 0 or not self._parked or now < self._next_sweep:
+            return
+        self._next_sweep = now + min(self.SWEEP_INTERVAL_S, timeout / 4)
+        for seq in [seq for seq in self._parked if now - self._idle_since(seq) >= timeout]:
+            self._end_parked(
+                seq,
+                f"the caller stopped reading this stream: {self._unread(seq)} chunks stayed unread for {timeout:g} s "
+                "(--stalled-reader-timeout) and the server stopped generating for it; read a stream as it comes, "
+                "or resume it from the tokens received (GenerateRequest.resume)",
+            )
+
+    def _idle_since(self, seq: Generation) -> float:
+        """Since when a parked stream's reader has read nothing: its last read, or the park."""
+        reader = seq.reader
+        parked_at = self._parked[seq]
+        return parked_at if reader is None else max(parked_at, reader.last_read())
+
+    @staticmethod
+    def _unread(seq: Generation) -> int:
+        return seq.reader.unread() if seq.reader is not None else 0
+
+    def _end_parked(self, seq: Generation, message: str) -> None:
+        del self._parked[seq]
+        self._refund(self._lane(seq.request.tenant), seq)
+        if seq.handle.cancelled:
+            seq.abandon()
+            return
+        seq.fail(ErrorKind.STALLED_READER, message)
+        self._on_stalled(seq)
+
     def drain_waiting(self) -> list[Generation]:
+        """Every waiting and parked request, taken out (the engine stops: it ends them)."""
         with self._cond:
             waiting = [seq for lane in self._lanes.values() for q in lane.waiting for seq in q]
             for lane in self._lanes.values():
                 for q in lane.waiting:
                     q.clear()
             self._queued = 0
+            waiting += self._parked
+            self._parked.clear()
             return waiting
 
     def close(self, refusal: EngineClosed | None = None) -> None:
@@ -360,6 +498,10 @@ class AdmissionQueue:
     def queued(self) -> int:
         return self._queued
 
+    @property
+    def parked(self) -> int:
+        return len(self._parked)
+
 
 class _Observers:
     """The engine's observer (the metrics) and its own start estimator, both told of every step."""
@@ -385,6 +527,12 @@ class _Observers:
     def preempted(self, tenant: str) -> None:
         self._outer.preempted(tenant)
 
+    def parked(self, tenant: str) -> None:
+        self._outer.parked(tenant)
+
+    def reader_stalled(self, tenant: str) -> None:
+        self._outer.reader_stalled(tenant)
+
 
 class Engine(abc.ABC):
     """Generates tokens for many requests; one implementation per strategy."""
@@ -396,7 +544,7 @@ class Engine(abc.ABC):
         self.limits = limits
         self.estimator = StartEstimator()
         self.observer: EngineObserver = _Observers(observer or NoObserver(), self.estimator)
-        self.queue = AdmissionQueue(limits)
+        self.queue = AdmissionQueue(limits, on_stalled=self._reader_stalled)
         self.last_progress = time.monotonic()
         self.fault: str | None = None  # why the device cannot go on (engine.faults); None while it can
         self._failed_steps = 0  # steps in a row that failed, none working between
@@ -406,13 +554,15 @@ class Engine(abc.ABC):
         # Response formats compiled for this vocabulary (constrained decoding), cached by content.
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
 
-    def submit(self, request: GenerationRequest, sink: EventSink) -> RequestHandle:
-        """Queue a request; raise EngineOverloaded or EngineClosed when it cannot be taken."""
+    def submit(self, request: GenerationRequest, sink: EventSink, reader: StreamReader | None = None) -> RequestHandle:
+        """Queue a request; raise EngineOverloaded or EngineClosed when it cannot be taken.
+        ``reader``: how far behind the caller is in taking ``sink``'s events (flow control;
+        None: it takes them as they come)."""
         handle = RequestHandle()
         loaded = self.loaded
         fmt = request.response_format
         constraint = self.grammars.constraint(fmt) if fmt is not None else None  # compiled already: a cache hit
-        seq = Generation(request, handle, sink, self.tokenizer, loaded.eos_token_ids, loaded.device, constraint)
+        seq = Generation(request, handle, sink, self.tokenizer, loaded.eos_token_ids, loaded.device, constraint, reader)
         if seq.ended_at_cut is not None:  # a resume whose tokens already ended the stream: say how
             seq.finish(seq.ended_at_cut)
             return handle
@@ -445,7 +595,9 @@ class Engine(abc.ABC):
 
     def stats(self) -> EngineStats:
         queue = self.queue
-        return EngineStats(queue.active, queue.queued, queue.active, 0, self.limits.kv_cache_tokens, tuple(queue.by_tenant()))
+        return EngineStats(
+            queue.active, queue.queued, queue.active, 0, self.limits.kv_cache_tokens, tuple(queue.by_tenant()), queue.parked
+        )
 
     def stalled(self, timeout_s: float, now: float | None = None) -> bool:
         """True when work is pending but the engine has made no progress for ``timeout_s``."""
@@ -461,6 +613,22 @@ class Engine(abc.ABC):
             if seq.admitted_at is None:  # not a preempted request coming back
                 self.observer.admitted(now - seq.request.arrival)
             seq.admit(now)
+
+    def _parked(self, seq: Generation) -> None:
+        """``seq`` left its slot for its reader to catch up (``AdmissionQueue.park``)."""
+        self.observer.parked(seq.request.tenant)
+        log.debug(
+            "parked: the reader fell behind",
+            extra={"request_id": seq.request.request_id, "generated": len(seq.generated), "parks": seq.parks},
+        )
+
+    def _reader_stalled(self, seq: Generation) -> None:
+        """``seq`` ended STALLED_READER (called under the queue's lock: report only)."""
+        self.observer.reader_stalled(seq.request.tenant)
+        log.info(
+            "stream ended: its reader stopped reading",
+            extra={"request_id": seq.request.request_id, "tenant": seq.request.tenant, "generated": len(seq.generated)},
+        )
 
     def _preempted(self, seq: Generation) -> None:
         self.observer.preempted(seq.request.tenant)
@@ -523,7 +691,12 @@ class Engine(abc.ABC):
 
     def _fail_waiting(self) -> None:
         for seq in self.queue.drain_waiting():
-            seq.fail(ErrorKind.SHUTDOWN, "the server stopped before this request started")
+            if seq.handle.cancelled:
+                seq.abandon()
+            elif seq.admitted_at is None:
+                seq.fail(ErrorKind.SHUTDOWN, "the server stopped before this request started")
+            else:  # parked, or preempted and waiting to come back
+                seq.fail(ErrorKind.SHUTDOWN, "the server stopped before this request finished")
 
     @abc.abstractmethod
     def start(self) -> None: ...

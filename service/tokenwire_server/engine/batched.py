@@ -128,6 +128,8 @@ class BatchedEngine(Engine):
             limits.batch_window_s,
             on_admit=self._admit,
             on_preempt=self._preempted,
+            on_park=self._parked,
+            behind=self.queue.behind,
         )
         reason = unsupported_reason(loaded.model)
         if forward == "native" and reason is not None:
@@ -206,6 +208,7 @@ class BatchedEngine(Engine):
             self.kv_tokens_reserved(),
             self.limits.kv_cache_tokens,
             tuple(self.queue.by_tenant()),
+            self.queue.parked,
         )
 
     def running(self) -> list[tuple[GenerationRequest, int]]:

@@ -19,7 +19,9 @@ its keys and values are written, *published* under a key: a hash of its tokens a
 the key of the block before it (so a key names the whole prefix up to the block's
 end). A new request looks its prompt's full blocks up key by key and shares the
 longest run that is cached: those tokens are not read again (``cached_tokens``).
-At least the prompt's last token is always read, so that its logits exist.
+At least the prompt's last token is always read, so that its logits exist. A request
+set aside to be read again later (preempted, or parked while its reader catches up)
+publishes its generated tokens' full blocks too, so that coming back it reads little.
 
 A block nobody holds any more stays cached (``idle``) until its memory is needed, and
 then the least recently used idle block goes first (its key is dropped). Which block a
@@ -157,7 +159,8 @@ class BlockPool:
             lease.blocks.append(block)
 
     def publish(self, lease: Lease, index: int, key: bytes) -> None:
-        """Block ``index`` of ``lease`` is full of prompt tokens, written: cache it under ``key``."""
+        """Block ``index`` of ``lease`` is full and written (prompt tokens, or those of a request set
+        aside to be read again): cache it under ``key``."""
         if not self.prefix_cache:
             return
         block = lease.blocks[index]

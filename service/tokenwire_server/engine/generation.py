@@ -24,11 +24,12 @@ from ..domain import (
     GenerationRequest,
     InvalidResume,
     RequestHandle,
+    StreamReader,
     TextEvent,
     TokenInfo,
     Usage,
 )
-from ..structured import Constraint
+from ..structured import STUCK, Constraint
 from ..text import TextStream
 
 
@@ -42,8 +43,12 @@ class Generation:
         eos_token_ids: tuple[int, ...],
         device: torch.device,
         constraint: Constraint | None = None,
+        reader: StreamReader | None = None,
     ) -> None:
         self.request = request
+        # How far behind the caller is in reading this stream's events (None: it reads as they
+        # come, e.g. a test's recorder): the engine parks the stream when it falls too far behind.
+        self.reader = reader
         # Constrained decoding (request.response_format): the sampler masks this row with
         # it, and each token taken advances it; the answer ends when it is complete.
         self.constraint = constraint
@@ -59,11 +64,15 @@ class Generation:
         self._taken: list[tuple[int, float | None, tuple[Alternative, ...]]] = []
         self._ending: FinishReason | None = None
         self._broken: str | None = None
+        self._stuck = False  # ``_broken`` because no token could continue the format (the caller's)
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.finished = False
         self.cached_prompt_tokens = 0  # prompt tokens an engine found in its prefix cache
-        self.preemptions = 0  # times its slot was taken for a more deserving request
+        # Times it left its slot to be read again later: its slot taken for a more deserving
+        # request, or parked while its reader caught up (``parks`` of them).
+        self.preemptions = 0
+        self.parks = 0
         # What the model reads before its first pick: the prompt, and a resumed stream's tokens
         # (built once: the scheduler slices it for every prompt chunk).
         resumed = request.resume_ids
@@ -148,6 +157,13 @@ class Generation:
         self.context_ids = self.request.prompt_ids + self.generated
         self.preemptions += 1
 
+    def park(self) -> None:
+        """Its reader fell behind: it gives its slot and blocks up until the reader catches up,
+        then comes back as a preempted request does, with the same tokens."""
+        self.context_ids = self.request.prompt_ids + self.generated
+        self.preemptions += 1
+        self.parks += 1
+
     def expired(self, now: float) -> ErrorKind | FinishReason | None:
         """Whether the deadline or the time limit has passed (checked between steps)."""
         request = self.request
@@ -177,7 +193,9 @@ class Generation:
         self.generated.append(token_id)
         self._taken.append((token_id, logprob, top))
         if self.constraint is not None and not self.constraint.accept(token_id):
-            self._broken = f"token {token_id} breaks the response format"  # the sampler masked it out: a bug, not the caller's
+            if not self.constraint.can_continue():
+                self._stuck = True  # every token was masked out: the caller's format cannot go on
+            self._broken = f"token {token_id} breaks the response format"  # else the sampler masked it out: a bug
         else:
             self._ending = self._ends_after(token_id)
         return self.deliver() if self._ending is not None or self._broken is not None else False
@@ -200,7 +218,10 @@ class Generation:
                 self.finish(FinishReason.STOP_SEQUENCE, text)
                 return True
         if self._broken is not None:
-            self.fail(ErrorKind.INTERNAL, self._broken)
+            if self._stuck:
+                self.fail(ErrorKind.FORMAT_DEAD_END, STUCK)
+            else:
+                self.fail(ErrorKind.INTERNAL, self._broken)
             return True
         if self._ending is not None:
             self.finish(self._ending, text)

@@ -9,35 +9,35 @@ types for the transport.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import dataclasses
 
 from ..backend import ThreadedSubmission
 from ..domain import (
-    Encoding,
     EngineStats,
     GenerationRequest,
     ModelDescription,
-    Prompt,
     RequestLimits,
-    ResponseFormat,
 )
+from ..intake import Intake, IntakeBackend
 from ..model import LoadedModel
 from ..text import PromptEncoder
 from .base import Engine
 
 
-class LocalBackend:
+class LocalBackend(IntakeBackend):
     def __init__(self, loaded: LoadedModel, engine: Engine, limits: RequestLimits, encode_threads: int = 2) -> None:
         self.loaded = loaded
         self.engine = engine
         self.encoder = PromptEncoder(engine.tokenizer)
-        self._limits = limits
-        self._encode_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=encode_threads, thread_name_prefix="tokenwire-encode"
+        # What a prompt that fits may be long, in characters, on this tokenizer (published).
+        self._limits = dataclasses.replace(limits, max_prompt_chars=self.encoder.max_chars(limits.max_request_tokens))
+        self.intake = Intake(
+            self.encoder,
+            lambda fmt: engine.grammars.compile(fmt)[1],
+            timeout_s=limits.format_compile_timeout_s,
+            prepare=engine.grammars.prepare,
+            encode_threads=encode_threads,
         )
-        # Response formats compile on their own threads: a page-long schema can take seconds,
-        # and must not hold up the prompts of other calls.
-        self._compile_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenwire-grammar")
 
     def describe(self) -> ModelDescription:
         loaded, engine = self.loaded, self.engine
@@ -57,19 +57,9 @@ class LocalBackend:
             quantization=loaded.quantization,
         )
 
-    async def encode(self, prompt: Prompt, *, offsets: bool = False, tokens: bool = False) -> Encoding:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._encode_pool, lambda: self.encoder.encode(prompt, offsets=offsets, tokens=tokens)
-        )
-
-    async def check_format(self, fmt: ResponseFormat) -> float | None:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._compile_pool, lambda: self.engine.grammars.compile(fmt)[1])
-
     def submit(self, request: GenerationRequest) -> ThreadedSubmission:
         submission = ThreadedSubmission(asyncio.get_running_loop())
-        submission.handle = self.engine.submit(request, submission.sink)
+        submission.handle = self.engine.submit(request, submission.sink, submission)  # it is the stream's reader too
         return submission
 
     def stats(self) -> EngineStats:
@@ -86,5 +76,4 @@ class LocalBackend:
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
-        self._encode_pool.shutdown(wait=False, cancel_futures=True)
-        self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self.intake.close()

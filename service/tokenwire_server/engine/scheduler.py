@@ -16,7 +16,9 @@ One step of the engine is ``schedule()`` → the runner's ``run(plan)`` → ``po
 - ``postprocess`` commits the plan: lengths move, full prompt blocks are published to
   the prefix cache, and every picked token goes to its request, here and nowhere else.
 - ``retire`` drops finished, cancelled and (between steps) expired rows; their blocks
-  go back to the pool at once.
+  go back to the pool at once. A row whose reader has fallen behind is parked: it gives its
+  slot and blocks up (as a preempted row does) and waits, outside the queue, for its reader
+  to catch up (``AdmissionQueue.park``).
 """
 
 from __future__ import annotations
@@ -118,6 +120,8 @@ class Scheduler:
         batch_window_s: float,
         on_admit: Callable[[list[Generation]], None] = lambda group: None,
         on_preempt: Callable[[Generation], None] = lambda seq: None,
+        on_park: Callable[[Generation], None] = lambda seq: None,
+        behind: Callable[[Generation], bool] = lambda seq: False,
     ) -> None:
         self.queue = queue  # base.AdmissionQueue
         self.pool = pool
@@ -127,6 +131,8 @@ class Scheduler:
         self.batch_window_s = batch_window_s
         self._on_admit = on_admit
         self._on_preempt = on_preempt
+        self._on_park = on_park
+        self._behind = behind  # whether a row's reader has fallen behind (AdmissionQueue.behind)
         self.rows: list[Row] = []
         self._last_busy_rows = 0  # most rows in the batch since it was last empty
 
@@ -189,7 +195,8 @@ class Scheduler:
                 self.queue.release(seq)
                 continue
             lease, keys = taken
-            seq.cached_prompt_tokens = lease.cached_tokens
+            if not seq.preemptions:  # coming back, its prompt was read (or found) when first admitted
+                seq.cached_prompt_tokens = lease.cached_tokens
             shared = lease.cached_tokens // pool.block_size
             urgent = preempted and not seq.preemptions and seq.context_len - lease.cached_tokens <= self.max_prefill_tokens
             self.rows.append(Row(seq, lease, keys, length=lease.cached_tokens, published=shared, urgent=urgent))
@@ -273,9 +280,14 @@ class Scheduler:
             row.seq.deliver()
 
     def retire(self, expire: bool) -> None:
-        """Drop finished, cancelled and (between steps) expired requests; their blocks free at once."""
+        """Drop finished, cancelled and (between steps) expired requests; their blocks free at once.
+        Park the rows whose readers have fallen behind; between steps, end the parked streams
+        whose readers have not come back (``--stalled-reader-timeout``)."""
         now = time.monotonic()
+        if expire:
+            self.queue.expire_parked(now)
         gone: list[Row] = []
+        behind: list[Row] = []
         for row in self.rows:
             seq = row.seq
             if not seq.finished and seq.handle.cancelled:
@@ -288,7 +300,43 @@ class Scheduler:
                     seq.finish(FinishReason.TIME_LIMIT)
             if seq.finished:
                 gone.append(row)
+            elif self._behind(seq):
+                behind.append(row)
         self.leave(gone)
+        for row in behind:
+            self.park(row, now)
+
+    def park(self, row: Row, now: float | None = None) -> None:
+        """``row``'s reader has left ``stream_backlog`` events unread: it stops decoding and gives its
+        slot and blocks to others, like a preempted row, but waits outside the queue until the
+        reader has caught up (``AdmissionQueue.park``); then it is read again (prompt + tokens so
+        far, its written blocks found in the prefix cache unless evicted) and goes on with the
+        tokens it would have had. A step launched with it commits nothing for it (``left``)."""
+        self._set_aside(row)
+        row.seq.park()
+        self.queue.park(row.seq, now)
+        self._on_park(row.seq)
+
+    def _set_aside(self, row: Row) -> None:
+        """Take ``row`` out of the batch to be read again later (preempted or parked): publish every
+        full block it has written, generated tokens' included, so that when it comes back it finds
+        them in the prefix cache (unless evicted meanwhile) and reads only its last partial block,
+        then give its blocks back.
+
+        NOTE: no step in flight writes into those blocks: a step writes a row's next column
+        (``row.length``), past its last full block. The keys chain over prompt + generated tokens,
+        the ids of those columns, so another request sharing them shares that exact prefix."""
+        self.rows.remove(row)
+        row.left = True
+        pool = self.pool
+        full = row.length // pool.block_size
+        if pool.prefix_cache and full > row.published:
+            seq = row.seq
+            tokens = (seq.request.prompt_ids + seq.generated)[: full * pool.block_size]
+            for index, key in enumerate(prefix_keys(tokens, pool.block_size)[row.published :], start=row.published):
+                pool.publish(row.lease, index, key)
+            row.published = full
+        pool.release(row.lease)
 
     def preempt(self) -> Row | None:
         """Every slot is taken and a waiting request deserves one more than a running request
@@ -307,9 +355,7 @@ class Scheduler:
         if not rows:
             return None
         row = max(rows, key=lambda r: (r.seq.request.priority, -len(r.seq.generated)))
-        self.rows.remove(row)
-        row.left = True
-        self.pool.release(row.lease)
+        self._set_aside(row)
         row.seq.preempt()
         self.queue.requeue(row.seq)
         self._on_preempt(row.seq)

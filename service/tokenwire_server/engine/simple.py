@@ -5,7 +5,9 @@ A bounded pool of worker threads each runs one ``generate()`` at a time. Tokens
 are chosen by the shared ``Sampler`` (through a logits processor that leaves only
 the chosen token), so per-request seeds work without touching torch's global RNG;
 a stopping criterion ends generation as soon as the request is finished,
-cancelled or past its deadline.
+cancelled or past its deadline, or its reader has fallen behind: then the request
+is parked (its worker goes to the next request) and, once the reader has caught
+up, generated again from its prompt and tokens so far, with the same tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..domain import EngineObserver, ErrorKind, FinishReason, GenerationRequest
 from ..model import LoadedModel
-from .base import Engine, EngineLimits
+from .base import AdmissionQueue, Engine, EngineLimits
 from .generation import Generation
 from .sampling import Sampler
 
@@ -57,6 +59,7 @@ class _FeedGeneration(BaseStreamer):
         self._picker = picker
         self._engine = engine
         self._prompt_seen = False
+        self._emitted = False  # a token came out of this generate() call (the first follows a prefill)
         self._last = time.perf_counter()
 
     def put(self, value: torch.Tensor) -> None:
@@ -68,10 +71,11 @@ class _FeedGeneration(BaseStreamer):
         if self._seq.finished or self._seq.handle.cancelled:
             return
         # One token of one request per step: prefill for the first, decode after.
-        if self._seq.first_token_at is not None:
+        if self._emitted:
             self._engine.observer.decode_step(now - self._last)
         else:
             self._engine.observer.prefill_step(now - self._last, self._seq.context_len)
+        self._emitted = True
         self._last = now
         token = int(value.reshape(-1)[0])
         _, logprob, top = self._picker.last if self._picker.last is not None else (token, None, ())
@@ -83,12 +87,18 @@ class _FeedGeneration(BaseStreamer):
 
 
 class _StopWhenDone(StoppingCriteria):
-    def __init__(self, seq: Generation) -> None:
+    def __init__(self, seq: Generation, queue: AdmissionQueue) -> None:
         self._seq = seq
+        self._queue = queue
+        self.behind = False  # stopped because the reader fell behind: the request is to be parked
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         seq = self._seq
-        done = seq.finished or seq.handle.cancelled
+        queue = self._queue
+        queue.expire_parked()  # every worker may be busy: the one at work looks at the parked streams
+        if not (seq.finished or seq.handle.cancelled) and queue.behind(seq):
+            self.behind = True  # parked once generate() returns
+        done = seq.finished or seq.handle.cancelled or self.behind
         if not done:
             expired = seq.expired(time.monotonic())
             if expired is ErrorKind.DEADLINE:
@@ -107,7 +117,16 @@ class SimpleEngine(Engine):
         self, loaded: LoadedModel, limits: EngineLimits, workers: int, observer: EngineObserver | None = None
     ) -> None:
         super().__init__(
-            loaded, EngineLimits(workers, limits.max_queue, limits.kv_cache_tokens, limits.retry_after_s), observer
+            loaded,
+            EngineLimits(
+                workers,
+                limits.max_queue,
+                limits.kv_cache_tokens,
+                limits.retry_after_s,
+                stream_backlog=limits.stream_backlog,
+                stalled_reader_timeout_s=limits.stalled_reader_timeout_s,
+            ),
+            observer,
         )
         self._workers = workers
         self._threads: list[threading.Thread] = []
@@ -138,8 +157,9 @@ class SimpleEngine(Engine):
             for seq in taken:
                 with self._running_lock:
                     self._running.add(seq)
+                behind = False
                 try:
-                    self._generate(seq)
+                    behind = self._generate(seq)
                     self._step_worked()
                 except Exception as exc:  # one request's failure must not take the worker down (engine.faults)
                     self._step_failed([seq], exc)
@@ -148,17 +168,28 @@ class SimpleEngine(Engine):
                         self._running.discard(seq)
                     if seq.handle.cancelled and not seq.finished:
                         seq.abandon()
-                    self.queue.release(seq)
+                    if behind and not seq.finished:
+                        # Its reader fell behind: the worker moves on, and the request comes back (read
+                        # again, as a resumed stream) once the reader has caught up. Last here: another
+                        # worker may take it back at once.
+                        seq.park()
+                        self.queue.park(seq)
+                        self._parked(seq)
+                    else:
+                        self.queue.release(seq)
 
-    def _generate(self, seq: Generation) -> None:
+    def _generate(self, seq: Generation) -> bool:
+        """Run ``seq`` until it ends, or its reader falls behind (then return True: to be parked)."""
         loaded = self.loaded
         self._admit([seq])
         if seq.handle.cancelled:
-            return
+            return False
         input_ids = torch.tensor([seq.context_ids], device=loaded.device)  # a resumed stream: its tokens too
         picker = _PickToken(self._sampler, seq)
+        stop = _StopWhenDone(seq, self.queue)
         config = GenerationConfig(
-            max_new_tokens=seq.request.max_new_tokens - len(seq.request.resume_ids),
+            # What is left: a resumed or parked stream's ``generated`` holds the tokens it had.
+            max_new_tokens=seq.request.max_new_tokens - len(seq.generated),
             do_sample=False,
             eos_token_id=None,  # the sequence decides about end of sequence (min_new_tokens, ignore_eos)
             pad_token_id=loaded.pad_token_id,
@@ -170,8 +201,11 @@ class SimpleEngine(Engine):
                 attention_mask=torch.ones_like(input_ids),
                 generation_config=config,
                 logits_processor=LogitsProcessorList([picker]),
-                stopping_criteria=StoppingCriteriaList([_StopWhenDone(seq)]),
+                stopping_criteria=StoppingCriteriaList([stop]),
                 streamer=_FeedGeneration(seq, picker, self),
             )
+        if stop.behind and not seq.finished:
+            return True
         if not seq.finished and not seq.handle.cancelled:
             seq.finish(FinishReason.LENGTH)
+        return False

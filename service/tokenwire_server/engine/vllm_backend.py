@@ -13,6 +13,11 @@ tokenwire keeps the contract around it:
   any work, as the batched engine does.
 - **Cancellation.** A cancelled submission, a passed time limit or a matched stop
   sequence aborts the vLLM request at once (``AsyncLLM.abort``).
+- **A reader that stops reading.** The stream is pulled: while the transport waits for the
+  client to take a chunk, nothing more is taken from vLLM (whose own output collector merges
+  what comes meanwhile, at most the request's tokens). A chunk left unread for
+  ``--stalled-reader-timeout`` aborts the vLLM request and ends the call STALLED_READER
+  (``VllmSubmission``); vLLM has no way to set a request aside, so it is not parked.
 - **Health.** ``stalled()`` is true once vLLM's engine has died (``errored``), which
   turns liveness NOT_SERVING.
 
@@ -21,8 +26,6 @@ Differences from the batched engine are listed in docs/architecture.md.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -31,17 +34,19 @@ from pathlib import Path
 from typing import Any
 
 from ..domain import (
-    Encoding,
     EngineClosed,
+    EngineObserver,
     EngineOverloaded,
     EngineStats,
     GenerationRequest,
     ModelDescription,
+    NoObserver,
     NotSupported,
-    Prompt,
+    RequestLimits,
     ResponseFormat,
     SamplingOptions,
 )
+from ..intake import Intake, IntakeBackend
 from ..structured import Grammars, choice_grammar
 from ..text import PromptEncoder, SharedTokenizer
 from .vllm_submission import VllmSubmission
@@ -61,6 +66,8 @@ class VllmSettings:
     kv_cache_bytes: int = 0  # CPU: the KV cache's size (vLLM would take most of the RAM)
     max_model_len: int = 0  # 0: the model's context
     prefix_cache: bool = True  # --prefix-cache: vLLM's automatic prefix caching
+    # --stalled-reader-timeout: a chunk left unread this long ends the call STALLED_READER (0: never).
+    stalled_reader_timeout_s: float = 30.0
 
 
 def vllm_model_folder(folder: Path) -> Path:
@@ -125,7 +132,7 @@ class _VllmStats:
         return Logger(vllm_config, engine_index)
 
 
-class VllmBackend:
+class VllmBackend(IntakeBackend):
     name = "vllm"
 
     def __init__(
@@ -135,6 +142,7 @@ class VllmBackend:
         settings: VllmSettings,
         request_limits_for: Any,
         device: str = "auto",
+        observer: EngineObserver | None = None,
     ) -> None:
         from transformers import AutoTokenizer, GenerationConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -143,6 +151,7 @@ class VllmBackend:
         from ..model import default_sampling
 
         self._settings = settings
+        self.observer: EngineObserver = observer or NoObserver()  # the metrics (stalled readers)
         self._folder = vllm_model_folder(folder)
         tokenizer = AutoTokenizer.from_pretrained(self._folder)
         self.tokenizer = SharedTokenizer(tokenizer)
@@ -194,7 +203,7 @@ class VllmBackend:
             bos_token_id=tokenizer.bos_token_id,
             has_chat_template=self.encoder.has_chat_template,
             default_sampling=default_sampling(generation_config),
-            limits=request_limits_for(self._context, self._vocab),
+            limits=self._limits_for(request_limits_for(self._context, self._vocab)),
             max_active=settings.max_active,
             max_queue=settings.max_queue,
             quantization=str(getattr(model_config, "quantization", None) or "none"),
@@ -210,8 +219,13 @@ class VllmBackend:
         # Response formats are checked here, with the same library and options vLLM compiles
         # them with, so a bad one is INVALID_ARGUMENT with the same message on both engines.
         self.grammars = Grammars(tokenizer, self._vocab, self._eos)
-        self._encode_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenwire-encode")
-        self._compile_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenwire-grammar")
+        limits = self._description.limits
+        self.intake = Intake(
+            self.encoder,
+            lambda fmt: self.grammars.compile(fmt)[1],
+            timeout_s=limits.format_compile_timeout_s,
+            prepare=self.grammars.prepare,
+        )
         self._in_flight = 0
         self._closed = False
         self.last_progress = time.monotonic()
@@ -221,15 +235,9 @@ class VllmBackend:
     def describe(self) -> ModelDescription:
         return self._description
 
-    async def encode(self, prompt: Prompt, *, offsets: bool = False, tokens: bool = False) -> Encoding:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._encode_pool, lambda: self.encoder.encode(prompt, offsets=offsets, tokens=tokens)
-        )
-
-    async def check_format(self, fmt: ResponseFormat) -> float | None:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._compile_pool, lambda: self.grammars.compile(fmt)[1])
+    def _limits_for(self, limits: RequestLimits) -> RequestLimits:
+        """The limits with what a prompt that fits may be long, in characters, on this tokenizer."""
+        return dataclasses.replace(limits, max_prompt_chars=self.encoder.max_chars(limits.max_request_tokens))
 
     def submit(self, request: GenerationRequest) -> VllmSubmission:
         settings = self._settings
@@ -283,8 +291,7 @@ class VllmBackend:
     async def close(self) -> None:
         self._closed = True
         self.engine.shutdown()
-        self._encode_pool.shutdown(wait=False, cancel_futures=True)
-        self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self.intake.close()
 
     # -- per request ------------------------------------------------------------------
 

@@ -54,6 +54,10 @@ class VllmSubmission:
         self._started = False
         self._released = False
         self._ended: ErrorEvent | None = None  # end(): the last event, whatever vLLM sends after
+        # Since when the chunk yielded last has waited for the transport to take the next (None:
+        # not waiting): gRPC's yield waits while the client's window is full.
+        self._unread_since: float | None = None
+        self._watch: asyncio.TimerHandle | None = None
 
     def _release(self) -> None:
         """Give back this request's place in the count of requests in flight, once."""
@@ -75,15 +79,51 @@ class VllmSubmission:
         self.cancel()
 
     async def __aiter__(self) -> AsyncIterator[Event]:
-        async with contextlib.aclosing(self._stream()) as events:
-            async for event in events:
-                if self._ended is not None:
-                    break
-                yield event
-                if isinstance(event, FinishEvent | ErrorEvent):
-                    return
-        if self._ended is not None:
-            yield self._ended
+        try:
+            async with contextlib.aclosing(self._stream()) as events:
+                async for event in events:
+                    if self._ended is not None:
+                        break
+                    self._unread_since = time.monotonic()
+                    self._watch_reader()
+                    yield event
+                    self._unread_since = None
+                    if isinstance(event, FinishEvent | ErrorEvent):
+                        return
+            if self._ended is not None:
+                yield self._ended
+        finally:
+            if self._watch is not None:
+                self._watch.cancel()
+
+    def _watch_reader(self) -> None:
+        """Check, ``--stalled-reader-timeout`` after the chunk now waiting was yielded, that the
+        reader has taken it; one timer per stream, set again from the chunk waiting then."""
+        timeout = self._backend._settings.stalled_reader_timeout_s
+        if timeout <= 0 or self._watch is not None or self._unread_since is None:
+            return
+        delay = max(0.0, self._unread_since + timeout - time.monotonic())
+        self._watch = asyncio.get_running_loop().call_later(delay, self._check_reader, timeout)
+
+    def _check_reader(self, timeout: float) -> None:
+        self._watch = None
+        since = self._unread_since
+        if since is None or self._ended is not None:
+            return
+        if time.monotonic() - since < timeout:
+            self._watch_reader()
+            return
+        # vLLM goes on decoding while the chunk waits; end that now: the reader gets this status
+        # next, once it takes the chunk before it.
+        self._backend.observer.reader_stalled(self._request.tenant)
+        self.end(
+            ErrorEvent(
+                ErrorKind.STALLED_READER,
+                f"the caller stopped reading this stream: a chunk stayed unread for {timeout:g} s "
+                "(--stalled-reader-timeout) and the server stopped generating for it; read a stream as it comes, "
+                "or resume it from the tokens received (GenerateRequest.resume)",
+            )
+        )
 
     async def _stream(self) -> AsyncGenerator[Event, None]:
         from vllm.inputs import TokensPrompt

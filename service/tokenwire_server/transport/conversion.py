@@ -14,7 +14,13 @@ import uuid
 from collections.abc import Iterable
 
 from tokenwire.v1 import generation_pb2 as pb
-from tokenwire.validation import Limits
+from tokenwire.validation import (
+    MAX_FORMAT_CHARS,
+    MAX_JSON_SCHEMA_DEPTH,
+    MAX_QUOTED_CHARS,
+    MAX_REQUEST_ID_CHARS,
+    Limits,
+)
 
 from ..domain import (
     DEFAULT_TENANT,
@@ -26,6 +32,7 @@ from ..domain import (
     ModelDescription,
     Priority,
     Prompt,
+    RequestLimits,
     ResponseFormat,
     SamplingOptions,
     TextPrompt,
@@ -34,9 +41,9 @@ from ..domain import (
     Usage,
     fit_to_context,
 )
+from .status import TRAILER_BYTES
 
 REQUEST_ID_METADATA = "x-request-id"
-MAX_REQUEST_ID_CHARS = 128
 
 FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -46,14 +53,30 @@ FINISH_REASONS = {
 }
 
 
+def valid_request_id(value: str) -> bool:
+    """An id the server echoes (chunks, the ``x-request-id`` trailer, logs): at most
+    ``MAX_REQUEST_ID_CHARS`` printable characters (no control characters, no lone surrogates)."""
+    if not value or len(value) > MAX_REQUEST_ID_CHARS or not value.isprintable():
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def request_id(field: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
-    """The request's id: its own field, else the ``x-request-id`` metadata, else a new one."""
+    """The request's id: its own field, else the ``x-request-id`` metadata, else a new one.
+
+    Checked before anything echoes it: an invalid id (too long, control characters) is
+    replaced by a server id, so that what a caller sends never grows a trailer or a log line
+    (the request field's own violation still ends the call INVALID_ARGUMENT)."""
     if field:
-        return field
+        return field if valid_request_id(field) else uuid.uuid4().hex
     for key, value in metadata or ():
         if key == REQUEST_ID_METADATA and value:
             text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-            return text[:MAX_REQUEST_ID_CHARS]
+            return text if valid_request_id(text) else uuid.uuid4().hex
     return uuid.uuid4().hex
 
 
@@ -183,6 +206,22 @@ def generation_request(
     )
 
 
+def max_new_tokens_asked(request: pb.GenerateRequest, limits: RequestLimits) -> int:
+    """The completion a request asks for: its max_new_tokens, else the server's default."""
+    stopping = request.stopping
+    return stopping.max_new_tokens if stopping.HasField("max_new_tokens") else limits.default_max_new_tokens
+
+
+def reply_too_large(size: int, limit: int, request: pb.TokenizeRequest) -> str:
+    """Why a Tokenize answer is not sent, and what makes it smaller."""
+    smaller = [name for name, on in (("return_tokens", request.return_tokens), ("return_offsets", request.return_offsets)) if on]
+    how = f"ask without {' and '.join(smaller)}, or " if smaller else ""
+    return (
+        f"the answer would be {size} bytes, above the {limit} bytes this server sends in one message "
+        f"(RequestLimits.max_message_bytes); {how}tokenize a shorter text in parts"
+    )
+
+
 def tokens(infos: Iterable[TokenInfo]) -> list[pb.Token]:
     out = []
     for info in infos:
@@ -288,6 +327,13 @@ def model_info(description: ModelDescription) -> pb.ModelInfo:
             context_length=limits.context_length,
             vocab_size=limits.vocab_size,
             max_request_tokens=limits.max_request_tokens,
+            max_request_id_chars=MAX_REQUEST_ID_CHARS,
+            max_json_schema_depth=MAX_JSON_SCHEMA_DEPTH,
+            max_format_chars=MAX_FORMAT_CHARS,
+            max_quoted_chars=MAX_QUOTED_CHARS,
+            max_prompt_chars=limits.max_prompt_chars,
+            max_format_compile_ms=round(limits.format_compile_timeout_s * 1000),
+            max_error_trailer_bytes=TRAILER_BYTES,
         ),
         default_sampling=sampling_params(description.default_sampling),
     )

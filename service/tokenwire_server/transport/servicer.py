@@ -13,10 +13,25 @@ from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from tokenwire.v1 import generation_pb2 as pb
-from tokenwire.validation import FieldViolation, Rule, validate_generate_request, validate_tokenize_request
+from tokenwire.validation import (
+    MAX_CHUNK_INDEX,
+    FieldViolation,
+    Rule,
+    validate_generate_request,
+    validate_tokenize_request,
+)
 
 from ..backend import GenerationBackend, Submission
-from ..domain import ErrorEvent, ErrorKind, FinishEvent, ModelDescription, TenantOverLimit, TextEvent
+from ..domain import (
+    ErrorEvent,
+    ErrorKind,
+    FinishEvent,
+    InvalidResume,
+    ModelDescription,
+    PromptTooLong,
+    TenantOverLimit,
+    TextEvent,
+)
 from ..metrics import Metrics
 from ..security import Identities
 from ..tenancy import QuotaLedger, Tenants
@@ -128,10 +143,15 @@ class TextGenerationServicer:
                 [FieldViolation("priority", Rule.PRIORITY_ABOVE_CAP.error(value=names[priority], tenant=tenant, limit=names[policy.max_priority]))]
             )
         self._refused_for_tenant(self._quota.check, tenant)
-        encoding = await backend.encode(conversion.prompt_of(request))
+        limits = description.limits
+        # Bounded: a prompt that cannot fit is refused unread, or read only one token past the limit.
+        encoding = await backend.encode(conversion.prompt_of(request), max_tokens=limits.max_request_tokens)
+        if encoding.truncated:
+            asked = conversion.max_new_tokens_asked(request, limits)
+            raise PromptTooLong(limits.max_request_tokens, asked, limits.max_request_tokens, at_least=True, chars=encoding.chars)
         fmt = conversion.response_format(request)
         if fmt is not None:
-            compile_s = await backend.check_format(fmt)  # InvalidResponseFormat: before any chunk
+            compile_s = await backend.check_format(fmt, tenant)  # InvalidResponseFormat: before any chunk
             if compile_s is not None:
                 self._metrics.grammar_compile.labels(fmt.kind).observe(compile_s)
             self._metrics.constrained.labels(fmt.kind).inc()
@@ -146,8 +166,22 @@ class TextGenerationServicer:
             deadline=time.monotonic() + remaining if remaining is not None else None,
             tenant=tenant,
         )
+        if request.resume.next_index + generation.max_new_tokens > MAX_CHUNK_INDEX:  # the max_new_tokens settled on
+            raise InvalidResume(
+                Rule.RESUME_INDEX_OVERFLOW.error(value=request.resume.next_index, limit=generation.max_new_tokens),
+                field="resume.next_index",
+            )
+        # What the model reads is charged as the call is admitted: the prompt and a resumed
+        # stream's tokens (a second prompt, read as context; charged as prompt tokens). What
+        # it generates here is charged as the call ends, however it ends. The quota is checked
+        # again here, with no await between the check, the admission and the charge: calls
+        # that passed the first check together (while their prompts were encoded) cannot all
+        # be admitted on the same unspent minute.
+        self._refused_for_tenant(self._quota.check, tenant)
         submission = self._refused_for_tenant(backend.submit, generation)
-        charged = len(generation.prompt_ids)  # what the quota is charged if the stream ends early
+        read = len(generation.prompt_ids) + len(generation.resume_ids)
+        self._quota.charge(tenant, read)
+        generated = 0
         metrics = self._metrics
         output: list[str] | None = [] if self._log_prompts else None
         index = first = request.resume.next_index  # a resumed stream goes on from the caller's next index
@@ -166,6 +200,8 @@ class TextGenerationServicer:
                 if isinstance(event, ErrorEvent):
                     if event.kind is ErrorKind.HANDOFF:
                         metrics.handoffs.inc()
+                    if event.kind is ErrorKind.FORMAT_DEAD_END and fmt is not None:
+                        raise invalid_argument([FieldViolation(fmt.field, event.message)])
                     raise from_error(event.kind, event.message, self._retry_after_s)
                 if index == first:
                     metrics.ttft.observe(now - call.started)
@@ -180,10 +216,10 @@ class TextGenerationServicer:
                     u = event.usage
                     new_tokens = max(0, u.completion_tokens - len(generation.resume_ids))  # here, not before the cut
                     metrics.generated_tokens.inc(new_tokens)
-                    metrics.prompt_tokens.inc(u.prompt_tokens)
-                    metrics.tenant_tokens.labels(tenant, priority.label, "prompt").inc(u.prompt_tokens)
+                    metrics.prompt_tokens.inc(read)
+                    metrics.tenant_tokens.labels(tenant, priority.label, "prompt").inc(read)
                     metrics.tenant_tokens.labels(tenant, priority.label, "completion").inc(new_tokens)
-                    charged = u.prompt_tokens + new_tokens
+                    generated = new_tokens
                     call.usage, call.reason = u, event.reason.value
                     metrics.prefix_hit_tokens.inc(u.cached_prompt_tokens)
                     call.fields.update(conversion.usage_fields(u, event.reason))
@@ -191,11 +227,11 @@ class TextGenerationServicer:
                         call.fields["output"] = "".join(output)
                     yield conversion.chunk(call.request_id, index, event.text, event.tokens, event.reason, u, chunk_seed)
                     return
-                charged += max(1, len(event.tokens))  # a chunk holds at least one token
+                generated += max(1, len(event.tokens))  # a chunk holds at least one token
                 yield conversion.chunk(call.request_id, index, event.text, event.tokens, seed=chunk_seed)
                 index += 1
         finally:
-            self._quota.charge(tenant, charged)
+            self._quota.charge(tenant, generated)
             self._streams.discard(submission)
             submission.cancel()  # no-op when finished; frees the slot when the client left early
 
@@ -220,7 +256,12 @@ class TextGenerationServicer:
             conversion.prompt_of(request), offsets=request.return_offsets, tokens=request.return_tokens
         )
         call.fields["prompt_tokens"] = len(encoding.ids)
-        return conversion.tokenize_response(encoding, request)
+        response = conversion.tokenize_response(encoding, request)
+        size = response.ByteSize()
+        if size > description.limits.max_message_bytes:  # gRPC would refuse to send it, and the call look OK here
+            why = conversion.reply_too_large(size, description.limits.max_message_bytes, request)
+            raise invalid_argument([FieldViolation(call.input_field, why)])
+        return response
 
     async def _model_info(
         self, request: pb.GetModelInfoRequest, context: Context, call: Call

@@ -36,7 +36,34 @@ ERROR_CODES = {
     ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorKind.SHUTDOWN: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.HANDOFF: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.FORMAT_DEAD_END: grpc.StatusCode.INVALID_ARGUMENT,  # the servicer names the format's field
+    # The caller stopped reading its stream and the server stopped generating for it. ABORTED:
+    # "retry at a higher level" once the reader reads (it may resume from the tokens it has).
+    # Not RESOURCE_EXHAUSTED (clients read that as "this server is full, try another"), not
+    # UNAVAILABLE (clients retry or resume that at once, into the same stall), not CANCELLED
+    # or DEADLINE_EXCEEDED (the caller neither cancelled nor ran out of time).
+    ErrorKind.STALLED_READER: grpc.StatusCode.ABORTED,
 }
+
+
+# Error replies stay small whatever a caller sends: a status message of at most this many
+# UTF-8 bytes, each BadRequest description at most DESCRIPTION_BYTES, at most MAX_VIOLATIONS of
+# them. With the request id (<= 128 characters) every error's trailers stay under
+# TRAILER_BYTES, half of a gRPC client's default 16 KiB hard limit on received metadata
+# (past which the call would end RESOURCE_EXHAUSTED, which clients read as "server full").
+MESSAGE_BYTES = 512
+DESCRIPTION_BYTES = 256
+MAX_VIOLATIONS = 8
+TRAILER_BYTES = 8 * 1024
+
+
+def bounded(text: str, max_bytes: int) -> str:
+    """``text`` cut to at most ``max_bytes`` UTF-8 bytes (on a character boundary), saying so."""
+    encoded = text.encode("utf-8", "replace")
+    if len(encoded) <= max_bytes:
+        return text
+    note = f"... ({len(text)} characters)"
+    return encoded[: max_bytes - len(note)].decode("utf-8", "ignore") + note
 
 
 class RpcFailure(Exception):
@@ -49,6 +76,7 @@ class RpcFailure(Exception):
         details: Sequence[any_pb2.Any] = (),
         trailers: Sequence[tuple[str, str]] = (),
     ) -> None:
+        message = bounded(message, MESSAGE_BYTES)
         super().__init__(message)
         self.code = code
         self.message = message
@@ -69,12 +97,18 @@ def _pack(message: object) -> any_pb2.Any:
 
 
 def invalid_argument(violations: Sequence[FieldViolation]) -> RpcFailure:
+    shown = [
+        FieldViolation(bounded(v.field, DESCRIPTION_BYTES), bounded(v.description, DESCRIPTION_BYTES))
+        for v in violations[:MAX_VIOLATIONS]
+    ]
     bad_request = error_details_pb2.BadRequest(
         field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description) for v in violations
+            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description) for v in shown
         ]
     )
-    message = "; ".join(str(v) for v in violations)
+    message = "; ".join(str(v) for v in shown)
+    if len(violations) > len(shown):
+        message += f"; and {len(violations) - len(shown)} more"
     return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, message, [_pack(bad_request)])
 
 
@@ -135,6 +169,9 @@ def failure_of(exc: BaseException, input_field: str = "input") -> RpcFailure | N
         return invalid_argument([FieldViolation(input_field, "encodes to no tokens: there is nothing to continue")])
     if isinstance(exc, InvalidResume | InvalidResponseFormat):
         return invalid_argument([FieldViolation(exc.field, str(exc))])
+    if isinstance(exc, PromptTooLong) and exc.at_least:
+        description = Rule.PROMPT_OVER_LIMIT.error(chars=exc.chars, limit=exc.context_length)
+        return invalid_argument([FieldViolation(input_field, description)])
     if isinstance(exc, PromptTooLong):
         description = Rule.PROMPT_TOO_LONG.error(
             count=exc.prompt_tokens,
