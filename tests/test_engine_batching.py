@@ -236,6 +236,30 @@ def test_noise_is_a_function_of_seed_step_and_token() -> None:
     assert abs(float(big.mean()) - 0.5772) < 0.02 and abs(float(big.var()) - 1.6449) < 0.05
 
 
+def test_noise_is_finite_for_every_hash_value() -> None:
+    # Every value the 23 bits can take, the extremes included: no +inf (which would win any
+    # draw, a masked token's too) and no -inf.
+    from tokenwire_server.engine.sampling import _gumbel_of
+
+    every = _gumbel_of(torch.arange(1 << 23, dtype=torch.int64))
+    assert bool(torch.isfinite(every).all())
+    assert float(every.max()) < 17 and float(every.min()) > -3
+
+
+def test_a_sampled_constrained_row_never_takes_a_masked_token() -> None:
+    # Rows whose every token but a few is masked (-inf), drawn over many steps and seeds: the
+    # pick is always one of the allowed tokens (the old noise gave +inf to one token in 2**24,
+    # and -inf + inf = NaN won the argmax).
+    vocab = 49152
+    allowed = torch.tensor([3, 1000, 40000])
+    logits = torch.full((64, vocab), float("-inf"))
+    logits[:, allowed] = torch.randn(64, 3)
+    for step in range(40):
+        keys = torch.tensor([row_keys(seed, step) for seed in range(64)], dtype=torch.int64)
+        picks = torch.argmax(logits / 0.7 + gumbel_noise(keys, vocab), dim=-1)
+        assert bool(torch.isin(picks, allowed).all()), step
+
+
 def test_sampled_rows_do_not_depend_on_their_neighbours() -> None:
     torch.manual_seed(0)
     logits = torch.randn(4, 500) * 3

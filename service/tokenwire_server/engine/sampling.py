@@ -73,7 +73,18 @@ def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     ids = torch.arange(vocab, dtype=torch.int64, device=keys.device).unsqueeze(0)
     h = _mix32(ids ^ keys[:, :1])
     h = _mix32(h ^ keys[:, 1:])
-    uniform = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits, strictly inside (0, 1)
+    return _gumbel_of(h >> 9)
+
+
+def _gumbel_of(bits: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) from 23 uniform bits.
+
+    NOTE: 23 bits, not 24: float32 holds every (b + 0.5) / 2**23 exactly, so ``uniform`` stays
+    strictly inside (0, 1) and the noise finite. With 24 bits the top value rounded to 1.0,
+    log(1) = 0 gave +inf noise (about one token in 16.7 million: a few per thousand steps
+    at this vocabulary), and that token won the draw whatever its logit, even a masked one
+    (-inf + inf = NaN, which argmax takes): a constrained row broke its format."""
+    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(-torch.log(uniform))
 
 
