@@ -317,3 +317,18 @@ class socket_closed_port:  # noqa: N801 (a context manager used like a function)
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+@pytest.mark.parametrize("endpoint", ["localhost:4317", "collector.observability:4317", "grpc://c:4317", "http://"])
+def test_scheme_less_endpoint_is_a_usage_error(endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a scheme the exporter would speak TLS to a plaintext collector and drop every
+    span with a warning: the flag is refused (exit 2), showing the two forms."""
+    from tokenwire_server.config import parse_config
+
+    with pytest.raises(SystemExit) as exited:
+        parse_config(["--otlp-endpoint", endpoint])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--otlp-endpoint" in err and "http://HOST:PORT" in err and "https://HOST:PORT" in err
+    for good in ("http://localhost:4317", "https://collector:4317", "HTTP://c:4317", ""):
+        assert parse_config(["--otlp-endpoint", good]).otlp_endpoint == good

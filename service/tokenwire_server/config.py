@@ -224,8 +224,9 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "log_format": ("log format", ("json", "text")),
     "log_prompts": ("log prompts and outputs (off by default)", None),
     "otlp_endpoint": (
-        "OTLP/gRPC endpoint traces are exported to, e.g. http://otel-collector:4317 "
-        "(empty: tracing off unless OTEL_EXPORTER_OTLP_ENDPOINT is set)",
+        "OTLP/gRPC endpoint traces are exported to: http://HOST:PORT for plaintext (e.g. http://otel-collector:4317), "
+        "https://HOST:PORT for TLS; without a scheme it is a usage error (empty: tracing off unless "
+        "OTEL_EXPORTER_OTLP_ENDPOINT is set)",
         None,
     ),
 }
@@ -334,4 +335,23 @@ def validate_config(config: ServerConfig) -> list[str]:
         errors.append("--stalled-reader-timeout must not be negative (0: no timeout)")
     if config.grace_period < 0 or config.stall_timeout <= 0:
         errors.append("--grace-period must not be negative and --stall-timeout must be positive")
+    endpoint_error = otlp_endpoint_error(config.otlp_endpoint)
+    if endpoint_error:
+        errors.append(endpoint_error)
     return errors
+
+
+def otlp_endpoint_error(endpoint: str) -> str | None:
+    """Why ``--otlp-endpoint`` is unusable, or None. Without a scheme the exporter speaks TLS,
+    so ``host:4317`` against a plaintext collector (as a local one listens) drops every span
+    with only a warning: the scheme is required, so that which one is meant is written down."""
+    endpoint = endpoint.strip()
+    if not endpoint:
+        return None
+    scheme, sep, rest = endpoint.partition("://")
+    if sep and scheme.lower() in ("http", "https") and rest:
+        return None
+    return (
+        f"--otlp-endpoint {endpoint!r} needs a scheme: http://HOST:PORT for a plaintext collector "
+        "(as a local one listens, e.g. http://localhost:4317), or https://HOST:PORT for TLS"
+    )
