@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from google.rpc import error_details_pb2
@@ -328,6 +330,30 @@ def test_the_objects_alive_at_readiness_are_out_of_the_collectors_reach(tiny_ser
     (every stream stalls); the server freezes them once loaded (``server.settle_heap``)."""
     [ready] = tiny_server.find("ready")
     assert ready["gc_frozen_objects"] > 50_000
+
+
+def test_the_ready_line_says_what_each_start_up_phase_took(tiny_server):
+    """Each phase between exec and readiness, in seconds, so that a slow start says where
+    its time went; together they are the start (the gaps between them are log lines)."""
+    [ready] = tiny_server.find("ready")
+    phases = ready["phases"]
+    assert set(phases) == {"process", "libraries", "tokenizer", "weights", "engine", "warmup", "heap"}, phases
+    assert all(seconds >= 0 for seconds in phases.values()), phases
+    assert phases["process"] > 0 and phases["weights"] > 0 and phases["warmup"] > 0, phases
+    total = ready["since_exec_s"]
+    assert total == pytest.approx(ready["seconds"] + phases["process"], abs=0.02)
+    assert sum(phases.values()) <= total + 0.05 and sum(phases.values()) >= 0.8 * total, (phases, total)
+
+
+def test_response_formats_are_prepared_after_readiness(tiny_server):
+    """The grammar compiler is built in the background once the server is ready (it is not
+    a phase of the start): its line comes after "ready", and the server says so."""
+    deadline = time.monotonic() + 60
+    while not tiny_server.find("response formats ready"):
+        assert time.monotonic() < deadline, "the response formats were never prepared"
+        time.sleep(0.05)
+    messages = [r.get("msg") for r in tiny_server.records]
+    assert messages.index("ready") < messages.index("response formats ready")
 
 
 # -- response formats (on both engines: `make test-vllm` runs this file on vLLM) --------------

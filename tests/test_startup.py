@@ -133,11 +133,11 @@ def gated_load_model(*args, **kwargs):
         time.sleep(0.01)
     return load_model(*args, **kwargs)
 
-async def gated_warm_up(backend):
+async def gated_warm_up(*args, **kwargs):
     (gates / "warming").touch()
     while not (gates / "warm").exists():
         await asyncio.sleep(0.01)  # the event loop (health checks) runs on meanwhile
-    await warm_up(backend)
+    await warm_up(*args, **kwargs)
     (gates / "warmed").touch()
 
 model.load_model, server.warm_up = gated_load_model, gated_warm_up

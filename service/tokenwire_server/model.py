@@ -7,6 +7,7 @@ several GPUs), and checks that tokenizer and model belong together. Failures are
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -15,6 +16,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -396,11 +398,15 @@ def quality_gate(quantization: str, device: str, allow_unmet: bool) -> None:
 
 
 def load_model(
-    model: str, *, device: str = "auto", dtype: str = "auto", cache_dir: str = "", quantization: str = "none", allow_unmet_quality_bar: bool = True
+    model: str, *, device: str = "auto", dtype: str = "auto", cache_dir: str = "", quantization: str = "none",
+    allow_unmet_quality_bar: bool = True, phases: Callable[[str], AbstractContextManager[None]] | None = None,
 ) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The model and its tokenizer, ready to run; ``phases`` times the steps (start-up's log line)."""
+    phase = phases or (lambda name: contextlib.nullcontext())
+    with phase("libraries"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    quiet_transformers()
+        quiet_transformers()
 
     folder, gguf_file, name = resolve_model_path(model, cache_dir)
     device_name = resolve_device(device)
@@ -422,15 +428,17 @@ def load_model(
         # Straight onto the device, tensor by tensor: never a full copy in host RAM first.
         kwargs["device_map"] = device_name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf_file} if gguf_file else {}))
+        with phase("tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf_file} if gguf_file else {}))
     except Exception as exc:  # transformers raises many kinds here
         raise ModelLoadError(f"cannot load the tokenizer from {folder}: {exc}") from exc
     try:
-        lm = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        with phase("weights"):  # with the model's own code (transformers imports it on first use)
+            lm = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+            if "device_map" not in kwargs:
+                lm.to(device_name)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model from {folder}: {exc}") from exc
-    if "device_map" not in kwargs:
-        lm.to(device_name)
     lm.eval()
     vocab_size_loaded = int(lm.get_output_embeddings().weight.shape[0]) if lm.get_output_embeddings() is not None else None
     if quantization != "none":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import gc
 import json
@@ -22,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -39,6 +41,8 @@ from .transport.servicer import SERVICE_NAME, TextGenerationServicer
 
 if TYPE_CHECKING:
     from .backend import GenerationBackend
+    from .engine.base import Engine, EngineLimits
+    from .model import LoadedModel
 
 log = logging.getLogger("tokenwire.server")
 
@@ -56,6 +60,36 @@ def settle_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process was exec'd (Linux: /proc), or None where that is unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StartupPhases:
+    """The seconds each start-up phase took, for the "ready" log line: ``with phases("weights"): ...``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - started
+
+    def report(self) -> dict[str, float]:
+        return {name: round(seconds, 2) for name, seconds in self.seconds.items()}
 
 
 class TokenwireServer:
@@ -86,6 +120,8 @@ class TokenwireServer:
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.exit_code = 0
+        self.phases = StartupPhases()
+        self._preparing: asyncio.Future[None] | None = None  # prepare_formats, after readiness
 
     async def start(self) -> None:
         config = self.config
@@ -138,6 +174,9 @@ class TokenwireServer:
         config = self.config
         loop = asyncio.get_running_loop()
         started = time.monotonic()
+        age = process_age_s()
+        if age is not None:
+            self.phases.seconds["process"] = age  # exec to here: the interpreter, imports, the port opened
         # A thread of its own that ends once the model is loaded, not the loop's default
         # executor: libgomp (torch's OpenMP) keeps a pool of worker threads for every thread
         # that ever ran torch in parallel, for as long as that thread lives. With a second
@@ -169,33 +208,47 @@ class TokenwireServer:
                 "seconds": round(time.monotonic() - started, 2),
             },
         )
+        phases = self.phases
         if config.warmup:
-            await warm_up(backend)
+            await warm_up(backend, phases)
         if self.draining:  # a signal came during the warm-up: the drain closes the backend
             log.info("start-up stopped: a signal came during the warm-up")
             return
-        settle_heap()
+        with phases("heap"):
+            settle_heap()
         self._servicer.attach(backend)
         await self.health.set_ready(True)
-        log.info("ready", extra={"seconds": round(time.monotonic() - started, 2), "gc_frozen_objects": gc.get_freeze_count()})
+        if config.warmup:
+            self._preparing = asyncio.ensure_future(prepare_formats(backend))
+        seconds = time.monotonic() - started
+        log.info(
+            "ready",
+            extra={
+                "seconds": round(seconds, 2),
+                "since_exec_s": round(seconds + age, 2) if age is not None else None,
+                "phases": phases.report(),
+                "gc_frozen_objects": gc.get_freeze_count(),
+            },
+        )
 
     def _build_backend(self) -> GenerationBackend:
         """The model room and an engine, behind the seam (runs in a thread: it is slow)."""
-        from .engine import create_engine
-        from .engine.base import EngineLimits
-        from .engine.blocks import BLOCK_SIZE
-        from .engine.local import LocalBackend
-        from .engine.scheduler import IDLE_PREFILL_TOKENS
-        from .model import (
-            device_memory_after_warmup,
-            fit_kv_budget,
-            free_device_memory,
-            gpu_memory_probe,
-            gpu_report,
-            kv_budget_for_device,
-            kv_bytes_per_token,
-            load_model,
-        )
+        phases = self.phases
+        with phases("libraries"):  # torch, and the engine's own modules
+            from .engine.base import EngineLimits
+            from .engine.blocks import BLOCK_SIZE
+            from .engine.local import LocalBackend
+            from .engine.scheduler import IDLE_PREFILL_TOKENS
+            from .model import (
+                device_memory_after_warmup,
+                fit_kv_budget,
+                free_device_memory,
+                gpu_memory_probe,
+                gpu_report,
+                kv_budget_for_device,
+                kv_bytes_per_token,
+                load_model,
+            )
 
         config = self.config
         for gpu in gpu_report():
@@ -220,9 +273,10 @@ class TokenwireServer:
                 "omp_spin_count": os.environ.get("GOMP_SPINCOUNT", "openmp-default"),
             },
         )
-        loaded = load_model(config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir, quantization=config.quantization,
-            allow_unmet_quality_bar=config.allow_unmet_quality_bar,
-        )
+        loaded = load_model(
+            config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir, quantization=config.quantization,
+            allow_unmet_quality_bar=config.allow_unmet_quality_bar, phases=phases,
+        )  # fmt: skip
         kv_tokens = config.effective_kv_cache_tokens(loaded.context_length)
         free = free_device_memory(loaded)
         if free is not None:
@@ -252,6 +306,16 @@ class TokenwireServer:
             stalled_reader_timeout_s=config.stalled_reader_timeout,
             tenants=self.tenants,
         )
+        with phases("engine"):  # packing the weights, the compiled ops, the KV cache
+            engine = self._create_engine(loaded, limits)
+        self.metrics.watch_gpu(gpu_memory_probe(loaded), nvml_probe())
+        request_limits = config.request_limits(loaded.context_length, loaded.vocab_size, limits.kv_cache_tokens)
+        return LocalBackend(loaded, engine, request_limits)
+
+    def _create_engine(self, loaded: LoadedModel, limits: EngineLimits) -> Engine:
+        from .engine import create_engine
+
+        config = self.config
         engine = create_engine(
             config.engine,
             loaded,
@@ -267,9 +331,7 @@ class TokenwireServer:
             compile_step=config.compile_step == "on",
         )
         engine.start()
-        self.metrics.watch_gpu(gpu_memory_probe(loaded), nvml_probe())
-        request_limits = config.request_limits(loaded.context_length, loaded.vocab_size, limits.kv_cache_tokens)
-        return LocalBackend(loaded, engine, request_limits)
+        return engine
 
     def _build_vllm_backend(self) -> GenerationBackend:
         """vLLM's engine in this process; the same seam, so the transport does not change."""
@@ -357,6 +419,8 @@ class TokenwireServer:
         log.info("draining", extra={"reason": reason, "grace_period_s": grace, "calls_in_flight": self._servicer.calls.in_flight})
         started = time.monotonic()
         await self.health.set_ready(False)
+        if self._preparing is not None:
+            self._preparing.cancel()
         backend = self.backend
         if backend is not None:
             backend.stop_admission()  # waiting requests still run; nothing new is admitted
@@ -415,19 +479,35 @@ def keepalive_options(config: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
-async def warm_up(backend: GenerationBackend) -> None:
+async def warm_up(backend: GenerationBackend, phases: StartupPhases | None = None) -> None:
     """One short generation on a chat prompt of typical length, before readiness, so the
-    first real request finds kernels, buffers and the tokenizer threads warm. It asks for a
-    JSON object, so the grammar compiler has read the vocabulary (~0.3 s) before the first
-    constrained request comes."""
+    first real request finds kernels, buffers and the tokenizer threads warm. Constrained
+    decoding is prepared after readiness (``prepare_formats``)."""
     text = "Hello! In one sentence, what is a language model?"
     prompt = ChatPrompt((("user", text),)) if backend.describe().has_chat_template else TextPrompt(text)
-    encoding = await backend.encode(prompt)
-    fmt = ResponseFormat("json_object")
-    await backend.check_format(fmt, limited=False)  # building the compiler is no caller's format
-    request = GenerationRequest(
-        "warm-up", encoding.ids, SamplingOptions(temperature=0.0), max_new_tokens=4, ignore_eos=True, response_format=fmt
-    )
+    with (phases or StartupPhases())("warmup"):
+        encoding = await backend.encode(prompt)
+        await _generate_once(backend, GenerationRequest("warm-up", encoding.ids, SamplingOptions(temperature=0.0), max_new_tokens=4, ignore_eos=True))
+
+
+async def prepare_formats(backend: GenerationBackend) -> None:
+    """After readiness, in the background: build the grammar compiler (it reads the whole
+    vocabulary) and compile a JSON object, so that the first constrained call waits for
+    neither. Readiness does not wait for it: a constrained call that comes sooner waits for
+    the same build (the compiler is built once, under a lock), untimed, as no caller's
+    format should pay for it."""
+    started = time.monotonic()
+    try:
+        await backend.check_format(ResponseFormat("json_object"), limited=False)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # the server drained under it: nothing to prepare for
+        log.debug("response formats not prepared", extra={"error": str(exc)})
+        return
+    log.info("response formats ready", extra={"seconds": round(time.monotonic() - started, 2)})
+
+
+async def _generate_once(backend: GenerationBackend, request: GenerationRequest) -> None:
     submission = backend.submit(request)
     try:
         async with asyncio.timeout(300):

@@ -219,8 +219,9 @@ class PromptEncoder:
         tokenizer = self._tokenizer.get()
         cut: dict[str, Any] = {}
         if max_tokens is not None:
-            bound = self.max_chars(max_tokens)
-            if bound and len(text) > bound:
+            # The bound is at least max_tokens characters (a vocabulary entry is at least one): a
+            # shorter text is within it, and the bound, which reads the whole vocabulary once, waits.
+            if len(text) > max_tokens and len(text) > (self.max_chars(max_tokens) or len(text)):
                 return Encoding([], text, truncated=True, chars=len(text))
             cut = {"truncation": True, "max_length": max_tokens + 1}
         # A rendered chat already holds its special tokens; raw text gets the model's usual ones.
