@@ -2,13 +2,13 @@
 
 ``generate`` returns an :class:`AsyncChunkStream`; leaving ``async for`` early
 (``break``, an exception, the task being cancelled, the stream being garbage
-collected) cancels the RPC on the server.
+collected) cancels the RPC on the server. Retries and resumes follow the same decisions
+as ``Client``'s (``tokenwire.attempts``); only the waiting differs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -16,17 +16,15 @@ import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 
-from tokenwire.channel import TLSConfig, channel_options, credentials, resolve_target, trace_metadata
-from tokenwire.client import _HEALTH_STATUS, DEFAULT_TARGET, Deadline, Metadata
-from tokenwire.errors import TokenwireError, Unavailable, from_rpc_error
+from tokenwire.attempts import GiveUp, health_failure, health_status
+from tokenwire.channel import trace_metadata
+from tokenwire.client import _ClientBase, _StreamBase
+from tokenwire.errors import TokenwireError, Unavailable
 from tokenwire.formats import ResponseFormatLike, parse_answer
-from tokenwire.request import GenerateOptions, build_generate_request, build_tokenize_request, json_options
+from tokenwire.request import GenerateOptions, build_tokenize_request, json_options
 from tokenwire.results import Chunk, Completion, HealthStatus, MessageLike, ModelInfo, Tokenization
-from tokenwire.resume import Resumption
-from tokenwire.retry import RetryPolicy
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
-from tokenwire.validation import Limits
 
 if TYPE_CHECKING:
     from typing_extensions import Self, Unpack
@@ -41,30 +39,8 @@ class _AsyncStreamCall(Protocol):
     def cancel(self) -> bool: ...
 
 
-class AsyncChunkStream:
+class AsyncChunkStream(_StreamBase[_AsyncStreamCall]):
     """The chunks of one Generate call, for ``async for``; see ``ChunkStream``."""
-
-    def __init__(
-        self,
-        start: Callable[[float | None, pb.GenerateRequest], _AsyncStreamCall],
-        *,
-        resumption: Resumption,
-        request_id: str,
-        retry: RetryPolicy,
-        deadline: Deadline,
-        rng: random.Random | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self._start = start
-        self._resumption = resumption
-        self._request = resumption.request  # what the next attempt sends
-        self._retry = retry
-        self._deadline = deadline
-        self._rng = rng
-        self._call: _AsyncStreamCall | None = None
-        self._started = False
-        self._done = False
-        self.attempts = 0
 
     def __aiter__(self) -> Self:
         return self
@@ -74,17 +50,14 @@ class AsyncChunkStream:
             raise StopAsyncIteration
         try:
             message = await self._next_message()
-        except StopAsyncIteration:
-            self._done = True
-            raise
-        except TokenwireError:
+        except (StopAsyncIteration, TokenwireError):
             self._done = True
             raise
         except BaseException:
             # asyncio.CancelledError, KeyboardInterrupt, ...: the RPC goes with the caller.
             self.cancel()
             raise
-        chunk = self._resumption.received(message)
+        chunk = self._attempts.received(message)
         if chunk.finish_reason is not None:
             self._done = True
             await self._read_status()
@@ -107,33 +80,22 @@ class AsyncChunkStream:
     async def _next_message(self) -> pb.TokenChunk:
         while True:
             if self._call is None:
-                if self._deadline.remaining() == 0.0:
-                    raise self._deadline.expired_error(self.request_id)
-                self.attempts += 1
-                self._call = self._start(self._deadline.remaining(), self._request)
+                attempt = self._attempts.start()
+                if isinstance(attempt, GiveUp):
+                    raise attempt.error
+                self._call = self._start(attempt)
             try:
                 message = await self._call.read()
             except grpc.RpcError as rpc_error:
-                error = from_rpc_error(rpc_error, request_id=self.request_id)
-                # Before the first chunk a refused call is tried again as it was; after it, a
-                # stream cut by its replica is resumed from what has arrived (tokenwire.resume).
-                resume = self._started and self._resumption.resumable(error, cancelled_here=self._done)
-                delay = (
-                    self._retry.backoff(self.attempts, error, self._rng, cancelled_here=self._done)
-                    if resume or not self._started
-                    else None
-                )
-                if delay is None or not self._deadline.allows(delay):
-                    raise error from None
+                decision = self._attempts.failed(rpc_error, cancelled_here=self._done)  # see ChunkStream
+                if isinstance(decision, GiveUp):
+                    raise decision.error from None
                 self._call = None
-                await asyncio.sleep(delay)
-                if resume:
-                    self._request = self._resumption.resumed_request()
+                await asyncio.sleep(decision.delay)
                 continue
             if message is aio.EOF:
                 raise StopAsyncIteration
             assert isinstance(message, pb.TokenChunk)
-            self._started = True
             return message
 
     def cancel(self) -> None:
@@ -152,50 +114,23 @@ class AsyncChunkStream:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def __del__(self) -> None:
-        if not getattr(self, "_done", True):
-            try:
-                self.cancel()
-            except Exception:  # pragma: no cover - e.g. the event loop is already closed
-                pass
-
     async def text(self) -> Completion:
         """Read the rest of the stream into one Completion."""
         return Completion.from_chunks([chunk async for chunk in self], self.request_id)
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """An asyncio client of tokenwire.v1.TextGeneration; arguments as for ``Client``.
 
     Create it inside the event loop that uses it (grpc.aio channels belong to one loop).
     """
 
-    def __init__(
-        self,
-        target: str | Sequence[str] = DEFAULT_TARGET,
-        *,
-        tls: bool | TLSConfig = False,
-        token: str | None = None,
-        timeout: float | None = None,
-        retry: RetryPolicy | None = None,
-        limits: Limits | None = None,
-        metadata: Metadata = (),
-        options: Sequence[tuple[str, str | int]] = (),
-    ) -> None:
-        self.target = resolve_target(target)
-        self.timeout = timeout
-        self.retry = retry or RetryPolicy()
-        self.limits = limits or Limits()
-        creds = credentials(tls)
-        opts = channel_options(tls=tls, extra=options)
-        if creds is None:
-            self._channel = aio.insecure_channel(self.target, options=opts)
-        else:
-            self._channel = aio.secure_channel(self.target, creds, options=opts)
+    def _connect(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, str | int]]) -> None:
+        self._channel = (
+            aio.insecure_channel(self.target, options) if creds is None else aio.secure_channel(self.target, creds, options)
+        )
         self._stub = pb_grpc.TextGenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        auth = (("authorization", f"Bearer {token}"),) if token else ()
-        self._metadata: tuple[tuple[str, str], ...] = (*auth, *metadata)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -228,22 +163,7 @@ class AsyncClient:
         Validation happens here, before anything is sent; the call starts on the
         first ``__anext__``. ``resume``: as in ``Client.generate``.
         """
-        request = build_generate_request(
-            prompt, messages=messages, input_ids=input_ids, options=params, limits=self.limits
-        )
-        metadata = trace_metadata(self._metadata)  # the caller's trace context, as of this call
-
-        def start(remaining: float | None, message: pb.GenerateRequest) -> _AsyncStreamCall:
-            return self._stub.Generate(message, timeout=remaining, metadata=metadata)
-
-        deadline = Deadline(self.timeout if timeout is None else timeout)
-        return AsyncChunkStream(
-            start,
-            resumption=Resumption(request, resume),
-            request_id=request.request_id,
-            retry=self.retry,
-            deadline=deadline,
-        )
+        return AsyncChunkStream(*self._generate_call(self._stub.Generate, prompt, messages, input_ids, timeout, resume, params))
 
     async def generate_text(
         self,
@@ -292,18 +212,15 @@ class AsyncClient:
         return parse_answer(completion, schema)
 
     async def _unary(self, call: Callable[[float | None], Awaitable[_T]], timeout: float | None) -> _T:
-        deadline = Deadline(self.timeout if timeout is None else timeout)
-        attempt = 0
+        attempts = self._unary_attempts(timeout)
         while True:
-            attempt += 1
             try:
-                return await call(deadline.remaining())
+                return await call(attempts.start())
             except grpc.RpcError as rpc_error:
-                error = from_rpc_error(rpc_error)
-                delay = self.retry.backoff(attempt, error, cancelled_here=False)  # a caller leaving raises no RpcError
-                if delay is None or not deadline.allows(delay):
-                    raise error from None
-            await asyncio.sleep(delay)
+                decision = attempts.failed(rpc_error)
+                if isinstance(decision, GiveUp):
+                    raise decision.error from None
+            await asyncio.sleep(decision.delay)
 
     async def tokenize(
         self,
@@ -338,8 +255,5 @@ class AsyncClient:
         try:
             response = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as rpc_error:
-            error = from_rpc_error(rpc_error)
-            if error.code == grpc.StatusCode.NOT_FOUND:
-                return HealthStatus.SERVICE_UNKNOWN
-            raise error from None
-        return _HEALTH_STATUS.get(int(response.status), HealthStatus.UNKNOWN)
+            return health_failure(rpc_error)
+        return health_status(response)

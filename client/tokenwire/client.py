@@ -6,26 +6,27 @@ collected) cancels the call on the server. Until the first chunk arrives a refus
 call is retried per the :class:`RetryPolicy`; after it, a stream that its replica cuts
 (UNAVAILABLE: it died, or drained and handed the stream off) is resumed on the next
 replica from the tokens received (``tokenwire.resume``), within the same policy, unless
-``generate(..., resume=False)``.
+``generate(..., resume=False)``. Those decisions are ``tokenwire.attempts``', shared with
+``tokenwire.aio``; this module does the blocking I/O around them.
 """
 
 from __future__ import annotations
 
-import random
+import abc
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 
+from tokenwire.attempts import Attempt, GiveUp, StreamAttempts, UnaryAttempts, health_failure, health_status
 from tokenwire.channel import TLSConfig, channel_options, credentials, resolve_target, trace_metadata
-from tokenwire.errors import DeadlineExceeded, TokenwireError, Unavailable, from_rpc_error
+from tokenwire.errors import TokenwireError, Unavailable
 from tokenwire.formats import ResponseFormatLike, parse_answer
 from tokenwire.request import GenerateOptions, build_generate_request, build_tokenize_request, json_options
 from tokenwire.results import Chunk, Completion, HealthStatus, MessageLike, ModelInfo, Tokenization
-from tokenwire.resume import Resumption
 from tokenwire.retry import RetryPolicy
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
@@ -39,13 +40,7 @@ __all__ = ["DEFAULT_TARGET", "ChunkStream", "Client", "Metadata"]
 DEFAULT_TARGET = "localhost:50051"
 Metadata = Sequence[tuple[str, str]]
 _T = TypeVar("_T")
-
-_HEALTH_STATUS = {
-    0: HealthStatus.UNKNOWN,
-    1: HealthStatus.SERVING,
-    2: HealthStatus.NOT_SERVING,
-    3: HealthStatus.SERVICE_UNKNOWN,
-}
+_Call = TypeVar("_Call")
 
 
 class _StreamCall(Protocol):
@@ -53,52 +48,43 @@ class _StreamCall(Protocol):
     def cancel(self) -> bool: ...
 
 
-class Deadline:
-    """One budget for a call and all its retries (None: no deadline)."""
+class _StreamBase(abc.ABC, Generic[_Call]):
+    """What ChunkStream and AsyncChunkStream share: the call's attempts (tokenwire.attempts
+    decides what each sends and what follows a failed one) and the call in flight."""
 
-    def __init__(self, timeout: float | None) -> None:
-        self.at = None if timeout is None else time.monotonic() + timeout
+    def __init__(self, start: Callable[[Attempt], _Call], attempts: StreamAttempts) -> None:
+        self.request_id = attempts.request_id
+        self._start = start
+        self._attempts = attempts
+        self._call: _Call | None = None
+        self._done = False
 
-    def remaining(self) -> float | None:
-        return None if self.at is None else max(0.0, self.at - time.monotonic())
+    @property
+    def attempts(self) -> int:
+        """The calls started so far: 1, plus one per retry or resume."""
+        return self._attempts.attempts
 
-    def allows(self, delay: float) -> bool:
-        """Whether waiting ``delay`` seconds still leaves time for another attempt."""
-        return self.at is None or time.monotonic() + delay < self.at
+    @abc.abstractmethod
+    def cancel(self) -> None: ...
 
-    def expired_error(self, request_id: str | None) -> DeadlineExceeded:
-        return DeadlineExceeded("deadline exceeded before the call could start", request_id=request_id)
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            try:
+                self.cancel()
+            except Exception:  # pragma: no cover - e.g. the event loop is already closed
+                pass
 
 
-class ChunkStream(Iterator[Chunk]):
+class ChunkStream(_StreamBase[_StreamCall], Iterator[Chunk]):
     """The chunks of one Generate call, in order; the last carries finish_reason and usage.
 
     Use it in a ``for`` loop or ``with`` block; :meth:`cancel` (or leaving either
     early) cancels the RPC on the server.
     """
 
-    def __init__(
-        self,
-        start: Callable[[float | None, pb.GenerateRequest], _StreamCall],
-        *,
-        resumption: Resumption,
-        request_id: str,
-        retry: RetryPolicy,
-        deadline: Deadline,
-        rng: random.Random | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self._start = start
-        self._resumption = resumption
-        self._request = resumption.request  # what the next attempt sends
-        self._retry = retry
-        self._deadline = deadline
-        self._rng = rng
-        self._call: _StreamCall | None = None
-        self._started = False  # a chunk has arrived: from here on, resume (never replay)
-        self._done = False
-        self._lock = threading.Lock()
-        self.attempts = 0
+    def __init__(self, start: Callable[[Attempt], _StreamCall], attempts: StreamAttempts) -> None:
+        super().__init__(start, attempts)
+        self._lock = threading.Lock()  # cancel() may come from another thread
 
     def __iter__(self) -> Self:
         return self
@@ -108,17 +94,14 @@ class ChunkStream(Iterator[Chunk]):
             raise StopIteration
         try:
             message = self._next_message()
-        except StopIteration:
-            self._done = True
-            raise
-        except TokenwireError:
+        except (StopIteration, TokenwireError):
             self._done = True
             raise
         except BaseException:
             # KeyboardInterrupt, GeneratorExit, ...: the caller is leaving; so is the RPC.
             self.cancel()
             raise
-        chunk = self._resumption.received(message)
+        chunk = self._attempts.received(message)
         if chunk.finish_reason is not None:
             self._done = True  # the last chunk: nothing left to cancel
             self._read_status()
@@ -146,32 +129,20 @@ class ChunkStream(Iterator[Chunk]):
     def _next_message(self) -> pb.TokenChunk:
         while True:
             if self._call is None:
-                if self._deadline.remaining() == 0.0:
-                    raise self._deadline.expired_error(self.request_id)
-                self.attempts += 1
+                attempt = self._attempts.start()
+                if isinstance(attempt, GiveUp):
+                    raise attempt.error
                 with self._lock:
-                    self._call = self._start(self._deadline.remaining(), self._request)
+                    self._call = self._start(attempt)
             try:
-                message = next(self._call)
+                return next(self._call)
             except grpc.RpcError as rpc_error:
-                error = from_rpc_error(rpc_error, request_id=self.request_id)
-                # Before the first chunk a refused call is tried again as it was; after it, a
-                # stream cut by its replica is resumed from what has arrived (tokenwire.resume).
-                resume = self._started and self._resumption.resumable(error, cancelled_here=self._done)
-                delay = (
-                    self._retry.backoff(self.attempts, error, self._rng, cancelled_here=self._done)
-                    if resume or not self._started
-                    else None
-                )
-                if delay is None or not self._deadline.allows(delay):
-                    raise error from None
-                self._call = None
-                time.sleep(delay)
-                if resume:
-                    self._request = self._resumption.resumed_request()
-                continue
-            self._started = True
-            return message
+                # Retry, resume or give up: tokenwire.attempts decides; this side only waits.
+                decision = self._attempts.failed(rpc_error, cancelled_here=self._done)
+                if isinstance(decision, GiveUp):
+                    raise decision.error from None
+            self._call = None
+            time.sleep(decision.delay)
 
     def cancel(self) -> None:
         """Cancel the RPC on the server (no-op once it has ended)."""
@@ -190,30 +161,14 @@ class ChunkStream(Iterator[Chunk]):
         if not self._done:
             self.cancel()
 
-    def __del__(self) -> None:
-        if not getattr(self, "_done", True):
-            try:
-                self.cancel()
-            except Exception:  # pragma: no cover - e.g. the event loop is already closed
-                pass
-
     def text(self) -> Completion:
         """Read the rest of the stream into one Completion."""
         return Completion.from_chunks(list(self), self.request_id)
 
 
-class Client:
-    """A blocking client of tokenwire.v1.TextGeneration.
-
-    ``target``: ``host:port``, any gRPC target (``dns:///tokenwire.default.svc:50051``)
-    or a list of ``host:port`` addresses (calls are spread with round_robin).
-    ``tls``: False (plaintext), True (system trust store) or a :class:`TLSConfig`.
-    ``token``: sent as ``authorization: Bearer <token>`` on every call but health.
-    ``timeout``: default deadline in seconds for each call, retries included.
-    ``limits``: a server's limits to check requests against before sending them
-    (``client.model_info().limits``). By default only the rules that hold on every
-    server are checked here; the server enforces its own limits either way.
-    """
+class _ClientBase(abc.ABC):
+    """What Client and AsyncClient share but their I/O: the arguments (see ``Client``), the
+    metadata every call sends, and each call's attempts; a subclass opens the channel."""
 
     def __init__(
         self,
@@ -231,16 +186,64 @@ class Client:
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self.limits = limits or Limits()
-        creds = credentials(tls)
-        opts = channel_options(tls=tls, extra=options)
-        if creds is None:
-            self._channel = grpc.insecure_channel(self.target, options=opts)
-        else:
-            self._channel = grpc.secure_channel(self.target, creds, options=opts)
-        self._stub = pb_grpc.TextGenerationStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._connect(credentials(tls), channel_options(tls=tls, extra=options))
         auth = (("authorization", f"Bearer {token}"),) if token else ()
         self._metadata: tuple[tuple[str, str], ...] = (*auth, *metadata)
+
+    @abc.abstractmethod
+    def _connect(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, str | int]]) -> None:
+        """Open the channel to ``self.target`` (plaintext when ``creds`` is None) and its stubs."""
+
+    def _generate_call(
+        self,
+        generate: Callable[..., _Call],
+        prompt: str | None,
+        messages: Iterable[MessageLike] | None,
+        input_ids: Sequence[int] | None,
+        timeout: float | None,
+        resume: bool,
+        params: GenerateOptions,
+    ) -> tuple[Callable[[Attempt], _Call], StreamAttempts]:
+        """How to start each attempt of a Generate call on ``generate`` (a stub's), and the
+        call's attempts. The request is built and checked here, before anything is sent."""
+        request = build_generate_request(
+            prompt, messages=messages, input_ids=input_ids, options=params, limits=self.limits
+        )
+        attempts = StreamAttempts(request, resume=resume, retry=self.retry, timeout=self._timeout(timeout))
+        metadata = trace_metadata(self._metadata)  # the caller's trace context, as of this call
+
+        def start(attempt: Attempt) -> _Call:
+            return generate(attempt.request, timeout=attempt.timeout, metadata=metadata)
+
+        return start, attempts
+
+    def _unary_attempts(self, timeout: float | None) -> UnaryAttempts:
+        return UnaryAttempts(self.retry, self._timeout(timeout))
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        """A call's deadline: its own ``timeout``, else the client's."""
+        return self.timeout if timeout is None else timeout
+
+
+class Client(_ClientBase):
+    """A blocking client of tokenwire.v1.TextGeneration.
+
+    ``target``: ``host:port``, any gRPC target (``dns:///tokenwire.default.svc:50051``)
+    or a list of ``host:port`` addresses (calls are spread with round_robin).
+    ``tls``: False (plaintext), True (system trust store) or a :class:`TLSConfig`.
+    ``token``: sent as ``authorization: Bearer <token>`` on every call but health.
+    ``timeout``: default deadline in seconds for each call, retries included.
+    ``limits``: a server's limits to check requests against before sending them
+    (``client.model_info().limits``). By default only the rules that hold on every
+    server are checked here; the server enforces its own limits either way.
+    """
+
+    def _connect(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, str | int]]) -> None:
+        self._channel = (
+            grpc.insecure_channel(self.target, options) if creds is None else grpc.secure_channel(self.target, creds, options)
+        )
+        self._stub = pb_grpc.TextGenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -278,22 +281,7 @@ class Client:
         first ``next()``. ``resume``: a stream cut by its replica goes on on another one
         from the tokens received, with no duplicate, gap or exception (docs/client.md).
         """
-        request = build_generate_request(
-            prompt, messages=messages, input_ids=input_ids, options=params, limits=self.limits
-        )
-        metadata = trace_metadata(self._metadata)  # the caller's trace context, as of this call
-
-        def start(remaining: float | None, message: pb.GenerateRequest) -> _StreamCall:
-            return self._stub.Generate(message, timeout=remaining, metadata=metadata)
-
-        deadline = Deadline(self.timeout if timeout is None else timeout)
-        return ChunkStream(
-            start,
-            resumption=Resumption(request, resume),
-            request_id=request.request_id,
-            retry=self.retry,
-            deadline=deadline,
-        )
+        return ChunkStream(*self._generate_call(self._stub.Generate, prompt, messages, input_ids, timeout, resume, params))
 
     def generate_text(
         self,
@@ -344,18 +332,15 @@ class Client:
     # -- unary calls --------------------------------------------------------------
 
     def _unary(self, call: Callable[[float | None], _T], timeout: float | None) -> _T:
-        deadline = Deadline(self.timeout if timeout is None else timeout)
-        attempt = 0
+        attempts = self._unary_attempts(timeout)
         while True:
-            attempt += 1
             try:
-                return call(deadline.remaining())
+                return call(attempts.start())
             except grpc.RpcError as rpc_error:
-                error = from_rpc_error(rpc_error)
-                delay = self.retry.backoff(attempt, error, cancelled_here=False)  # a caller leaving raises no RpcError
-                if delay is None or not deadline.allows(delay):
-                    raise error from None
-            time.sleep(delay)
+                decision = attempts.failed(rpc_error)
+                if isinstance(decision, GiveUp):
+                    raise decision.error from None
+            time.sleep(decision.delay)
 
     def tokenize(
         self,
@@ -393,8 +378,5 @@ class Client:
         try:
             response = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as rpc_error:
-            error = from_rpc_error(rpc_error)
-            if error.code == grpc.StatusCode.NOT_FOUND:
-                return HealthStatus.SERVICE_UNKNOWN
-            raise error from None
-        return _HEALTH_STATUS.get(int(response.status), HealthStatus.UNKNOWN)
+            return health_failure(rpc_error)
+        return health_status(response)

@@ -36,6 +36,22 @@ SERVICE_NAME = "tokenwire.v1.TextGeneration"
 VOCAB_SIZE = 1000
 
 
+class FakeRpcError(grpc.RpcError):
+    """What grpc raises: an RpcError that is also a Call."""
+
+    def __init__(self, code, details="", trailing=()):
+        self._code, self._details, self._trailing = code, details, tuple(trailing)
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._trailing
+
+
 @dataclasses.dataclass
 class Script:
     refuse_next: int = 0  # refuse this many Generate calls before the first chunk

@@ -7,27 +7,12 @@ import random
 import grpc
 import pytest
 import tokenwire
+from fakes import FakeRpcError
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from tokenwire.channel import TLSConfig, credentials, resolve_target
 from tokenwire.errors import error_class, from_rpc_error
 from tokenwire.retry import RetryPolicy
-
-
-class FakeRpcError(grpc.RpcError):
-    """What grpc raises: an RpcError that is also a Call."""
-
-    def __init__(self, code, details="", trailing=()):
-        self._code, self._details, self._trailing = code, details, tuple(trailing)
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-    def trailing_metadata(self):
-        return self._trailing
 
 
 def _status_trailer(code, message, *details):
