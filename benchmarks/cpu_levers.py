@@ -1,4 +1,4 @@
-"""`make bench-levers`: do torch.compile or int8 weights pay on this CPU? Speed and quality.
+"""Do torch.compile or int8 weights pay on this CPU? Speed and quality (`make bench-levers`).
 
 The issue behind the engine work asks to use them "only where the bench shows they pay,
 behind a flag, with the figures either way". This measures the model's own decode step
@@ -13,7 +13,7 @@ Speed: the median decode step at batch 1 and at batch 16, three repeats alternat
 variants. Quality (int8 only; compile computes the same function): on the 16 chat prompts,
 the mean KL divergence per token from the float32 model along its own greedy answer
 (48 tokens), and how many of those answers int8 reproduces token for token.
-The result replaces the "cpu-levers" section of docs/benchmarks.md.
+Replaces the "cpu-levers" section.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import copy
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.doc import replace_section
-from benchmarks.peers import spread
+from benchmarks import doc
+from benchmarks.stats import spread
 
-SECTION = "cpu-levers"
+VARIANTS = ("eager", "compile", "int8")
+DRY_RUN = {"repeats": 1, "steps": 7, "batches": "1,2", "variants": "eager,int8", "quality_tokens": 4}
 
 
 def step_times(forward: Any, model: Any, prompt: list[int], batch: int, steps: int) -> list[float]:
@@ -58,9 +58,7 @@ def step_times(forward: Any, model: Any, prompt: list[int], batch: int, steps: i
     return times
 
 
-def quality(
-    model: Any, quantized: Any, tokenizer: Any, prompts: tuple[str, ...], new: int
-) -> dict[str, float]:
+def quality(model: Any, quantized: Any, tokenizer: Any, prompts: tuple[str, ...], new: int) -> dict[str, float]:
     import torch
 
     kls, same, prefixes = [], 0, []
@@ -74,9 +72,7 @@ def quality(
             b = quantized.generate(x, max_new_tokens=new, min_new_tokens=new, do_sample=False)
             ta, tb = a[0, len(ids) :].tolist(), b[0, len(ids) :].tolist()
             same += ta == tb
-            prefixes.append(
-                next((i for i, (u, v) in enumerate(zip(ta, tb, strict=False)) if u != v), len(ta))
-            )
+            prefixes.append(next((i for i, (u, v) in enumerate(zip(ta, tb, strict=False)) if u != v), len(ta)))
             la = torch.log_softmax(model(a).logits[0, len(ids) - 1 : -1], -1)
             lb = torch.log_softmax(quantized(a).logits[0, len(ids) - 1 : -1], -1)
             kls.append(float((la.exp() * (la - lb)).sum(-1).mean()))
@@ -88,24 +84,21 @@ def quality(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.cpu_levers", description=__doc__.splitlines()[0]
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batches", default="1,16")
-    parser.add_argument("--out", default="docs/benchmarks.md")
-    args = parser.parse_args(argv)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"from {', '.join(VARIANTS)}")
+    parser.add_argument("--quality-tokens", type=int, default=48, help="tokens of each greedy answer int8 is held to")
 
+
+def run(args: argparse.Namespace) -> doc.Section:
     import torch
     from tokenwire.bench import DEFAULT_PROMPTS
     from tokenwire_server.model import load_model
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-    from benchmarks.bench import machine
-
-    loaded = load_model("default", device="cpu", dtype="float32")
+    loaded = load_model(args.model, device="cpu", dtype="float32")
     model, tokenizer = loaded.model, loaded.tokenizer
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": DEFAULT_PROMPTS[0]}],
@@ -113,10 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenize=True,
         return_dict=False,
     )
-    int8 = quantize_dynamic(
-        copy.deepcopy(model), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8
-    )
-    variants = {"eager": (model.forward, model), "compile": (None, model), "int8": (int8.forward, int8)}
+    int8 = quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    every = {"eager": (model.forward, model), "compile": (None, model), "int8": (int8.forward, int8)}
+    variants = {name: every[name] for name in args.variants.split(",")}
     compiled: dict[int, Any] = {}
     compile_s: dict[int, float] = {}
     batches = [int(b) for b in args.batches.split(",")]
@@ -139,15 +131,13 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     print("  int8 quality ...", file=sys.stderr, flush=True)
-    q = quality(model, int8, tokenizer, tuple(DEFAULT_PROMPTS), 48)
+    q = quality(model, int8, tokenizer, tuple(DEFAULT_PROMPTS), args.quality_tokens)
 
-    info = machine()
-    command = " ".join(["python -m benchmarks.cpu_levers", *(argv if argv is not None else sys.argv[1:])])
+    info = doc.machine()
     lines = [
         "## CPU levers: torch.compile and int8 weights (`make bench-levers`)",
         "",
-        f"Written by `{command}`"
-        + f" at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; do not edit by hand.",
+        doc.written(args.command),
         f"The default model's decode step (transformers forward over a static KV cache, {info['torch threads']} torch threads,",
         f"{info['cpu']}, {info['cores']} cores), median over {args.steps - 5} steps; each cell median (min–max) over",
         f"{args.repeats} repeats that alternate the variants.",
@@ -164,15 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             )
     lines += [
         "",
-        f"- compile time before the first step: {', '.join(f'batch {b}: {s:.0f} s' for b, s in compile_s.items())}.",
+        *[f"- compile time before the first step: {', '.join(f'batch {b}: {s:.0f} s' for b, s in compile_s.items())}."]
+        * bool(compile_s),
         f"- int8 quality: mean KL(float32 ‖ int8) {q['kl']:.3f} nats per token along float32's greedy answers;"
-        f" {q['identical']} of {q['prompts']} answers identical over 48 tokens; median first differing token: {q['prefix_median']:g}.",
+        f" {q['identical']} of {q['prompts']} answers identical over {args.quality_tokens} tokens; median first "
+        f"differing token: {q['prefix_median']:g}.",
         "",
     ]
-    replace_section(Path(args.out), SECTION, "\n".join(lines))
-    print("\n".join(lines))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return doc.Section("cpu-levers", "\n".join(lines))

@@ -1,18 +1,31 @@
-"""docs/benchmarks.md is written by several benchmarks, each owning one marked section."""
+"""The report writer: docs/benchmarks.md is written by the suites, each owning one marked
+section, and each section says which command wrote it, when, and on what machine."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import platform
+import time
 from pathlib import Path
 
 HEADER = """# Benchmarks
 
 Written by the benchmarks, not by hand: each section below belongs to one command
 (`make bench`, `make bench-peers`, `make bench-quality`, `make bench-levers`, `make bench-kernels`, `make bench-neighbour`, `make bench-prefix`, `make bench-resume`,
-`make bench-structured`, `make bench-tenants`, `python -m benchmarks.engine_speed --section`), which replaces only its own
+`make bench-structured`, `make bench-tenants`, `python -m benchmarks ab --section`), which replaces only its own
 section and records its exact invocation. Every figure in a section comes from one run
 of that command on one machine; the machine is shared and noisy, so compare the rows
 and ratios inside a section, not absolute figures across sections.
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """What a suite's ``run()`` returns: the marked section ``name`` of docs/benchmarks.md."""
+
+    name: str
+    text: str
 
 
 def replace_section(path: Path, name: str, text: str) -> None:
@@ -29,3 +42,44 @@ def replace_section(path: Path, name: str, text: str) -> None:
         new = old.rstrip("\n") + "\n\n" + block
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(new)
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
+def written(command: str) -> str:
+    """The line under a section's heading that names its command."""
+    return f"Written by `{command}` at {now()}; do not edit by hand."
+
+
+def machine() -> dict[str, str]:
+    """The machine a section was measured on: CPU, its instruction sets, cores, GPU, versions."""
+    import torch
+    import transformers
+    from tokenwire_server.model import cpu_instruction_sets
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "instruction sets": ", ".join(cpu_instruction_sets()) or "none of note",
+        "cores": str(os.cpu_count()),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch threads": str(torch.get_num_threads()),
+    }
+
+
+def host() -> str:
+    """The machine in one phrase, for a section's opening sentence."""
+    m = machine()
+    return f"{m['cpu']} ({m['instruction sets']}), {m['cores']} cores, torch {m['torch']}"

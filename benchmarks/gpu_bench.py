@@ -54,11 +54,35 @@ from typing import Any
 
 SHAPES: dict[str, dict[str, Any]] = {
     # SmolLM2-135M-Instruct
-    "135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": True},
+    "135m": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+    },
     # a Llama-3.2-1B-like shape (the issue's "1B shape")
-    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True},
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+    },
     # a few layers, for tests
-    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True},
+    "tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "tie_word_embeddings": True,
+    },
 }
 
 PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10G": 600.0, "L4": 300.0}
@@ -214,7 +238,9 @@ def model_folder(shape: str, args: argparse.Namespace) -> Path:
     return build_random_model(shape, Path(args.cache) / f"random-{shape}", dtype, args.tokenizer)
 
 
-def mbu_of(shape: str, folder: Path, device: str, concurrency: int, step_s: float | None, peak: float | None, new_tokens: int) -> float | None:
+def mbu_of(
+    shape: str, folder: Path, device: str, concurrency: int, step_s: float | None, peak: float | None, new_tokens: int
+) -> float | None:
     """Bytes a decode step reads (every weight once, plus the batch's KV cache) / step time / peak bandwidth."""
     import torch
     from tokenwire_server.model import kv_bytes_per_token
@@ -223,7 +249,9 @@ def mbu_of(shape: str, folder: Path, device: str, concurrency: int, step_s: floa
         return None
     element = 4 if device == "cpu" else 2
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    per_token_kv = kv_bytes_per_token(SimpleNamespace(**SHAPES[shape]), torch.float32 if element == 4 else torch.bfloat16)
+    per_token_kv = kv_bytes_per_token(
+        SimpleNamespace(**SHAPES[shape]), torch.float32 if element == 4 else torch.bfloat16
+    )
     context = 40 + new_tokens / 2  # mean tokens in a row's cache over the run
     return (weight_bytes(shape, vocab, element) + concurrency * context * per_token_kv) / step_s / (peak * 1e9)
 
@@ -255,7 +283,9 @@ def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
         if peak is None and args.device == "cuda":
             peak = peak_gbs(str(next((r.get("name", "") for r in server.find("gpu")), "")))
         engine = next(iter(server.find("batched engine forward pass")), {})
-        path = f"tokenwire {engine.get('forward', forward)}" + (f" +{engine['step_graphs']} graphs" if engine.get("step_graphs") not in (None, "off") else "")
+        path = f"tokenwire {engine.get('forward', forward)}" + (
+            f" +{engine['step_graphs']} graphs" if engine.get("step_graphs") not in (None, "off") else ""
+        )
         path += " +overlap" if engine.get("overlap") else " -overlap" if "no-overlap" in variants else ""
         path += " sampled" if sampling else ""
         run_bench(server.target, concurrency=1, requests=1, max_new_tokens=4)  # warm
@@ -270,12 +300,27 @@ def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
             step_s, host_s = (mean_between(before[name], after[name]) for name in STEP_HISTOGRAMS)
             reserved = reserved_bytes(server.metrics_port)
             results.append(
-                Result(shape, path, c, report.output_tokens_per_s, report.ttft_ms.p50, report.ttft_ms.p99, report.itl_ms.p50,
-                       report.itl_ms.p99, step_s * 1000 if step_s else None, None if host_s is None else host_s * 1000, gpu.mean(),
-                       mbu_of(shape, folder, args.device, c, step_s, peak, args.max_new_tokens),
-                       None if reserved is None else reserved / 2**30)  # fmt: skip
+                Result(
+                    shape,
+                    path,
+                    c,
+                    report.output_tokens_per_s,
+                    report.ttft_ms.p50,
+                    report.ttft_ms.p99,
+                    report.itl_ms.p50,
+                    report.itl_ms.p99,
+                    step_s * 1000 if step_s else None,
+                    None if host_s is None else host_s * 1000,
+                    gpu.mean(),
+                    mbu_of(shape, folder, args.device, c, step_s, peak, args.max_new_tokens),
+                    None if reserved is None else reserved / 2**30,
+                )  # fmt: skip
             )
-            print(f"  {shape} {path} c={c}: {report.output_tokens_per_s:.0f} tok/s, step {results[-1].step_ms} ms", file=sys.stderr, flush=True)
+            print(
+                f"  {shape} {path} c={c}: {report.output_tokens_per_s:.0f} tok/s, step {results[-1].step_ms} ms",
+                file=sys.stderr,
+                flush=True,
+            )
     return results
 
 
@@ -348,14 +393,26 @@ def run_prefill(shape: str, args: argparse.Namespace) -> list[PrefillResult]:
     for budget in [int(b) for b in args.prefill_budgets.split(",") if b]:
         extra = ["--device", args.device, "--forward", "native", "--max-prefill-tokens", str(budget), "--max-active", str(args.prefill_streams + 1),
                  "--step-graphs", args.step_graphs, *args.server_arg]  # fmt: skip
-        runs = long_prompt(str(folder), repeats=2, streams=args.prefill_streams, extra=extra, stream_tokens=args.prefill_stream_tokens)
+        runs = long_prompt(
+            str(folder), repeats=2, streams=args.prefill_streams, extra=extra, stream_tokens=args.prefill_stream_tokens
+        )
         worst = max(runs, key=lambda run: run.ratio)  # the worse of two arrivals
-        out.append(PrefillResult(shape, budget, worst.ratio, worst.itl_p50_ms, worst.max_gap_ms, max(run.first_token_s for run in runs)))
-        print(f"  {shape} prompt budget {budget}: stall {worst.ratio:.1f}x, long prompt TTFT {out[-1].first_token_s:.2f} s", file=sys.stderr, flush=True)
+        out.append(
+            PrefillResult(
+                shape, budget, worst.ratio, worst.itl_p50_ms, worst.max_gap_ms, max(run.first_token_s for run in runs)
+            )
+        )
+        print(
+            f"  {shape} prompt budget {budget}: stall {worst.ratio:.1f}x, long prompt TTFT {out[-1].first_token_s:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return out
 
 
-def render(results: list[Result], command: str, note: str, skipped: list[str], prefill: list[PrefillResult] | None = None) -> str:
+def render(
+    results: list[Result], command: str, note: str, skipped: list[str], prefill: list[PrefillResult] | None = None
+) -> str:
     def f(value: float | None, digits: int = 1, scale: float = 1.0) -> str:
         return "-" if value is None else f"{value * scale:.{digits}f}"
 
@@ -388,7 +445,10 @@ def render(results: list[Result], command: str, note: str, skipped: list[str], p
             "",
             "| shape | budget | stall × | ITL p50 ms | largest gap ms | long prompt TTFT s |",
             "|---|---:|---:|---:|---:|---:|",
-            *(f"| {p.shape} | {p.budget} | {p.stall_ratio:.1f} | {p.itl_p50_ms:.1f} | {p.max_gap_ms:.1f} | {p.first_token_s:.2f} |" for p in prefill),
+            *(
+                f"| {p.shape} | {p.budget} | {p.stall_ratio:.1f} | {p.itl_p50_ms:.1f} | {p.max_gap_ms:.1f} | {p.first_token_s:.2f} |"
+                for p in prefill
+            ),
         ]
     if skipped:
         lines += ["", "Not run (the time budget was spent): " + "; ".join(skipped) + "."]
@@ -406,18 +466,32 @@ def main(argv: list[str] | None = None) -> int:
         help="the engine's --forward values to serve each shape with, variants after a colon joined by + "
         "(no-overlap: with --overlap off; sampled: sampled requests, not greedy)",
     )
-    parser.add_argument("--step-graphs", default="auto", help="the native pass's --step-graphs (auto: CUDA graphs on CUDA)")
+    parser.add_argument(
+        "--step-graphs", default="auto", help="the native pass's --step-graphs (auto: CUDA graphs on CUDA)"
+    )
     parser.add_argument("--ceiling", default="ends", choices=("ends", "all", "none"),
                         help="static-batch generate at the smallest and largest concurrency (ends), at each, or not")  # fmt: skip
-    parser.add_argument("--prefill-budgets", default="", help="comma-separated --max-prefill-tokens to measure at the last shape, last of all (empty: none)")
+    parser.add_argument(
+        "--prefill-budgets",
+        default="",
+        help="comma-separated --max-prefill-tokens to measure at the last shape, last of all (empty: none)",
+    )
     parser.add_argument("--prefill-streams", type=int, default=16)
     parser.add_argument("--prefill-stream-tokens", type=int, default=2000)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--requests-per-stream", type=int, default=2)
-    parser.add_argument("--peak-gbs", type=float, default=None, help="peak memory bandwidth, GB/s (default: from the GPU's name)")
-    parser.add_argument("--tokenizer", default=None, help="the default model's tokenizer files (default: $TOKENWIRE_TOKENIZER_DIR, else the converted default model)")
+    parser.add_argument(
+        "--peak-gbs", type=float, default=None, help="peak memory bandwidth, GB/s (default: from the GPU's name)"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the default model's tokenizer files (default: $TOKENWIRE_TOKENIZER_DIR, else the converted default model)",
+    )
     parser.add_argument("--cache", default="/tmp/tokenwire-random-models")
-    parser.add_argument("--budget-s", type=float, default=0.0, help="start no phase after this many seconds (0: no budget)")
+    parser.add_argument(
+        "--budget-s", type=float, default=0.0, help="start no phase after this many seconds (0: no budget)"
+    )
     parser.add_argument("--server-arg", action="append", default=[], help="extra server flag (repeatable)")
     parser.add_argument("--out", default="docs/benchmarks-cuda.md")
     args = parser.parse_args(argv)
@@ -447,7 +521,9 @@ def main(argv: list[str] | None = None) -> int:
             results += run_ceiling(shape, args, batches) if what == "ceiling" else run_shape(shape, what, args)
         results.sort(key=lambda r: (order[r.shape], r.path.startswith("ceiling"), r.path, r.concurrency))
         not_yet = [f"{s} {w}" for s, w in phases[index + 1 :]]
-        note = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()) + (f"; still to run: {', '.join(not_yet)}" if not_yet else "")
+        note = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()) + (
+            f"; still to run: {', '.join(not_yet)}" if not_yet else ""
+        )
         text = render(results, command.strip(), note, skipped, prefill)
         if args.out:  # after every phase: a run cut short still leaves what it measured
             Path(args.out).write_text(text)

@@ -143,11 +143,15 @@ def size_mib(folder: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bundle", description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_bundle", description=(__doc__ or "").splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     packing = sub.add_parser("pack", help="copy the default model's tokenizer files into BUNDLE/tokenizer")
     packing.add_argument("bundle", type=Path)
-    packing.add_argument("--tokenizer-from", type=Path, default=None, help="a model folder (default: the converted default model)")
+    packing.add_argument(
+        "--tokenizer-from", type=Path, default=None, help="a model folder (default: the converted default model)"
+    )
     checking = sub.add_parser("check", help="is BUNDLE ready for a machine with this Python?")
     checking.add_argument("bundle", type=Path)
     checking.add_argument("--python", default=f"{sys.version_info[0]}.{sys.version_info[1]}")

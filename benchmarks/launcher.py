@@ -1,7 +1,11 @@
-"""Launch a real tokenwire server as a child process, for tests, the benchmark and the soak.
+"""The servers the tests, the benchmarks and the soak run: a real tokenwire server as a
+child process (``ServerProcess``), the peers' OpenAI-compatible servers in their own venvs
+(``OpenAIServer``), and the process-tree figures (CPU seconds, RSS) measured of them.
 
-It listens on 127.0.0.1 port 0; the bound port is read back from the server's own
-"listening" log line, and it is ready once the readiness health check says so.
+A tokenwire server listens on 127.0.0.1 port 0; the bound port is read back from its own
+"listening" log line, and it is ready once the readiness health check says so. A suite
+asks ``serve``/``serve_openai`` for its servers, which hand out the fakes of
+benchmarks/fake.py instead under ``--dry-run``.
 """
 
 from __future__ import annotations
@@ -10,11 +14,15 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -86,7 +94,9 @@ class ServerProcess:
     def output(self) -> str:
         return "\n".join(self.lines[-200:])
 
-    def health(self, service: str = READINESS, timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None) -> int:
+    def health(
+        self, service: str = READINESS, timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None
+    ) -> int:
         return health_check(self.target, service, timeout, credentials)
 
     def wait_ready(self, timeout: float, credentials: grpc.ChannelCredentials | None = None) -> None:
@@ -144,3 +154,124 @@ def process_status(pid: int) -> dict[str, int]:
             if key in wanted:
                 out[wanted[key]] = int(value.split()[0])
     return out
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def venv_python(name: str) -> str:
+    """The interpreter of a peer's venv: ``vllm`` (.venv-vllm, ``$VLLM_PYTHON``) or
+    ``llamacpp`` (.venv-llamacpp, ``$LLAMACPP_PYTHON``)."""
+    return os.environ.get(f"{name.upper()}_PYTHON", str(REPO / f".venv-{name}" / "bin" / "python"))
+
+
+@contextlib.contextmanager
+def serve(dry_run: bool, flags: Sequence[str], engine: str = "", **kwargs: Any) -> Iterator[Any]:
+    """A tokenwire server with ``flags`` (``--engine engine`` first, where given; the vllm engine
+    runs from its venv), or for a dry run the in-process fake that stands in for it."""
+    flags = [*(["--engine", engine] if engine else []), *flags]
+    if engine == "vllm":
+        kwargs.setdefault("python", venv_python("vllm"))
+    if dry_run:
+        from benchmarks.fake import FakeServer
+
+        server: Any = FakeServer(flags)
+    else:
+        server = ServerProcess(flags, **{"ready_timeout": 900.0, **kwargs})
+    with server:
+        yield server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OpenAIServer:
+    """An OpenAI-compatible server (vLLM's or llama-cpp-python's) as a child process group on 127.0.0.1."""
+
+    def __init__(
+        self,
+        python: str,
+        model: Path,
+        args: Sequence[str],
+        env: dict[str, str],
+        log: Path,
+        ready_timeout: float,
+        kind: str,
+    ) -> None:
+        self.port = free_port()
+        common = ["--host", "127.0.0.1", "--port", str(self.port)]
+        if kind == "vllm":
+            module, alias, health = "vllm.entrypoints.openai.api_server", "--served-model-name", "/health"
+            common += ["--uvicorn-log-level", "warning"]
+        else:
+            module, alias, health = "llama_cpp.server", "--model_alias", "/v1/models"
+        self.command = [python, "-m", module, "--model", str(model), alias, "default", *common, *args]
+        self._log = log.open("w")
+        self.proc = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+        )
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{kind}'s OpenAI server exited with {self.proc.returncode}; see {log}")
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"http://127.0.0.1:{self.port}{health}", timeout=2).status == 200:
+                    return
+            time.sleep(1)
+        self.close()
+        raise RuntimeError(f"{kind}'s OpenAI server was not ready in {ready_timeout:.0f} s; see {log}")
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+
+def serve_openai(dry_run: bool, *server_args: Any, **kwargs: Any) -> Any:
+    """An ``OpenAIServer``, or for a dry run the fake SSE backend that stands in for it."""
+    if dry_run:
+        from benchmarks.fake import FakeOpenAI
+
+        return FakeOpenAI()
+    return OpenAIServer(*server_args, **kwargs)
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                children.setdefault(int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(
+                    int(entry.name)
+                )
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo.extend(children.get(out[-1], []))
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    total = 0
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and all its descendants."""
+    total = 0
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError):
+            total += process_status(p).get("rss_kib", 0)
+    return total / 1024

@@ -1,4 +1,4 @@
-"""`make bench-peers`: tokenwire beside vLLM's own OpenAI server, in one run, repeated.
+"""tokenwire beside vLLM's own OpenAI server and llama.cpp, in one run, repeated (`make bench-peers`).
 
 The systems, all on the same model folder, the same 16 chat prompts, the same number of
 new tokens (``ignore_eos``, greedy) and the same concurrency:
@@ -23,33 +23,42 @@ new tokens (``ignore_eos``, greedy) and the same concurrency:
 Every server is started once and stays up; each repeat then runs every system in turn
 (c=1, then c=16), so machine noise lands on all of them alike, and each ratio is taken
 between rows of the same repeat. Idle servers cost nothing measurable: the CPU time each
-one used while another ran is recorded and reported. The result replaces the "peers"
-section of docs/benchmarks.md; the rest of that file is `make bench`'s.
+one used while another ran is recorded and reported. Replaces the "peers" section
+(``--section``, ``--title``: another, for a subset of the systems).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench import in_process, machine
-from benchmarks.doc import replace_section
+from benchmarks import doc, load
+from benchmarks.bench import LOADED, in_process
+from benchmarks.launcher import serve, serve_openai, tree_cpu_seconds, tree_rss_mb, venv_python
+from benchmarks.load import Measure
+from benchmarks.stats import spread
 
-SYSTEMS = ("generate", "batched", "batched-int8", "batched-hf", "batched-1t", "tokenwire-vllm", "vllm-openai", "llamacpp-q4", "llamacpp-q8")
+SYSTEMS = (
+    "generate",
+    "batched",
+    "batched-int8",
+    "batched-hf",
+    "batched-1t",
+    "tokenwire-vllm",
+    "vllm-openai",
+    "llamacpp-q4",
+    "llamacpp-q8",
+)
 LLAMACPP = ("llamacpp-q4", "llamacpp-q8")
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "batched-1t")  # one torch thread did not pay: on request
 LABELS = {
@@ -66,290 +75,59 @@ LABELS = {
 OPENAI_SYSTEMS = ("vllm-openai", *LLAMACPP)
 # SmolLM2's end tokens (<|endoftext|>, <|im_end|>): forbidden in llama.cpp's requests, its ignore_eos.
 LLAMACPP_NO_EOS = {"0": -100, "2": -100}
-SECTION = "peers"
 OPENAI_PROMPT_TOKENS: dict[str, int] = {}  # prompt -> prompt tokens, as vLLM's OpenAI server counted them
 
 
-@dataclasses.dataclass
-class Measure:
-    system: str
-    concurrency: int
-    repeat: int
-    requests: int
-    tokens: int
-    tokens_per_s: float
-    ttft_p50: float | None
-    ttft_p99: float | None
-    itl_p50: float | None
-    itl_p99: float | None
-    errors: int
-    rss_mb: float | None = None  # the server's processes together, after the run
-    cpu_s: float | None = None  # CPU seconds the server's processes used during the run
+DRY_RUN = {"repeats": 1, "max_new_tokens": 4, "requests": "2,4", "systems": ",".join(SYSTEMS)}
 
 
-# -- process trees -------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}"
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--requests", default="4,32", help="requests per run at c=1 and at c=16")
+    parser.add_argument(
+        "--eager", action="store_true", help="both vLLM servers in eager mode (no compile; starts faster, runs slower)"
+    )
+    parser.add_argument(
+        "--kv-cache-tokens", type=int, default=16 * 2048, help="KV cache of both vLLM servers, in tokens"
+    )
+    parser.add_argument("--vllm-python", default=venv_python("vllm"))
+    parser.add_argument("--llamacpp-python", default=venv_python("llamacpp"))
+    parser.add_argument("--log-dir", default="/tmp")
+    parser.add_argument("--json", default="", help="also write every measurement as JSON here")
+    parser.add_argument("--section", default="peers", help="the section of --out this run replaces")
+    parser.add_argument("--title", default="Beside the peers (`make bench-peers`)", help="that section's heading")
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        tree.setdefault(int(fields[1]), []).append(int(entry.name))
-    return tree
-
-
-def process_tree(pid: int) -> list[int]:
-    tree, out, todo = _children(), [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(tree.get(p, []))
-    return out
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for p in process_tree(pid):
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / ticks
-
-
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of a process and all its descendants (launcher.process_status each)."""
-    from benchmarks.launcher import process_status
-
-    total = 0
-    for p in process_tree(pid):
-        with contextlib.suppress(OSError):
-            total += process_status(p).get("rss_kib", 0)
-    return total / 1024
-
-
-# -- the OpenAI peer -----------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class OpenAIServer:
-    """An OpenAI-compatible server (vLLM's or llama-cpp-python's) as a child process group on 127.0.0.1."""
-
-    def __init__(
-        self,
-        python: str,
-        folder: Path,
-        args: Sequence[str],
-        env: dict[str, str],
-        log: Path,
-        ready_timeout: float,
-        kind: str = "vllm",
-    ) -> None:
-        self.port = free_port()
-        if kind == "vllm":
-            cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", "default",
-                   "--host", "127.0.0.1", "--port", str(self.port), "--uvicorn-log-level", "warning", *args]  # fmt: skip
-            health = "/health"
-        else:
-            cmd = [python, "-m", "llama_cpp.server", "--model", str(folder), "--model_alias", "default",
-                   "--host", "127.0.0.1", "--port", str(self.port), *args]  # fmt: skip
-            health = "/v1/models"
-        self.command = cmd
-        self._log = log.open("w")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+def measure(
+    args: argparse.Namespace, system: str, server: Any, c: int, requests: int, prompts: Sequence[str]
+) -> Measure:
+    """One run of one system at concurrency ``c``."""
+    if system == "generate":
+        m = in_process(args.model, c, max(1, requests // c), args.max_new_tokens, tuple(prompts))
+        m.system = system
+        return m
+    if system in OPENAI_SYSTEMS:
+        extra = {"logit_bias": LLAMACPP_NO_EOS} if system in LLAMACPP else None
+        counted = OPENAI_PROMPT_TOKENS.__setitem__ if system == "vllm-openai" else None
+        return load.openai_load(
+            server.port, system, c, requests, args.max_new_tokens, prompts, extra, on_prompt=counted
         )
-        deadline = time.monotonic() + ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{kind}'s OpenAI server exited with {self.proc.returncode}; see {log}")
-            with contextlib.suppress(OSError):
-                if urllib.request.urlopen(f"http://127.0.0.1:{self.port}{health}", timeout=2).status == 200:
-                    return
-            time.sleep(1)
-        self.close()
-        raise RuntimeError(f"{kind}'s OpenAI server was not ready in {ready_timeout:.0f} s; see {log}")
-
-    def close(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self._log.close()
-
-
-async def _openai_stream(port: int, body: dict[str, Any]) -> tuple[float | None, list[float], int, int]:
-    """One streamed chat completion over a raw HTTP/1.1 connection (stdlib only):
-    (TTFT s, gaps between token events s, completion tokens, prompt tokens)."""
-    payload = json.dumps(body).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    started = time.perf_counter()
-    writer.write(
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
-        + payload
-    )
-    await writer.drain()
-    status = await reader.readline()
-    if b" 200 " not in status:
-        writer.close()
-        raise RuntimeError(f"HTTP {status!r}")
-    chunked = False
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        if line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower():
-            chunked = True
-    first: float | None = None
-    last = 0.0
-    gaps: list[float] = []
-    completion = prompt = events_seen = 0
-    buffer = b""
-
-    def events(data: bytes) -> None:
-        nonlocal buffer, first, last, completion, prompt, events_seen
-        buffer += data
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                continue
-            now = time.perf_counter()
-            record = json.loads(event[6:])
-            if record.get("usage"):
-                completion = record["usage"]["completion_tokens"]
-                prompt = record["usage"]["prompt_tokens"]
-            if not record.get("choices"):
-                continue
-            # One event per token step; an event whose text the detokenizer holds back
-            # (half a character) still marks a token's arrival.
-            if first is None:
-                if not record["choices"][0].get("delta", {}).get("content"):
-                    continue
-                first = last = now
-            else:
-                gaps.append(now - last)
-                last = now
-            events_seen += 1
-
-    if chunked:
-        while size_line := await reader.readline():
-            size = int(size_line.strip().split(b";")[0], 16)
-            if size == 0:
-                break
-            events(await reader.readexactly(size))
-            await reader.readexactly(2)
-    else:
-        while data := await reader.read(65536):
-            events(data)
-    writer.close()
-    # A server that sends no usage (llama-cpp-python's stream): one event per token.
-    return (first - started if first is not None else None), gaps, completion or events_seen, prompt
-
-
-async def openai_load(
-    port: int, concurrency: int, requests: int, max_new: int, prompts: Sequence[str], extra: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    ttft: list[float] = []
-    itl: list[float] = []
-    tokens = errors = issued = 0
-    prompt_tokens: dict[str, int] = {}
-
-    async def worker() -> None:
-        nonlocal tokens, errors, issued
-        while issued < requests:
-            prompt = prompts[issued % len(prompts)]
-            issued += 1
-            body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_new,
-                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}  # fmt: skip
-            try:
-                first, gaps, completion, prompt_count = await _openai_stream(port, body)
-            except (OSError, RuntimeError, ValueError):
-                errors += 1
-                continue
-            tokens += completion
-            prompt_tokens[prompt] = prompt_count
-            if first is not None:
-                ttft.append(first)
-            itl.extend(gaps)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, requests))))
-    return {"elapsed": time.perf_counter() - started, "tokens": tokens, "ttft": ttft, "itl": itl, "errors": errors,
-            "prompt_tokens": prompt_tokens}  # fmt: skip
-
-
-# -- one measurement per system ------------------------------------------------------
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    from tokenwire.bench import percentile
-
-    return percentile(values, q) * 1000 if values else None
-
-
-def measure_grpc(
-    target: str, system: str, c: int, repeat: int, requests: int, max_new: int, prompts: Sequence[str]
-) -> Measure:
-    from tokenwire.bench import run_bench
-
-    report = run_bench(
-        target, concurrency=c, requests=requests, max_new_tokens=max_new, prompts=prompts, timeout=3600
-    )
-    return Measure(system, c, repeat, report.requests, report.output_tokens, report.output_tokens_per_s,
-                   report.ttft_ms.p50, report.ttft_ms.p99, report.itl_ms.p50, report.itl_ms.p99, report.failed)  # fmt: skip
-
-
-def measure_openai(
-    port: int, c: int, repeat: int, requests: int, max_new: int, prompts: Sequence[str], system: str = "vllm-openai"
-) -> Measure:
-    extra = {"logit_bias": LLAMACPP_NO_EOS} if system in LLAMACPP else None
-    out = asyncio.run(openai_load(port, c, requests, max_new, prompts, extra))
-    if system == "vllm-openai":
-        OPENAI_PROMPT_TOKENS.update(out["prompt_tokens"])
-    return Measure(system, c, repeat, requests, out["tokens"], out["tokens"] / out["elapsed"],
-                   _pct(out["ttft"], 50), _pct(out["ttft"], 99), _pct(out["itl"], 50), _pct(out["itl"], 99), out["errors"])  # fmt: skip
-
-
-def measure_generate(
-    model: str, c: int, repeat: int, requests: int, max_new: int, prompts: Sequence[str]
-) -> Measure:
-    row = in_process(model, c, max(1, requests // c), max_new, tuple(prompts))
-    return Measure("generate", c, repeat, row.requests, row.requests * max_new, row.tokens_per_s,
-                   row.ttft_p50, row.ttft_p99, row.itl_p50, row.itl_p99, 0)  # fmt: skip
+    return load.grpc_load(server.target, system, c, requests, args.max_new_tokens, prompts)
 
 
 # -- the report ----------------------------------------------------------------------
-
-
-def spread(values: list[float], digits: int = 1) -> str:
-    if not values:
-        return "-"
-    lo, mid, hi = min(values), statistics.median(values), max(values)
-    return f"{mid:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
 
 
 def per_repeat(rows: list[Measure], a: str, b: str, c: int, field: str, how: str) -> list[float]:
     """``a / b`` (how="ratio") or ``a - b`` (how="delta") of one field, per repeat where both ran."""
     out = []
     for r in sorted({m.repeat for m in rows}):
-        x = next(
-            (getattr(m, field) for m in rows if m.system == a and m.concurrency == c and m.repeat == r), None
-        )
-        y = next(
-            (getattr(m, field) for m in rows if m.system == b and m.concurrency == c and m.repeat == r), None
-        )
+        x = next((getattr(m, field) for m in rows if m.system == a and m.concurrency == c and m.repeat == r), None)
+        y = next((getattr(m, field) for m in rows if m.system == b and m.concurrency == c and m.repeat == r), None)
         if x is None or y is None or (how == "ratio" and not y):
             continue
         out.append(x / y if how == "ratio" else x - y)
@@ -427,7 +205,7 @@ def render(rows: list[Measure], meta: dict[str, Any]) -> str:
             lines.append(
                 f"| {LABELS[system]} | {c} | {col(lambda m: m.tokens_per_s)} | {col(lambda m: m.ttft_p50)} "
                 f"| {col(lambda m: m.ttft_p99)} | {col(lambda m: m.itl_p50)} | {col(lambda m: m.itl_p99)} "
-                f"| {col(lambda m: m.rss_mb, 0)} | {cpu} | {sum(m.errors for m in ms)} |"
+                f"| {col(lambda m: m.rss_mb, 0)} | {cpu} | {sum(sum(m.errors.values()) for m in ms)} |"
             )
     lines += ["", "### Targets", "", "| target | per repeat | median | met |", "|---|---|---:|---|"]
     for name, values, met in targets(rows):
@@ -446,25 +224,23 @@ def render(rows: list[Measure], meta: dict[str, Any]) -> str:
 
 @contextlib.contextmanager
 def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) -> Iterator[dict[str, Any]]:
-    from benchmarks.launcher import ServerProcess
-
     servers: dict[str, Any] = {}
     vllm_env = {"VLLM_USE_AOT_COMPILE": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     eager = ["--enforce-eager"] if args.eager else []
-    try:
+    with contextlib.ExitStack() as stack:
         for system in systems:
             began = time.monotonic()
             if system in ("batched", "batched-hf", "batched-1t", "batched-int8"):
                 extra = {"batched": [], "batched-hf": ["--forward", "transformers"], "batched-1t": ["--torch-threads", "1"],
                          "batched-int8": ["--quantization", "int8", "--allow-unmet-quality-bar"]}[system]  # fmt: skip
-                servers[system] = ServerProcess(["--model", args.model, "--engine", "batched", *extra], ready_timeout=900)
+                servers[system] = stack.enter_context(serve(args.dry_run, ["--model", args.model, *extra], "batched"))
             elif system == "tokenwire-vllm":
-                servers[system] = ServerProcess(
-                    ["--model", args.model, "--engine", "vllm", "--kv-cache-tokens", str(args.kv_cache_tokens), *eager],
-                    env=vllm_env, ready_timeout=900, python=args.vllm_python,
-                )  # fmt: skip
+                flags = ["--model", args.model, "--kv-cache-tokens", str(args.kv_cache_tokens), *eager]
+                servers[system] = stack.enter_context(
+                    serve(args.dry_run, flags, "vllm", env=vllm_env, python=args.vllm_python)
+                )
             elif system == "vllm-openai":
-                folder, kv_bytes = vllm_folder_and_kv(args.model, args.kv_cache_tokens)
+                folder, kv_bytes = (Path(), 0) if args.dry_run else vllm_folder_and_kv(args.model, args.kv_cache_tokens)
                 peer_args = [
                     "--dtype",
                     "float32",
@@ -474,28 +250,26 @@ def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) 
                     "16",
                     *eager,
                 ]
-                servers[system] = OpenAIServer(
-                    args.vllm_python, folder, peer_args, vllm_env, Path(args.log_dir) / "vllm-openai.log", 900
+                log = Path(args.log_dir) / "vllm-openai.log"
+                servers[system] = serve_openai(
+                    args.dry_run, args.vllm_python, folder, peer_args, vllm_env, log, 900, "vllm"
                 )
                 notes.append("vLLM OpenAI server: `" + " ".join(servers[system].command[1:]) + "`")
             elif system in LLAMACPP:
-                gguf = llamacpp_gguf(args.llamacpp_python, system)
+                gguf = Path() if args.dry_run else llamacpp_gguf(args.llamacpp_python, system)
                 threads = str(os.cpu_count() or 1)
                 llama_args = ["--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads]
-                servers[system] = OpenAIServer(
-                    args.llamacpp_python, gguf, llama_args, {}, Path(args.log_dir) / f"{system}.log", 300, kind="llamacpp"
+                log = Path(args.log_dir) / f"{system}.log"
+                servers[system] = serve_openai(
+                    args.dry_run, args.llamacpp_python, gguf, llama_args, {}, log, 300, "llamacpp"
                 )
                 notes.append(f"{LABELS[system]}: `" + " ".join(servers[system].command[1:]) + "`")
             else:
                 continue
             print(f"  {system}: ready in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+            if hasattr(servers[system], "close"):
+                stack.callback(servers[system].close)
         yield servers
-    finally:
-        for server in servers.values():
-            if isinstance(server, OpenAIServer):
-                server.close()
-            else:
-                server.__exit__(None, None, None)
 
 
 def llamacpp_gguf(python: str, system: str) -> Path:
@@ -546,47 +320,24 @@ def vllm_folder_and_kv(model: str, kv_tokens: int) -> tuple[Path, int]:
     return vllm_model_folder(Path(folder)), max(256 << 20, kv_tokens * per_token)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default")
-    parser.add_argument(
-        "--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}"
-    )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--requests", default="4,32", help="requests per run at c=1 and at c=16")
-    parser.add_argument(
-        "--eager",
-        action="store_true",
-        help="both vLLM servers in eager mode (no compile; starts faster, runs slower)",
-    )
-    parser.add_argument(
-        "--kv-cache-tokens", type=int, default=16 * 2048, help="KV cache of both vLLM servers, in tokens"
-    )
-    parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", ".venv-vllm/bin/python"))
-    parser.add_argument("--llamacpp-python", default=os.environ.get("LLAMACPP_PYTHON", ".venv-llamacpp/bin/python"))
-    parser.add_argument("--out", default="docs/benchmarks.md")
-    parser.add_argument("--log-dir", default="/tmp")
-    parser.add_argument("--json", default="", help="also write every measurement as JSON here")
-    parser.add_argument("--section", default=SECTION, help="the section of --out this run replaces")
-    parser.add_argument("--title", default="Beside the peers (`make bench-peers`)", help="that section's heading")
-    args = parser.parse_args(argv)
-
+def run(args: argparse.Namespace) -> doc.Section:
     from tokenwire.bench import DEFAULT_PROMPTS
 
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
-        parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
-    if {"tokenwire-vllm", "vllm-openai"} & set(systems) and not Path(args.vllm_python).exists():
-        parser.error(f"{args.vllm_python} is missing: run `make setup-vllm` first")
+        raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
+    if {"tokenwire-vllm", "vllm-openai"} & set(systems) and not (args.dry_run or Path(args.vllm_python).exists()):
+        raise SystemExit(f"{args.vllm_python} is missing: run `make setup-vllm` first")
     prompts = tuple(DEFAULT_PROMPTS)
     concurrency = (1, 16)
     requests = dict(zip(concurrency, (int(x) for x in args.requests.split(",")), strict=True))
     notes: list[str] = []
-    if set(LLAMACPP) & set(systems) and not Path(args.llamacpp_python).exists():
+    if set(LLAMACPP) & set(systems) and not (args.dry_run or Path(args.llamacpp_python).exists()):
         systems = [s for s in systems if s not in LLAMACPP]
-        notes.append(f"llama.cpp left out: {args.llamacpp_python} is missing (`make setup-llamacpp` builds it, ~15 min)")
+        notes.append(
+            f"llama.cpp left out: {args.llamacpp_python} is missing (`make setup-llamacpp` builds it, ~15 min)"
+        )
     rows: list[Measure] = []
     print(f"starting {', '.join(s for s in systems if s != 'generate')} ...", file=sys.stderr, flush=True)
     with started(systems, args, notes) as servers:
@@ -597,14 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                     pid = server.proc.pid if server is not None else os.getpid()
                     others = {s: tree_cpu_seconds(v.proc.pid) for s, v in servers.items() if s != system}
                     cpu_before = tree_cpu_seconds(pid)
-                    if system == "generate":
-                        m = measure_generate(args.model, c, r, requests[c], args.max_new_tokens, prompts)
-                    elif system in OPENAI_SYSTEMS:
-                        m = measure_openai(server.port, c, r, requests[c], args.max_new_tokens, prompts, system)
-                    else:
-                        m = measure_grpc(
-                            server.target, system, c, r, requests[c], args.max_new_tokens, prompts
-                        )
+                    m = measure(args, system, server, c, requests[c], prompts)
+                    m.repeat = r
                     if server is not None:
                         m.cpu_s = tree_cpu_seconds(pid) - cpu_before
                         m.rss_mb = tree_rss_mb(pid)
@@ -622,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_server = next((servers[s] for s in systems if s in ("batched", "tokenwire-vllm")), None)
         if grpc_server is not None and OPENAI_PROMPT_TOKENS:
             notes.append(same_prompts(grpc_server.target, OPENAI_PROMPT_TOKENS))
-    in_process.cache.clear()  # type: ignore[attr-defined]
+    LOADED.clear()
     import torch
 
     setup = {
@@ -639,26 +384,18 @@ def main(argv: list[str] | None = None) -> int:
             "llama-cpp-python's server, one stream at a time (it does not batch), all cores; "
             "no ignore_eos: the end tokens are forbidden by logit_bias"
         )
-    command = "python -m benchmarks.peers " + " ".join(argv if argv is not None else sys.argv[1:])
     meta = {
-        "command": command.strip(),
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": args.command,
+        "when": doc.now(),
         "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
         "requests": f"{requests[1]} (c=1) / {requests[16]} (c=16)",
         "concurrency": concurrency,
-        "machine": machine(),
+        "machine": doc.machine(),
         "setup": setup,
         "notes": notes,
         "title": args.title,
     }
-    text = render(rows, meta)
-    replace_section(Path(args.out), args.section, text)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(m) for m in rows], indent=2))
-    print(text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return doc.Section(args.section, render(rows, meta))

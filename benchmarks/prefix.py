@@ -1,4 +1,4 @@
-"""`make bench-prefix`: what the prefix cache saves when requests share a long system prompt.
+"""What the prefix cache saves when requests share a long system prompt (`make bench-prefix`).
 
 Two servers on the default model, `--prefix-cache on` (the default) and `--prefix-cache
 off`. On each, one after another (so time to first token is the prompt's own cost, not
@@ -14,101 +14,72 @@ Time to first token is taken at the client (call start to first chunk, over gRPC
 server's `cached_prompt_tokens` is read from each answer's usage, and every answer's
 text is compared between the two servers. Three repeats alternate the settings; the
 section reports TTFT median and p99 per cell, median (min–max) over repeats of the
-per-repeat medians, the ratio shared ÷ alone, and replaces the "prefix" section of
-docs/benchmarks.md.
+per-repeat medians, the ratio shared ÷ alone, and replaces the "prefix" section.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
-from pathlib import Path
+from typing import Any
 
-from benchmarks.bench import machine
-from benchmarks.doc import replace_section
-from benchmarks.launcher import ServerProcess
-from benchmarks.peers import spread
+from benchmarks import doc, load
+from benchmarks.launcher import serve
+from benchmarks.stats import median, p99, spread
 
-SECTION = "prefix"
 SETTINGS = ("on", "off")
 RULES = " ".join(f"Rule {i}: answer politely, briefly and only about topic number {i}." for i in range(60))
+DRY_RUN = {"repeats": 1, "requests": 2}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=8)
 
 
 def question(i: int) -> str:
     return f"Question {i}: what is {i} plus {2 * i}, and which colour is the sky at noon?"
 
 
-def ask(stub: object, system: str | None, text: str, tokens: int) -> tuple[float, int, int, str]:
-    """(seconds to the first chunk, prompt tokens, cached prompt tokens, answer)."""
+def ask(stub: Any, system: str | None, text: str, tokens: int) -> load.Stream:
     from tokenwire.v1 import generation_pb2 as pb
 
-    messages = ([pb.ChatMessage(role="system", content=system)] if system else []) + [pb.ChatMessage(role="user", content=text)]
+    messages = [pb.ChatMessage(role="system", content=system)] if system else []
+    messages.append(pb.ChatMessage(role="user", content=text))
     request = pb.GenerateRequest(chat=pb.Chat(messages=messages), stopping=pb.StoppingCriteria(max_new_tokens=tokens))
-    start = time.perf_counter()
-    first = None
-    chunks = []
-    for chunk in stub.Generate(request, timeout=600):  # type: ignore[attr-defined]
-        if first is None:
-            first = time.perf_counter() - start
-        chunks.append(chunk)
-    usage = chunks[-1].usage
-    assert first is not None
-    return first, usage.prompt_tokens, usage.cached_prompt_tokens, "".join(c.text for c in chunks)
+    return load.stream(stub, request, timeout=600)
 
 
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
-def main(argv: list[str] | None = None) -> int:
+def run(args: argparse.Namespace) -> doc.Section:
     import grpc
-    from tokenwire.v1 import generation_pb2_grpc as pb_grpc
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
-    args = parser.parse_args(argv)
 
     ttft: dict[tuple[str, str], list[list[float]]] = {}  # (setting, kind) -> per repeat, every request's TTFT
     cached: dict[str, list[int]] = {setting: [] for setting in SETTINGS}
     prompt_tokens: list[int] = []
-    texts: dict[str, list[str]] = {setting: [] for setting in SETTINGS}
+    texts: dict[str, list[str]] = {}
     for repeat in range(args.repeats):
         for setting in SETTINGS:
-            with ServerProcess(["--model", args.model, "--prefix-cache", setting]) as server, grpc.insecure_channel(server.target) as channel:
-                stub = pb_grpc.TextGenerationStub(channel)
+            with serve(args.dry_run, ["--model", args.model, "--prefix-cache", setting]) as server:
+                stub = load.stub(grpc.insecure_channel(server.target))
                 ask(stub, None, "Hello!", args.tokens)  # warm
-                alone = [ask(stub, None, question(i), args.tokens)[0] for i in range(args.requests)]
+                alone = [ask(stub, None, question(i), args.tokens).ttft for i in range(args.requests)]
                 ask(stub, RULES, question(999), args.tokens)  # the first: fills the cache
                 shared = [ask(stub, RULES, question(i), args.tokens) for i in range(args.requests)]
-                ttft.setdefault((setting, "alone"), []).append(alone)
-                ttft.setdefault((setting, "shared"), []).append([s[0] for s in shared])
-                cached[setting] += [s[2] for s in shared]
-                prompt_tokens += [s[1] for s in shared]
-                if repeat == 0:
-                    texts[setting] = [s[3] for s in shared]
-                print(
-                    f"repeat {repeat} prefix-cache {setting}: TTFT p50 alone {statistics.median(alone) * 1000:.0f} ms, "
-                    f"shared {statistics.median(s[0] for s in shared) * 1000:.0f} ms, cached min {min(s[2] for s in shared)}",
-                    flush=True,
-                )
-
-    info = machine()
-    command = "python -m benchmarks.prefix " + " ".join(argv if argv is not None else sys.argv[1:])
+            ttft.setdefault((setting, "alone"), []).append(alone)
+            ttft.setdefault((setting, "shared"), []).append([s.ttft for s in shared])
+            cached[setting] += [s.usage.cached_prompt_tokens for s in shared]
+            prompt_tokens += [s.usage.prompt_tokens for s in shared]
+            texts.setdefault(setting, [s.text for s in shared])
+            print(f"repeat {repeat} prefix-cache {setting}: TTFT p50 alone {median(alone) * 1000:.0f} ms, "
+                  f"shared {median(s.ttft for s in shared) * 1000:.0f} ms, cached min {min(cached[setting])}", flush=True)  # fmt: skip
     lines = [
         "## Prefix caching: a shared 1,000-token system prompt (`make bench-prefix`)",
         "",
-        f"Written by `{command.strip()}` at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; do not edit by hand.",
-        f"The default model over gRPC, {info['cpu']}, {info['cores']} cores, torch {info['torch']}. {args.requests} chats "
-        f"one after another, {args.tokens} new tokens each; the shared ones carry a {min(prompt_tokens)}–{max(prompt_tokens)}-token "
-        f"prompt (system prompt + question), after one that filled the cache. Time to first token at the client: "
-        f"median (min–max) over {args.repeats} repeats of each repeat's median, and the p99 over every request.",
+        doc.written(args.command),
+        f"The default model over gRPC, {doc.host()}. {args.requests} chats one after another, {args.tokens} new tokens "
+        f"each; the shared ones carry a {min(prompt_tokens)}–{max(prompt_tokens)}-token prompt (system prompt + "
+        "question), after one that filled the cache. Time to first token at the client: median (min–max) over "
+        f"{args.repeats} repeats of each repeat's median, and the p99 over every request.",
         "",
         "| --prefix-cache | prompt | TTFT p50 (ms) | TTFT p99 (ms) | cached prompt tokens (min–max) |",
         "|---|---|---:|---:|---:|",
@@ -116,24 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     for setting in SETTINGS:
         for kind in ("alone", "shared"):
             runs = ttft[(setting, kind)]
-            medians = [statistics.median(run) * 1000 for run in runs]
             every = [t * 1000 for run in runs for t in run]
             hits = f"{min(cached[setting])}–{max(cached[setting])}" if kind == "shared" else "-"
-            lines.append(f"| {setting} | {'question alone' if kind == 'alone' else 'shared system prompt'} | {spread(medians, 0)} | {p99(every):.0f} | {hits} |")
+            prompt = "question alone" if kind == "alone" else "shared system prompt"
+            lines.append(
+                f"| {setting} | {prompt} | {spread([median(r) * 1000 for r in runs], 0)} | {p99(every):.0f} | {hits} |"
+            )
     lines.append("")
     for setting in SETTINGS:
-        ratios = [
-            statistics.median(s) / statistics.median(a)
-            for s, a in zip(ttft[(setting, "shared")], ttft[(setting, "alone")], strict=True)
-        ]
+        pairs = zip(ttft[(setting, "shared")], ttft[(setting, "alone")], strict=True)
+        ratios = [median(s) / median(a) for s, a in pairs]
         lines.append(f"- prefix cache {setting}: TTFT p50 shared ÷ question alone {spread(ratios, 2)}×")
     same = sum(a == b for a, b in zip(texts["on"], texts["off"], strict=True))
     lines.append(f"- answers identical with the cache on and off: {same} of {len(texts['on'])} (first repeat)")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    replace_section(args.out, SECTION, text)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return doc.Section("prefix", "\n".join(lines) + "\n")

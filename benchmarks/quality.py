@@ -1,4 +1,4 @@
-"""`make bench-quality`: how far each precision mode moves the default model's answers.
+"""How far each precision mode moves the default model's answers (`make bench-quality`).
 
 For each mode against the full-precision (float32) model on this device:
 
@@ -11,7 +11,7 @@ For each mode against the full-precision (float32) model on this device:
 The bar (issue #22): KL ≤ 0.02 nats/token and ≥ 14 of 16 identical. Modes: ``int8``
 (``--quantization int8``, the server's own layers) and ``bfloat16`` (``--dtype bfloat16``;
 it is also the yardstick: what any 16-bit serving moves). The result replaces the
-"quality" section of docs/benchmarks.md and ``service/tokenwire_server/quality.json``,
+"quality" section and ``service/tokenwire_server/quality.json``,
 which the server reads at start-up: a mode that misses the bar on this device kind is
 refused unless ``--allow-unmet-quality-bar`` is given.
 """
@@ -27,9 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.doc import replace_section
+from benchmarks import doc
 
-SECTION = "quality"
 QUALITY_FILE = Path(__file__).resolve().parent.parent / "service" / "tokenwire_server" / "quality.json"
 
 
@@ -38,15 +37,22 @@ def kl_prompts(count: int) -> list[str]:
     from tokenwire.bench import DEFAULT_PROMPTS
 
     asks = ("", " Answer in one sentence.", " Explain it to a child.", " Give two examples.")
-    return [p + asks[i // len(DEFAULT_PROMPTS) % len(asks)] for i, p in enumerate(DEFAULT_PROMPTS * (count // len(DEFAULT_PROMPTS) + 1))][:count]
+    return [
+        p + asks[i // len(DEFAULT_PROMPTS) % len(asks)]
+        for i, p in enumerate(DEFAULT_PROMPTS * (count // len(DEFAULT_PROMPTS) + 1))
+    ][:count]
 
 
 def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
-    ids: list[int] = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids: list[int] = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     return ids
 
 
-def reference_answers(reference: Any, tokenizer: Any, kl_count: int, kl_tokens: int, greedy_count: int, greedy_tokens: int) -> dict[str, Any]:
+def reference_answers(
+    reference: Any, tokenizer: Any, kl_count: int, kl_tokens: int, greedy_count: int, greedy_tokens: int
+) -> dict[str, Any]:
     """float32's own answers, generated once for every mode: ``kl``: (prompt length, prompt and
     its greedy continuation) per KL prompt; ``greedy``: (prompt ids, greedy answer) per prompt."""
     import torch
@@ -57,7 +63,10 @@ def reference_answers(reference: Any, tokenizer: Any, kl_count: int, kl_tokens: 
 
     with torch.inference_mode():
         kl = [(len(ids), greedy(ids, kl_tokens)) for ids in (chat_ids(tokenizer, p) for p in kl_prompts(kl_count))]
-        answers = [(ids, greedy(ids, greedy_tokens)[0, len(ids) :].tolist()) for ids in (chat_ids(tokenizer, p) for p in DEFAULT_PROMPTS[:greedy_count])]
+        answers = [
+            (ids, greedy(ids, greedy_tokens)[0, len(ids) :].tolist())
+            for ids in (chat_ids(tokenizer, p) for p in DEFAULT_PROMPTS[:greedy_count])
+        ]
     return {"kl": kl, "greedy": answers, "greedy_tokens": greedy_tokens}
 
 
@@ -73,7 +82,9 @@ def measure(reference: Any, candidate: Any, answers: dict[str, Any]) -> dict[str
             got = torch.log_softmax(candidate(full).logits[0, prompt_length - 1 : -1].float(), -1)
             kls.append(float((want.exp() * (want - got)).sum(-1).mean()))
         for ids, a in answers["greedy"]:
-            b = candidate.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(ids) :].tolist()
+            b = candidate.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[
+                0, len(ids) :
+            ].tolist()
             identical += a == b
             parted.append(next((i for i, (u, v) in enumerate(zip(a, b, strict=True)) if u != v), len(a)))
     return {
@@ -92,28 +103,34 @@ def meets(result: dict[str, Any]) -> bool:
     return bool(result["kl"] <= BAR["kl"] and result["identical"] >= BAR["identical"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.splitlines()[0])
+DRY_RUN = {"quality_file": "", "kl_prompts": 2, "kl_tokens": 4, "greedy_prompts": 2, "greedy_tokens": 4}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="int8,bfloat16")
     parser.add_argument("--kl-prompts", type=int, default=BAR["kl_prompts"])
     parser.add_argument("--kl-tokens", type=int, default=BAR["kl_tokens"])
     parser.add_argument("--greedy-prompts", type=int, default=BAR["of"])
     parser.add_argument("--greedy-tokens", type=int, default=BAR["greedy_tokens"])
-    parser.add_argument("--out", default="docs/benchmarks.md")
-    parser.add_argument("--quality-file", default=str(QUALITY_FILE), help="where the server's start-up gate reads the result ('' to skip)")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--quality-file",
+        default=str(QUALITY_FILE),
+        help="where the server's start-up gate reads the result ('' to skip)",
+    )
 
+
+def run(args: argparse.Namespace) -> doc.Section:
     import torch
     from tokenwire_server.model import load_model
     from tokenwire_server.quantize import quantize_model
 
-    from benchmarks.bench import machine
-
-    loaded = load_model("default", device="cpu", dtype="float32")
+    loaded = load_model(args.model, device="cpu", dtype="float32")
     reference, tokenizer = loaded.model, loaded.tokenizer
     device = "cpu"
     results: dict[str, dict[str, Any]] = {}
-    answers = reference_answers(reference, tokenizer, args.kl_prompts, args.kl_tokens, args.greedy_prompts, args.greedy_tokens)
+    answers = reference_answers(
+        reference, tokenizer, args.kl_prompts, args.kl_tokens, args.greedy_prompts, args.greedy_tokens
+    )
     for mode in [m for m in args.modes.split(",") if m]:
         began = time.perf_counter()
         candidate = copy.deepcopy(reference)
@@ -126,14 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {mode}: {results[mode]} ({time.perf_counter() - began:.0f} s)", file=sys.stderr, flush=True)
         del candidate
 
-    info = machine()
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    command = "python -m benchmarks.quality " + " ".join(argv if argv is not None else sys.argv[1:])
+    info = doc.machine()
     lines = [
         "## Quality of each precision mode on the default model (`make bench-quality`)",
         "",
-        f"Written by `{command.strip()}` at {when}; do not edit by hand. Host: {info['cpu']} "
-        f"({info['instruction sets']}), torch {info['torch']}.",
+        f"{doc.written(args.command)} Host: {info['cpu']} ({info['instruction sets']}), torch {info['torch']}.",
         f"Against float32 on this CPU. KL: mean KL(float32 ‖ mode) per token, nats, teacher-forced along float32's "
         f"greedy continuations ({args.kl_prompts} prompts × {args.kl_tokens} tokens). Greedy: answers identical to "
         f"float32's for their first {args.greedy_tokens} tokens, of the {args.greedy_prompts} chat prompts of "
@@ -146,17 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"| {mode} | {r['kl']:.4f} | {r['kl_max']:.4f} | {r['identical']}/{r['of']} | {r['parted_median']:g} | {'yes' if r['meets_bar'] else 'NO'} |"
         )
-    replace_section(Path(args.out), SECTION, "\n".join(lines) + "\n")
     if args.quality_file:
         path = Path(args.quality_file)
         table = json.loads(path.read_text()) if path.is_file() else {}
         table["bar"] = BAR
         for mode, r in results.items():
-            table.setdefault("modes", {}).setdefault(mode, {})[device] = {**r, "host": info["cpu"], "measured": when}
+            table.setdefault("modes", {}).setdefault(mode, {})[device] = {
+                **r,
+                "host": info["cpu"],
+                "measured": doc.now(),
+            }
         path.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
-    print("\n".join(lines))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return doc.Section("quality", "\n".join(lines) + "\n")

@@ -79,7 +79,11 @@ FORMATS = (
     ("short", pb.ResponseFormat(json_schema=json.dumps(SCHEMAS["short"])), QUESTIONS["short"][0]),
     ("json_object", pb.ResponseFormat(json_object=True), "Describe a cat as a JSON object."),
     ("regex", pb.ResponseFormat(regex=REGEX), "Where and when were you born? City, Country Year."),
-    ("choice", pb.ResponseFormat(choice=pb.Choice(options=CHOICES)), "Is this review positive? 'It broke after two days.'"),
+    (
+        "choice",
+        pb.ResponseFormat(choice=pb.Choice(options=CHOICES)),
+        "Is this review positive? 'It broke after two days.'",
+    ),
 )
 BAD_CODES = ("UNKNOWN", "INTERNAL")
 
@@ -151,7 +155,11 @@ class Traffic:
     """Sends the mix and records what came back; thread-safe."""
 
     def __init__(
-        self, stub: pb_grpc.TextGenerationStub, args: argparse.Namespace, rng: random.Random, tokens: dict[str, str] | None = None
+        self,
+        stub: pb_grpc.TextGenerationStub,
+        args: argparse.Namespace,
+        rng: random.Random,
+        tokens: dict[str, str] | None = None,
     ) -> None:
         self._stub = stub
         self._args = args
@@ -168,7 +176,9 @@ class Traffic:
         with self._lock:
             self.outcomes.append(outcome)
 
-    def _failed(self, kind: str, error: grpc.RpcError, ttft: float | None, tenant: str, request: pb.GenerateRequest) -> None:
+    def _failed(
+        self, kind: str, error: grpc.RpcError, ttft: float | None, tenant: str, request: pb.GenerateRequest
+    ) -> None:
         """A call that ended with ``error``; one that ended UNKNOWN or INTERNAL is also listed with
         its message and request, so that a failed soak says what to reproduce."""
         code = error.code().name
@@ -232,7 +242,9 @@ class Traffic:
             )
             return Call(kind, request, 120.0, tenant, self.auth(tenant), detail=name)
         if kind == "unauthenticated":
-            return Call(kind, self._generation(a.short_tokens), 10.0, "wrong-token", (("authorization", "Bearer not-a-token"),))
+            return Call(
+                kind, self._generation(a.short_tokens), 10.0, "wrong-token", (("authorization", "Bearer not-a-token"),)
+            )
         if kind == "priority-above-cap":  # batch may ask for normal priority at most
             request = self._generation(a.short_tokens)
             request.priority = pb.PRIORITY_HIGH
@@ -314,7 +326,9 @@ class Traffic:
             self._failed("resume-cut", error, ttft, call.tenant, call.request)
             return
         if not received or received[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED:  # it ended before the cut
-            self._record(Outcome("resume-cut", "OK", ttft, received[-1].usage.completion_tokens if received else 0, call.tenant))
+            self._record(
+                Outcome("resume-cut", "OK", ttft, received[-1].usage.completion_tokens if received else 0, call.tenant)
+            )
             return
         self._record(Outcome("resume-cut", "CANCELLED", ttft, tenant=call.tenant))
         ids = [t.id for c in received for t in c.tokens]
@@ -342,14 +356,18 @@ class Traffic:
             self._violation(f"resume after {len(received)} chunks: the resumed stream's indexes are {indexes[:8]}")
         total = len(ids) + sum(len(c.tokens) for c in rest)
         if rest[-1].usage.completion_tokens != total:
-            self._violation(f"resume after {len(ids)} tokens: usage says {rest[-1].usage.completion_tokens} tokens, the streams {total}")
+            self._violation(
+                f"resume after {len(ids)} tokens: usage says {rest[-1].usage.completion_tokens} tokens, the streams {total}"
+            )
 
     def burst(self, size: int) -> None:
         """Start ``size`` calls at once (past admission), then read them all."""
         started = []
         for _ in range(size):
             tenant = self.sender()
-            stream = self._stub.Generate(self._generation(self._args.burst_tokens, tenant), timeout=120, metadata=self.auth(tenant))
+            stream = self._stub.Generate(
+                self._generation(self._args.burst_tokens, tenant), timeout=120, metadata=self.auth(tenant)
+            )
             started.append((tenant, stream))
         for tenant, stream in started:
             try:
@@ -394,13 +412,17 @@ def _drive(
     burst_size = admission + max(8, admission // 4)
     # A few calls first so lazily grown pools are at their working size before the start figures
     # (and each structured format compiled once).
-    tokenize = [stub.Tokenize.future(pb.TokenizeRequest(text="warm up " * 200), timeout=120, metadata=auth) for _ in range(8)]
+    tokenize = [
+        stub.Tokenize.future(pb.TokenizeRequest(text="warm up " * 200), timeout=120, metadata=auth) for _ in range(8)
+    ]
     for future in tokenize:
         future.result()
     for _ in range(4):
         traffic.run_one(Call("warm-up", traffic._generation(args.short_tokens), 120, metadata=auth))
     for name, fmt, question in FORMATS:
-        request = pb.GenerateRequest(prompt=question, stopping=pb.StoppingCriteria(max_new_tokens=2), response_format=fmt)
+        request = pb.GenerateRequest(
+            prompt=question, stopping=pb.StoppingCriteria(max_new_tokens=2), response_format=fmt
+        )
         traffic.run_one(Call("warm-up", request, 120, metadata=auth, detail=name))
     traffic.outcomes.clear()
     warm_lines = len(server.find("request finished")) if server is not None else 0
@@ -576,7 +598,9 @@ def render_doc(report: dict[str, Any]) -> str:
     ]
 
     def statuses(tally: dict[str, dict[str, int]]) -> str:
-        return "\n".join(f"| {name} | {', '.join(f'{c} {n}' for c, n in codes.items())} |" for name, codes in tally.items())
+        return "\n".join(
+            f"| {name} | {', '.join(f'{c} {n}' for c, n in codes.items())} |" for name, codes in tally.items()
+        )
 
     table = "\n".join(f"| {name} | {value} |" for name, value in rows)
     return f"""# Reliability
@@ -638,7 +662,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default="default", help="model of the server this starts")
     parser.add_argument("--server-arg", action="append", default=[], help="extra flag for that server (repeatable)")
-    parser.add_argument("--target", default="", help="host:port of a running server instead (loopback only; no tenants)")
+    parser.add_argument(
+        "--target", default="", help="host:port of a running server instead (loopback only; no tenants)"
+    )
     parser.add_argument("--pid", type=int, default=0, help="with --target: the server's pid, for memory and threads")
     parser.add_argument(
         "--tenants", action=argparse.BooleanOptionalAction, default=True,
@@ -650,7 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--burst-every", type=float, default=60.0, help="seconds between bursts past admission")
     parser.add_argument("--burst-tokens", type=int, default=4, help="max_new_tokens of each call of a burst")
     parser.add_argument("--short-tokens", type=int, default=16, help="max_new_tokens of short generations")
-    parser.add_argument("--long-tokens", type=int, default=64, help="max_new_tokens of long, structured and resumed generations")
+    parser.add_argument(
+        "--long-tokens", type=int, default=64, help="max_new_tokens of long, structured and resumed generations"
+    )
     parser.add_argument("--cancel-storm", type=int, default=1000, help="streams cancelled one by one after the mix")
     parser.add_argument("--cancel-storm-seconds", type=float, default=300, help="time bound of the cancel storm")
     parser.add_argument("--seed", type=int, default=0, help="seed of the traffic mix")
@@ -678,7 +706,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.doc).write_text(render_doc(report))
         print(f"soak: wrote {args.doc}", file=sys.stderr)
     if not passed(report):
-        print(f"soak: FAIL: {report['bad']} violations={report['violations'][:5]} alive={report['server_alive']}", file=sys.stderr)
+        print(
+            f"soak: FAIL: {report['bad']} violations={report['violations'][:5]} alive={report['server_alive']}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

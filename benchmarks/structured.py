@@ -1,4 +1,4 @@
-"""`make bench-structured`: do constrained answers follow their format, and what do they cost?
+"""Do constrained answers follow their format, and what do they cost? (`make bench-structured`)
 
 On the default model, one server (``--max-active 16``) and 16 client threads:
 
@@ -16,29 +16,21 @@ Each repeat runs both over four slices of 20 requests (every fourth), each slice
 constrained and unconstrained in ABBA order, so that a burst of load from a neighbour
 lands on both alike; throughput is all completion tokens ÷ the summed wall time. A first pass learns the answer lengths and
 fills the grammar cache (and is not counted). Compile time: each format compiled cold,
-in process, with the server's options. Replaces the "structured" section of
-docs/benchmarks.md.
+in process, with the server's options. Replaces the "structured" section.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import re
-import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.bench import machine
-from benchmarks.doc import replace_section
-from benchmarks.launcher import ServerProcess
-from benchmarks.peers import spread
+from benchmarks import doc, load
+from benchmarks.launcher import serve
+from benchmarks.stats import median, spread
 
-SECTION = "structured"
-REPO = Path(__file__).resolve().parent.parent
 CONCURRENCY = 16
 SLICES = 4
 
@@ -102,10 +94,14 @@ REVIEW = {
                 "name": _text(40, "The product's name as sold."),
                 "brand": _text(30, "The maker."),
                 "category": {"enum": ["electronics", "kitchen", "garden", "toys", "books", "clothing", "sports"]},
-                "price": {"type": "object", "properties": {
-                    "amount": {"type": "integer", "minimum": 0, "maximum": 10000},
-                    "currency": {"enum": ["EUR", "USD", "GBP", "JPY"]},
-                }, "required": ["amount", "currency"]},  # fmt: skip
+                "price": {
+                    "type": "object",
+                    "properties": {
+                        "amount": {"type": "integer", "minimum": 0, "maximum": 10000},
+                        "currency": {"enum": ["EUR", "USD", "GBP", "JPY"]},
+                    },
+                    "required": ["amount", "currency"],
+                },  # fmt: skip
             },
             "required": ["name", "brand", "category", "price"],
         },
@@ -139,10 +135,30 @@ SCHEMAS = {"short": SHORT, "person": PERSON, "order": ORDER, "page-long review":
 REGEX = r"[A-Z][a-z]{2,9}, [A-Z][a-z]{2,9} [0-9]{4}"
 CHOICES = ["positive", "negative", "neutral"]
 QUESTIONS = {
-    "short": ["Is water wet? Answer in JSON.", "Is the Earth flat? Answer in JSON.", "Do cats like fish? Answer in JSON.", "Is Python a snake? Answer in JSON."],
-    "person": ["Describe a famous scientist as JSON.", "Invent a character for a novel, as JSON.", "Describe your best friend as JSON.", "Describe a chef as JSON."],
-    "order": ["Create an order for two t-shirts as JSON.", "Make a sample shop order as JSON.", "Order three pairs of socks, as JSON.", "Write an order for a jacket as JSON."],
-    "page-long review": ["Review a coffee machine you bought, as JSON.", "Write a review of a children's toy as JSON.", "Review running shoes as JSON.", "Review a cookbook as JSON."],
+    "short": [
+        "Is water wet? Answer in JSON.",
+        "Is the Earth flat? Answer in JSON.",
+        "Do cats like fish? Answer in JSON.",
+        "Is Python a snake? Answer in JSON.",
+    ],
+    "person": [
+        "Describe a famous scientist as JSON.",
+        "Invent a character for a novel, as JSON.",
+        "Describe your best friend as JSON.",
+        "Describe a chef as JSON.",
+    ],
+    "order": [
+        "Create an order for two t-shirts as JSON.",
+        "Make a sample shop order as JSON.",
+        "Order three pairs of socks, as JSON.",
+        "Write an order for a jacket as JSON.",
+    ],
+    "page-long review": [
+        "Review a coffee machine you bought, as JSON.",
+        "Write a review of a children's toy as JSON.",
+        "Review running shoes as JSON.",
+        "Review a cookbook as JSON.",
+    ],
 }
 
 
@@ -154,7 +170,11 @@ def requests(max_new_tokens: int) -> list[tuple[str, Any]]:
         return pb.Chat(messages=[pb.ChatMessage(role="user", content=question)])
 
     def sampling(i: int) -> Any:
-        return pb.SamplingParams(temperature=0.0) if i % 2 == 0 else pb.SamplingParams(temperature=0.7, top_p=0.9, seed=1000 + i)
+        return (
+            pb.SamplingParams(temperature=0.0)
+            if i % 2 == 0
+            else pb.SamplingParams(temperature=0.7, top_p=0.9, seed=1000 + i)
+        )
 
     out: list[tuple[str, Any]] = []
     stopping = pb.StoppingCriteria(max_new_tokens=max_new_tokens)
@@ -162,7 +182,18 @@ def requests(max_new_tokens: int) -> list[tuple[str, Any]]:
         fmt = pb.ResponseFormat(json_schema=json.dumps(schema))
         for i in range(16):
             question = QUESTIONS[name][i % 4]
-            out.append((name, pb.GenerateRequest(request_id=f"{name}-{i}", chat=chat(question), sampling=sampling(i), stopping=stopping, response_format=fmt)))
+            out.append(
+                (
+                    name,
+                    pb.GenerateRequest(
+                        request_id=f"{name}-{i}",
+                        chat=chat(question),
+                        sampling=sampling(i),
+                        stopping=stopping,
+                        response_format=fmt,
+                    ),
+                )
+            )
     for i in range(8):
         out.append(("regex", pb.GenerateRequest(request_id=f"regex-{i}", chat=chat("Where and when were you born? City, Country Year."),
                                                 sampling=sampling(i), stopping=stopping, response_format=pb.ResponseFormat(regex=REGEX))))  # fmt: skip
@@ -184,26 +215,6 @@ def follows(kind: str, text: str) -> bool:
     except (ValueError, jsonschema.ValidationError):
         return False
     return True
-
-
-def stream(stub: Any, request: Any) -> tuple[float, int, str, int]:
-    """(time to first chunk, completion tokens, text, finish reason)."""
-    start = time.perf_counter()
-    first = None
-    chunks = []
-    for chunk in stub.Generate(request, timeout=1800):
-        if first is None:
-            first = time.perf_counter() - start
-        chunks.append(chunk)
-    assert first is not None
-    return first, chunks[-1].usage.completion_tokens, "".join(c.text for c in chunks), chunks[-1].finish_reason
-
-
-def one_pass(stub: Any, todo: list[Any]) -> tuple[float, list[tuple[float, int, str, int]]]:
-    start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(CONCURRENCY) as pool:
-        results = list(pool.map(lambda r: stream(stub, r), todo))
-    return time.perf_counter() - start, results
 
 
 def twins(todo: list[tuple[str, Any]], lengths: list[int]) -> list[Any]:
@@ -248,7 +259,7 @@ def compile_times(loaded: Any) -> dict[str, float]:
             seconds = fresh.compile(fmt)[1]
             assert seconds is not None
             times.append(seconds * 1000)
-        out[name] = statistics.median(times)
+        out[name] = median(times)
     return out
 
 
@@ -270,7 +281,9 @@ def sampler_cost(loaded: Any, steps: int = 200) -> tuple[float, float]:
     def rows(constrained: bool) -> list[Generation]:
         out = []
         for i in range(CONCURRENCY):
-            sampling = SamplingOptions(temperature=0.0) if i % 2 == 0 else SamplingOptions(temperature=0.7, top_p=0.9, seed=i)
+            sampling = (
+                SamplingOptions(temperature=0.0) if i % 2 == 0 else SamplingOptions(temperature=0.7, top_p=0.9, seed=i)
+            )
             fmt = formats[i % len(formats)] if constrained else None
             request = GenerationRequest(f"s{i}", [1], sampling, 1_000_000, response_format=fmt)
             constraint = grammars.constraint(fmt) if fmt is not None else None
@@ -292,107 +305,74 @@ def sampler_cost(loaded: Any, steps: int = 200) -> tuple[float, float]:
                     assert seq.constraint is not None and seq.constraint.accept(token)
                     if seq.constraint.terminated:
                         seqs[i] = rows(True)[i]
-    return statistics.median(times[False]), statistics.median(times[True])
+    return median(times[False]), median(times[True])
 
 
-def isa() -> str:
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    named = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
-    return " ".join(named) or "unknown"
+DRY_RUN = {"repeats": 1, "max_new_tokens": 8, "sampler_steps": 4}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="batched", choices=["batched", "vllm"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=400)
-    parser.add_argument("--model", default="")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args(argv)
+    parser.add_argument("--sampler-steps", type=int, default=200, help="steps the in-process sampler is timed over")
+
+
+def run(args: argparse.Namespace) -> doc.Section:
     import grpc
     from tokenwire.v1 import generation_pb2 as pb
-    from tokenwire.v1 import generation_pb2_grpc as pb_grpc
-
-    model = args.model
-    if not model:
-        from tokenwire_server.model import prepare_default_model
-
-        model = str(prepare_default_model())
     from tokenwire_server.model import load_model
 
-    loaded = load_model(model, device="cpu", dtype="float32")
+    loaded = load_model(args.model, device="cpu", dtype="float32")
     compiled_ms = compile_times(loaded)
     print("compile ms:", {k: round(v, 1) for k, v in compiled_ms.items()}, flush=True)
-    sampler_ms = [sampler_cost(loaded) for _ in range(args.repeats)]
+    sampler_ms = [sampler_cost(loaded, args.sampler_steps) for _ in range(args.repeats)]
     print("sampler ms per step (free, constrained):", sampler_ms, flush=True)
     del loaded
     todo = requests(args.max_new_tokens)
-    python = str(REPO / ".venv-vllm" / "bin" / "python") if args.engine == "vllm" else None
-    server_args = ["--model", model, "--engine", args.engine, "--max-active", str(CONCURRENCY), "--max-queue", "256",
-                   "--max-new-tokens-limit", str(args.max_new_tokens)]  # fmt: skip
+    flags = ["--model", args.model, "--max-active", str(CONCURRENCY), "--max-queue", "256",
+             "--max-new-tokens-limit", str(args.max_new_tokens)]  # fmt: skip
     if args.engine == "vllm":
-        server_args += ["--enforce-eager", "--kv-cache-tokens", "32768"]
+        flags += ["--enforce-eager", "--kv-cache-tokens", "32768"]
     ended: dict[tuple[str, bool], list[int]] = {}  # (kind, greedy) -> [ended whole, of which follow, all]
     rows: list[dict[str, float]] = []
-    with ServerProcess(server_args, python=python, ready_timeout=900) as server:
-        stub = pb_grpc.TextGenerationStub(grpc.insecure_channel(server.target))
-        _, learned = one_pass(stub, [r for _, r in todo])
-        lengths = [tokens for _, tokens, _, _ in learned]
-        free = twins(todo, lengths)
+    with serve(args.dry_run, flags, args.engine) as server:
+        stub = load.stub(grpc.insecure_channel(server.target))
         constrained = [r for _, r in todo]
+        _, learned = load.streams(stub, constrained, CONCURRENCY)
+        free = twins(todo, [s.usage.completion_tokens for s in learned])
         for repeat in range(args.repeats):
             # Four slices of 20 (every fourth request), each run constrained and unconstrained
             # in ABBA order: a burst of load from a neighbour lands on both kinds alike.
-            seconds_c = seconds_f = 0.0
-            results_c: list[Any] = [None] * len(todo)
-            results_f: list[Any] = [None] * len(todo)
+            seconds = {"constrained": 0.0, "free": 0.0}
+            results: dict[str, list[Any]] = {"constrained": [None] * len(todo), "free": [None] * len(todo)}
             for part in range(SLICES):
                 picked = list(range(part, len(todo), SLICES))
-                order = ("constrained", "free") if (part + repeat) % 2 == 0 else ("free", "constrained")
-                for which in order:
-                    source, results = (constrained, results_c) if which == "constrained" else (free, results_f)
-                    seconds, got = one_pass(stub, [source[i] for i in picked])
+                for which in ("constrained", "free") if (part + repeat) % 2 == 0 else ("free", "constrained"):
+                    source = constrained if which == "constrained" else free
+                    took, got = load.streams(stub, [source[i] for i in picked], CONCURRENCY)
+                    seconds[which] += took
                     for i, result in zip(picked, got, strict=True):
-                        results[i] = result
-                    if which == "constrained":
-                        seconds_c += seconds
-                    else:
-                        seconds_f += seconds
-            for (kind, request), (_, _, text, reason) in zip(todo, results_c, strict=True):
+                        results[which][i] = result
+            for (kind, request), answer in zip(todo, results["constrained"], strict=True):
                 counts = ended.setdefault((kind, request.sampling.temperature == 0), [0, 0, 0])
                 counts[2] += 1
-                if reason in (pb.FINISH_REASON_EOS, pb.FINISH_REASON_STOP_SEQUENCE):
+                if answer.chunks[-1].finish_reason in (pb.FINISH_REASON_EOS, pb.FINISH_REASON_STOP_SEQUENCE):
                     counts[0] += 1
-                    counts[1] += follows(kind, text)
-            tokens_c = sum(t for _, t, _, _ in results_c)
-            tokens_f = sum(t for _, t, _, _ in results_f)
-            row = {
-                "constrained_tps": tokens_c / seconds_c,
-                "free_tps": tokens_f / seconds_f,
-                "ttft_c": statistics.median(f for f, _, _, _ in results_c) * 1000,
-                "ttft_f": statistics.median(f for f, _, _, _ in results_f) * 1000,
-                "tokens_c": tokens_c,
-                "tokens_f": tokens_f,
-            }
+                    counts[1] += follows(kind, answer.text)
+            tokens = {which: sum(s.usage.completion_tokens for s in got) for which, got in results.items()}
+            row = {f"{which}_tps": tokens[which] / seconds[which] for which in results}
+            row |= {f"ttft_{which}": median(s.ttft for s in got) * 1000 for which, got in results.items()}
             row["ratio"] = row["constrained_tps"] / row["free_tps"]
             rows.append(row)
-            print(f"repeat {repeat}: constrained {row['constrained_tps']:.1f} tok/s ({tokens_c} tokens), unconstrained "
-                  f"{row['free_tps']:.1f} tok/s ({tokens_f} tokens), ratio {row['ratio']:.3f}", flush=True)  # fmt: skip
-    info = machine()
-    command = "python -m benchmarks.structured " + " ".join(argv if argv is not None else sys.argv[1:])
+            print(f"repeat {repeat}: constrained {row['constrained_tps']:.1f} tok/s ({tokens['constrained']} tokens), "
+                  f"unconstrained {row['free_tps']:.1f} tok/s ({tokens['free']} tokens), ratio {row['ratio']:.3f}",
+                  flush=True)  # fmt: skip
     lines = [
         "## Structured output (`make bench-structured`)",
         "",
-        f"Written by `{command.strip()}` at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; do not edit by hand.",
-        f"{info['cpu']} ({isa()}), {info['cores']} cores, torch {info['torch']}; engine `{args.engine}`, the default model, "
+        doc.written(args.command),
+        f"{doc.host()}; engine `{args.engine}`, the default model, "
         f"{CONCURRENCY} streams at a time over gRPC. 80 constrained requests per pass (16 per JSON schema, 8 regex, "
         "8 choice; greedy and seeded top-p in turn) against their unconstrained twins (the same requests without a "
         "format, each held to its constrained answer's token count with ignore_eos: the same work). "
@@ -416,8 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "| pass | tokens/s at c=16 | TTFT p50 (ms) |",
         "|---|---:|---:|",
-        f"| all rows constrained | {spread([r['constrained_tps'] for r in rows])} | {spread([r['ttft_c'] for r in rows], 0)} |",
-        f"| unconstrained twins | {spread([r['free_tps'] for r in rows])} | {spread([r['ttft_f'] for r in rows], 0)} |",
+        f"| all rows constrained | {spread([r['constrained_tps'] for r in rows])} "
+        f"| {spread([r['ttft_constrained'] for r in rows], 0)} |",
+        f"| unconstrained twins | {spread([r['free_tps'] for r in rows])} | {spread([r['ttft_free'] for r in rows], 0)} |",
         f"| constrained ÷ unconstrained | {spread([r['ratio'] for r in rows], 3)} | |",
         "",
         f"The sampler alone, in process, per step of {CONCURRENCY} rows (the only work a constrained step adds: "
@@ -426,11 +407,4 @@ def main(argv: list[str] | None = None) -> int:
         f"{spread([bound for _, bound in sampler_ms], 2)} ms with every row constrained "
         f"(constrained − unconstrained: {spread([bound - free for free, bound in sampler_ms], 2)} ms a step).",
     ]
-    print("\n".join(lines))
-    if not args.no_write:
-        replace_section(args.out, SECTION, "\n".join(lines) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return doc.Section("structured", "\n".join(lines) + "\n")

@@ -1,4 +1,4 @@
-"""`make bench-tenants`: does one tenant's backlog leave another tenant served, and do weights hold?
+"""Does one tenant's backlog leave another tenant served, and do weights hold? (`make bench-tenants`)
 
 The default model over gRPC on 127.0.0.1, two tenants told apart by their bearer tokens.
 Each repeat runs three servers, one after another:
@@ -16,14 +16,12 @@ Each repeat runs three servers, one after another:
 
 Every token is counted at the client as it arrives (`output.token_ids`). Three repeats;
 medians (min–max) over the repeats of each repeat's figure; ratios are taken inside each
-repeat. Replaces the "tenants" section of docs/benchmarks.md.
+repeat. Replaces the "tenants" section.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -32,13 +30,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench import machine
-from benchmarks.doc import replace_section
-from benchmarks.launcher import ServerProcess
-from benchmarks.peers import spread
-from benchmarks.prefix import p99
+from benchmarks import doc, load
+from benchmarks.launcher import serve
+from benchmarks.stats import median, p99, spread
 
-SECTION = "tenants"
+DRY_RUN = {"repeats": 1, "max_active": 2, "backlog": 2, "a_tokens": 8, "b_calls": 2, "b_every": 0.05, "b_tokens": 2,
+           "b_timeout": 5.0, "warmup": 0.1, "a_alone": 0.3, "window": 0.3}  # fmt: skip
 TOKENS = "tok-a a\ntok-b b\n"
 ONE_TENANT_TOKENS = "tok-a\ntok-b\n"  # both the default tenant: first come, first served
 
@@ -97,13 +94,17 @@ class Load:
             thread.join(30)
 
 
-def paced(stub: Any, token: str, count: int, new_tokens: int, timeout_s: float) -> tuple[list[float], list[float], int]:
-    """``count`` short streams, one a second, each in its own thread: (TTFT of each that
+def paced(
+    stub: Any, token: str, count: int, new_tokens: int, timeout_s: float, every: float
+) -> tuple[list[float], list[float], int]:
+    """``count`` short streams, one every ``every`` seconds, each in its own thread: (TTFT of each that
     started, server queue time of each that finished, misses)."""
     import grpc
     from tokenwire.v1 import generation_pb2 as pb
 
-    request = pb.GenerateRequest(prompt="The capital of France is", stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True))
+    request = pb.GenerateRequest(
+        prompt="The capital of France is", stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True)
+    )
     ttft: list[float] = []
     queue: list[float] = []
     misses = [0]
@@ -129,7 +130,7 @@ def paced(stub: Any, token: str, count: int, new_tokens: int, timeout_s: float) 
     for _ in range(count):
         threads.append(threading.Thread(target=one, daemon=True))
         threads[-1].start()
-        time.sleep(1.0)
+        time.sleep(every)
     for thread in threads:
         thread.join(timeout_s + 5)
     if codes:
@@ -140,25 +141,24 @@ def paced(stub: Any, token: str, count: int, new_tokens: int, timeout_s: float) 
 @contextmanager
 def server(folder: Path, args: argparse.Namespace, tokens: str, tenants: str | None) -> Iterator[Any]:
     import grpc
-    from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
     (folder / "tokens").write_text(tokens)
     flags = ["--model", args.model, "--auth-token-file", str(folder / "tokens"), "--max-queue", str(args.backlog + 16)]
     if tenants is not None:
         (folder / "tenants.toml").write_text(tenants)
         flags += ["--tenant-config", str(folder / "tenants.toml")]
-    with ServerProcess(flags) as proc, grpc.insecure_channel(proc.target) as channel:
-        yield pb_grpc.TextGenerationStub(channel)
+    with serve(args.dry_run, flags) as proc, grpc.insecure_channel(proc.target) as channel:
+        yield load.stub(channel)
 
 
 def fair_share(stub: Any, args: argparse.Namespace) -> dict[str, float]:
-    idle, _, _ = paced(stub, "tok-b", args.b_calls, args.b_tokens, args.b_timeout)
+    idle, _, _ = paced(stub, "tok-b", args.b_calls, args.b_tokens, args.b_timeout, args.b_every)
     load = Load(stub, "tok-a", args.max_active + args.backlog, args.a_tokens)
     time.sleep(args.warmup)
     t0 = time.monotonic()
     time.sleep(args.a_alone)
     t1 = time.monotonic()
-    loaded, queue, misses = paced(stub, "tok-b", args.b_calls, args.b_tokens, args.b_timeout)
+    loaded, queue, misses = paced(stub, "tok-b", args.b_calls, args.b_tokens, args.b_timeout, args.b_every)
     t2 = time.monotonic()
     load.stop()
     assert load.refused == 0, f"A was refused {load.refused} times: the server's queue is smaller than A's backlog"
@@ -166,9 +166,9 @@ def fair_share(stub: Any, args: argparse.Namespace) -> dict[str, float]:
     beside_rate = load.tokens_between(t1, t2) / (t2 - t1)
     every = loaded + [args.b_timeout] * misses  # a miss counts as the whole wait
     return {
-        "idle_p50": statistics.median(idle),
+        "idle_p50": median(idle),
         "idle_p99": p99(idle),
-        "loaded_p50": statistics.median(every),
+        "loaded_p50": median(every),
         "loaded_p99": p99(every),
         "queue_p99": p99(queue) if queue else float("nan"),
         "misses": misses,
@@ -194,22 +194,21 @@ def weights(stub: Any, args: argparse.Namespace) -> dict[str, float]:
     return {"a": ta / (t1 - t0), "b": tb / (t1 - t0), "ratio": ta / max(tb, 1), "refused": a.refused + b.refused}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-active", type=int, default=16, help="the server's --max-active (its default)")
     parser.add_argument("--backlog", type=int, default=64, help="A's streams waiting beyond the slots")
     parser.add_argument("--a-tokens", type=int, default=128)
     parser.add_argument("--b-calls", type=int, default=15)
+    parser.add_argument("--b-every", type=float, default=1.0, help="seconds between B's streams")
     parser.add_argument("--b-tokens", type=int, default=8)
     parser.add_argument("--b-timeout", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=8.0)
     parser.add_argument("--a-alone", type=float, default=15.0)
     parser.add_argument("--window", type=float, default=60.0)
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> doc.Section:
     fair: dict[str, list[dict[str, float]]] = {"fair": [], "fcfs": []}
     weighted: list[dict[str, float]] = []
     for repeat in range(args.repeats):
@@ -226,9 +225,6 @@ def main(argv: list[str] | None = None) -> int:
             weighted.append(result)
             print(f"repeat {repeat} weights 3:1: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()), flush=True)
 
-    info = machine()
-    command = "python -m benchmarks.tenants " + " ".join(argv if argv is not None else sys.argv[1:])
-
     def col(mode: str, key: str, scale: float = 1.0, digits: int = 0) -> str:
         values = [r[key] * scale for r in fair[mode] if r[key] == r[key]]  # nan: no B call finished
         return spread(values, digits)
@@ -236,11 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "## Tenants: fair share, and weights (`make bench-tenants`)",
         "",
-        f"Written by `{command.strip()}` at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; do not edit by hand.",
-        f"The default model over gRPC, batched engine, `--max-active {args.max_active}`, {info['cpu']} "
-        f"({info['instruction sets']}), {info['cores']} cores, torch {info['torch']}. Tenant A keeps {args.max_active + args.backlog} "
-        f"streams of {args.a_tokens} tokens open ({args.backlog} waiting); tenant B sends one {args.b_tokens}-token stream a "
-        f"second, {args.b_calls} in all. Median (min–max) over {args.repeats} repeats of each repeat's figure; "
+        doc.written(args.command),
+        f"The default model over gRPC, batched engine, `--max-active {args.max_active}`, {doc.host()}. Tenant A keeps {args.max_active + args.backlog} "
+        f"streams of {args.a_tokens} tokens open ({args.backlog} waiting); tenant B sends one {args.b_tokens}-token stream "
+        f"every {args.b_every:g} s, {args.b_calls} in all. Median (min–max) over {args.repeats} repeats of each repeat's figure; "
         f"a B stream that had not started after {args.b_timeout:.0f} s counts as that long.",
         "",
         "| admission | B TTFT idle p50 / p99 (ms) | B TTFT beside A's backlog p50 / p99 (ms) | B server queue p99 (ms) | B misses | A tok/s alone | A tok/s beside B |",
@@ -259,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += [
         "",
         f"- B's TTFT p99 beside A's backlog ÷ on an idle server: tenants {spread(ttft_ratio, 2)}× (target ≤ 2×: "
-        f"{'met' if statistics.median(ttft_ratio) <= 2 else 'missed'}); first come, first served {spread(fcfs_ratio, 1)}×",
-        f"- A's throughput beside B ÷ alone: {spread(a_share, 2)} (target ≥ 0.5: {'met' if statistics.median(a_share) >= 0.5 else 'missed'})",
+        f"{'met' if median(ttft_ratio) <= 2 else 'missed'}); first come, first served {spread(fcfs_ratio, 1)}×",
+        f"- A's throughput beside B ÷ alone: {spread(a_share, 2)} (target ≥ 0.5: {'met' if median(a_share) >= 0.5 else 'missed'})",
         "",
         f"Weights 3:1, both tenants saturating ({(args.max_active + args.backlog + 16) // 2} streams each; refused: "
         f"{sum(r['refused'] for r in weighted):.0f}), tokens over {args.window:.0f} s after {args.warmup:.0f} s of warm-up:",
@@ -270,13 +265,6 @@ def main(argv: list[str] | None = None) -> int:
         f"| A (weight 3) | {spread([r['a'] for r in weighted], 1)} |",
         f"| B (weight 1) | {spread([r['b'] for r in weighted], 1)} |",
         "",
-        f"- A ÷ B: {spread(ratios, 2)} (target 3 ± 15 %, 2.55–3.45: {'met' if 2.55 <= statistics.median(ratios) <= 3.45 else 'missed'})",
+        f"- A ÷ B: {spread(ratios, 2)} (target 3 ± 15 %, 2.55–3.45: {'met' if 2.55 <= median(ratios) <= 3.45 else 'missed'})",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    replace_section(args.out, SECTION, text)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return doc.Section("tenants", "\n".join(lines) + "\n")

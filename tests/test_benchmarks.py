@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from benchmarks.doc import HEADER, replace_section
-from benchmarks.peers import Measure, _openai_stream, targets
+from benchmarks.load import Measure, openai_stream
+from benchmarks.peers import targets
 
 
 def test_each_command_replaces_only_its_own_section(tmp_path: Path) -> None:
@@ -65,7 +66,7 @@ def test_the_openai_client_reads_chunked_sse_as_vllm_streams_it(usage: bool) -> 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server:
-            return await _openai_stream(port, {"stream": True, "max_tokens": 4})
+            return await openai_stream(port, {"stream": True, "max_tokens": 4})
 
     ttft, gaps, completion, prompt = asyncio.run(main())
     assert seen["body"] == {"stream": True, "max_tokens": 4}
@@ -75,7 +76,7 @@ def test_the_openai_client_reads_chunked_sse_as_vllm_streams_it(usage: bool) -> 
 
 
 def _row(system: str, c: int, repeat: int, tps: float) -> Measure:
-    return Measure(system, c, repeat, 4, 512, tps, 100.0, 110.0, 50.0, 60.0, 0)
+    return Measure(system, c, 4, 512, tps, 100.0, 110.0, 50.0, 60.0, repeat=repeat)
 
 
 def test_a_target_is_met_by_the_median_of_the_repeats_not_the_best() -> None:
