@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from engine_support import Recorder, run_all
+from tokenwire_server import transfer
 from tokenwire_server.domain import (
     ErrorEvent,
     FinishEvent,
@@ -23,7 +24,7 @@ from tokenwire_server.domain import (
     RequestHandle,
     SamplingOptions,
 )
-from tokenwire_server.engine import create_engine, transfer
+from tokenwire_server.engine import create_engine
 from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.engine.generation import Generation
 from tokenwire_server.engine.sampling import Sampler
@@ -91,7 +92,16 @@ def run(loaded: Any, overlap: str, reqs: list[GenerationRequest]) -> tuple[list[
     eng = engine(loaded, overlap)
     eng.start()
     try:
-        return run_all(eng, reqs, timeout=120), eng
+        recorders = run_all(eng, reqs, timeout=120)
+        # The streams can end before the loop has collected the step it launched last (a row a
+        # stop sequence ended was launched into one more), which is counted once collected:
+        # wait until nothing is in flight; close() then joins the loop, which finishes the
+        # step it is collecting (and counts it) before it sees the stop.
+        deadline = time.monotonic() + 30
+        while eng._flight is not None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert eng._flight is None, "the loop never collected its last step"
+        return recorders, eng
     finally:
         eng.close()
 

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,6 +29,7 @@ from tokenwire_server.domain import DEFAULT_TENANT, ErrorKind, Priority
 from tokenwire_server.engine.base import AdmissionQueue, EngineLimits
 from tokenwire_server.engine.batched import BatchedEngine, kv_blocks
 from tokenwire_server.engine.blocks import BLOCK_SIZE, BlockPool, blocks_for, prefix_keys
+from tokenwire_server.engine.budget import VLLM_RESERVED_TOKENS, kv_cache_budget
 from tokenwire_server.engine.scheduler import Scheduler
 from tokenwire_server.model import LoadedModel, ModelLoadError, kv_budget_for_device, kv_bytes_per_token
 
@@ -379,8 +381,9 @@ def block_bytes_per_layer(loaded: LoadedModel) -> int:
 def test_the_engine_commits_the_kv_budget_start_up_checks_and_no_more(shape: str) -> None:
     loaded = meta_model(SHAPES[shape])
     config = ServerConfig()  # default flags
-    budget = config.effective_kv_cache_tokens(loaded.context_length) // BLOCK_SIZE * BLOCK_SIZE  # as the server rounds it
-    checked = budget * kv_bytes_per_token(loaded.model.config, loaded.dtype)
+    per_token = kv_bytes_per_token(loaded.model.config, loaded.dtype)
+    budget = kv_cache_budget(config.kv_cache_tokens, config.max_active, loaded.context_length, per_token).tokens  # as the server sizes it
+    checked = budget * per_token
     limits = EngineLimits(config.max_active, config.max_queue, budget)
     engine = BatchedEngine(loaded, limits)
     committed = engine._cache.nbytes()
@@ -393,6 +396,22 @@ def test_the_engine_commits_the_kv_budget_start_up_checks_and_no_more(shape: str
 
 
 GIB = 2**30
+
+
+@pytest.mark.parametrize("max_active", [1, 2, 4, 8])
+def test_a_derived_kv_budget_holds_at_least_one_full_context(max_active: int) -> None:
+    """``--max-active 4`` on the default model (8,192 context) derived 4 x 2,048 tokens: no
+    room for vLLM's null block beside one context, and vLLM refused to start (#23's note)."""
+    context, per_token = 8192, 92160
+    batched = kv_cache_budget(0, max_active, context, per_token)
+    assert batched.tokens >= context and batched.tokens % BLOCK_SIZE == 0
+    assert batched.tokens == max(context, max_active * 2048)
+    vllm = kv_cache_budget(0, max_active, context, per_token, blocks=False, reserved=VLLM_RESERVED_TOKENS)
+    assert vllm.tokens >= context + VLLM_RESERVED_TOKENS
+    # a short context is not padded out: the derived budget is per stream, up to 2,048 each
+    assert kv_cache_budget(0, max_active, 1000, per_token).tokens == blocks_for(max_active * 1000) * BLOCK_SIZE
+    # an explicit budget is the operator's, rounded down to whole blocks, even below one context
+    assert kv_cache_budget(1000, max_active, context, per_token).tokens == 992
 
 
 def test_on_a_24_gib_card_the_8b_model_starts_and_admits_16_streams_of_1024_and_one_of_8192() -> None:
@@ -426,3 +445,69 @@ def test_a_model_that_leaves_no_room_for_kv_refuses_to_start_with_the_sizes() ->
     with pytest.raises(ModelLoadError, match="no room for a KV cache.*raise --kv-cache-memory-fraction"):
         kv_budget_for_device(24 * GIB, 22 * GIB, 0.9, 131072)
     assert kv_budget_for_device(80 * GIB, 17 * GIB, 0.9, 131072) == (int(80 * GIB * 0.9) - 17 * GIB) // 131072
+
+
+# -- engine/options.py: every ``auto`` decided once, with the reasons -------------------------
+
+
+def _on(device: str, loaded: LoadedModel) -> LoadedModel:
+    return dataclasses.replace(loaded, device=torch.device(device))
+
+
+def test_each_auto_is_decided_once_per_device_with_its_reason() -> None:
+    from tokenwire_server.engine.options import EngineOptions, resolve
+
+    loaded = meta_model(SHAPES["smollm2-135m"])
+    cpu = resolve(EngineOptions(), _on("cpu", loaded))
+    assert (cpu.forward, cpu.step_graphs, cpu.overlap, cpu.fresh_blocks_first) == ("native", "off", False, False)
+    assert cpu.why_not_native is None and "CUDA" in (cpu.why_no_step_graphs or "") and "cpu" in cpu.why_overlap
+    cuda = resolve(EngineOptions(), _on("cuda", loaded))
+    assert (cuda.forward, cuda.step_graphs, cuda.overlap, cuda.fresh_blocks_first) == ("transformers", "off", True, True)
+    assert "CPU only" in (cuda.why_not_native or "")
+    native = resolve(EngineOptions(forward="native"), _on("cuda", loaded))
+    assert (native.forward, native.step_graphs, native.overlap) == ("native", "cuda", True)
+    off = resolve(EngineOptions(forward="native", overlap="off", step_graphs="static"), _on("cuda", loaded))
+    assert (off.overlap, off.why_overlap, off.step_graphs) == (False, "--overlap off", "static")
+    assert resolve(EngineOptions(forward="transformers"), _on("cpu", loaded)).why_not_native == "--forward transformers"
+    compiled = resolve(EngineOptions(compile_step=True), _on("cpu", loaded))
+    assert (compiled.step_graphs, compiled.pack_weights) == ("static", False)
+    fields = cuda.log_fields()
+    assert {"forward", "why_not_native", "step_graphs", "why_no_step_graphs", "overlap", "why_overlap"} <= set(fields)
+
+
+@pytest.mark.parametrize(
+    ("options", "device", "message"),
+    [
+        ({"overlap": "sometimes"}, "cpu", "unknown overlap"),
+        ({"forward": "fast"}, "cpu", "unknown forward"),
+        ({"kernels": "asm"}, "cpu", "unknown kernels"),
+        ({"step_graphs": "cuda"}, "cpu", "needs a CUDA device"),
+        ({"step_graphs": "static", "forward": "transformers"}, "cpu", "needs the native pass"),
+    ],
+)
+def test_options_that_cannot_run_are_refused_with_the_flag(options: dict[str, str], device: str, message: str) -> None:
+    from tokenwire_server.engine.options import EngineOptions, resolve
+
+    with pytest.raises(ValueError, match=message):
+        resolve(EngineOptions(**options), _on(device, meta_model(SHAPES["smollm2-135m"])))  # type: ignore[arg-type]
+
+
+def test_the_admission_queue_and_the_scheduler_load_without_torch() -> None:
+    """They decide who runs and what a step holds: plain Python, typed (the scheduler's queue
+    is an ``AdmissionQueue``, not ``Any``), and testable without the model's libraries."""
+    import inspect
+    import subprocess
+    import sys
+
+    from tokenwire_server.engine.admission import AdmissionQueue
+    from tokenwire_server.engine.scheduler import Scheduler
+
+    code = (
+        "import sys\n"
+        "import tokenwire_server.engine.admission, tokenwire_server.engine.scheduler\n"
+        "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    annotation = inspect.signature(Scheduler.__init__).parameters["queue"].annotation
+    assert annotation == AdmissionQueue.__name__, annotation

@@ -75,16 +75,6 @@ class ServerConfig:
     log_prompts: bool = False
     otlp_endpoint: str = ""
 
-    def effective_kv_cache_tokens(self, context_length: int) -> int:
-        """The KV-cache budget in tokens, sized from the admission limits and the context.
-
-        0 means "derive it": every active stream may hold up to min(context, 2048)
-        tokens. Never sized from free memory.
-        """
-        if self.kv_cache_tokens > 0:
-            return self.kv_cache_tokens
-        return self.max_active * min(context_length, 2048)
-
     def request_limits(self, context_length: int, vocab_size: int, kv_cache_tokens: int = 0) -> RequestLimits:
         """Every limit a request is checked against, for this configuration and model."""
         return RequestLimits(
@@ -134,7 +124,7 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "workers": ("simple engine: generate() calls run at once (the bounded worker pool)", None),
     "max_active": ("batched engine: most streams decoded together in one batch", None),
     "max_queue": ("requests that may wait for a slot; past active + queued, RESOURCE_EXHAUSTED", None),
-    "kv_cache_tokens": ("KV-cache budget in tokens over all active streams, committed at start-up as blocks of 16 tokens (0: on a GPU, what --kv-cache-memory-fraction leaves; on a CPU, max_active x min(context, 2048)); an explicit budget that does not fit the GPU refuses to start", None),
+    "kv_cache_tokens": ("KV-cache budget in tokens over all active streams, committed at start-up as blocks of 16 tokens (0: on a GPU, what --kv-cache-memory-fraction leaves; elsewhere max_active x min(context, 2048), and at least one context); an explicit budget that does not fit the GPU refuses to start", None),
     "kv_cache_memory_fraction": ("batched engine on a GPU with --kv-cache-tokens 0: the fraction of the device's memory the server may use; the KV cache gets what is left of it after the weights and a warm-up step's peak (as vLLM's gpu_memory_utilization)", None),
     "prefix_cache": ("batched and vllm engines: automatic prefix caching: a prompt's full 16-token blocks already in the KV cache (same tokens, same prefix) are reused, not read again; answers are the same either way", ("on", "off")),
     "max_prefill_tokens": ("batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new arrival causes them; a token deep into a long prompt counts more, for its attention)", None),

@@ -236,19 +236,9 @@ class TokenwireServer:
         phases = self.phases
         with phases("libraries"):  # torch, and the engine's own modules
             from .engine.base import EngineLimits
-            from .engine.blocks import BLOCK_SIZE
+            from .engine.budget import kv_cache_budget
             from .engine.local import LocalBackend
-            from .engine.scheduler import IDLE_PREFILL_TOKENS
-            from .model import (
-                device_memory_after_warmup,
-                fit_kv_budget,
-                free_device_memory,
-                gpu_memory_probe,
-                gpu_report,
-                kv_budget_for_device,
-                kv_bytes_per_token,
-                load_model,
-            )
+            from .model import gpu_memory_probe, gpu_report, kv_bytes_per_token, load_model
 
         config = self.config
         for gpu in gpu_report():
@@ -277,24 +267,13 @@ class TokenwireServer:
             config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir, quantization=config.quantization,
             allow_unmet_quality_bar=config.allow_unmet_quality_bar, phases=phases,
         )  # fmt: skip
-        kv_tokens = config.effective_kv_cache_tokens(loaded.context_length)
-        free = free_device_memory(loaded)
-        if free is not None:
-            per_token = kv_bytes_per_token(loaded.model.config, loaded.dtype)
-            if config.engine == "batched" and config.kv_cache_tokens == 0:
-                # The paged cache commits its whole budget at start: size it from the device.
-                total, in_use = device_memory_after_warmup(loaded, min(loaded.context_length, IDLE_PREFILL_TOKENS))
-                kv_tokens = kv_budget_for_device(total, in_use, config.kv_cache_memory_fraction, per_token)
-                log.info(
-                    "kv cache sized from device memory",
-                    extra={"total_bytes": total, "in_use_bytes": in_use, "fraction": config.kv_cache_memory_fraction, "kv_cache_tokens": kv_tokens},
-                )
-            else:
-                kv_tokens, warning = fit_kv_budget(kv_tokens, config.kv_cache_tokens == 0, per_token, free)
-                if warning:
-                    log.warning(warning)
-        if config.engine == "batched":  # the paged cache holds whole blocks: the budget is what they hold
-            kv_tokens = max(BLOCK_SIZE, kv_tokens // BLOCK_SIZE * BLOCK_SIZE)
+        budget = kv_cache_budget(
+            config.kv_cache_tokens, config.max_active, loaded.context_length, kv_bytes_per_token(loaded.model.config, loaded.dtype),
+            loaded=loaded, memory_fraction=config.kv_cache_memory_fraction, blocks=config.engine == "batched",
+        )  # fmt: skip
+        if budget.warning:
+            log.warning(budget.warning)
+        kv_tokens = budget.tokens
         limits = EngineLimits(
             max_active=config.max_active,
             max_queue=config.max_queue,
@@ -314,27 +293,25 @@ class TokenwireServer:
 
     def _create_engine(self, loaded: LoadedModel, limits: EngineLimits) -> Engine:
         from .engine import create_engine
+        from .engine.options import EngineOptions
 
         config = self.config
-        engine = create_engine(
-            config.engine,
-            loaded,
-            limits,
-            config.workers,
-            self.metrics,
+        options = EngineOptions(
             forward=config.forward,
-            own_weights=True,
             kernels=config.kernels,
             prefix_cache=config.prefix_cache == "on",
             step_graphs=config.step_graphs,
-            overlap=config.overlap,
             compile_step=config.compile_step == "on",
+            overlap=config.overlap,
+            own_weights=True,
         )
+        engine = create_engine(config.engine, loaded, limits, config.workers, self.metrics, options)
         engine.start()
         return engine
 
     def _build_vllm_backend(self) -> GenerationBackend:
         """vLLM's engine in this process; the same seam, so the transport does not change."""
+        from .engine.budget import VLLM_RESERVED_TOKENS, kv_cache_budget
         from .engine.vllm_backend import VllmBackend, VllmSettings
         from .model import ModelLoadError, kv_bytes_per_token, resolve_model_path
 
@@ -365,7 +342,11 @@ class TokenwireServer:
             import torch
 
             dtype = torch.float32 if on_cpu else torch.bfloat16
-            kv_bytes = max(256 << 20, config.effective_kv_cache_tokens(context) * kv_bytes_per_token(model_config, dtype))
+            per_token = kv_bytes_per_token(model_config, dtype)
+            tokens = kv_cache_budget(
+                config.kv_cache_tokens, config.max_active, context, per_token, blocks=False, reserved=VLLM_RESERVED_TOKENS
+            ).tokens
+            kv_bytes = max(256 << 20, tokens * per_token)
         settings = VllmSettings(
             max_active=config.max_active,
             max_queue=config.max_queue,

@@ -182,7 +182,7 @@ def apply_constraints(logits: Any, rows: Sequence[tuple[int, Constraint]], vocab
     """
     import xgrammar as xgr
 
-    from .engine.transfer import to_device
+    from .transfer import to_device
 
     mask = xgr.allocate_token_bitmask(int(logits.shape[0]), vocab_size)
     for row, constraint in rows:

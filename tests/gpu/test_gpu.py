@@ -248,7 +248,7 @@ def test_a_24_gib_card_on_a_larger_one_starts_with_its_kv_cache_sized_from_the_c
 def test_a_launch_does_not_synchronise_with_the_device(tiny_model_dir: Path) -> None:
     """With torch's sync debug mode on ``error``, an eager native step (decode rows beside a
     prompt chunk, some positions' logits kept) and the sampler's launch for every kind of row
-    queue their kernels and host values without one synchronisation (engine/transfer.py: a
+    queue their kernels and host values without one synchronisation (transfer.py: a
     plain host -> device copy syncs the stream, which would undo --overlap). Reading the
     picks is the step's one synchronisation, outside the mode. The CPU twin, on ``meta``:
     tests/test_overlap.py."""

@@ -7,12 +7,13 @@ behind the backend seam.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..domain import EngineObserver
     from ..model import LoadedModel
     from .base import Engine, EngineLimits
+    from .options import EngineOptions
 
 ENGINES = ("batched", "simple")
 
@@ -21,25 +22,22 @@ def create_engine(
     name: str,
     loaded: LoadedModel,
     limits: EngineLimits,
-    workers: int,
+    workers: int = 1,
     observer: EngineObserver | None = None,
-    forward: str = "auto",
-    own_weights: bool = False,
-    kernels: str = "auto",
-    prefix_cache: bool = True,
-    step_graphs: str = "auto",
-    compile_step: bool = False,
-    overlap: str = "auto",
+    options: EngineOptions | None = None,
+    **requested: Any,
 ) -> Engine:
-    """``own_weights``: the engine may drop the model's plain weights where it keeps its
-    own (packed) copy; the model's own ``forward`` cannot run afterwards."""
+    """The engine ``name`` over ``loaded``. The batched engine's options come as an
+    ``EngineOptions`` or as its fields (``kernels="torch"``, ``overlap="on"``, ...): they
+    are decided once, against the model and its device, by ``options.resolve``. ``workers``
+    is the simple engine's thread count."""
+    if options is not None and requested:
+        raise TypeError("give the batched engine's options as an EngineOptions or as its fields, not both")
     if name == "batched":
         from .batched import BatchedEngine
+        from .options import EngineOptions
 
-        return BatchedEngine(
-            loaded, limits, observer, forward=forward, own_weights=own_weights, kernels=kernels, prefix_cache=prefix_cache,
-            step_graphs=step_graphs, compile_step=compile_step, overlap=overlap,
-        )  # fmt: skip
+        return BatchedEngine(loaded, limits, observer, options or EngineOptions(**requested))
     if name == "simple":
         from .simple import SimpleEngine
 

@@ -41,15 +41,14 @@ from ..domain import EngineObserver, EngineStats, ErrorKind, GenerationRequest
 from ..model import LoadedModel, attention_shape
 from .base import Engine, EngineLimits
 from .blocks import BLOCK_SIZE, BlockPool, blocks_for
-from .graphs import DecodeGraphs, resolve_mode
+from .graphs import DecodeGraphs
 from .kv import PagedCache, layer_placements
-from .native import NativeForward, unsupported_reason
-from .runner import FORWARDS, Launched, ModelRunner
+from .native import NativeForward
+from .options import EngineOptions, resolve
+from .runner import Launched, ModelRunner
 from .scheduler import Plan, Scheduler
 
 log = logging.getLogger(__name__)
-
-OVERLAP_MODES = ("auto", "on", "off")
 
 # How many times more a FLOP of attention costs than a FLOP of the linear layers, for a
 # prompt chunk read beside decoding rows, on a CPU (the measurement: docs/architecture.md,
@@ -84,26 +83,14 @@ class BatchedEngine(Engine):
     name = "batched"
 
     def __init__(
-        self,
-        loaded: LoadedModel,
-        limits: EngineLimits,
-        observer: EngineObserver | None = None,
-        forward: str = "auto",
-        own_weights: bool = False,
-        kernels: str = "auto",
-        prefix_cache: bool = True,
-        step_graphs: str = "auto",
-        compile_step: bool = False,
-        overlap: str = "auto",
+        self, loaded: LoadedModel, limits: EngineLimits, observer: EngineObserver | None = None, options: EngineOptions | None = None
     ) -> None:
         super().__init__(loaded, limits, observer)
-        if forward not in FORWARDS:
-            raise ValueError(f"unknown forward {forward!r}; expected one of {', '.join(FORWARDS)}")
-        if overlap not in OVERLAP_MODES:
-            raise ValueError(f"unknown overlap {overlap!r}; expected one of {', '.join(OVERLAP_MODES)}")
-        # Deliver a step's tokens while the device runs the next (see _overlapped_step): on CUDA by
-        # default; on a CPU the host computes the step itself, so there is nothing to overlap with.
-        self.overlap = overlap == "on" or (overlap == "auto" and loaded.device.type == "cuda")
+        resolved = resolve(options or EngineOptions(), loaded)
+        options = resolved.options
+        self.resolved = resolved
+        # Deliver a step's tokens while the device runs the next (see _overlapped_step).
+        self.overlap = resolved.overlap
         self._flight: Launched | None = None  # the step launched and not yet collected (overlap)
         self._collected_at: float | None = None  # when the last overlapped step's picks came back
         self._thread: threading.Thread | None = None
@@ -115,9 +102,9 @@ class BatchedEngine(Engine):
         layers = int(config.num_hidden_layers)
         _, kv_heads, head_dim = attention_shape(config)
         placements = layer_placements(loaded.model, layers, loaded.device, loaded.model.dtype)
-        # On a CPU untouched blocks are memory not yet resident: reuse before touching more (blocks.py).
-        fresh_first = loaded.device.type != "cpu"
-        self.pool = BlockPool(kv_blocks(limits.kv_cache_tokens), BLOCK_SIZE, prefix_cache=prefix_cache, fresh_first=fresh_first)
+        self.pool = BlockPool(
+            kv_blocks(limits.kv_cache_tokens), BLOCK_SIZE, prefix_cache=options.prefix_cache, fresh_first=resolved.fresh_blocks_first
+        )
         self._cache = PagedCache(self.pool.num_blocks, BLOCK_SIZE, kv_heads, head_dim, placements)
         self.scheduler = Scheduler(
             self.queue,
@@ -131,21 +118,14 @@ class BatchedEngine(Engine):
             on_park=self._parked,
             behind=self.queue.behind,
         )
-        reason = unsupported_reason(loaded.model)
-        if forward == "native" and reason is not None:
-            raise ValueError(f"--forward native cannot run this model: {reason}")
         native: NativeForward | None = None
-        if forward == "auto" and reason is None and loaded.device.type != "cpu":
-            # Measured and tested on a CPU only; on a GPU ``auto`` keeps transformers'
-            # forward until the native pass has been run there (``--forward native`` opts in).
-            reason = f"auto takes the native pass on a CPU only (device {loaded.device.type})"
-        if forward != "transformers" and reason is None:
+        if resolved.native:
             native = NativeForward(
-                loaded.model, self._cache, limits.max_active, release_weights=own_weights, kernel_choice=kernels, pack_weights=not compile_step
-            )
-        graph_mode, why_no_graphs = resolve_mode(step_graphs, native is not None, loaded.device, compile_step)
+                loaded.model, self._cache, limits.max_active, release_weights=options.own_weights,
+                kernel_choice=options.kernels, pack_weights=resolved.pack_weights,
+            )  # fmt: skip
         graphs: DecodeGraphs | None = None
-        if graph_mode != "off":
+        if resolved.step_graphs != "off":
             assert native is not None
             graphs = DecodeGraphs(
                 native.decode_step,
@@ -155,31 +135,26 @@ class BatchedEngine(Engine):
                 limits.max_active,
                 min(self.pool.num_blocks, blocks_for(loaded.context_length)),
                 loaded.pad_token_id,
-                capture=graph_mode == "cuda",
-                compile_step=compile_step,
+                capture=resolved.step_graphs == "cuda",
+                compile_step=options.compile_step,
             )
         self.runner = ModelRunner(loaded, self._cache, native, graphs)
-        self.step_graphs = graph_mode
-        self.forward = "native" if native is not None else "transformers"
+        self.step_graphs = resolved.step_graphs
+        self.forward = resolved.forward
         # What the native pass runs around its GEMMs (None: transformers' forward).
         self.kernels = None if native is None else "compiled" if native.compiled else "torch"
         log.info(
             "batched engine forward pass",
             extra={
-                "forward": self.forward,
+                **resolved.log_fields(),
                 "onednn_packed": bool(native and native.packed),
                 "kernels": self.kernels,
                 "why_not_compiled": native.ops_reason if native is not None else None,
                 "compiled_ops_on_torch": native.ops_fallbacks if native is not None else None,
-                "why_not_native": (reason or f"--forward {forward}") if native is None else None,
-                "step_graphs": graph_mode,
-                "overlap": self.overlap,
-                "compiled_step": compile_step and graphs is not None,
-                "why_no_step_graphs": why_no_graphs,
+                "compiled_step": options.compile_step and graphs is not None,
                 "kv_blocks": self.pool.num_blocks,
                 "kv_block_tokens": BLOCK_SIZE,
                 "kv_cache_bytes": self._cache.nbytes(),
-                "prefix_cache": prefix_cache,
             },
         )
 
@@ -225,7 +200,10 @@ class BatchedEngine(Engine):
         while not self._stop.is_set() and self.fault is None:
             try:
                 scheduler.retire(expire=True)
-                scheduler.admit()
+                # NOTE: with a step in flight and no row left (a stop sequence ended the last one
+                # after its next step was launched) admission must not block: the loop collects
+                # that step first, or it would stay in flight until the next request came.
+                scheduler.admit(wait=self._flight is None)
                 if not scheduler.rows and self._flight is None:
                     self._collected_at = None
                     continue
@@ -254,13 +232,13 @@ class BatchedEngine(Engine):
         if plan is None:
             return
         self._in_step = plan
-        picks = self.runner.run(plan)
+        result = self.runner.run(plan)
         # Nothing is committed before here: a step that ran out of memory runs again as it was.
         self._count(plan, time.perf_counter() - started)
-        self.scheduler.postprocess(plan, picks)
+        self.scheduler.postprocess(plan, result.picks)
         if plan.decodes and not plan.prompt_tokens:
             # The host's own time in the step, delivery included: on a GPU, what the device waits through.
-            self.observer.step_host(max(0.0, time.perf_counter() - started - self.runner.compute_s))
+            self.observer.step_host(max(0.0, time.perf_counter() - started - result.compute_s))
 
     def _count(self, plan: Plan, elapsed: float) -> None:
         """Count a step that ran and report its time to the metrics and the deadline estimator."""
@@ -289,11 +267,11 @@ class BatchedEngine(Engine):
             if self._flight is None:
                 return
         launched, self._flight = self._flight, None
-        picks = self.runner.collect(launched)
+        result = self.runner.collect(launched)
         collected = time.perf_counter()
-        plan = launched.plan
+        plan = result.plan
         self._count(plan, collected - launched.started)
-        waiting = scheduler.take(plan, picks)
+        waiting = scheduler.take(plan, result.picks)
         scheduler.retire(expire=False)
         try:
             self._until_it_fits(self._launch)
@@ -302,7 +280,7 @@ class BatchedEngine(Engine):
         scheduler.retire(expire=False)
         if plan.decodes and not plan.prompt_tokens and self._collected_at is not None:
             # The host's own time in a step period (collect to collect), less its compute or wait.
-            self.observer.step_host(max(0.0, collected - self._collected_at - self.runner.compute_s))
+            self.observer.step_host(max(0.0, collected - self._collected_at - result.compute_s))
         self._collected_at = collected
 
     def _launch(self) -> None:

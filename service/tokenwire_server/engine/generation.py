@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..domain import (
     Alternative,
@@ -31,6 +29,9 @@ from ..domain import (
 )
 from ..structured import STUCK, Constraint
 from ..text import TextStream
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Generation:

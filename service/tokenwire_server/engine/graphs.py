@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from ..transfer import pinned
 from .blocks import blocks_for
-from .transfer import pinned
 
 log = logging.getLogger(__name__)
 

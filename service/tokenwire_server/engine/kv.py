@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..transfer import to_device
 from .blocks import blocks_for
-from .transfer import to_device
 
 
 def decoder_layers(model: Any) -> list[Any]:

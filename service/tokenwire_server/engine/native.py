@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from ..model import attention_shape
 from ..quantize import Int8Linear
+from ..transfer import host_tensor, to_device
 from . import kernels
 from .kv import PagedCache, flat_index, places, write
 from .ops import (
@@ -60,7 +61,6 @@ from .ops import (
     chunk_plan,
     static_decode_attention,
 )
-from .transfer import host_tensor, to_device
 
 log = logging.getLogger(__name__)
 

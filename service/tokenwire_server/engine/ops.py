@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..transfer import to_device
 from .blocks import blocks_for
 from .kv import flat_index, gather, table_tensor, write
-from .transfer import to_device
 
 # What one more attention call per layer costs, in row-columns (one row attending over one
 # column) on a CPU: a call ~25 us, a row-column ~0.15-0.2 us (docs/architecture.md).

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..model import LoadedModel
+from ..transfer import host_tensor, to_device
 from .blocks import blocks_for
 from .graphs import DecodeGraphs
 from .kv import PagedCache, places, table_tensor
@@ -38,12 +39,6 @@ from .native import NativeForward
 from .ops import Segment
 from .sampling import Drawn, Sampler
 from .scheduler import Part, Plan
-from .transfer import host_tensor, to_device
-
-# ``auto``: the engine's own pass (``native.NativeForward``) where the model is
-# Llama-shaped and runs on a CPU, else transformers' forward; ``native`` insists; ``transformers``
-# always takes the model's own forward (one prefill pass, then one decode pass).
-FORWARDS = ("auto", "native", "transformers")
 
 
 def _per_row_logits() -> bool:
@@ -75,6 +70,21 @@ class Launched:
     started: float  # time.perf_counter() when the launch began
 
 
+Pick = tuple[int, float | None, Any]  # a row's token, its log-probability, its alternatives
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """A step's picks on the host (one per emitting row, in plan order) and how long the
+    device computed it as seen from the host: on a CPU the forward pass the host ran itself;
+    on CUDA the wait in the sampler's one device -> host copy. The engine takes it from the
+    step's wall time to count the host's own part."""
+
+    plan: Plan
+    picks: list[Pick]
+    compute_s: float
+
+
 class ModelRunner:
     """Runs plans over one model and its cache; ``native`` is None for transformers' forward;
     ``graphs`` (native pass only) runs the steps of one-token rows in fixed-shape buckets."""
@@ -87,13 +97,11 @@ class ModelRunner:
         self.sampler = Sampler(loaded.eos_token_ids)
         self._cache_arg = cache_argument(loaded.model)
         self._mask_dtype = loaded.model.dtype if loaded.model.dtype.is_floating_point else torch.float32
-        # The last run's compute time, which the engine takes from its step's wall time to count
-        # the host's own: on a CPU the host computes the forward pass itself; on CUDA the host
-        # only launches it and waits in the sampler's one device -> host copy.
+        # On a CPU the host computes the forward pass itself; on CUDA the host only launches
+        # it and waits in the sampler's one device -> host copy (StepResult.compute_s).
         self._waits_on_device = loaded.device.type == "cuda"
-        self.compute_s = 0.0
 
-    def run(self, plan: Plan) -> list[tuple[int, float | None, Any]]:
+    def run(self, plan: Plan) -> StepResult:
         """Run the plan's forward pass(es) and pick a token for each row that emits, in plan order."""
         return self.collect(self.launch(plan))
 
@@ -110,11 +118,11 @@ class ModelRunner:
         drawn = self.sampler.launch(logits, [row.seq for row in emitters]) if emitters else None
         return Launched(plan, drawn, forward_s, started)
 
-    def collect(self, launched: Launched) -> list[tuple[int, float | None, Any]]:
+    def collect(self, launched: Launched) -> StepResult:
         """The launched step's picks on the host (on CUDA: waits for the step to finish)."""
         picks = self.sampler.collect(launched.drawn) if launched.drawn is not None else []
-        self.compute_s = self.sampler.wait_s if self._waits_on_device else launched.forward_s
-        return picks
+        compute_s = self.sampler.wait_s if self._waits_on_device else launched.forward_s
+        return StepResult(launched.plan, picks, compute_s)
 
     def _graphed(self, plan: Plan) -> torch.Tensor | None:
         """A step of decode rows alone through ``graphs`` (None: no graphs, a prompt chunk in the

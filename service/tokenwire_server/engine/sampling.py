@@ -23,8 +23,8 @@ import torch
 
 from ..domain import Alternative
 from ..structured import apply_constraints
+from ..transfer import host_tensor
 from .generation import Generation
-from .transfer import host_tensor
 
 NEG_INF = float("-inf")
 _M32 = 0xFFFF_FFFF

@@ -33,6 +33,7 @@ from ..domain import ErrorKind, FinishReason
 from .blocks import BlockPool, Lease, prefix_keys
 
 if TYPE_CHECKING:
+    from .admission import AdmissionQueue
     from .generation import Generation
 
 # With no stream decoding, waiting prompts are read at once, but at most this many
@@ -112,7 +113,7 @@ class Scheduler:
 
     def __init__(
         self,
-        queue: Any,
+        queue: AdmissionQueue,
         pool: BlockPool,
         max_active: int,
         max_prefill_tokens: int,
@@ -138,7 +139,10 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------
 
-    def admit(self) -> None:
+    def admit(self, wait: bool = True) -> None:
+        """Admit waiting requests while the pool can promise them their worst case. With no
+        row running it blocks until one arrives, unless ``wait`` is off (a step in flight
+        still has to be collected)."""
         room = self.max_active - len(self.rows)
         preempted = False
         if room <= 0:
@@ -146,7 +150,7 @@ class Scheduler:
             room = self.max_active - len(self.rows)
         if room <= 0:
             return
-        busy = bool(self.rows)
+        busy = bool(self.rows) or not wait
         pool = self.pool
         leases: dict[int, tuple[Lease, list[bytes]] | None] = {}
 

@@ -1,0 +1,125 @@
+"""What the batched engine is asked to do, and what every ``auto`` comes to, decided once.
+
+``EngineOptions`` holds the flags as given (``--forward``, ``--kernels``, ``--step-graphs``,
+``--compile-step``, ``--overlap``, ``--prefix-cache``) and whether the engine may drop the
+model's plain weights. ``resolve`` reads them against the loaded model and its device and
+returns ``Resolved``: the forward pass, the step graphs, the overlap and the block order,
+each with the reason where ``auto`` chose against it. The engine builds what ``Resolved``
+says and logs it in one start-up line; nothing below it decides an ``auto`` again.
+
+One rule is left where its answer is known: whether the compiled CPU ops run (``--kernels
+auto``) depends on building and loading them, which ``native.NativeForward`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from .graphs import resolve_mode
+from .native import KERNEL_CHOICES, unsupported_reason
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..model import LoadedModel
+
+# ``auto``: the engine's own pass (``native.NativeForward``) where the model is
+# Llama-shaped and runs on a CPU, else transformers' forward; ``native`` insists; ``transformers``
+# always takes the model's own forward (one prefill pass, then one decode pass).
+FORWARDS = ("auto", "native", "transformers")
+OVERLAP_MODES = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """The batched engine's options as requested (``auto`` not yet decided)."""
+
+    forward: str = "auto"
+    kernels: str = "auto"
+    prefix_cache: bool = True
+    step_graphs: str = "auto"
+    compile_step: bool = False
+    overlap: str = "auto"
+    # The engine may drop the model's plain weights where it keeps its own (packed) copy;
+    # the model's own ``forward`` cannot run afterwards.
+    own_weights: bool = False
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (
+            ("forward", self.forward, FORWARDS),
+            ("kernels", self.kernels, KERNEL_CHOICES),
+            ("overlap", self.overlap, OVERLAP_MODES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(allowed)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """Every ``auto`` decided for one model on one device, with the reasons."""
+
+    options: EngineOptions
+    native: bool  # the engine's own pass; else transformers' forward
+    why_not_native: str | None
+    step_graphs: str  # off, static or cuda
+    why_no_step_graphs: str | None
+    overlap: bool  # deliver step N while step N+1 runs
+    why_overlap: str
+    fresh_blocks_first: bool  # the block pool hands out untouched blocks before reused ones
+    # Whether the native pass packs its weights for oneDNN: a compiled step takes plain
+    # weights (oneDNN's packed GEMM has no fake kernel for torch.compile to trace).
+    pack_weights: bool
+
+    @property
+    def forward(self) -> str:
+        return "native" if self.native else "transformers"
+
+    def log_fields(self) -> dict[str, Any]:
+        """The decisions, for the engine's start-up line."""
+        return {
+            "forward": self.forward,
+            "why_not_native": self.why_not_native,
+            "step_graphs": self.step_graphs,
+            "why_no_step_graphs": self.why_no_step_graphs,
+            "overlap": self.overlap,
+            "why_overlap": self.why_overlap,
+            "prefix_cache": self.options.prefix_cache,
+            "fresh_blocks_first": self.fresh_blocks_first,
+        }
+
+
+def resolve(options: EngineOptions, loaded: LoadedModel) -> Resolved:
+    """What ``options`` come to for ``loaded`` on its device; a ValueError for what cannot
+    run there (``--forward native`` on a model it cannot take, ``--step-graphs cuda`` off
+    CUDA, ...), which start-up reports as a usage error."""
+    device: torch.device = loaded.device
+    reason = unsupported_reason(loaded.model)
+    if options.forward == "native" and reason is not None:
+        raise ValueError(f"--forward native cannot run this model: {reason}")
+    if options.forward == "auto" and reason is None and device.type != "cpu":
+        # Measured and tested on a CPU only; on a GPU ``auto`` keeps transformers'
+        # forward until the native pass has been run there (``--forward native`` opts in).
+        reason = f"auto takes the native pass on a CPU only (device {device.type})"
+    if options.forward == "transformers":
+        reason = "--forward transformers"
+    native = reason is None
+    graphs, why_no_graphs = resolve_mode(options.step_graphs, native, device, options.compile_step)
+    if options.overlap == "auto":
+        # On a CPU the host computes the step itself: there is nothing to overlap with.
+        overlap = device.type == "cuda"
+        why_overlap = f"auto: {'on' if overlap else 'off'} on {device.type}"
+    else:
+        overlap, why_overlap = options.overlap == "on", f"--overlap {options.overlap}"
+    return Resolved(
+        options=options,
+        native=native,
+        why_not_native=reason,
+        step_graphs=graphs,
+        why_no_step_graphs=why_no_graphs,
+        overlap=overlap,
+        why_overlap=why_overlap,
+        # On a CPU untouched blocks are memory not yet resident: reuse before touching more (blocks.py).
+        fresh_blocks_first=device.type != "cpu",
+        pack_weights=not options.compile_step,
+    )
