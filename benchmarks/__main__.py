@@ -29,6 +29,7 @@ SUITES = {
     "resume": "benchmarks.resume",
     "tenants": "benchmarks.tenants",
     "structured": "benchmarks.structured",
+    "startup": "benchmarks.startup",
     "ab": "benchmarks.ab",
 }
 DOC = Path("docs/benchmarks.md")

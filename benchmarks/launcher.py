@@ -49,10 +49,12 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         ready_timeout: float = 180.0,
         python: str | None = None,
+        wait: bool = True,
     ) -> None:
         """``python``: the interpreter to run it with (another venv's, e.g. .venv-vllm's);
         this one by default. The server leads its own process group, so that stopping it
-        also stops the processes it started (vLLM's engine core and workers)."""
+        also stops the processes it started (vLLM's engine core and workers). ``wait``:
+        return once it is ready (else at once: ``wait_listening``, then poll it)."""
         python = python or sys.executable
         cmd = [python, "-m", "tokenwire_server", "--host", "127.0.0.1", "--port", "0", "--log-format", "json", *args]
         full_env = dict(os.environ)
@@ -69,11 +71,17 @@ class ServerProcess:
         self._listening = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        if not self._listening.wait(ready_timeout):
+        if wait:
+            self.wait_listening(ready_timeout)
+            self.wait_ready(ready_timeout)
+
+    def wait_listening(self, timeout: float) -> None:
+        """Wait for the "listening" line (or the end of the output); ``target`` is the bound
+        address from then on."""
+        if not self._listening.wait(timeout):
             self.kill()
             raise RuntimeError("server did not start listening:\n" + self.output())
         self.target = f"127.0.0.1:{self.port}"
-        self.wait_ready(ready_timeout)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
