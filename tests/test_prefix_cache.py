@@ -5,7 +5,7 @@
   unshared tails read in chunks beside decoding rows), give exactly the tokens they give
   with ``prefix_cache=False``, greedy and seeded-sampled; each reports the prompt tokens
   it reused.
-- On the real default model: 16 chat requests share a ~1,000-token system prompt, each
+- On the real default model: 6 chat requests share a ~1,000-token system prompt, each
   with its own question. After the first, each reuses at least 960 prompt tokens
   (``usage.cached_prompt_tokens``), and every answer is identical with the cache off.
   The time-to-first-token figure is measured by ``make bench-prefix``, not here.
@@ -84,11 +84,14 @@ def test_shared_prefixes_give_the_same_tokens_with_the_cache_on_and_off(tiny_mod
 
 
 @pytest.mark.e2e
-def test_sixteen_chats_share_a_1000_token_system_prompt_on_the_default_model(default_model_dir: Path) -> None:
+def test_six_chats_share_a_1000_token_system_prompt_on_the_default_model(default_model_dir: Path) -> None:
     loaded = load_model(str(default_model_dir))
     tokenizer = loaded.tokenizer
     rules = " ".join(f"Rule {i}: answer politely, briefly and only about topic number {i}." for i in range(60))
-    questions = [f"Question {i}: what is {i} plus {2 * i}, and which colour is the sky at noon?" for i in range(16)]
+    # Six, not the bench's 16: the cache-off pass reads every prompt whole (~1,000 tokens of
+    # prefill each on the real model), and the first, the batch of the rest, and each row's
+    # reuse are all there at six.
+    questions = [f"Question {i}: what is {i} plus {2 * i}, and which colour is the sky at noon?" for i in range(6)]
 
     def chat(question: str) -> list[int]:
         messages = [{"role": "system", "content": rules}, {"role": "user", "content": question}]
