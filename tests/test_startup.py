@@ -35,6 +35,19 @@ def test_flags_override_environment(monkeypatch):
     assert parse_config(["--max-active", "3"]).max_active == 3
 
 
+@pytest.mark.parametrize("value", ["on", "off", "auto"])
+def test_overlap_comes_from_the_flag_or_the_environment(monkeypatch, value):
+    """--overlap and TOKENWIRE_OVERLAP reach the configuration (the in-process servers of
+    tests/production then check that it reaches the engine); the default is auto."""
+    assert parse_config([]).overlap == "auto"
+    assert parse_config(["--overlap", value]).overlap == value
+    monkeypatch.setenv("TOKENWIRE_OVERLAP", value)
+    assert parse_config([]).overlap == value
+    assert parse_config(["--overlap", "off" if value != "off" else "on"]).overlap != value
+    with pytest.raises(SystemExit):
+        parse_config(["--overlap", "sometimes"])
+
+
 def test_missing_model_folder_is_a_clear_error(tmp_path: Path):
     result = run_server("--model", str(tmp_path / "nope"))
     assert result.returncode == 2

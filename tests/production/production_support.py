@@ -141,6 +141,10 @@ def in_process_servers(model_dir: Path) -> Iterator[Callable[..., InProcessServe
         fields.update(overrides)
         server = InProcessServer(ServerConfig(**fields))
         started.append(server)
+        if "overlap" in overrides and fields.get("engine", "batched") == "batched":
+            # The flag reaches the engine: a server built without it would run the plain loop,
+            # and every overlap variant that runs through it would pass on the plain loop.
+            assert server.backend.engine.overlap is (overrides["overlap"] == "on"), "--overlap did not reach the engine"
         return server
 
     try:

@@ -10,8 +10,8 @@
   hand-off mid-run. Every stream completes with no exception, its text byte-identical to
   an undisturbed run and its chunk indexes 0..n-1 once each.
 - Rolling update: the same load while the 3 replicas are restarted one after another
-  (SIGTERM, then a new process on the same port): no stream fails, and each process is
-  gone within --handoff-after-s + 2 s of its SIGTERM.
+  (SIGTERM, then a new process on the same port): no stream fails, and each process
+  leaves by the hand-off (--handoff-after-s), not by the grace period.
 """
 
 from __future__ import annotations
@@ -227,8 +227,12 @@ def test_a_rolling_update_fails_no_stream(tiny_model_dir: Path) -> None:
                 signalled = time.monotonic()
                 servers[i].proc.send_signal(signal.SIGTERM)
                 assert servers[i].proc.wait(HANDOFF_S + 30) == 0
+                # It left by the hand-off, not by the grace period (25 s): no grace-period cut in
+                # its log, and an exit far inside the grace. Not a stopwatch's HANDOFF_S + 2 s: a
+                # loaded 2-core host took 2.85 s for the same exit in test_drain.
+                assert not servers[i].find("grace period over; cancelling calls in flight")
                 gone_after = time.monotonic() - signalled
-                assert gone_after <= HANDOFF_S + 2, gone_after
+                assert gone_after < HANDOFF_S + 10, gone_after
                 servers[i] = ServerProcess(["--model", str(tiny_model_dir), *ENGINE_ARGS, "--handoff-after-s", str(HANDOFF_S), "--port", str(ports[i])])
             restarting.clear()
             driver.join(600)
