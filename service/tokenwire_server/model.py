@@ -120,11 +120,10 @@ def cpu_precision(capabilities: dict[str, Any] | None = None) -> tuple[torch.dty
     """``--dtype auto`` on a CPU: the dtype and why, from what this host computes natively.
 
     float32 on every host kind measured so far. bf16 needs AMX or AVX512-BF16 to be computed
-    natively; elsewhere oneDNN emulates it (measured 1.8x slower than float32 at 16 rows on an
-    AVX-512 host without them). Where a host has them, bf16 stays an explicit choice until it is
-    measured faster there: on an AMX host with stock torch ops it was not (#22), and it keeps
-    only 11 of 16 greedy answers of the default model identical over 32 tokens
-    (``make bench-quality``).
+    natively; elsewhere oneDNN emulates it, slower than float32. Where a host has them, bf16
+    stays an explicit choice until it is measured faster there, and it moves the default
+    model's greedy answers (the figures: docs/operations.md, "Quantized weights", and
+    docs/benchmarks.md, "Quality").
     """
     isa = cpu_instruction_sets(capabilities)
     native_bf16 = [name for name in ("amx_bf16", "avx512_bf16") if name in isa]

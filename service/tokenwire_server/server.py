@@ -52,11 +52,12 @@ WATCHDOG_INTERVAL_S = 0.25
 def settle_heap() -> None:
     """Move every object alive once the model is loaded out of the garbage collector's reach.
 
-    The loaded model, tokenizer and libraries leave ~370,000 tracked objects; a full
-    collection walks them all, ~200 ms on the 2-core CPU, holding the GIL: every stream's
-    next token waits that long each time one runs (one every few seconds under load).
-    ``gc.freeze`` puts them in a permanent generation that collections skip (they live as
-    long as the process anyway); what requests allocate afterwards is collected as before.
+    The loaded model, tokenizer and libraries leave hundreds of thousands of tracked objects;
+    a full collection walks them all holding the GIL, and every stream's next token waits
+    for it (the figures: docs/architecture.md, "The loaded heap out of the collector's
+    reach"). ``gc.freeze`` puts them in a permanent generation that collections skip (they
+    live as long as the process anyway); what requests allocate afterwards is collected as
+    before.
     """
     gc.collect()
     gc.freeze()
@@ -182,7 +183,7 @@ class TokenwireServer:
         # that ever ran torch in parallel, for as long as that thread lives. With a second
         # pool alive beside the engine loop's it finds more threads than cores and stops
         # spinning between parallel regions, so every layer of every step pays a futex
-        # wake-up (2 cores: a one-row decode step of the default model 59 ms instead of 45).
+        # wake-up (measured: docs/architecture.md, "One OpenMP pool").
         loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenwire-load")
         try:
             backend = await loop.run_in_executor(loader, self._build_backend)

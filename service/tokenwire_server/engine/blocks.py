@@ -10,9 +10,12 @@ else, whatever the lengths of the requests and however many there are.
 **Admission reserves the worst case.** A request is admitted only when the blocks of
 its prompt plus ``max_new_tokens`` are free (or held by nobody, see below), and they
 are promised to it: it takes them one at a time as it grows, and it never fails or
-waits for lack of KV once admitted. No preemption, no recomputation; the price is
-that a request which stops early held a reservation it did not use (vLLM preempts
-instead; the trade is written in docs/architecture.md).
+waits for lack of KV once admitted. Lack of KV never preempts a running request; the
+price is that a request which stops early held a reservation it did not use (vLLM
+preempts for KV instead; the trade is written in docs/architecture.md). A request leaves
+its blocks early only when a more urgent tenant's request preempts it or its reader
+stops reading (it is parked); coming back, it reads its context again, from the prefix
+cache where its blocks are still there.
 
 **Automatic prefix caching.** A block all of whose tokens are prompt tokens is, once
 its keys and values are written, *published* under a key: a hash of its tokens and of
