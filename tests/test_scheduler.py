@@ -88,7 +88,7 @@ class FakeSeq:
     def expired(self, now: float) -> None:
         return None
 
-    def admit(self, now: float) -> None:
+    def mark_admitted(self, now: float) -> None:
         if self.admitted_at is None:
             self.admitted_at = now
 

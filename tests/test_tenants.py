@@ -40,13 +40,13 @@ def take_one(q: AdmissionQueue) -> Any:
     """The next request the engine admits, as an engine would: only into a free slot."""
     if q.active >= q._limits.max_active:
         return None
-    taken = q.take(lambda s: True, block=False, max_count=1)
+    taken = q.dequeue(lambda s: True, block=False, max_count=1)
     return taken[0] if taken else None
 
 
 def finish(q: AdmissionQueue, s: Any) -> None:
     s.generated = [7] * s.request.max_new_tokens
-    q.release(s)
+    q.vacate(s)
 
 
 def saturate(q: AdmissionQueue, make: dict[str, Any], steps: int, backlog: int = 8) -> tuple[collections.Counter[str], collections.Counter[str]]:
@@ -70,7 +70,7 @@ def saturate(q: AdmissionQueue, make: dict[str, Any], steps: int, backlog: int =
         done = [s for s in running if len(s.generated) >= s.request.max_new_tokens]
         running = [s for s in running if s not in done]
         for s in done:
-            q.release(s)
+            q.vacate(s)
     return tokens, admissions
 
 
@@ -144,7 +144,7 @@ def test_what_a_request_did_not_generate_goes_back_to_its_tenant() -> None:
         s = take_one(q)
         counts[s.request.tenant] += 1
         s.generated = [7] if s.request.tenant == "a" else [7] * 100
-        q.release(s)
+        q.vacate(s)
         q.put(seq(s.request.tenant, new=100))
     assert counts["a"] > 3 * counts["b"]
 

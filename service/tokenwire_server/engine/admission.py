@@ -89,7 +89,7 @@ def cost_of(seq: Generation) -> int:
 class AdmissionQueue:
     """Requests waiting for a slot, bounded; the engine's own thread(s) take from it.
 
-    Which waiting request goes next (``take``): the most urgent priority first, across all
+    Which waiting request goes next (``dequeue``): the most urgent priority first, across all
     tenants; within a priority, a tenant running fewer than its weighted share of the slots
     (among the tenants with work) before one running its share or more, since every
     running stream decodes a token a step, the share of slots is the share of tokens;
@@ -238,7 +238,7 @@ class AdmissionQueue:
                 return best, best.waiting[priority]
         return None
 
-    def take(self, fits: Callable[[Generation], bool], block: bool, max_count: int) -> list[Generation]:
+    def dequeue(self, fits: Callable[[Generation], bool], block: bool, max_count: int) -> list[Generation]:
         """Move waiting sequences that ``fits`` accepts, in the order above, to active.
 
         Stops at the first one that does not fit, so a large request is not starved
@@ -322,7 +322,7 @@ class AdmissionQueue:
                 self._cond.wait(timeout=timeout_s)
             return self._queued > 0
 
-    def release(self, *seqs: Generation) -> None:
+    def vacate(self, *seqs: Generation) -> None:
         """``seqs`` (taken earlier) left their slots: what they did not generate goes back to their tenants."""
         with self._cond:
             for seq in seqs:

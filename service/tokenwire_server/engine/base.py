@@ -154,7 +154,7 @@ class Engine(abc.ABC):
         for seq in seqs:
             if seq.admitted_at is None:  # not a preempted request coming back
                 self.observer.admitted(now - seq.request.arrival)
-            seq.admit(now)
+            seq.mark_admitted(now)
 
     def _parked(self, seq: Generation) -> None:
         """``seq`` left its slot for its reader to catch up (``AdmissionQueue.park``)."""

@@ -129,7 +129,7 @@ class BlockPool:
             found.append(block)
         return found
 
-    def admit(self, total_tokens: int, prompt_keys: Sequence[bytes], prompt_len: int) -> Lease | None:
+    def lease(self, total_tokens: int, prompt_keys: Sequence[bytes], prompt_len: int) -> Lease | None:
         """Reserve a request's worst case (``total_tokens``), sharing its prompt's cached
         prefix; None when it does not fit now. ``prompt_keys``: its prompt's full blocks'
         keys (``prefix_keys``); only blocks before the prompt's last token are shared."""
@@ -172,7 +172,7 @@ class BlockPool:
         self._block_of[key] = block
         self._key_of[block] = key
 
-    def release(self, lease: Lease) -> None:
+    def give_back(self, lease: Lease) -> None:
         """The request has left: its blocks go idle (cached) or unused, its promise is void."""
         for block in lease.blocks:
             self._holders[block] -= 1

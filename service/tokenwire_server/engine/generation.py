@@ -145,7 +145,7 @@ class Generation:
     def seen_ids(self) -> list[int]:
         return self.request.prompt_ids + self.generated
 
-    def admit(self, now: float | None = None) -> None:
+    def mark_admitted(self, now: float | None = None) -> None:
         """Admitted into a slot; after a preemption, the first admission still counts (queue
         time, time limit)."""
         if self.admitted_at is None:

@@ -163,13 +163,13 @@ class Scheduler:
             # A resumed stream reads its prompt and the tokens it already has (``context_ids``):
             # the prompt's blocks are often still cached from before the cut.
             keys = prefix_keys(seq.context_ids, pool.block_size) if pool.prefix_cache else []
-            lease = pool.admit(seq.budget_tokens, keys, seq.context_len)
+            lease = pool.lease(seq.budget_tokens, keys, seq.context_len)
             if lease is None:
                 return False
             leases[id(seq)] = (lease, keys)
             return True
 
-        group = self.queue.take(fits, block=not busy, max_count=room)
+        group = self.queue.dequeue(fits, block=not busy, max_count=room)
         if not group:
             return
         if not busy and (self._last_busy_rows > 1 or len(group) > 1):
@@ -178,7 +178,7 @@ class Scheduler:
             # the others later (a dynamic batcher's queue delay). A lone stream never waits.
             # The window restarts with each arrival: gather while requests keep coming.
             while len(group) < room and self.queue.wait_for_arrival(self.batch_window_s):
-                more = self.queue.take(fits, block=False, max_count=room - len(group))
+                more = self.queue.dequeue(fits, block=False, max_count=room - len(group))
                 if not more:  # the next one does not fit the pool: start with what we have
                     break
                 group += more
@@ -196,7 +196,7 @@ class Scheduler:
                         f"the request needs {seq.budget_tokens} KV-cache tokens, more than the whole budget "
                         f"({pool.num_blocks * pool.block_size}, --kv-cache-tokens)",
                     )
-                self.queue.release(seq)
+                self.queue.vacate(seq)
                 continue
             lease, keys = taken
             if not seq.preemptions:  # coming back, its prompt was read (or found) when first admitted
@@ -340,7 +340,7 @@ class Scheduler:
             for index, key in enumerate(prefix_keys(tokens, pool.block_size)[row.published :], start=row.published):
                 pool.publish(row.lease, index, key)
             row.published = full
-        pool.release(row.lease)
+        pool.give_back(row.lease)
 
     def preempt(self) -> Row | None:
         """Every slot is taken and a waiting request deserves one more than a running request
@@ -373,8 +373,8 @@ class Scheduler:
         self.rows = [row for row in self.rows if id(row) not in leaving]
         for row in rows:
             row.left = True
-            self.pool.release(row.lease)
-        self.queue.release(*(row.seq for row in rows))
+            self.pool.give_back(row.lease)
+        self.queue.vacate(*(row.seq for row in rows))
 
     def running(self) -> list[tuple[Any, int]]:
         return [(row.seq.request, len(row.seq.generated)) for row in list(self.rows)]

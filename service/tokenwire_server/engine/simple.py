@@ -153,7 +153,7 @@ class SimpleEngine(Engine):
 
     def _work(self) -> None:
         while not self.queue.closed:
-            taken = self.queue.take(lambda seq: True, block=True, max_count=1)
+            taken = self.queue.dequeue(lambda seq: True, block=True, max_count=1)
             for seq in taken:
                 with self._running_lock:
                     self._running.add(seq)
@@ -176,7 +176,7 @@ class SimpleEngine(Engine):
                         self.queue.park(seq)
                         self._parked(seq)
                     else:
-                        self.queue.release(seq)
+                        self.queue.vacate(seq)
 
     def _generate(self, seq: Generation) -> bool:
         """Run ``seq`` until it ends, or its reader falls behind (then return True: to be parked)."""

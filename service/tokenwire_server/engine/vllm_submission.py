@@ -162,7 +162,7 @@ class VllmSubmission:
                         break
                     if not admitted:
                         admitted = True
-                        generation.admit(started)
+                        generation.mark_admitted(started)
                     completion = out.outputs[0]
                     positions = completion.logprobs or []
                     for i, token in enumerate(completion.token_ids):
