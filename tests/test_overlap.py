@@ -18,6 +18,7 @@ from engine_support import Recorder, run_all
 from tokenwire_server import transfer
 from tokenwire_server.domain import (
     ErrorEvent,
+    ErrorKind,
     FinishEvent,
     FinishReason,
     GenerationRequest,
@@ -262,3 +263,42 @@ def test_an_eager_native_step_queues_its_inputs_without_waiting(tiny_model_dir: 
     assert logits.device.type == "meta" and logits.shape[0] == 3
     assert transfers.blocking == []
     assert transfers.queued >= 7  # ids, positions, decode tables/lengths/mask, chunk table/mask, write index, kept rows
+
+
+def test_out_of_memory_where_a_step_is_collected_fails_only_the_newest_row(loaded: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One out-of-memory policy wherever the step runs out (``Engine._out_of_memory``): an error
+    raised while the overlapped loop collects a step, outside the launch that retries, ends the
+    newest row RESOURCE_EXHAUSTED, and the rows admitted before it finish with the tokens they
+    have undisturbed (nothing of the step was taken, so they run it again)."""
+    greedy = SamplingOptions(temperature=0.0)
+    tok = loaded.tokenizer
+    reqs = [
+        GenerationRequest(f"r{i}", tok(text)["input_ids"], greedy, 16, ignore_eos=True, want_tokens=True)
+        for i, text in enumerate(["The weather today", "Once upon a time", "In a galaxy far"])
+    ]
+    undisturbed = [rec.token_ids for rec in run(loaded, "on", reqs)[0]]
+    eng = engine(loaded, "on")
+    collect = eng.runner.collect
+    calls = {"n": 0, "raised": 0}
+
+    def collect_once_out_of_memory(launched: Any) -> Any:
+        calls["n"] += 1
+        # Once, a few steps in, while all three decode together.
+        if not calls["raised"] and calls["n"] >= 4 and len(launched.plan.rows) == 3 and not launched.plan.prompt_tokens:
+            calls["raised"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated, in collect)")
+        return collect(launched)
+
+    monkeypatch.setattr(eng.runner, "collect", collect_once_out_of_memory)
+    eng.start()
+    try:
+        recs = run_all(eng, reqs, timeout=120)
+    finally:
+        eng.close()
+    assert calls["raised"] == 1
+    *older, newest = recs
+    assert isinstance(newest.last, ErrorEvent) and newest.last.kind is ErrorKind.OUT_OF_MEMORY, newest.last
+    assert "the newest request gave way" in newest.last.message
+    for rec, expected in zip(older, undisturbed, strict=False):
+        assert isinstance(rec.last, FinishEvent), rec.last
+        assert rec.token_ids == expected

@@ -187,27 +187,41 @@ class Engine(abc.ABC):
         self._failed_steps = 0
         self._mark_progress()
 
-    def _step_failed(self, seqs: list[Generation], exc: BaseException) -> None:
-        """End ``seqs`` for a step that raised ``exc`` (engine.faults says how)."""
+    def _step_failed(self, seqs: list[Generation], exc: BaseException) -> list[Generation]:
+        """End the requests of a step that raised ``exc`` (engine.faults says how), ``seqs``
+        in admission order; return those ended (the others go on)."""
         kind = classify(exc)
         if kind is Fault.OUT_OF_MEMORY:
-            self._free_device_memory()
-            for seq in seqs:
-                seq.fail(ErrorKind.OUT_OF_MEMORY, "the device ran out of memory during generation")
-            return
+            return self._out_of_memory(seqs)
         if kind is Fault.STEP:
             self._failed_steps += 1
             log.error("engine step failed", exc_info=exc, extra={"failed_in_a_row": self._failed_steps})
             for seq in seqs:
                 seq.fail(ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
-            if self._failed_steps < FAILED_STEPS_FAULT:
-                return
-            self._enter_fault(f"{self._failed_steps} engine steps in a row failed, the last with {describe(exc)}")
-            return
+            if self._failed_steps >= FAILED_STEPS_FAULT:
+                self._enter_fault(f"{self._failed_steps} engine steps in a row failed, the last with {describe(exc)}")
+            return seqs
         log.error("device error in an engine step", exc_info=exc)
         self._enter_fault(f"device error: {describe(exc)}")
         for seq in seqs:
             seq.fail(ErrorKind.INTERNAL, self._fault_message())
+        return seqs
+
+    def _out_of_memory(self, seqs: list[Generation]) -> list[Generation]:
+        """The one out-of-memory policy, wherever a step runs out: the allocator's cached blocks
+        go back to the device, and the newest request of the step (``seqs`` in admission
+        order) gives way with RESOURCE_EXHAUSTED; the others go on, and run the step again.
+        NOTE: this holds because a step commits nothing before it has sampled, and the sampler
+        draws from (seed, step) alone: the rows that stay get the tokens they would have had.
+        Failing the newest (not all) costs one more attempt per row that gives way; a step
+        that commits before its last allocation would need all its rows failed instead."""
+        self._free_device_memory()
+        if not seqs:
+            return []
+        newest = seqs[-1]
+        newest.fail(ErrorKind.OUT_OF_MEMORY, "the device ran out of memory during generation; the newest request gave way")
+        log.warning("out of memory in an engine step; the newest request gave way", extra={"rows_left": len(seqs) - 1})
+        return [newest]
 
     def _free_device_memory(self) -> None:
         """After an out-of-memory error: hand the allocator's cached blocks back to the device."""

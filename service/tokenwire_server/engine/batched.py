@@ -213,10 +213,10 @@ class BatchedEngine(Engine):
                     self._until_it_fits(self._step)
                 self._step_worked()
             except Exception as exc:  # a failed step fails its batch, never the loop (engine.faults)
+                # Nothing of the step in flight was taken: the rows that stay plan it again.
                 self._flight, self._collected_at = None, None
-                rows = list(scheduler.rows)
-                self._step_failed([row.seq for row in rows], exc)
-                scheduler.leave(rows)
+                ended = {id(seq) for seq in self._step_failed([row.seq for row in scheduler.rows], exc)}
+                scheduler.leave([row for row in scheduler.rows if id(row.seq) in ended])
         if self.fault is not None:
             for row in scheduler.rows:
                 row.seq.fail(ErrorKind.INTERNAL, self._fault_message())
@@ -293,25 +293,19 @@ class BatchedEngine(Engine):
 
     def _until_it_fits(self, step: Callable[[], None]) -> None:
         """Run ``step``; when it runs out of device memory, the newest row in it gives way
-        (fails with RESOURCE_EXHAUSTED) and the step is planned and run again without it,
-        until it fits. A step commits nothing before it has sampled, and the sampler draws
-        from (seed, step) alone, so the rows that stay get the tokens they would have had."""
+        (``Engine._out_of_memory``, the one policy) and the step is planned and run again
+        without it, until it fits."""
         while True:
             self._in_step = None
             try:
                 step()
                 return
             except torch.OutOfMemoryError:
-                self._free_device_memory()
                 if self._in_step is None:
                     raise
                 in_step = {id(row) for row in self._in_step.rows}
-                newest = [row for row in self._rows if id(row) in in_step][-1]  # admission order
-                newest.seq.fail(
-                    ErrorKind.OUT_OF_MEMORY,
-                    "the device ran out of memory during generation; the newest request gave way",
-                )
-                self.scheduler.leave([newest])
-                log.warning("out of memory in an engine step; the newest request gave way", extra={"rows_left": len(self._rows)})
+                rows = [row for row in self._rows if id(row) in in_step]  # admission order
+                ended = {id(seq) for seq in self._out_of_memory([row.seq for row in rows])}
+                self.scheduler.leave([row for row in rows if id(row.seq) in ended])
                 if not self._rows:
                     return
