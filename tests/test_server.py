@@ -337,9 +337,13 @@ def test_the_ready_line_says_what_each_start_up_phase_took(tiny_server):
     its time went; together they are the start (the gaps between them are log lines)."""
     [ready] = tiny_server.find("ready")
     phases = ready["phases"]
-    assert set(phases) == {"process", "libraries", "tokenizer", "weights", "engine", "warmup", "heap"}, phases
+    if TEST_ENGINE == "vllm":  # vLLM reads the tokenizer and the weights inside its engine
+        assert set(phases) == {"process", "libraries", "engine", "warmup", "heap"}, phases
+    else:
+        assert set(phases) == {"process", "libraries", "tokenizer", "weights", "engine", "warmup", "heap"}, phases
     assert all(seconds >= 0 for seconds in phases.values()), phases
-    assert phases["process"] > 0 and phases["weights"] > 0 and phases["warmup"] > 0, phases
+    assert phases["process"] > 0 and phases["engine"] > 0 and phases["warmup"] > 0, phases
+    assert TEST_ENGINE == "vllm" or phases["weights"] > 0, phases
     total = ready["since_exec_s"]
     assert total == pytest.approx(ready["seconds"] + phases["process"], abs=0.02)
     assert sum(phases.values()) <= total + 0.05 and sum(phases.values()) >= 0.8 * total, (phases, total)

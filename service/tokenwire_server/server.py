@@ -251,7 +251,8 @@ class TokenwireServer:
                     "not applied (tokens_per_minute and max_priority are)",
                     extra={"tenants": list(self.tenants.names)},
                 )
-            return self._build_vllm_backend()
+            with phases("engine"):  # vLLM reads the tokenizer and the weights inside its engine
+                return self._build_vllm_backend()
         import torch
 
         if config.torch_threads:
