@@ -63,7 +63,16 @@ def scrape(server: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
+    """A sample's value, 0.0 where it is absent (a counter no call has moved yet); ``sample``
+    where absence itself must fail."""
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def sample(samples: dict, name: str, **labels: str) -> float:
+    """A sample that must be there: its value, or an AssertionError naming it."""
+    key = (name, tuple(sorted(labels.items())))
+    assert key in samples, f"no sample {name}{labels} in the scrape"
+    return float(samples[key])
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
