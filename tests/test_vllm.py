@@ -143,6 +143,22 @@ def wait_for_gauges(server: ServerProcess, active: int, queued: int, within_s: f
     raise AssertionError(f"active/queued stayed {seen}, expected {(active, queued)}")
 
 
+def test_a_kv_budget_below_one_context_is_refused_before_vllm_starts(tiny_model_dir: Path) -> None:
+    """vLLM refuses a pool that cannot hold one full context beside its own block, with a
+    traceback; the server says so first, naming the smallest budget it would take (exit 2)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenwire_server", "--engine", "vllm", "--enforce-eager", "--model", str(tiny_model_dir),
+         "--kv-cache-tokens", "1000", "--port", "0"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--kv-cache-tokens 1000 is too small for --engine vllm" in result.stderr and "at least 1152" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_model_info_names_the_vllm_engine(small_server: ServerProcess) -> None:
     with grpc.insecure_channel(small_server.target) as channel:
         info = pb_grpc.TextGenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)

@@ -345,6 +345,12 @@ class TokenwireServer:
 
             dtype = torch.float32 if on_cpu else torch.bfloat16
             per_token = kv_bytes_per_token(model_config, dtype)
+            if 0 < config.kv_cache_tokens < context + VLLM_RESERVED_TOKENS:
+                raise ModelLoadError(
+                    f"--kv-cache-tokens {config.kv_cache_tokens} is too small for --engine vllm: it starts only when its pool "
+                    f"holds one full context ({context} tokens) beside the block it keeps for itself; give at least "
+                    f"{context + VLLM_RESERVED_TOKENS}, or 0 to derive it"
+                )
             tokens = kv_cache_budget(
                 config.kv_cache_tokens, config.max_active, context, per_token, blocks=False, reserved=VLLM_RESERVED_TOKENS
             ).tokens
