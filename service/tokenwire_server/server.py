@@ -275,6 +275,7 @@ class TokenwireServer:
         )  # fmt: skip
         if budget.warning:
             log.warning(budget.warning)
+        log.info("kv cache budget", extra={"kv_cache_tokens": budget.tokens, "from": budget.how})
         kv_tokens = budget.tokens
         limits = EngineLimits(
             max_active=config.max_active,

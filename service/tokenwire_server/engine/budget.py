@@ -64,9 +64,10 @@ def kv_cache_budget(
     reserved: int = 0,
 ) -> KvBudget:
     """The KV budget in tokens (module docstring). ``requested``: ``--kv-cache-tokens`` (0:
-    derive it); ``reserved``: tokens of its pool the engine keeps for itself; ``loaded``: the model, when it is loaded here (its device's memory is read
-    on CUDA); ``blocks``: the batched engine (a paged cache: whole blocks, and on a GPU a
-    derived budget from the device's memory)."""
+    derive it); ``reserved``: tokens of its pool the engine keeps for itself; ``loaded``: the
+    model, when it is loaded here (its device's memory is read on CUDA); ``blocks``: the
+    batched engine (a paged cache: whole blocks, and on a GPU a derived budget from the
+    device's memory)."""
     derived = requested == 0
     tokens = derived_tokens(max_active, context_length, reserved) if derived else requested
     how = "max_active x min(context, 2048), at least one context" if derived else "--kv-cache-tokens"
