@@ -33,7 +33,7 @@ from tokenwire.v1 import generation_pb2 as pb
 pytestmark = pytest.mark.timeout(180)
 
 MESSAGE_BYTES = 256 * 1024
-COMPILE_LIMIT_S = 0.3
+COMPILE_LIMIT_S = 0.1
 TENANTS = """
 [tenants.capped]
 tokens_per_minute = 120
@@ -44,7 +44,8 @@ weight = 1
 [tenants.beta]
 weight = 1
 """
-# Compiles in about a second on this tokenizer (xgrammar): well past COMPILE_LIMIT_S.
+# Compiles in 0.23-0.29 s on this tokenizer on an idle 2-core AMD EPYC (xgrammar; about a second on a
+# loaded host), and "[0-9]{3}" in 3 ms: the limit sits between them with room either way.
 SLOW_REGEX = "[a-z]{1,3000}"
 
 
