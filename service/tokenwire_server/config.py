@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .domain import RequestLimits
+from .engine import FORWARDS, KERNEL_CHOICES, OVERLAP_MODES, STEP_GRAPH_MODES
 
 ENV_PREFIX = "TOKENWIRE_"
 
@@ -135,19 +136,19 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         "batched engine: auto: on a CPU, its own forward pass for Llama-shaped models (prompt chunks and decode rows "
         "in one pass, oneDNN-prepacked fp32 weights), else transformers' forward; native: insist on it (also on a GPU); "
         "transformers: always the model's own forward",
-        ("auto", "native", "transformers"),
+        FORWARDS,
     ),
     "kernels": (
         "native pass: the work around its GEMMs (decode attention, RMSNorm, RoPE, SiLU*up). auto: compiled CPU ops "
         "(built once with the host's C++ compiler, cached; float32 on an AVX2+FMA CPU) where they build, else stock "
         "torch ops; compiled: insist on them; torch: never",
-        ("auto", "compiled", "torch"),
+        KERNEL_CHOICES,
     ),
     "step_graphs": (
         "native pass: decode steps padded to batch buckets (1, 2, 4 ... up to --max-active) and replayed as one CUDA "
         "graph per bucket; prompt chunks run eagerly. auto: on CUDA; cuda: insist; static: the same fixed-shape step "
         "without a graph (any device, for checking); off: the eager step",
-        ("auto", "off", "static", "cuda"),
+        STEP_GRAPH_MODES,
     ),
     "compile_step": (
         "native pass: compile the fixed-shape decode step with torch.compile (inductor) once per bucket, before it is "
@@ -158,7 +159,7 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         "batched engine: deliver a step's text (detokenizing, stop sequences, events) while the device runs the next "
         "step, whose inputs come from the step's picks at its one host synchronisation. auto: on CUDA; on: also on a "
         "CPU (where the host computes the step itself: the text then leaves one step later); off: never",
-        ("auto", "on", "off"),
+        OVERLAP_MODES,
     ),
     "default_max_new_tokens": ("max_new_tokens when a request leaves it unset", None),
     "max_new_tokens_limit": ("cap on max_new_tokens; above it is INVALID_ARGUMENT", None),

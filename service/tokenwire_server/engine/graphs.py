@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..transfer import pinned
+from . import STEP_GRAPH_MODES
 from .blocks import blocks_for
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # ``auto``: CUDA graphs where the native pass runs on CUDA, else none; ``cuda``: insist;
 # ``static``: the fixed-shape step without a graph (any device); ``off``: the eager step.
-MODES = ("auto", "off", "static", "cuda")
+MODES = STEP_GRAPH_MODES
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (allocator, cuBLAS workspaces, lazy inits)
 _INPUTS = 5  # ids, positions, write blocks, write offsets, lengths: [rows] each, then the tables
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from ..model import attention_shape
 from ..quantize import Int8Linear
 from ..transfer import host_tensor, to_device
-from . import kernels
+from . import KERNEL_CHOICES, kernels
 from .kv import PagedCache, flat_index, places, write
 from .ops import (
     CompiledOps,
@@ -70,7 +70,6 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 # The work around the GEMMs (decode attention, RMSNorm, RoPE, SiLU*up): ``auto``: the
 # compiled CPU ops (``kernels``) where they build and run (float32 on an AVX2+FMA CPU),
 # else stock torch ops; ``compiled``: insist; ``torch``: never.
-KERNEL_CHOICES = ("auto", "compiled", "torch")
 
 
 def unsupported_reason(model: Any) -> str | None:

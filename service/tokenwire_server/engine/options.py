@@ -16,19 +16,18 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from . import FORWARDS, KERNEL_CHOICES, OVERLAP_MODES
 from .graphs import resolve_mode
-from .native import KERNEL_CHOICES, unsupported_reason
+from .native import unsupported_reason
 
 if TYPE_CHECKING:
     import torch
 
     from ..model import LoadedModel
 
-# ``auto``: the engine's own pass (``native.NativeForward``) where the model is
+# ``--forward auto``: the engine's own pass (``native.NativeForward``) where the model is
 # Llama-shaped and runs on a CPU, else transformers' forward; ``native`` insists; ``transformers``
 # always takes the model's own forward (one prefill pass, then one decode pass).
-FORWARDS = ("auto", "native", "transformers")
-OVERLAP_MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
