@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,11 @@ def health_check(
 class ServerProcess:
     """A `python -m tokenwire_server` child process with JSON logs captured."""
 
+    # How the test suite starts its servers faster than exec (tests/zygote.py): called with
+    # the command and its environment, it returns a Popen-like process, or None where only
+    # exec will do. None here: every server is exec'd (the benchmarks, start-up under test).
+    spawner: Callable[[list[str], dict[str, str]], Any] | None = None
+
     def __init__(
         self,
         args: Sequence[str],
@@ -50,18 +55,22 @@ class ServerProcess:
         ready_timeout: float = 180.0,
         python: str | None = None,
         wait: bool = True,
+        spawner: Callable[[list[str], dict[str, str]], Any] | None | bool = True,
     ) -> None:
         """``python``: the interpreter to run it with (another venv's, e.g. .venv-vllm's);
         this one by default. The server leads its own process group, so that stopping it
         also stops the processes it started (vLLM's engine core and workers). ``wait``:
-        return once it is ready (else at once: ``wait_listening``, then poll it)."""
+        return once it is ready (else at once: ``wait_listening``, then poll it). ``spawner``:
+        ``None`` to insist on exec, else the class's."""
         python = python or sys.executable
         cmd = [python, "-m", "tokenwire_server", "--host", "127.0.0.1", "--port", "0", "--log-format", "json", *args]
         full_env = dict(os.environ)
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self.args = list(args)
-        self.proc = subprocess.Popen(
+        spawn = type(self).spawner if spawner is True else spawner
+        forked = spawn(cmd, full_env) if callable(spawn) else None
+        self.proc = forked or subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
         )
         self.lines: list[str] = []

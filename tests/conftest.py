@@ -41,6 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # explores new examples each run, and `HYPOTHESIS_PROFILE=ci` reproduces CI's.
 from hypothesis import settings as _hypothesis  # noqa: E402
 from servers import ENGINE_ARGS, TEST_ENGINE, ServerProcess  # noqa: E402
+from zygote import spawner  # noqa: E402
+
+# Servers start as forks of a process that has imported torch and transformers already,
+# where a fork behaves as exec would (tests/zygote.py says when it cannot; TOKENWIRE_TEST_EXEC=1
+# exec's them all).
+ServerProcess.spawner = staticmethod(spawner)  # type: ignore[assignment]
 
 _hypothesis.register_profile("ci", derandomize=True, database=None, print_blob=True)
 _hypothesis.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "default"))

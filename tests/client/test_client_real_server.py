@@ -45,12 +45,16 @@ def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
-def finished(server: ServerProcess, request_id: str, timeout: float = 10.0, count: int = 1) -> list[dict]:
-    """The server's "request finished" records of ``request_id``, waiting until ``count`` are there."""
+def finished(
+    server: ServerProcess, request_id: str, timeout: float = 10.0, count: int = 1, until: str | None = None
+) -> list[dict]:
+    """The server's "request finished" records of ``request_id``, waiting until ``count`` are
+    there (and, with ``until``, one with that code: a retried call's refusals come first)."""
     deadline = time.monotonic() + timeout
     while True:
         records = [r for r in server.find("request finished") if r.get("request_id") == request_id]
-        if len(records) >= count or time.monotonic() > deadline:
+        done = len(records) >= count and (until is None or any(r.get("code") == until for r in records))
+        if done or time.monotonic() > deadline:
             return records
         time.sleep(0.05)
 
@@ -434,7 +438,7 @@ def test_overloaded_then_retried_into_a_free_slot(one_slot_server):
             timer.cancel()
             retrying.close()
         assert result.finish_reason is FinishReason.LENGTH and result.request_id == retried_id
-        codes = [r["code"] for r in finished(server, retried_id)]
+        codes = [r["code"] for r in finished(server, retried_id, until="OK")]
         assert codes[-1] == "OK" and "RESOURCE_EXHAUSTED" in codes[:-1], codes
         assert [r["code"] for r in finished(server, long_id)] == ["CANCELLED"]
 
