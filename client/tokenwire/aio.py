@@ -2,36 +2,36 @@
 
 ``generate`` returns an :class:`AsyncChunkStream`; leaving ``async for`` early
 (``break``, an exception, the task being cancelled, the stream being garbage
-collected) cancels the RPC on the server. Retries and resumes follow the same decisions
-as ``Client``'s (``tokenwire.attempts``); only the waiting differs.
+collected) cancels the RPC on the server. Each call is built as ``Client``'s is
+(``tokenwire.calls``) and its retries and resumes follow the same decisions
+(``tokenwire.attempts``); only the I/O differs.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 
-from tokenwire.attempts import GiveUp, health_failure, health_status
-from tokenwire.channel import trace_metadata
-from tokenwire.client import _ClientBase, _StreamBase
-from tokenwire.errors import TokenwireError, Unavailable
-from tokenwire.formats import ResponseFormatLike, parse_answer
-from tokenwire.request import GenerateOptions, build_tokenize_request, json_options
-from tokenwire.results import Chunk, Completion, HealthStatus, MessageLike, ModelInfo, Tokenization
+from tokenwire.attempts import health_failure, health_status
+from tokenwire.calls import ClientBase, GenerateCall, StreamBase, UnaryCall, same_arguments
+from tokenwire.errors import Unavailable
+from tokenwire.formats import parse_answer
+from tokenwire.results import Chunk, Completion, HealthStatus, ModelInfo, Tokenization
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from typing_extensions import Self, Unpack
+    from typing_extensions import Self
 
 __all__ = ["AsyncChunkStream", "AsyncClient"]
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 class _AsyncStreamCall(Protocol):
@@ -39,7 +39,7 @@ class _AsyncStreamCall(Protocol):
     def cancel(self) -> bool: ...
 
 
-class AsyncChunkStream(_StreamBase[_AsyncStreamCall]):
+class AsyncChunkStream(StreamBase[_AsyncStreamCall]):
     """The chunks of one Generate call, for ``async for``; see ``ChunkStream``."""
 
     def __aiter__(self) -> Self:
@@ -50,16 +50,11 @@ class AsyncChunkStream(_StreamBase[_AsyncStreamCall]):
             raise StopAsyncIteration
         try:
             message = await self._next_message()
-        except (StopAsyncIteration, TokenwireError):
-            self._done = True
+        except BaseException as error:
+            self._read_failed(error)
             raise
-        except BaseException:
-            # asyncio.CancelledError, KeyboardInterrupt, ...: the RPC goes with the caller.
-            self.cancel()
-            raise
-        chunk = self._attempts.received(message)
+        chunk = self._received(message)
         if chunk.finish_reason is not None:
-            self._done = True
             await self._read_status()
         return chunk
 
@@ -80,18 +75,11 @@ class AsyncChunkStream(_StreamBase[_AsyncStreamCall]):
     async def _next_message(self) -> pb.TokenChunk:
         while True:
             if self._call is None:
-                attempt = self._attempts.start()
-                if isinstance(attempt, GiveUp):
-                    raise attempt.error
-                self._call = self._start(attempt)
+                self._call = self._start(self._next_attempt())
             try:
                 message = await self._call.read()
             except grpc.RpcError as rpc_error:
-                decision = self._attempts.failed(rpc_error, cancelled_here=self._done)  # see ChunkStream
-                if isinstance(decision, GiveUp):
-                    raise decision.error from None
-                self._call = None
-                await asyncio.sleep(decision.delay)
+                await asyncio.sleep(self._retry_delay(rpc_error))
                 continue
             if message is aio.EOF:
                 raise StopAsyncIteration
@@ -119,7 +107,7 @@ class AsyncChunkStream(_StreamBase[_AsyncStreamCall]):
         return Completion.from_chunks([chunk async for chunk in self], self.request_id)
 
 
-class AsyncClient(_ClientBase):
+class AsyncClient(ClientBase):
     """An asyncio client of tokenwire.v1.TextGeneration; arguments as for ``Client``.
 
     Create it inside the event loop that uses it (grpc.aio channels belong to one loop).
@@ -148,107 +136,52 @@ class AsyncClient(_ClientBase):
         except asyncio.TimeoutError:
             raise Unavailable(f"could not connect to {self.target} within {timeout} s") from None
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Iterable[MessageLike] | None = None,
-        input_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        resume: bool = True,
-        **params: Unpack[GenerateOptions],
-    ) -> AsyncChunkStream:
+    @same_arguments(ClientBase._generate_call)
+    def generate(self, *args: Any, **kwargs: Any) -> AsyncChunkStream:
         """Stream the completion of a prompt, a chat (``messages``) or token ids.
 
         Validation happens here, before anything is sent; the call starts on the
         first ``__anext__``. ``resume``: as in ``Client.generate``.
         """
-        return AsyncChunkStream(*self._generate_call(self._stub.Generate, prompt, messages, input_ids, timeout, resume, params))
+        return AsyncChunkStream(*self._generate_call(*args, **kwargs).on(self._stub.Generate))
 
-    async def generate_text(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Iterable[MessageLike] | None = None,
-        input_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        resume: bool = True,
-        **params: Unpack[GenerateOptions],
-    ) -> Completion:
+    @same_arguments(ClientBase._generate_call)
+    async def generate_text(self, *args: Any, **kwargs: Any) -> Completion:
         """The whole completion at once."""
-        stream = self.generate(prompt, messages=messages, input_ids=input_ids, timeout=timeout, resume=resume, **params)
-        async with stream:
-            return await stream.text()
+        return await self._completion(self._generate_call(*args, **kwargs))
 
-    async def chat(
-        self,
-        messages: Iterable[MessageLike],
-        *,
-        timeout: float | None = None,
-        resume: bool = True,
-        **params: Unpack[GenerateOptions],
-    ) -> Completion:
+    @same_arguments(ClientBase._chat_call)
+    async def chat(self, *args: Any, **kwargs: Any) -> Completion:
         """The model's whole reply to a conversation."""
-        return await self.generate_text(messages=messages, timeout=timeout, resume=resume, **params)
+        return await self._completion(self._chat_call(*args, **kwargs))
 
-
-    async def generate_json(
-        self,
-        prompt: str | None = None,
-        *,
-        schema: ResponseFormatLike | None = None,
-        messages: Iterable[MessageLike] | None = None,
-        input_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        resume: bool = True,
-        **params: Unpack[GenerateOptions],
-    ) -> Any:
+    @same_arguments(ClientBase._json_call)
+    async def generate_json(self, *args: Any, **kwargs: Any) -> Any:
         """An answer in a JSON schema (a dict or a pydantic model class; None: any JSON object),
         parsed: a pydantic instance for a model class, else the JSON value. Raises
         ``tokenwire.formats.IncompleteAnswer`` when max_new_tokens cut the answer short."""
-        completion = await self.generate_text(
-            prompt, messages=messages, input_ids=input_ids, timeout=timeout, resume=resume, **json_options(params, schema)
-        )
-        return parse_answer(completion, schema)
+        call, schema = self._json_call(*args, **kwargs)
+        return parse_answer(await self._completion(call), schema)
 
-    async def _unary(self, call: Callable[[float | None], Awaitable[_T]], timeout: float | None) -> _T:
-        attempts = self._unary_attempts(timeout)
+    async def _completion(self, call: GenerateCall) -> Completion:
+        async with AsyncChunkStream(*call.on(self._stub.Generate)) as stream:
+            return await stream.text()
+
+    async def _unary(self, rpc: Callable[..., Awaitable[_R]], call: UnaryCall[_R, _T]) -> _T:
+        """As ``Client._unary``, awaiting."""
         while True:
             try:
-                return await call(attempts.start())
+                return call.result(await rpc(call.request, timeout=call.attempts.start(), metadata=call.metadata))
             except grpc.RpcError as rpc_error:
-                decision = attempts.failed(rpc_error)
-                if isinstance(decision, GiveUp):
-                    raise decision.error from None
-            await asyncio.sleep(decision.delay)
+                delay = call.retry_delay(rpc_error)
+            await asyncio.sleep(delay)
 
-    async def tokenize(
-        self,
-        text: str | None = None,
-        *,
-        messages: Iterable[MessageLike] | None = None,
-        return_tokens: bool = False,
-        return_offsets: bool = False,
-        timeout: float | None = None,
-    ) -> Tokenization:
-        request = build_tokenize_request(
-            text, messages=messages, return_tokens=return_tokens, return_offsets=return_offsets,
-            limits=self.limits,
-        )
-        metadata = trace_metadata(self._metadata)
-
-        async def call(t: float | None) -> pb.TokenizeResponse:
-            return await self._stub.Tokenize(request, timeout=t, metadata=metadata)
-
-        return Tokenization.from_proto(await self._unary(call, timeout))
+    @same_arguments(ClientBase._tokenize_call)
+    async def tokenize(self, *args: Any, **kwargs: Any) -> Tokenization:
+        return await self._unary(self._stub.Tokenize, self._tokenize_call(*args, **kwargs))
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
-        metadata = trace_metadata(self._metadata)
-
-        async def call(t: float | None) -> pb.ModelInfo:
-            return await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, metadata=metadata)
-
-        return ModelInfo.from_proto(await self._unary(call, timeout))
+        return await self._unary(self._stub.GetModelInfo, self._model_info_call(timeout))
 
     async def health(self, service: str = "", *, timeout: float | None = 5.0) -> HealthStatus:
         """As ``Client.health``."""

@@ -6,41 +6,44 @@ collected) cancels the call on the server. Until the first chunk arrives a refus
 call is retried per the :class:`RetryPolicy`; after it, a stream that its replica cuts
 (UNAVAILABLE: it died, or drained and handed the stream off) is resumed on the next
 replica from the tokens received (``tokenwire.resume``), within the same policy, unless
-``generate(..., resume=False)``. Those decisions are ``tokenwire.attempts``', shared with
+``generate(..., resume=False)``. Those decisions are ``tokenwire.attempts``', and each
+call is built from its arguments by ``tokenwire.calls``, both shared with
 ``tokenwire.aio``; this module does the blocking I/O around them.
 """
 
 from __future__ import annotations
 
-import abc
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
 
-from tokenwire.attempts import Attempt, GiveUp, StreamAttempts, UnaryAttempts, health_failure, health_status
-from tokenwire.channel import TLSConfig, channel_options, credentials, resolve_target, trace_metadata
-from tokenwire.errors import TokenwireError, Unavailable
-from tokenwire.formats import ResponseFormatLike, parse_answer
-from tokenwire.request import GenerateOptions, build_generate_request, build_tokenize_request, json_options
-from tokenwire.results import Chunk, Completion, HealthStatus, MessageLike, ModelInfo, Tokenization
-from tokenwire.retry import RetryPolicy
+from tokenwire.attempts import Attempt, StreamAttempts, health_failure, health_status
+from tokenwire.calls import (
+    DEFAULT_TARGET,
+    ClientBase,
+    GenerateCall,
+    Metadata,
+    StreamBase,
+    UnaryCall,
+    same_arguments,
+)
+from tokenwire.errors import Unavailable
+from tokenwire.formats import parse_answer
+from tokenwire.results import Chunk, Completion, HealthStatus, ModelInfo, Tokenization
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
-from tokenwire.validation import Limits
 
 if TYPE_CHECKING:
-    from typing_extensions import Self, Unpack
+    from typing_extensions import Self
 
 __all__ = ["DEFAULT_TARGET", "ChunkStream", "Client", "Metadata"]
 
-DEFAULT_TARGET = "localhost:50051"
-Metadata = Sequence[tuple[str, str]]
 _T = TypeVar("_T")
-_Call = TypeVar("_Call")
+_R = TypeVar("_R")
 
 
 class _StreamCall(Protocol):
@@ -48,34 +51,7 @@ class _StreamCall(Protocol):
     def cancel(self) -> bool: ...
 
 
-class _StreamBase(abc.ABC, Generic[_Call]):
-    """What ChunkStream and AsyncChunkStream share: the call's attempts (tokenwire.attempts
-    decides what each sends and what follows a failed one) and the call in flight."""
-
-    def __init__(self, start: Callable[[Attempt], _Call], attempts: StreamAttempts) -> None:
-        self.request_id = attempts.request_id
-        self._start = start
-        self._attempts = attempts
-        self._call: _Call | None = None
-        self._done = False
-
-    @property
-    def attempts(self) -> int:
-        """The calls started so far: 1, plus one per retry or resume."""
-        return self._attempts.attempts
-
-    @abc.abstractmethod
-    def cancel(self) -> None: ...
-
-    def __del__(self) -> None:
-        if not getattr(self, "_done", True):
-            try:
-                self.cancel()
-            except Exception:  # pragma: no cover - e.g. the event loop is already closed
-                pass
-
-
-class ChunkStream(_StreamBase[_StreamCall], Iterator[Chunk]):
+class ChunkStream(StreamBase[_StreamCall], Iterator[Chunk]):
     """The chunks of one Generate call, in order; the last carries finish_reason and usage.
 
     Use it in a ``for`` loop or ``with`` block; :meth:`cancel` (or leaving either
@@ -94,16 +70,11 @@ class ChunkStream(_StreamBase[_StreamCall], Iterator[Chunk]):
             raise StopIteration
         try:
             message = self._next_message()
-        except (StopIteration, TokenwireError):
-            self._done = True
+        except BaseException as error:
+            self._read_failed(error)
             raise
-        except BaseException:
-            # KeyboardInterrupt, GeneratorExit, ...: the caller is leaving; so is the RPC.
-            self.cancel()
-            raise
-        chunk = self._attempts.received(message)
+        chunk = self._received(message)
         if chunk.finish_reason is not None:
-            self._done = True  # the last chunk: nothing left to cancel
             self._read_status()
         return chunk
 
@@ -129,20 +100,14 @@ class ChunkStream(_StreamBase[_StreamCall], Iterator[Chunk]):
     def _next_message(self) -> pb.TokenChunk:
         while True:
             if self._call is None:
-                attempt = self._attempts.start()
-                if isinstance(attempt, GiveUp):
-                    raise attempt.error
+                attempt = self._next_attempt()
                 with self._lock:
                     self._call = self._start(attempt)
             try:
                 return next(self._call)
             except grpc.RpcError as rpc_error:
-                # Retry, resume or give up: tokenwire.attempts decides; this side only waits.
-                decision = self._attempts.failed(rpc_error, cancelled_here=self._done)
-                if isinstance(decision, GiveUp):
-                    raise decision.error from None
-            self._call = None
-            time.sleep(decision.delay)
+                delay = self._retry_delay(rpc_error)  # retry, resume or give up: tokenwire.attempts decides
+            time.sleep(delay)
 
     def cancel(self) -> None:
         """Cancel the RPC on the server (no-op once it has ended)."""
@@ -166,66 +131,7 @@ class ChunkStream(_StreamBase[_StreamCall], Iterator[Chunk]):
         return Completion.from_chunks(list(self), self.request_id)
 
 
-class _ClientBase(abc.ABC):
-    """What Client and AsyncClient share but their I/O: the arguments (see ``Client``), the
-    metadata every call sends, and each call's attempts; a subclass opens the channel."""
-
-    def __init__(
-        self,
-        target: str | Sequence[str] = DEFAULT_TARGET,
-        *,
-        tls: bool | TLSConfig = False,
-        token: str | None = None,
-        timeout: float | None = None,
-        retry: RetryPolicy | None = None,
-        limits: Limits | None = None,
-        metadata: Metadata = (),
-        options: Sequence[tuple[str, str | int]] = (),
-    ) -> None:
-        self.target = resolve_target(target)
-        self.timeout = timeout
-        self.retry = retry or RetryPolicy()
-        self.limits = limits or Limits()
-        self._connect(credentials(tls), channel_options(tls=tls, extra=options))
-        auth = (("authorization", f"Bearer {token}"),) if token else ()
-        self._metadata: tuple[tuple[str, str], ...] = (*auth, *metadata)
-
-    @abc.abstractmethod
-    def _connect(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, str | int]]) -> None:
-        """Open the channel to ``self.target`` (plaintext when ``creds`` is None) and its stubs."""
-
-    def _generate_call(
-        self,
-        generate: Callable[..., _Call],
-        prompt: str | None,
-        messages: Iterable[MessageLike] | None,
-        input_ids: Sequence[int] | None,
-        timeout: float | None,
-        resume: bool,
-        params: GenerateOptions,
-    ) -> tuple[Callable[[Attempt], _Call], StreamAttempts]:
-        """How to start each attempt of a Generate call on ``generate`` (a stub's), and the
-        call's attempts. The request is built and checked here, before anything is sent."""
-        request = build_generate_request(
-            prompt, messages=messages, input_ids=input_ids, options=params, limits=self.limits
-        )
-        attempts = StreamAttempts(request, resume=resume, retry=self.retry, timeout=self._timeout(timeout))
-        metadata = trace_metadata(self._metadata)  # the caller's trace context, as of this call
-
-        def start(attempt: Attempt) -> _Call:
-            return generate(attempt.request, timeout=attempt.timeout, metadata=metadata)
-
-        return start, attempts
-
-    def _unary_attempts(self, timeout: float | None) -> UnaryAttempts:
-        return UnaryAttempts(self.retry, self._timeout(timeout))
-
-    def _timeout(self, timeout: float | None) -> float | None:
-        """A call's deadline: its own ``timeout``, else the client's."""
-        return self.timeout if timeout is None else timeout
-
-
-class Client(_ClientBase):
+class Client(ClientBase):
     """A blocking client of tokenwire.v1.TextGeneration.
 
     ``target``: ``host:port``, any gRPC target (``dns:///tokenwire.default.svc:50051``)
@@ -265,109 +171,57 @@ class Client(_ClientBase):
 
     # -- Generate -----------------------------------------------------------------
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Iterable[MessageLike] | None = None,
-        input_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        resume: bool = True,
-        **params: Unpack[GenerateOptions],
-    ) -> ChunkStream:
+    @same_arguments(ClientBase._generate_call)
+    def generate(self, *args: Any, **kwargs: Any) -> ChunkStream:
         """Stream the completion of a prompt, a chat (``messages``) or token ids.
 
         The request is checked here, before anything is sent; the call starts on the
         first ``next()``. ``resume``: a stream cut by its replica goes on on another one
         from the tokens received, with no duplicate, gap or exception (docs/client.md).
         """
-        return ChunkStream(*self._generate_call(self._stub.Generate, prompt, messages, input_ids, timeout, resume, params))
+        return ChunkStream(*self._generate_call(*args, **kwargs).on(self._stub.Generate))
 
-    def generate_text(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Iterable[MessageLike] | None = None,
-        input_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        resume: bool = True,
-        **params: Unpack[GenerateOptions],
-    ) -> Completion:
+    @same_arguments(ClientBase._generate_call)
+    def generate_text(self, *args: Any, **kwargs: Any) -> Completion:
         """The whole completion at once."""
-        stream = self.generate(prompt, messages=messages, input_ids=input_ids, timeout=timeout, resume=resume, **params)
-        with stream:
-            return stream.text()
+        return self._completion(self._generate_call(*args, **kwargs))
 
-    def chat(
-        self,
-        messages: Iterable[MessageLike],
-        *,
-        timeout: float | None = None,
-        resume: bool = True,
-        **params: Unpack[GenerateOptions],
-    ) -> Completion:
+    @same_arguments(ClientBase._chat_call)
+    def chat(self, *args: Any, **kwargs: Any) -> Completion:
         """The model's whole reply to a conversation (stream it with ``generate(messages=...)``)."""
-        return self.generate_text(messages=messages, timeout=timeout, resume=resume, **params)
+        return self._completion(self._chat_call(*args, **kwargs))
 
-
-    def generate_json(
-        self,
-        prompt: str | None = None,
-        *,
-        schema: ResponseFormatLike | None = None,
-        messages: Iterable[MessageLike] | None = None,
-        input_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        resume: bool = True,
-        **params: Unpack[GenerateOptions],
-    ) -> Any:
+    @same_arguments(ClientBase._json_call)
+    def generate_json(self, *args: Any, **kwargs: Any) -> Any:
         """An answer in a JSON schema (a dict or a pydantic model class; None: any JSON object),
         parsed: a pydantic instance for a model class, else the JSON value. Raises
         ``tokenwire.formats.IncompleteAnswer`` when max_new_tokens cut the answer short."""
-        completion = self.generate_text(
-            prompt, messages=messages, input_ids=input_ids, timeout=timeout, resume=resume, **json_options(params, schema)
-        )
-        return parse_answer(completion, schema)
+        call, schema = self._json_call(*args, **kwargs)
+        return parse_answer(self._completion(call), schema)
+
+    def _completion(self, call: GenerateCall) -> Completion:
+        with ChunkStream(*call.on(self._stub.Generate)) as stream:
+            return stream.text()
 
     # -- unary calls --------------------------------------------------------------
 
-    def _unary(self, call: Callable[[float | None], _T], timeout: float | None) -> _T:
-        attempts = self._unary_attempts(timeout)
+    def _unary(self, rpc: Callable[..., _R], call: UnaryCall[_R, _T]) -> _T:
+        """Send ``call`` on ``rpc`` (a stub's), again after each failure tokenwire.attempts retries."""
         while True:
             try:
-                return call(attempts.start())
+                return call.result(rpc(call.request, timeout=call.attempts.start(), metadata=call.metadata))
             except grpc.RpcError as rpc_error:
-                decision = attempts.failed(rpc_error)
-                if isinstance(decision, GiveUp):
-                    raise decision.error from None
-            time.sleep(decision.delay)
+                delay = call.retry_delay(rpc_error)
+            time.sleep(delay)
 
-    def tokenize(
-        self,
-        text: str | None = None,
-        *,
-        messages: Iterable[MessageLike] | None = None,
-        return_tokens: bool = False,
-        return_offsets: bool = False,
-        timeout: float | None = None,
-    ) -> Tokenization:
+    @same_arguments(ClientBase._tokenize_call)
+    def tokenize(self, *args: Any, **kwargs: Any) -> Tokenization:
         """The token ids of a text, or of a chat rendered with the model's template."""
-        request = build_tokenize_request(
-            text, messages=messages, return_tokens=return_tokens, return_offsets=return_offsets,
-            limits=self.limits,
-        )
-        metadata = trace_metadata(self._metadata)
-        response = self._unary(lambda t: self._stub.Tokenize(request, timeout=t, metadata=metadata), timeout)
-        return Tokenization.from_proto(response)
+        return self._unary(self._stub.Tokenize, self._tokenize_call(*args, **kwargs))
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """The model being served and the server's limits."""
-        metadata = trace_metadata(self._metadata)
-        response = self._unary(
-            lambda t: self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=t, metadata=metadata),
-            timeout,
-        )
-        return ModelInfo.from_proto(response)
+        return self._unary(self._stub.GetModelInfo, self._model_info_call(timeout))
 
     def health(self, service: str = "", *, timeout: float | None = 5.0) -> HealthStatus:
         """The grpc.health.v1 status of ``service`` ("" is the whole server).
