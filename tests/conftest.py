@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # explores new examples each run, and `HYPOTHESIS_PROFILE=ci` reproduces CI's.
 from hypothesis import settings as _hypothesis  # noqa: E402
 from servers import ENGINE_ARGS, TEST_ENGINE, ServerProcess  # noqa: E402
-from zygote import spawner  # noqa: E402
+from zygote import ZYGOTE, spawner  # noqa: E402
 
 # Servers start as forks of a process that has imported torch and transformers already,
 # where a fork behaves as exec would (tests/zygote.py says when it cannot; TOKENWIRE_TEST_EXEC=1
@@ -69,6 +69,13 @@ def needs_real_model(item: pytest.Item) -> bool:
     info = getattr(item, "_fixtureinfo", None)
     own = set(getattr(info, "argnames", ()))  # the test function's own arguments
     return bool(REAL_MODEL_DIR_ARGUMENTS & own)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """How the session's servers started: forked from the zygote, or exec'd and why."""
+    if ZYGOTE.started:
+        counts = ", ".join(f"{why}: {n}" for why, n in ZYGOTE.started.most_common())
+        terminalreporter.write_line(f"tokenwire servers started: {counts}")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m "not e2e"` deselects by the marks

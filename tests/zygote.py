@@ -1,7 +1,7 @@
 """Test servers forked from a process that has already imported torch and transformers.
 
 Most of a tiny-model server's start-up is Python importing torch and transformers (on a
-2-core host about 10 of its 12 s; docs/testing.md, "Forked test servers"). The suite starts
+loaded 2-core host about 10 of its 12 s). The suite starts
 about a hundred servers, so it runs them as forks of one *zygote*: a child of the test
 process that imports those libraries once, on a single thread, and then forks a server for
 each ``ServerProcess``. The fork runs the same ``python -m tokenwire_server`` main with the
@@ -12,7 +12,7 @@ What a fork cannot do is change what the libraries read as they load, so a serve
 exec'd as before when:
 
 - its environment differs from the zygote's in anything but the variables tokenwire reads
-  at run time (``TOKENWIRE_*``, ``OTEL_*``, ``XDG_CACHE_HOME``, ``CXX``):
+  at run time (``TOKENWIRE_*``, ``OTEL_*``, ``XDG_CACHE_HOME``, ``CXX``; pytest's own ``PYTEST_*``):
   ``ATEN_CPU_CAPABILITY``, ``GOMP_SPINCOUNT`` and the like are read by torch or OpenMP once;
 - it asks for a ``--omp-spin-count`` other than the default the zygote loaded OpenMP with;
 - it runs under another interpreter (the vllm venv), or the test asks for exec
@@ -28,6 +28,7 @@ how ``Forked`` waits for a process that is not its own child.
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import os
 import select
@@ -43,7 +44,7 @@ from typing import Any
 
 SERVER_MODULE = ["-m", "tokenwire_server"]
 # What tokenwire reads from its environment at run time (a fork can take these).
-RUNTIME_VARIABLES = ("TOKENWIRE_", "OTEL_", "XDG_CACHE_HOME", "CXX", "PYTHONUNBUFFERED")
+RUNTIME_VARIABLES = ("TOKENWIRE_", "OTEL_", "XDG_CACHE_HOME", "CXX", "PYTHONUNBUFFERED", "PYTEST_")
 DEFAULT_OMP_SPIN_COUNT = "1000"  # config.py's omp_spin_count: what the zygote loads OpenMP with
 PRELOAD = (
     "torch",
@@ -56,6 +57,15 @@ PRELOAD = (
     "tokenwire_server.engine.batched",
     "tokenwire_server.engine.local",
 )
+
+
+def zygote_environment() -> dict[str, str]:
+    """The zygote's environment: the test process's, with what the server itself sets before
+    torch and transformers load (``__main__``: GOMP_SPINCOUNT; ``model.quiet_transformers``)."""
+    env = dict(os.environ)
+    env.setdefault("GOMP_SPINCOUNT", DEFAULT_OMP_SPIN_COUNT)
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    return env
 
 
 class Forked:
@@ -113,13 +123,12 @@ class Zygote:
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._env: dict[str, str] = {}
+        self.started: collections.Counter[str] = collections.Counter()  # "forked", or why exec
 
     def _start(self) -> socket.socket:
         if self._sock is None:
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            env = dict(os.environ)
-            env.setdefault("GOMP_SPINCOUNT", DEFAULT_OMP_SPIN_COUNT)
-            self._env = env
+            env = self._env = zygote_environment()
             self._proc = subprocess.Popen(
                 [sys.executable, __file__, str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env,
                 stdin=subprocess.DEVNULL,
@@ -129,25 +138,34 @@ class Zygote:
             atexit.register(self.close)
         return self._sock
 
-    def can_fork(self, cmd: Sequence[str], env: dict[str, str]) -> bool:
-        if list(cmd[1:3]) != SERVER_MODULE or cmd[0] != sys.executable or os.environ.get("TOKENWIRE_TEST_EXEC") == "1":
-            return False
+    def why_not(self, cmd: Sequence[str], env: dict[str, str]) -> str | None:
+        """Why ``cmd`` with ``env`` must be exec'd; None: a fork behaves the same."""
+        if cmd[0] != sys.executable:
+            return "another interpreter"
+        if list(cmd[1:3]) != SERVER_MODULE:
+            return "not the server"
+        if os.environ.get("TOKENWIRE_TEST_EXEC") == "1":
+            return "TOKENWIRE_TEST_EXEC=1"
         args = list(cmd[3:])
         for i, arg in enumerate(args):
             value = args[i + 1] if arg == "--omp-spin-count" and i + 1 < len(args) else None
             if arg.startswith("--omp-spin-count="):
                 value = arg.split("=", 1)[1]
             if value is not None and value != DEFAULT_OMP_SPIN_COUNT:
-                return False
-        base = self._env or {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", DEFAULT_OMP_SPIN_COUNT)}
-        changed = {k for k in set(base) | set(env) if base.get(k) != env.get(k)} - {"GOMP_SPINCOUNT"}
-        if "GOMP_SPINCOUNT" in env and env["GOMP_SPINCOUNT"] != base.get("GOMP_SPINCOUNT"):
-            return False
-        return all(key.startswith(RUNTIME_VARIABLES) for key in changed)
+                return "--omp-spin-count"
+        base = self._env or zygote_environment()
+        # What the server's environment is once it has set its own defaults, before torch loads.
+        effective = {"GOMP_SPINCOUNT": DEFAULT_OMP_SPIN_COUNT, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **env}
+        changed = sorted(
+            k for k in set(base) | set(effective) if base.get(k) != effective.get(k) and not k.startswith(RUNTIME_VARIABLES)
+        )
+        return f"environment: {', '.join(changed)}" if changed else None
 
     def spawn(self, cmd: Sequence[str], env: dict[str, str]) -> Forked | None:
         """A fork running ``cmd`` (``python -m tokenwire_server ...``), or None where only exec will do."""
-        if not self.can_fork(cmd, env):
+        reason = self.why_not(cmd, env)
+        self.started[reason or "forked"] += 1
+        if reason is not None:
             return None
         out_r, out_w = os.pipe()
         status_r, status_w = os.pipe()
