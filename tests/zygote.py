@@ -15,7 +15,8 @@ exec'd as before when:
   at run time (``TOKENWIRE_*``, ``OTEL_*``, ``XDG_CACHE_HOME``, ``CXX``; pytest's own ``PYTEST_*``):
   ``ATEN_CPU_CAPABILITY``, ``GOMP_SPINCOUNT`` and the like are read by torch or OpenMP once;
 - it asks for a ``--omp-spin-count`` other than the default the zygote loaded OpenMP with;
-- it runs under another interpreter (the vllm venv), or the test asks for exec
+- it runs the vllm engine, which starts processes of its own, or under another interpreter
+  (the vllm venv), or the test asks for exec
   (``ServerProcess(..., spawner=None)``: start-up itself is under test);
 - ``TOKENWIRE_TEST_EXEC=1`` is set: the whole suite exec's, as before.
 
@@ -147,6 +148,8 @@ class Zygote:
         if os.environ.get("TOKENWIRE_TEST_EXEC") == "1":
             return "TOKENWIRE_TEST_EXEC=1"
         args = list(cmd[3:])
+        if "vllm" in args or "--engine=vllm" in args:
+            return "the vllm engine (it starts processes of its own)"
         for i, arg in enumerate(args):
             value = args[i + 1] if arg == "--omp-spin-count" and i + 1 < len(args) else None
             if arg.startswith("--omp-spin-count="):
