@@ -36,7 +36,7 @@ def _answer(request: pb.GenerateRequest) -> tuple[int, str]:
 class _Servicer(pb_grpc.TextGenerationServicer):
     def Generate(self, request: pb.GenerateRequest, context: Any) -> Any:
         prompt_tokens, fixed = _answer(request)
-        new = request.stopping.max_new_tokens or 16
+        new = 1 if fixed else min(request.stopping.max_new_tokens or 16, 512)  # a choice: one token, then EOS
         start = len(request.resume.generated_token_ids)
         key = pb.GenerateRequest()
         key.CopyFrom(request)
@@ -70,7 +70,10 @@ class _Servicer(pb_grpc.TextGenerationServicer):
 
 
 class FakeServer:
-    """Stands in for ``launcher.ServerProcess``: ``target``, ``proc.pid`` (this process), ``find``."""
+    """Stands in for ``launcher.ServerProcess``: ``target``, ``proc`` (this process), ``find``; no metrics."""
+
+    metrics_port = 0
+    records: list[dict[str, Any]] = []
 
     def __init__(self, args: list[str]) -> None:
         self.args = list(args)
@@ -81,7 +84,7 @@ class FakeServer:
         health_pb2_grpc.add_HealthServicer_to_server(status, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.target = f"127.0.0.1:{self.port}"
-        self.proc = SimpleNamespace(pid=os.getpid())
+        self.proc = SimpleNamespace(pid=os.getpid(), poll=lambda: None)
         self.server.start()
 
     def find(self, msg: str) -> list[dict[str, Any]]:

@@ -56,18 +56,20 @@ class ServerProcess:
         python: str | None = None,
         wait: bool = True,
         spawner: Callable[[list[str], dict[str, str]], Any] | None | bool = True,
+        stop_timeout: float = 60.0,
     ) -> None:
-        """``python``: the interpreter to run it with (another venv's, e.g. .venv-vllm's);
-        this one by default. The server leads its own process group, so that stopping it
-        also stops the processes it started (vLLM's engine core and workers). ``wait``:
-        return once it is ready (else at once: ``wait_listening``, then poll it). ``spawner``:
-        ``None`` to insist on exec, else the class's."""
+        """``python``: the interpreter (another venv's, e.g. .venv-vllm's); this one by default.
+        It leads its own process group, so that stopping it stops what it started (vLLM's
+        engine core and workers). ``wait``: return once it is ready (else at once:
+        ``wait_listening``, then poll it). ``spawner``: ``None`` to insist on exec, else the
+        class's. ``stop_timeout``: what leaving ``with`` waits for it."""
         python = python or sys.executable
         cmd = [python, "-m", "tokenwire_server", "--host", "127.0.0.1", "--port", "0", "--log-format", "json", *args]
         full_env = dict(os.environ)
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self.args = list(args)
+        self.stop_timeout = stop_timeout
         spawn = type(self).spawner if spawner is True else spawner
         forked = spawn(cmd, full_env) if callable(spawn) else None
         self.proc = forked or subprocess.Popen(
@@ -156,7 +158,7 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         try:
-            self.terminate()
+            self.terminate(self.stop_timeout)
         finally:
             self.kill()
 

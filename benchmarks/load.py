@@ -55,22 +55,29 @@ class Measure:
 
 
 def grpc_load(
-    target: str, system: str, concurrency: int, requests: int, max_new: int, prompts: Sequence[str], repeat: int = 0
-) -> Measure:
-    from tokenwire.bench import run_bench
+    target: str, system: str, concurrency: int, requests: int, max_new: int, prompts: Sequence[str] | None = None,
+    repeat: int = 0, **options: Any,
+) -> Measure:  # fmt: skip
+    """The client's ``run_bench`` (``options``: its sampling keywords), as a ``Measure``."""
+    import tokenwire.bench
 
-    r = run_bench(
-        target, concurrency=concurrency, requests=requests, max_new_tokens=max_new, prompts=prompts, timeout=3600
-    )
+    r = tokenwire.bench.run_bench(target, concurrency=concurrency, requests=requests, max_new_tokens=max_new,
+                                  prompts=prompts or tokenwire.bench.DEFAULT_PROMPTS, timeout=3600, **options)  # fmt: skip
     return Measure(system, concurrency, r.requests, r.output_tokens, r.output_tokens_per_s, r.ttft_ms.p50,
                    r.ttft_ms.p99, r.itl_ms.p50, r.itl_ms.p99, r.e2e_ms.p50, r.e2e_ms.p99, r.errors, repeat)  # fmt: skip
 
 
 def warm(target: str) -> None:
     """One short request, so that lazy initialisation is not counted."""
-    from tokenwire.bench import run_bench
+    import tokenwire.bench
 
-    run_bench(target, concurrency=1, requests=1, max_new_tokens=4)
+    tokenwire.bench.run_bench(target, concurrency=1, requests=1, max_new_tokens=4)
+
+
+def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """``prompt`` as one user message, chat-templated, ready for the assistant's answer."""
+    messages = [{"role": "user", "content": prompt}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 @dataclasses.dataclass
@@ -95,9 +102,11 @@ class Stream:
 
 
 def stub(channel: Any) -> Any:
+    """A TextGeneration stub on ``channel``, or on a new channel to ``channel`` where it is an address."""
+    import grpc
     from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
-    return pb_grpc.TextGenerationStub(channel)
+    return pb_grpc.TextGenerationStub(grpc.insecure_channel(channel) if isinstance(channel, str) else channel)
 
 
 def stream(stub: Any, request: Any, timeout: float = 1800, metadata: Sequence[tuple[str, str]] = ()) -> Stream:
