@@ -31,6 +31,7 @@ SUITES = {
     "structured": "benchmarks.structured",
     "startup": "benchmarks.startup",
     "ab": "benchmarks.ab",
+    "soak": "benchmarks.soak",
 }
 DOC = Path("docs/benchmarks.md")
 
