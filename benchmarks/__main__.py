@@ -32,6 +32,7 @@ SUITES = {
     "startup": "benchmarks.startup",
     "ab": "benchmarks.ab",
     "soak": "benchmarks.soak",
+    "gpu": "benchmarks.gpu_bench",
 }
 DOC = Path("docs/benchmarks.md")
 
