@@ -1,11 +1,10 @@
 """``python -m benchmarks SUITE [flags]``: run one suite and write its section of docs/benchmarks.md;
 ``python -m benchmarks list`` names them.
 
-A suite is a module with ``FLAGS`` (its flags: name -> default, (default, help) or add_argument's
-keywords), ``DRY_RUN`` (the sizes ``--dry-run`` runs it at) and ``run(args)``, which returns its
-``doc.Section``; ``OUT`` and ``HEADER`` where its section goes to another file. Every suite takes
-``--model``, ``--out`` and ``--dry-run``: the same code against the fake servers of
-benchmarks/fake.py, at the smallest sizes, writing nothing unless ``--out`` is given.
+A suite is a module with ``FLAGS`` (name -> default, (default, help) or add_argument's keywords),
+``DRY_RUN`` (the sizes ``--dry-run`` runs it at: against the fake servers of benchmarks/fake.py,
+writing nothing unless ``--out`` is given) and ``run(args)``, which returns its ``doc.Section``;
+``OUT`` and ``HEADER`` where the section goes to another file.
 """
 
 from __future__ import annotations
@@ -18,22 +17,9 @@ from typing import Any
 
 from benchmarks.doc import HEADER, replace_section
 
-SUITES = {
-    "bench": "benchmarks.bench",
-    "peers": "benchmarks.peers",
-    "quality": "benchmarks.quality",
-    "levers": "benchmarks.cpu_levers",
-    "kernels": "benchmarks.cpu_kernels",
-    "neighbour": "benchmarks.neighbour",
-    "prefix": "benchmarks.prefix",
-    "resume": "benchmarks.resume",
-    "tenants": "benchmarks.tenants",
-    "structured": "benchmarks.structured",
-    "startup": "benchmarks.startup",
-    "ab": "benchmarks.ab",
-    "soak": "benchmarks.soak",
-    "gpu": "benchmarks.gpu_bench",
-}
+NAMES = "bench peers quality levers kernels neighbour prefix resume tenants structured startup ab soak gpu"
+MODULES = {"levers": "cpu_levers", "kernels": "cpu_kernels", "gpu": "gpu_bench"}  # where the names differ
+SUITES = {name: f"benchmarks.{MODULES.get(name, name)}" for name in NAMES.split()}
 DOC = Path("docs/benchmarks.md")
 
 
@@ -47,10 +33,8 @@ def add_flags(parser: argparse.ArgumentParser, flags: dict[str, Any]) -> None:
         if not isinstance(spec, dict):
             default, text = spec if isinstance(spec, tuple) else (spec, None)
             spec = {"default": default, "help": text}
-            if isinstance(default, bool):
-                spec["action"] = argparse.BooleanOptionalAction
-            elif isinstance(default, list):
-                spec["action"] = "append"
+            if isinstance(default, bool | list):
+                spec["action"] = argparse.BooleanOptionalAction if isinstance(default, bool) else "append"
             elif default is not None:
                 spec["type"] = type(default)
         parser.add_argument("--" + name.replace("_", "-"), **spec)
@@ -58,10 +42,10 @@ def add_flags(parser: argparse.ArgumentParser, flags: dict[str, Any]) -> None:
 
 def parser_for(name: str, dry_run: bool = False) -> argparse.ArgumentParser:
     suite = importlib.import_module(SUITES[name])
-    out = getattr(suite, "OUT", DOC)
     parser = argparse.ArgumentParser(f"python -m benchmarks {name}", description=suite.__doc__, formatter_class=_Help)
     parser.add_argument("--model", default="default", help="the model every server and in-process run loads")
-    parser.add_argument("--out", type=Path, default=None if dry_run else out, help="where the section goes")
+    out = None if dry_run else getattr(suite, "OUT", DOC)
+    parser.add_argument("--out", type=Path, default=out, help="where the section goes")
     parser.add_argument("--dry-run", action="store_true", help="against fake servers at the smallest sizes")
     add_flags(parser, suite.FLAGS)
     parser.set_defaults(command=f"python -m benchmarks {name}", **(suite.DRY_RUN if dry_run else {}))

@@ -28,18 +28,11 @@ from benchmarks.launcher import REPO, serve
 from benchmarks.stats import spread
 
 OUT = None  # a quick check by default: nothing written
-FLAGS = {
-    "old": {"required": True, "help": "a tree (folder) or a git revision"},
-    "new": (str(REPO), "a tree (folder) or a git revision"),
-    "repeats": 3,
-    "max_new_tokens": 128,
-    "cases": "c1,c16,long",
-    "requests_per_stream": (2, "server cases: requests per stream"),
-    "server_arg": ([], "server cases: extra flag (repeatable)"),
-    "workdir": Path("/tmp/tokenwire-revisions"),
-    "section": ("ab", "the section of --out the table replaces"),
-    "label": ("old tree vs new tree", "what the two trees are, for the section"),
-}
+FLAGS = {"old": {"required": True, "help": "a tree (folder) or a git revision"},
+         "new": (str(REPO), "a tree (folder) or a git revision"), "repeats": 3, "max_new_tokens": 128, "cases": "c1,c16,long",
+         "requests_per_stream": (2, "server cases: requests per stream"), "server_arg": ([], "server cases: extra flag (repeatable)"),
+         "workdir": Path("/tmp/tokenwire-revisions"), "section": ("ab", "the section of --out the table replaces"),
+         "label": ("old tree vs new tree", "what the two trees are, for the section")}  # fmt: skip
 DRY_RUN = {"repeats": 1, "cases": "c1,server-c2", "max_new_tokens": 4}
 
 
@@ -151,7 +144,7 @@ def run(args: argparse.Namespace) -> doc.Section:
             for label in ("old", "new") if repeat % 2 == 0 else ("new", "old"):
                 result = measure(args, case, trees[label])
                 results.setdefault((case, label), []).append(result)
-                print(f"repeat {repeat} {case} {label}: {result}", file=sys.stderr, flush=True)
+                doc.log(f"repeat {repeat} {case} {label}: {result}")
     rows = []
     for case in cases:
         old, new = results[(case, "old")], results[(case, "new")]

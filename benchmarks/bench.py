@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,22 +19,15 @@ from benchmarks.stats import median, percentile
 
 CONCURRENCY = (1, 4, 16)
 FLAGS = {
-    "max_new_tokens": 64,
-    "requests_per_stream": (2, "requests per concurrent stream in each run"),
-    "engines": "simple,batched",
+    "max_new_tokens": 64, "requests_per_stream": (2, "requests per concurrent stream in each run"), "engines": "simple,batched",
     "pairs": (12, "interleaved single-stream pairs (in-process, server)"),
     "cancels": (16, "streams cancelled inside a running batch of 8"),
-    "plot": ("docs/benchmarks.png", "where the figure goes ('' for none)"),
-    "server_arg": ([], "extra server flag (repeatable)"),
+    "plot": ("docs/benchmarks.png", "where the figure goes ('' for none)"), "server_arg": ([], "extra server flag (repeatable)"),
     "long_repeats": (3, "arrivals of a 1,500-token prompt among 8 decoding streams (0: skip)"),
-}
+}  # fmt: skip
 DRY_RUN = {"max_new_tokens": 4, "requests_per_stream": 1, "pairs": 1, "cancels": 2, "long_repeats": 1, "plot": ""}
 LONG_PROMPT_FILLER = " ".join(f"item {i} is {i * 7 % 13}." for i in range(400))
 LOADED: dict[str, Any] = {}  # model name -> the model in_process loaded, while a suite runs
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def in_process(model_name: str, batch: int, repeats: int, max_new: int, prompts: tuple[str, ...]) -> Measure:
@@ -89,14 +81,13 @@ def through_server(args: argparse.Namespace, engine: str, prompts: tuple[str, ..
             peak = process_status(server.proc.pid).get("peak_rss_kib")
             row.rss_mb = peak / 1024 if peak else None
             rows.append(row)
-            log(f"  {engine:>8} c={c:<3} {row.tokens_per_s:7.1f} tok/s")
+            doc.log(f"  {engine:>8} c={c:<3} {row.tokens_per_s:7.1f} tok/s")
     return rows
 
 
 def cancel_steps(model_name: str, prompts: tuple[str, ...], cancels: int, streams: int = 8) -> list[int]:
-    """Decode steps that still included a stream after its cancel, for ``cancels`` streams
-    cancelled mid-generation inside a running batch of ``streams`` (the batched engine,
-    in-process: only the engine knows how many steps it ran)."""
+    """Decode steps that still included a stream after its cancel, for ``cancels`` streams cancelled
+    inside a running batch of ``streams`` (the batched engine in process: only it counts its steps)."""
     import random
 
     from tokenwire_server.domain import GenerationRequest, SamplingOptions
@@ -221,7 +212,7 @@ def long_prompt(
                 reader.join(60)
             p50, worst = stall([list(times) for times in arrivals], arrived, chunks[-1])
             runs.append(LongPromptRun(p50 * 1000, worst * 1000, chunks[0] - arrived, len(ids)))
-            log(
+            doc.log(
                 f"  long prompt {repeat}: largest gap {worst * 1e3:.0f} ms, ITL p50 {p50 * 1e3:.0f} ms ({worst / p50:.2f}x)"
             )
     return runs
@@ -307,14 +298,13 @@ def render(args: argparse.Namespace, rows: list[Measure], ab: SingleStreamAB, lo
         ratios.append([c, _fmt(b.tokens_per_s / s.tokens_per_s, 2) + "x" if b and s else "-",
                        _fmt(b.tokens_per_s / g.tokens_per_s, 2) + "x" if b and g else "-"])  # fmt: skip
     lines = [
-        "Every row ran in the same invocation on the same machine, one after another; the",
-        "machine is shared and noisy, so compare the ratios, not the absolute figures.",
+        "Every row ran in the same invocation on the same machine, one after another; the machine is shared and",
+        "noisy, so compare the ratios, not the absolute figures.",
         "",
-        f"Work per request: a chat prompt from a fixed set of {prompts}, `max_new_tokens={args.max_new_tokens}`,",
-        "`ignore_eos` (every request generates exactly that many tokens), greedy. Concurrency *c*",
-        "means *c* client streams kept busy (closed loop) through gRPC on 127.0.0.1; for in-process",
-        "`generate` it is the batch size (static batch: all rows start and end together).",
-        "Latencies are milliseconds, seen by the client. ITL = gap between streamed tokens.",
+        f"Work per request: a chat prompt from a fixed set of {prompts}, `max_new_tokens={args.max_new_tokens}`, `ignore_eos`",
+        "(every request generates exactly that many tokens), greedy. Concurrency *c* means *c* client streams kept busy",
+        "(closed loop) through gRPC on 127.0.0.1; for in-process `generate` it is the batch size (static batch: all rows",
+        "start and end together). Latencies are milliseconds, seen by the client. ITL = gap between streamed tokens.",
         "",
         "### Machine",
         "",
@@ -333,9 +323,9 @@ def render(args: argparse.Namespace, rows: list[Measure], ab: SingleStreamAB, lo
         "",
         "### Targets",
         "",
-        "The single-stream targets compare the batched server with in-process `generate` in",
-        "interleaved pairs (one request each, same prompt, alternating), because two runs minutes",
-        "apart on this shared machine differ by more than the margin being measured.",
+        "The single-stream targets compare the batched server with in-process `generate` in interleaved pairs (one",
+        "request each, same prompt, alternating), because two runs minutes apart on this shared machine differ by more",
+        "than the margin being measured.",
         "",
         *doc.table("target | measured | met", "lll", ((n, m, "yes" if ok else "NO") for n, m, ok in targets(rows, ab, long_runs))),
     ]  # fmt: skip
@@ -344,9 +334,9 @@ def render(args: argparse.Namespace, rows: list[Measure], ab: SingleStreamAB, lo
             "",
             "### A long prompt among decoding streams",
             "",
-            "`server --engine batched`, over gRPC: 8 chat streams decode (greedy, `ignore_eos`); once each has",
-            f"20 chunks, a {long_runs[0].prompt_tokens}-token prompt arrives (token ids, 4 new tokens). The streams' largest gap",
-            "between chunks while it is read (until its last chunk) against their ITL p50 before it came;",
+            "`server --engine batched`, over gRPC: 8 chat streams decode (greedy, `ignore_eos`); once each has 20 chunks, a",
+            f"{long_runs[0].prompt_tokens}-token prompt arrives (token ids, 4 new tokens). The streams' largest gap between chunks",
+            "while it is read (until its last chunk) against their ITL p50 before it came; "
             f"{len(long_runs)} arrivals on one server. min / median / max:",
             "",
             *doc.table("| min | median | max", "lrrr", (
@@ -381,15 +371,11 @@ def plot(path: Path, rows: list[Measure]) -> None:
               label="in-process generate (batch = c)")  # fmt: skip
     for ax in (left, right):
         ax.set_xscale("log", base=2)
-        ax.set_xticks(list(CONCURRENCY))
-        ax.set_xticklabels([str(c) for c in CONCURRENCY])
-        ax.set_xlabel("concurrent streams")
+        ax.set(xticks=list(CONCURRENCY), xticklabels=[str(c) for c in CONCURRENCY], xlabel="concurrent streams")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    left.set_ylabel("output tokens/s (aggregate)")
-    left.set_title("Throughput")
-    right.set_ylabel("inter-token latency, ms")
-    right.set_title("Inter-token latency")
+    left.set(ylabel="output tokens/s (aggregate)", title="Throughput")
+    right.set(ylabel="inter-token latency, ms", title="Inter-token latency")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -399,21 +385,21 @@ def run(args: argparse.Namespace) -> doc.Section:
 
     prompts = tuple(DEFAULT_PROMPTS)
     engines = args.engines.split(",")
-    log("in-process generate ...")
+    doc.log("in-process generate ...")
     rows = [in_process(args.model, batch, repeats, args.max_new_tokens, prompts)
             for batch, repeats in ((1, max(4, args.requests_per_stream * 2)), (4, args.requests_per_stream),
                                    (16, args.requests_per_stream))]  # fmt: skip
-    log("one stream: in-process and server, interleaved ...")
+    doc.log("one stream: in-process and server, interleaved ...")
     ab = single_stream_ab(args, prompts)
     LOADED.clear()
-    log("cancellation inside a batch ...")
+    doc.log("cancellation inside a batch ...")
     cancels = cancel_steps(args.model, prompts, args.cancels)
     for engine in engines:
-        log(f"server --engine {engine} ...")
+        doc.log(f"server --engine {engine} ...")
         rows += through_server(args, engine, prompts)
     long_runs: list[LongPromptRun] = []
     if args.long_repeats and "batched" in engines:
-        log("a long prompt among decoding streams ...")
+        doc.log("a long prompt among decoding streams ...")
         long_runs = long_prompt(args.model, args.long_repeats, extra=args.server_arg, dry_run=args.dry_run)
     if args.plot:
         plot(Path(args.plot), rows)

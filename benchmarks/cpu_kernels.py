@@ -1,13 +1,10 @@
 """The fastest GEMM for the model's weights on this CPU, and decode attention (`make bench-kernels`).
 
-Every linear layer of the model (q/k/v and gate/up fused, as the native pass runs them, and the
-vocabulary projection) once, at each row count, with each of ``KERNELS`` (stock torch:
-``F.linear``; weights reordered for oneDNN, what ``--forward native`` runs; int8 per output
-channel; 4-bit in groups of 32 with scale and minimum, the checkpoint's Q4_1 numbers). Then 16
-decode rows over every layer's KV cache: ``sdpa`` over contiguous columns (its best case) vs
-``torch.ops.tokenwire.decode_attention`` through block tables (what ``--kernels auto`` runs).
-Each repeat times every kernel in turn, in one thread of its own (as the server's engine loop
-runs torch: a second OpenMP pool alive slows the first). Replaces the "cpu-kernels" section.
+Every linear layer once (q/k/v and gate/up fused, as the native pass runs them) with each of
+``KERNELS`` (stock torch: ``F.linear``; oneDNN-packed, what ``--forward native`` runs; int8 per
+channel; Q4_1-like int4), then 16 decode rows over every layer's KV cache: ``sdpa`` on contiguous
+columns vs the ``decode_attention`` op through block tables. Timed in one thread of its own, as
+the engine loop runs torch. Replaces the "cpu-kernels" section.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,12 +23,8 @@ from benchmarks.stats import spread
 KERNELS = ("F.linear", "onednn", "int8", "int4")
 SLOTS, CAPACITY = 16, 2049  # decode rows, and each row's cache capacity in the engine
 BLOCK = 16  # tokens per KV block (engine.blocks.BLOCK_SIZE)
-FLAGS = {
-    "repeats": 3,
-    "rows": "1,16",
-    "calls": (5, "passes timed per kernel and repeat"),
-    "contexts": ("100,400,1000", "the decode attention's context lengths"),
-}
+FLAGS = {"repeats": 3, "rows": "1,16", "calls": (5, "passes timed per kernel and repeat"),
+         "contexts": ("100,400,1000", "the decode attention's context lengths")}  # fmt: skip
 DRY_RUN = {"repeats": 1, "calls": 1, "contexts": "16"}
 
 
@@ -84,7 +76,7 @@ def timed(
     for _ in range(calls):
         fn()
     results.setdefault(key, []).append((time.perf_counter() - started) / calls * 1000)
-    print(f"  {key[0]} {key[1]}: {results[key][-1]:.1f} ms", file=sys.stderr, flush=True)
+    doc.log(f"  {key[0]} {key[1]}: {results[key][-1]:.1f} ms")
 
 
 def measure(args: argparse.Namespace, rows_list: list[int]) -> tuple[dict[tuple[str, int], list[float]], Any]:

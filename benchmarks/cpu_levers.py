@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -22,13 +21,8 @@ from benchmarks.load import chat_ids
 from benchmarks.stats import spread
 
 VARIANTS = ("eager", "compile", "int8")
-FLAGS = {
-    "repeats": 3,
-    "steps": 40,
-    "batches": "1,16",
-    "variants": (",".join(VARIANTS), f"from {', '.join(VARIANTS)}"),
-    "quality_tokens": (48, "tokens of each greedy answer int8 is held to"),
-}
+FLAGS = {"repeats": 3, "steps": 40, "batches": "1,16", "variants": (",".join(VARIANTS), f"from {', '.join(VARIANTS)}"),
+         "quality_tokens": (48, "tokens of each greedy answer int8 is held to")}  # fmt: skip
 DRY_RUN = {"repeats": 1, "steps": 7, "batches": "1,2", "variants": "eager,int8", "quality_tokens": 4}
 
 
@@ -81,9 +75,8 @@ def run(args: argparse.Namespace) -> doc.Section:
                     forward = compiled[batch]
                 times = step_times(forward, owner, prompt, batch, args.steps)[5:]
                 steps.setdefault((name, batch), []).append(statistics.median(times) * 1000)
-                print(f"  repeat {r + 1} batch {batch:>2} {name:>7}: {steps[(name, batch)][-1]:7.1f} ms/step",
-                      file=sys.stderr, flush=True)  # fmt: skip
-    print("  int8 quality ...", file=sys.stderr, flush=True)
+                doc.log(f"  repeat {r + 1} batch {batch:>2} {name:>7}: {steps[(name, batch)][-1]:7.1f} ms/step")
+    doc.log("  int8 quality ...")
     new, count = args.quality_tokens, len(DEFAULT_PROMPTS)
     q = quality.measure(model, int8, quality.reference_answers(model, tokenizer, count, new, count, new))
     rows = []

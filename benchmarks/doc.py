@@ -3,9 +3,11 @@ by the suites, each owning one marked section that says which command wrote it, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,9 +32,9 @@ class Section:
     ok: bool = True
 
 
-def section(name: str, title: str, command: str, *lines: str, ok: bool = True) -> Section:
+def section(name: str, title: str, command: str, *lines: str) -> Section:
     """Section ``name``: ``## title``, the line that names ``command``, then ``lines``."""
-    return Section(name, "\n".join([f"## {title}", "", written(command), *lines]).rstrip("\n") + "\n", ok)
+    return Section(name, "\n".join([f"## {title}", "", written(command), *lines]).rstrip("\n") + "\n")
 
 
 def table(header: str, align: str, rows: Iterable[Iterable[object]]) -> list[str]:
@@ -57,6 +59,11 @@ def replace_section(path: Path, name: str, text: str, header: str = HEADER) -> N
     path.write_text(new)
 
 
+def log(message: str) -> None:
+    """A suite's progress, on stderr (stdout gets its section)."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def now() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
@@ -73,23 +80,13 @@ def machine() -> dict[str, str]:
     from tokenwire_server.model import cpu_instruction_sets
 
     cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "instruction sets": ", ".join(cpu_instruction_sets()) or "none of note",
-        "cores": str(os.cpu_count()),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch threads": str(torch.get_num_threads()),
-    }
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
+    return {"cpu": cpu, "instruction sets": ", ".join(cpu_instruction_sets()) or "none of note", "cores": str(os.cpu_count()),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch threads": str(torch.get_num_threads())}  # fmt: skip
 
 
 def host() -> str:

@@ -45,20 +45,13 @@ class _Servicer(pb_grpc.TextGenerationServicer):
         seed = zlib.crc32(key.SerializeToString(deterministic=True))
         for k in range(start, new):
             time.sleep(TOKEN_S)
-            last = k == new - 1
-            chunk = pb.TokenChunk(
-                request_id=request.request_id,
-                index=request.resume.next_index + k - start,
-                text=fixed if k == 0 else " t",
-            )
+            index, text = request.resume.next_index + k - start, fixed if k == 0 else " t"
+            chunk = pb.TokenChunk(request_id=request.request_id, index=index, text=text)
             chunk.tokens.add(id=(seed + k) % 49152)
-            if last:
+            if k == new - 1:
                 chunk.finish_reason = pb.FINISH_REASON_EOS if fixed else pb.FINISH_REASON_LENGTH
-                chunk.usage.CopyFrom(
-                    pb.Usage(
-                        prompt_tokens=prompt_tokens, completion_tokens=new, cached_prompt_tokens=prompt_tokens // 2
-                    )
-                )
+                chunk.usage.CopyFrom(pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=new,
+                                              cached_prompt_tokens=prompt_tokens // 2))  # fmt: skip
             yield chunk
 
     def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeResponse:

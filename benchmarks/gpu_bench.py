@@ -16,6 +16,7 @@ same code runs as a smoke test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,6 +25,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -38,11 +40,7 @@ def _shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: in
 
 
 # SmolLM2-135M-Instruct; a Llama-3.2-1B-like shape (the issue's "1B shape"); a few layers, for tests.
-SHAPES = {
-    "135m": _shape(576, 1536, 30, 9, 3, 64),
-    "1b": _shape(2048, 8192, 16, 32, 8, 64),
-    "tiny": _shape(64, 128, 2, 4, 2, 16),
-}
+SHAPES = {"135m": _shape(576, 1536, 30, 9, 3, 64), "1b": _shape(2048, 8192, 16, 32, 8, 64), "tiny": _shape(64, 128, 2, 4, 2, 16)}  # fmt: skip
 PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10G": 600.0, "L4": 300.0}
 STEP_HISTOGRAMS = ("tokenwire_decode_step_seconds", "tokenwire_decode_step_host_seconds")
 # ``:sampled`` requests: the sampler's temperatures, rows and seed keys cross to the device every step.
@@ -51,8 +49,7 @@ OUT = Path("docs/benchmarks-cuda.md")
 HEADER = "# Benchmarks on a GPU\n"
 FLAGS = {
     "random_weights": ("135m,1b", f"comma-separated shapes, from {', '.join(SHAPES)}"),
-    "device": {"default": "cuda", "choices": ("cuda", "cpu")},
-    "concurrency": "1,16,64,128",
+    "device": {"default": "cuda", "choices": ("cuda", "cpu")}, "concurrency": "1,16,64,128",
     "forwards": ("native,transformers,native:no-overlap,native:sampled,native:sampled+no-overlap",
                  "the engine's --forward values to serve each shape with, variants after a colon joined by + "
                  "(no-overlap: with --overlap off; sampled: sampled requests, not greedy)"),
@@ -60,15 +57,11 @@ FLAGS = {
     "ceiling": {"default": "ends", "choices": ("ends", "all", "none"),
                 "help": "static-batch generate at the smallest and largest concurrency (ends), at each, or not"},
     "prefill_budgets": ("", "comma-separated --max-prefill-tokens to measure at the last shape, last of all (empty: none)"),
-    "prefill_streams": 16,
-    "prefill_stream_tokens": 2000,
-    "max_new_tokens": 128,
-    "requests_per_stream": 2,
+    "prefill_streams": 16, "prefill_stream_tokens": 2000, "max_new_tokens": 128, "requests_per_stream": 2,
     "peak_gbs": {"type": float, "default": None, "help": "peak memory bandwidth, GB/s (default: from the GPU's name)"},
     "tokenizer": {"default": None, "help": "the default model's tokenizer files (default: $TOKENWIRE_TOKENIZER_DIR, "
                   "else the converted default model)"},
-    "cache": "/tmp/tokenwire-random-models",
-    "budget_s": (0.0, "start no phase after this many seconds (0: no budget)"),
+    "cache": "/tmp/tokenwire-random-models", "budget_s": (0.0, "start no phase after this many seconds (0: no budget)"),
     "server_arg": ([], "extra server flag (repeatable)"),
 }  # fmt: skip
 DRY_RUN = {"random_weights": "tiny", "device": "cpu", "concurrency": "1,2", "forwards": "native,native:sampled",
@@ -149,36 +142,31 @@ def mbu_of(shape: str, folder: Path, device: str, concurrency: int, step_s: floa
     return (weight_bytes(shape, vocab, element) + concurrency * context * per_token_kv) / step_s / (peak * 1e9)
 
 
-class GpuSampler:
-    """NVML utilisation of device 0, sampled every 100 ms while running (none without NVML)."""
+@contextlib.contextmanager
+def gpu_busy() -> Iterator[list[int]]:
+    """NVML utilisation of device 0 (%), sampled every 100 ms while inside (none without NVML)."""
+    samples: list[int] = []
+    stop = threading.Event()
+    try:
+        import pynvml  # nvidia-ml-py
 
-    def __enter__(self) -> GpuSampler:
-        self.samples: list[int] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        try:
-            import pynvml  # nvidia-ml-py
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    except Exception:  # no NVML here: no utilisation figure
+        yield samples
+        return
 
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        except Exception:  # no NVML here: no utilisation figure
-            return self
+    def sample() -> None:
+        while not stop.wait(0.1):
+            samples.append(int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
 
-        def sample() -> None:
-            while not self._stop.wait(0.1):
-                self.samples.append(int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def mean(self) -> float | None:
-        return sum(self.samples) / len(self.samples) if self.samples else None
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
 
 
 def metrics_text(metrics_port: int) -> str:
@@ -200,8 +188,7 @@ def step_totals(metrics_port: int) -> dict[str, tuple[float, int]]:
 
 def mean_between(before: tuple[float, int], after: tuple[float, int]) -> float | None:
     """The mean of a histogram's observations between two readings (None: none)."""
-    count = after[1] - before[1]
-    return (after[0] - before[0]) / count if count else None
+    return (after[0] - before[0]) / (after[1] - before[1]) if after[1] != before[1] else None
 
 
 def reserved_bytes(metrics_port: int) -> int | None:
@@ -222,10 +209,6 @@ class Result(load.Measure):
     gpu_busy: float | None = None
     mbu: float | None = None
     reserved_gib: float | None = None
-
-
-def ms_or_none(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000
 
 
 def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
@@ -258,21 +241,18 @@ def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
         load.warm(server.target)
         for c in concurrency:
             before = step_totals(server.metrics_port)
-            with GpuSampler() as gpu:
+            with gpu_busy() as busy:
                 m = load.grpc_load(
                     server.target, path, c, c * args.requests_per_stream, args.max_new_tokens, **sampling
                 )
             after = step_totals(server.metrics_port)
             step_s, host_s = (mean_between(before[name], after[name]) for name in STEP_HISTOGRAMS)
             reserved = reserved_bytes(server.metrics_port)
-            results.append(Result(**vars(m), shape=shape, step_ms=ms_or_none(step_s or None), host_ms=ms_or_none(host_s),
-                                  gpu_busy=gpu.mean(), mbu=mbu_of(shape, folder, args.device, c, step_s, peak, args.max_new_tokens),
+            results.append(Result(**vars(m), shape=shape, step_ms=step_s * 1000 if step_s else None,
+                                  host_ms=None if host_s is None else host_s * 1000,
+                                  gpu_busy=sum(busy) / len(busy) if busy else None, mbu=mbu_of(shape, folder, args.device, c, step_s, peak, args.max_new_tokens),
                                   reserved_gib=None if reserved is None else reserved / 2**30))  # fmt: skip
-            print(
-                f"  {shape} {path} c={c}: {m.tokens_per_s:.0f} tok/s, step {results[-1].step_ms} ms",
-                file=sys.stderr,
-                flush=True,
-            )
+            doc.log(f"  {shape} {path} c={c}: {m.tokens_per_s:.0f} tok/s, step {results[-1].step_ms} ms")
     return results
 
 
@@ -312,7 +292,7 @@ def run_ceiling(shape: str, args: argparse.Namespace, batches: list[int]) -> lis
         results.append(Result(label, batch, batch, batch * new, batch * new / elapsed, itl_p50=step_s * 1000, shape=shape,
                               step_ms=step_s * 1000, mbu=mbu_of(shape, folder, args.device, batch, step_s, peak, new),
                               reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None))  # fmt: skip
-        print(f"  {shape} {label} batch={batch}: {results[-1].tokens_per_s:.0f} tok/s", file=sys.stderr, flush=True)
+        doc.log(f"  {shape} {label} batch={batch}: {results[-1].tokens_per_s:.0f} tok/s")
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -337,11 +317,7 @@ def run_prefill(shape: str, args: argparse.Namespace) -> list[list[Any]]:
         out.append(
             [shape, budget, f"{worst.ratio:.1f}", f"{worst.itl_p50_ms:.1f}", f"{worst.max_gap_ms:.1f}", f"{first:.2f}"]
         )
-        print(
-            f"  {shape} prompt budget {budget}: stall {worst.ratio:.1f}x, long prompt TTFT {first:.2f} s",
-            file=sys.stderr,
-            flush=True,
-        )
+        doc.log(f"  {shape} prompt budget {budget}: stall {worst.ratio:.1f}x, long prompt TTFT {first:.2f} s")
     return out
 
 
@@ -355,14 +331,13 @@ def render(args: argparse.Namespace, results: list[Result], prefill: list[list[A
             for r in results]  # fmt: skip
     lines = [
         *([f"Still to run: {', '.join(not_yet)}."] if not_yet else []),
-        "Random weights in the named shape, the default model's tokenizer; greedy, `ignore_eos`; one run.",
-        "tokenwire rows: the server over gRPC",
-        "(TTFT and ITL from the client; decode step: the server's mean). Ceiling rows: transformers",
-        "`generate` on a static batch with a static cache, in-process (ITL there is the mean step,",
-        "prefill included). MBU: bytes a decode step reads (weights + the batch's KV cache) ÷ step",
-        "time ÷ peak bandwidth. Host ms/step: the server's mean `tokenwire_decode_step_host_seconds`, a",
-        "decode step's wall time (delivery included) less its compute (CPU) or its wait on the device",
-        "(CUDA): on a GPU, host work the device may idle through. Reserved: torch's device memory high-water mark.",
+        "Random weights in the named shape, the default model's tokenizer; greedy, `ignore_eos`; one run. tokenwire rows:",
+        "the server over gRPC (TTFT and ITL from the client; decode step: the server's mean). Ceiling rows: transformers",
+        "`generate` on a static batch with a static cache, in-process (ITL there is the mean step, prefill included). MBU:",
+        "bytes a decode step reads (weights + the batch's KV cache) ÷ step time ÷ peak bandwidth. Host ms/step: the server's",
+        "mean `tokenwire_decode_step_host_seconds`, a decode step's wall time (delivery included) less its compute (CPU) or",
+        "its wait on the device (CUDA): on a GPU, host work the device may idle through. Reserved: torch's device memory",
+        "high-water mark.",
         "",
         *doc.table("shape | path | c | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | decode step ms "
                    "| host ms/step | GPU busy % | MBU % | reserved GiB", "llrrrrrrrrrrr", rows),
@@ -370,9 +345,8 @@ def render(args: argparse.Namespace, results: list[Result], prefill: list[list[A
     if prefill:
         lines += [
             "",
-            "Prompt budget (`--max-prefill-tokens`, native pass): streams decode, a 1,500-token prompt",
-            "arrives (two arrivals, the worse shown); stall: the streams' largest gap while it is read ÷",
-            "their ITL p50 before; TTFT: the long prompt's own.",
+            "Prompt budget (`--max-prefill-tokens`, native pass): streams decode, a 1,500-token prompt arrives (two arrivals,",
+            "the worse shown); stall: the streams' largest gap while it is read ÷ their ITL p50 before; TTFT: the long prompt's own.",
             "",
             *doc.table(
                 "shape | budget | stall × | ITL p50 ms | largest gap ms | long prompt TTFT s", "lrrrrr", prefill

@@ -14,6 +14,9 @@ import subprocess
 import sys
 import time
 
+import grpc
+from tokenwire.v1 import generation_pb2 as pb
+
 from benchmarks import doc, load
 from benchmarks.launcher import serve
 from benchmarks.stats import median, p99, spread
@@ -26,9 +29,6 @@ DRY_RUN = {"repeats": 1, "rounds": 1, "concurrency": "1,2", "tokens": 4}
 
 def measure(target: str, concurrency: int, tokens: int, rounds: int) -> tuple[float, list[float]]:
     """Tokens/s over ``rounds`` waves of ``concurrency`` streams, and every stream's seconds."""
-    import grpc
-    from tokenwire.v1 import generation_pb2 as pb
-
     request = pb.GenerateRequest(prompt=PROMPT, stopping=pb.StoppingCriteria(max_new_tokens=tokens, ignore_eos=True))
     with grpc.insecure_channel(target) as channel:
         stub = load.stub(channel)
@@ -58,10 +58,7 @@ def run(args: argparse.Namespace) -> doc.Section:
                             rate, latencies = measure(server.target, c, args.tokens, args.rounds)
                             tps.setdefault((name, neighbour, c), []).append(rate)
                             lat.setdefault((name, neighbour, c), []).extend(latencies)
-                            print(
-                                f"repeat {repeat} spin {reported} neighbour={neighbour} c={c}: {rate:.1f} tok/s",
-                                flush=True,
-                            )
+                            doc.log(f"repeat {repeat} spin {reported} neighbour={neighbour} c={c}: {rate:.1f} tok/s")
                     finally:
                         if hog:
                             hog.kill()

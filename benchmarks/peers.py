@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -30,16 +29,12 @@ from benchmarks.load import Measure
 from benchmarks.stats import spread
 
 LABELS = {
-    "generate": "in-process `generate`",
-    "batched": "tokenwire batched (gRPC)",
+    "generate": "in-process `generate`", "batched": "tokenwire batched (gRPC)",
     "batched-int8": "tokenwire batched, `--quantization int8` (gRPC)",
-    "batched-hf": "tokenwire batched, transformers' forward (gRPC)",
-    "batched-1t": "tokenwire batched, 1 torch thread (gRPC)",
-    "tokenwire-vllm": "tokenwire on vLLM (gRPC)",
-    "vllm-openai": "vLLM OpenAI server (HTTP)",
-    "llamacpp-q4": "llama.cpp Q4_1 (llama-cpp-python server, HTTP)",
-    "llamacpp-q8": "llama.cpp Q8_0 (llama-cpp-python server, HTTP)",
-}
+    "batched-hf": "tokenwire batched, transformers' forward (gRPC)", "batched-1t": "tokenwire batched, 1 torch thread (gRPC)",
+    "tokenwire-vllm": "tokenwire on vLLM (gRPC)", "vllm-openai": "vLLM OpenAI server (HTTP)",
+    "llamacpp-q4": "llama.cpp Q4_1 (llama-cpp-python server, HTTP)", "llamacpp-q8": "llama.cpp Q8_0 (llama-cpp-python server, HTTP)",
+}  # fmt: skip
 SYSTEMS = tuple(LABELS)
 BATCHED = {"batched": [], "batched-hf": ["--forward", "transformers"], "batched-1t": ["--torch-threads", "1"],
            "batched-int8": ["--quantization", "int8", "--allow-unmet-quality-bar"]}  # fmt: skip
@@ -112,10 +107,8 @@ def targets(rows: list[Measure]) -> list[tuple[str, list[float], bool | None]]:
     """(target, per-repeat values, met by the median; None where it did not run)."""
 
     def met(values: list[float], sense: str, bound: float) -> bool | None:
-        if not values:
-            return None
-        median = statistics.median(values)
-        return median >= bound if sense == ">=" else median <= bound
+        median = statistics.median(values) if values else None
+        return None if median is None else median >= bound if sense == ">=" else median <= bound
 
     out = []
     for name, a, b, c, field, how, sense, bound in TARGETS:
@@ -144,11 +137,11 @@ def render(args: argparse.Namespace, rows: list[Measure], requests: dict[int, in
     met = [(name, ", ".join(f"{v:.2f}" for v in values) or "-", f"{statistics.median(values):.2f}" if values else "-",
             "yes" if ok else "NO") for name, values, ok in targets(rows) if ok is not None]  # fmt: skip
     lines = [
-        f"{args.repeats} repeats; in each, every system ran c=1 then c=16, one after another, with every server",
-        "already up. Each cell: median (min–max) over the repeats; ratios are taken inside a repeat.",
-        f"Work: the 16 chat prompts of `tokenwire bench`, `max_new_tokens={args.max_new_tokens}` with `ignore_eos`, greedy;",
-        f"{requests[1]} (c=1) / {requests[16]} (c=16) requests per run at each concurrency (closed loop: c streams kept busy).",
-        "TTFT and ITL are client-side, in milliseconds; ITL is the gap between token arrivals.",
+        f"{args.repeats} repeats; in each, every system ran c=1 then c=16, one after another, with every server already up.",
+        "Each cell: median (min–max) over the repeats; ratios are taken inside a repeat. Work: the 16 chat prompts of",
+        f"`tokenwire bench`, `max_new_tokens={args.max_new_tokens}` with `ignore_eos`, greedy; {requests[1]} (c=1) / {requests[16]} (c=16)",
+        "requests per run at each concurrency (closed loop: c streams kept busy). TTFT and ITL are client-side, in",
+        "milliseconds; ITL is the gap between token arrivals.",
         "",
         *doc.table("|", "ll", [*doc.machine().items(), *setup.items()]),
         "",
@@ -176,31 +169,23 @@ def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) 
                 servers[system] = stack.enter_context(serve(args.dry_run, flags, "batched"))
             elif system == "tokenwire-vllm":
                 flags = ["--model", args.model, "--kv-cache-tokens", str(args.kv_cache_tokens), *eager]
-                servers[system] = stack.enter_context(
-                    serve(args.dry_run, flags, "vllm", env=vllm_env, python=args.vllm_python)
-                )
+                server = serve(args.dry_run, flags, "vllm", env=vllm_env, python=args.vllm_python)
+                servers[system] = stack.enter_context(server)
             else:
                 if system == "vllm-openai":
-                    folder, kv_bytes = (
-                        (Path(), 0) if args.dry_run else vllm_folder_and_kv(args.model, args.kv_cache_tokens)
-                    )
+                    folder, kv_bytes = (Path(), 0) if args.dry_run else vllm_folder_and_kv(args.model, args.kv_cache_tokens)  # fmt: skip
                     peer = (args.vllm_python, folder, ["--dtype", "float32", "--kv-cache-memory-bytes", str(kv_bytes),
                                                        "--max-num-seqs", "16", *eager], vllm_env)  # fmt: skip
                 else:
                     threads = str(os.cpu_count() or 1)
                     gguf = Path() if args.dry_run else llamacpp_gguf(args.llamacpp_python, system)
-                    peer = (
-                        args.llamacpp_python,
-                        gguf,
-                        ["--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads],
-                        {},
-                    )
+                    peer = (args.llamacpp_python, gguf, ["--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads], {})  # fmt: skip
                 kind, ready_s = ("vllm", 900) if system == "vllm-openai" else ("llamacpp", 300)
                 servers[system] = serve_openai(args.dry_run, *peer, Path(args.log_dir) / f"{system}.log", ready_s, kind)
                 stack.callback(servers[system].close)
                 label = "vLLM OpenAI server" if system == "vllm-openai" else LABELS[system]
                 notes.append(f"{label}: `" + " ".join(servers[system].command[1:]) + "`")
-            print(f"  {system}: ready in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+            doc.log(f"  {system}: ready in {time.monotonic() - began:.0f} s")
         yield servers
 
 
@@ -270,7 +255,7 @@ def run(args: argparse.Namespace) -> doc.Section:
             f"llama.cpp left out: {args.llamacpp_python} is missing (`make setup-llamacpp` builds it, ~15 min)"
         )
     rows: list[Measure] = []
-    print(f"starting {', '.join(s for s in systems if s != 'generate')} ...", file=sys.stderr, flush=True)
+    doc.log(f"starting {', '.join(s for s in systems if s != 'generate')} ...")
     with started(systems, args, notes) as servers:
         for r in range(args.repeats):
             for system in systems:
@@ -286,9 +271,8 @@ def run(args: argparse.Namespace) -> doc.Section:
                     idle = {s: tree_cpu_seconds(servers[s].proc.pid) - before for s, before in others.items()}
                     busiest = max(idle.items(), key=lambda kv: kv[1], default=("-", 0.0))
                     rows.append(m)
-                    print(f"  repeat {r + 1} {system:>14} c={c:<2} {m.tokens_per_s:7.1f} tok/s  TTFT p50 {m.ttft_p50 or 0:7.1f} ms"
-                          f"  ITL p50 {m.itl_p50 or 0:6.1f} ms  (idle servers: at most {busiest[1]:.2f} CPU s, {busiest[0]})",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                    doc.log(f"  repeat {r + 1} {system:>14} c={c:<2} {m.tokens_per_s:7.1f} tok/s  TTFT p50 {m.ttft_p50 or 0:7.1f} ms"
+                            f"  ITL p50 {m.itl_p50 or 0:6.1f} ms  (idle servers: at most {busiest[1]:.2f} CPU s, {busiest[0]})")  # fmt: skip
                     if busiest[1] > 0.05 * (m.cpu_s or 1e9):
                         notes.append(
                             f"repeat {r + 1}, {system} c={c}: an idle server used {busiest[1]:.2f} CPU s meanwhile"

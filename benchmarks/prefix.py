@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from tokenwire.v1 import generation_pb2 as pb
+
 from benchmarks import doc, load
 from benchmarks.launcher import serve
 from benchmarks.stats import median, p99, spread
@@ -26,8 +28,6 @@ def question(i: int) -> str:
 
 
 def ask(stub: Any, system: str | None, text: str, tokens: int) -> load.Stream:
-    from tokenwire.v1 import generation_pb2 as pb
-
     messages = [pb.ChatMessage(role="system", content=system)] if system else []
     messages.append(pb.ChatMessage(role="user", content=text))
     request = pb.GenerateRequest(chat=pb.Chat(messages=messages), stopping=pb.StoppingCriteria(max_new_tokens=tokens))
@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> doc.Section:
             cached[setting] += [s.usage.cached_prompt_tokens for s in shared]
             prompt_tokens += [s.usage.prompt_tokens for s in shared]
             texts.setdefault(setting, [s.text for s in shared])
-            print(f"repeat {repeat} prefix-cache {setting}: TTFT p50 alone {median(alone) * 1000:.0f} ms, "
-                  f"shared {median(s.ttft for s in shared) * 1000:.0f} ms, cached min {min(cached[setting])}", flush=True)  # fmt: skip
+            doc.log(f"repeat {repeat} prefix-cache {setting}: TTFT p50 alone {median(alone) * 1000:.0f} ms, "
+                    f"shared {median(s.ttft for s in shared) * 1000:.0f} ms, cached min {min(cached[setting])}")  # fmt: skip
     rows = []
     for setting in SETTINGS:
         for kind, prompt in (("alone", "question alone"), ("shared", "shared system prompt")):

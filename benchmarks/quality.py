@@ -13,7 +13,6 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -84,14 +83,9 @@ def meets(result: dict[str, Any]) -> bool:
     return bool(result["kl"] <= BAR["kl"] and result["identical"] >= BAR["identical"])
 
 
-FLAGS = {
-    "modes": "int8,bfloat16",
-    "kl_prompts": BAR["kl_prompts"],
-    "kl_tokens": BAR["kl_tokens"],
-    "greedy_prompts": BAR["of"],
-    "greedy_tokens": BAR["greedy_tokens"],
-    "quality_file": (str(QUALITY_FILE), "where the server's start-up gate reads the result ('' to skip)"),
-}
+FLAGS = {"modes": "int8,bfloat16", "kl_prompts": BAR["kl_prompts"], "kl_tokens": BAR["kl_tokens"], "greedy_prompts": BAR["of"],
+         "greedy_tokens": BAR["greedy_tokens"],
+         "quality_file": (str(QUALITY_FILE), "where the server's start-up gate reads the result ('' to skip)")}  # fmt: skip
 DRY_RUN = {"quality_file": "", "kl_prompts": 2, "kl_tokens": 4, "greedy_prompts": 2, "greedy_tokens": 4}
 
 
@@ -116,7 +110,7 @@ def run(args: argparse.Namespace) -> doc.Section:
             quantize_model(candidate, mode, torch.device(device))
         results[mode] = measure(reference, candidate, answers)
         results[mode]["meets_bar"] = meets(results[mode])
-        print(f"  {mode}: {results[mode]} ({time.perf_counter() - began:.0f} s)", file=sys.stderr, flush=True)
+        doc.log(f"  {mode}: {results[mode]} ({time.perf_counter() - began:.0f} s)")
         del candidate
 
     info = doc.machine()

@@ -13,19 +13,15 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from tokenwire.v1 import generation_pb2 as pb
+
 from benchmarks import doc, load
 from benchmarks.launcher import serve
 from benchmarks.stats import median, spread
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about rain.",
-    "Explain photosynthesis briefly.",
-    "List three primary colors.",
-    "Why is the sky blue?",
-    "Give me a tip for learning Python.",
-    "Name three rivers in Europe.",
-]
+QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Explain photosynthesis briefly.",
+             "List three primary colors.", "Why is the sky blue?", "Give me a tip for learning Python.",
+             "Name three rivers in Europe."]  # fmt: skip
 KINDS = ("greedy", "seeded top-p", "seeded top-k + penalty")
 FLAGS = {"engines": "batched,vllm", "repeats": 3, "max_new_tokens": 64}
 DRY_RUN = {"repeats": 1, "engines": "batched", "max_new_tokens": 8}
@@ -35,24 +31,16 @@ def requests(tokens: int, count: int = 20, stops: Sequence[str] | None = None) -
     """(sampling kind, request): greedy, seeded top-p, seeded top-k with a repetition penalty in
     turn; chat and raw text in turn; every fourth ignores EOS; ``stops[i]`` (else "\\n\\n" on
     every fourth) as request i's stop sequence; token ids on, for the resume."""
-    from tokenwire.v1 import generation_pb2 as pb
-
-    sampling = [
-        pb.SamplingParams(temperature=0.0),
-        pb.SamplingParams(temperature=0.8, top_p=0.9, seed=1234),
-        pb.SamplingParams(temperature=1.0, top_k=40, repetition_penalty=1.3, seed=99),
-    ]
+    sampling = [pb.SamplingParams(temperature=0.0), pb.SamplingParams(temperature=0.8, top_p=0.9, seed=1234),
+                pb.SamplingParams(temperature=1.0, top_k=40, repetition_penalty=1.3, seed=99)]  # fmt: skip
     out = []
     for i in range(count):
         stop = stops[i] if stops is not None else ("\n\n" if i % 4 == 1 else "")
-        request = pb.GenerateRequest(
-            request_id=f"resume-{i}",
-            sampling=sampling[i % 3],
-            stopping=pb.StoppingCriteria(
-                max_new_tokens=tokens, ignore_eos=i % 4 == 0, stop_sequences=[stop] if stop else []
-            ),
-            output=pb.OutputOptions(token_ids=True),
+        stopping = pb.StoppingCriteria(
+            max_new_tokens=tokens, ignore_eos=i % 4 == 0, stop_sequences=[stop] if stop else []
         )
+        request = pb.GenerateRequest(request_id=f"resume-{i}", sampling=sampling[i % 3], stopping=stopping,
+                                     output=pb.OutputOptions(token_ids=True))  # fmt: skip
         if i % 2:
             request.prompt = QUESTIONS[i % len(QUESTIONS)]
         else:
@@ -62,8 +50,6 @@ def requests(tokens: int, count: int = 20, stops: Sequence[str] | None = None) -
 
 
 def one_repeat(args: argparse.Namespace, engine: str, seed: int) -> dict[str, Any]:
-    from tokenwire.v1 import generation_pb2 as pb
-
     flags = ["--model", args.model, "--max-active", "4"]
     if engine == "vllm":  # vLLM needs room for one whole context (8,192 tokens) in its cache
         flags += ["--enforce-eager", "--kv-cache-tokens", "16384"]
@@ -98,8 +84,8 @@ def run(args: argparse.Namespace) -> doc.Section:
             result = one_repeat(args, engine, seed=repeat)
             results.setdefault(engine, []).append(result)
             counts = {kind: f"{sum(v)}/{len(v)}" for kind, v in result["exact"].items()}
-            print(f"repeat {repeat} {engine}: exact {counts}, resumed TTFT / uncut TTFT p50 {result['ttft_ratio_p50']:.2f} "
-                  f"max {result['ttft_ratio_max']:.2f}", flush=True)  # fmt: skip
+            doc.log(f"repeat {repeat} {engine}: exact {counts}, resumed TTFT / uncut TTFT p50 {result['ttft_ratio_p50']:.2f} "
+                    f"max {result['ttft_ratio_max']:.2f}")  # fmt: skip
     rows = [[engine, *(f"{sum(v)}/{len(v)}" for v in ([x for r in runs for x in r["exact"][kind]] for kind in KINDS)),
              spread([r["ttft_ratio_p50"] for r in runs], 2), spread([r["ttft_ratio_max"] for r in runs], 2)]
             for engine, runs in results.items()]  # fmt: skip

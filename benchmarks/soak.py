@@ -43,33 +43,23 @@ FLAGS = {
     "target": ("", "host:port of a running server instead (loopback only; no tenants)"),
     "pid": (0, "with --target: the server's pid, for memory and threads"),
     "tenants": (True, "start the server with three tenants and bearer tokens, and mix in the tenants' kinds of call"),
-    "minutes": (10.0, "how long to send traffic"),
-    "rate": (1.5, "calls started per second"),
+    "minutes": (10.0, "how long to send traffic"), "rate": (1.5, "calls started per second"),
     "concurrency": (48, "most calls this client runs at once"),
-    "burst_every": (60.0, "seconds between bursts past admission"),
-    "burst_tokens": (4, "max_new_tokens of each call of a burst"),
+    "burst_every": (60.0, "seconds between bursts past admission"), "burst_tokens": (4, "max_new_tokens of each call of a burst"),
     "short_tokens": (16, "max_new_tokens of short generations"),
     "long_tokens": (64, "max_new_tokens of long, structured and resumed generations"),
     "cancel_storm": (1000, "streams cancelled one by one after the mix"),
-    "cancel_storm_seconds": (300.0, "time bound of the cancel storm"),
-    "seed": (0, "seed of the traffic mix"),
-    "write_doc": (False, "write the figures into --doc"),
-    "doc": ("docs/reliability.md", "where --write-doc writes"),
+    "cancel_storm_seconds": (300.0, "time bound of the cancel storm"), "seed": (0, "seed of the traffic mix"),
+    "write_doc": (False, "write the figures into --doc"), "doc": ("docs/reliability.md", "where --write-doc writes"),
     "json": ("", "also write the raw report as JSON here"),
-}
+}  # fmt: skip
 DRY_RUN = {"minutes": 0.05, "rate": 10.0, "concurrency": 8, "burst_every": 1.0, "short_tokens": 2, "long_tokens": 4,
            "burst_tokens": 2, "cancel_storm": 3, "cancel_storm_seconds": 5.0}  # fmt: skip
-PROMPTS = (
-    "Write a haiku about the sea.",
-    "Explain what a hash table is in two sentences.",
-    "List three uses of copper.",
-    "Translate 'good morning' into French, German and Spanish.",
-    "What is the capital of Japan? Answer briefly.",
-    "Tell me a short story about a robot who learns to paint.",
-)
+PROMPTS = ("Write a haiku about the sea.", "Explain what a hash table is in two sentences.", "List three uses of copper.",
+           "Translate 'good morning' into French, German and Spanish.", "What is the capital of Japan? Answer briefly.",
+           "Tell me a short story about a robot who learns to paint.")  # fmt: skip
 MALFORMED = (
-    pb.GenerateRequest(),
-    pb.GenerateRequest(prompt=""),
+    pb.GenerateRequest(), pb.GenerateRequest(prompt=""),
     pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=-1.0)),
     pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=float("nan"))),
     pb.GenerateRequest(prompt="hi", stopping=pb.StoppingCriteria(max_new_tokens=0)),
@@ -77,12 +67,11 @@ MALFORMED = (
     pb.GenerateRequest(prompt="hi", stopping=pb.StoppingCriteria(stop_sequences=[""])),
     pb.GenerateRequest(prompt="hi", output=pb.OutputOptions(top_logprobs=99)),
     pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="robot", content="hi")])),
-    pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2**31])),
-    pb.GenerateRequest(prompt="nul \x00 inside"),
+    pb.GenerateRequest(token_ids=pb.TokenIds(ids=[2**31])), pb.GenerateRequest(prompt="nul \x00 inside"),
     pb.GenerateRequest(prompt="hi", response_format=pb.ResponseFormat(json_schema="{not json")),
     pb.GenerateRequest(prompt="hi", response_format=pb.ResponseFormat(regex="(unclosed")),
     pb.GenerateRequest(prompt="hi", resume=pb.Resume(generated_token_ids=[2**31], next_index=1)),
-)
+)  # fmt: skip
 # The formats of the structured calls: (what it is, the format, a question that asks for it).
 # A "json_object" answer must parse as an object; the others as benchmarks.structured checks them.
 FORMATS = (
@@ -94,18 +83,8 @@ FORMATS = (
 BAD_CODES = ("UNKNOWN", "INTERNAL")
 # The tenants of the server the soak starts (--tenants): who sends the ordinary calls, by
 # weight, and a third on a small quota that only the "metered" calls use.
-TENANTS_TOML = """
-[tenants.interactive]
-weight = 3
-
-[tenants.batch]
-weight = 1
-max_priority = "normal"
-
-[tenants.metered]
-weight = 1
-tokens_per_minute = 60
-"""
+TENANTS_TOML = """[tenants.interactive]\nweight = 3\n[tenants.batch]\nweight = 1\nmax_priority = "normal"
+[tenants.metered]\nweight = 1\ntokens_per_minute = 60\n"""
 SENDERS = (("interactive", 3), ("batch", 1))
 PRIORITIES = {  # the priorities each sender's ordinary calls ask for, by weight
     "interactive": ((pb.PRIORITY_HIGH, 1), (pb.PRIORITY_UNSPECIFIED, 3), (pb.PRIORITY_LOW, 1)),
@@ -141,8 +120,7 @@ class Call:
 
 
 def write_tenants(folder: Path) -> tuple[list[str], dict[str, str]]:
-    """The tenants config and token file of the server the soak starts, in ``folder``: its
-    extra flags, and each tenant's token."""
+    """The tenants' config and tokens in ``folder``: the server's extra flags, each tenant's token."""
     tokens = {name: f"soak-{name}-{secrets.token_hex(8)}" for name in ("interactive", "batch", "metered")}
     (folder / "tenants.toml").write_text(TENANTS_TOML)
     (folder / "tokens").write_text("".join(f"{token} {name}\n" for name, token in tokens.items()))
@@ -348,15 +326,13 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             if args.tenants:
                 extra, tokens = write_tenants(Path(folder))
                 flags += extra
-            print(f"soak: starting tokenwire-server {' '.join(flags)}", file=sys.stderr, flush=True)
+            doc.log(f"soak: starting tokenwire-server {' '.join(flags)}")
             server = stack.enter_context(serve(args.dry_run, flags, ready_timeout=600, stop_timeout=120))
             target, pid = server.target, None if args.dry_run else server.proc.pid  # the fake: no process of its own
         return _drive(args, target, pid, server, tokens)
 
 
-def _drive(
-    args: argparse.Namespace, target: str, pid: int | None, server: Any, tokens: dict[str, str]
-) -> dict[str, Any]:
+def _drive(args: argparse.Namespace, target: str, pid: int | None, server: Any, tokens: dict[str, str]) -> dict[str, Any]:  # fmt: skip
     channel = grpc.insecure_channel(target)
     stub = load.stub(channel)
     traffic = Traffic(stub, args, random.Random(args.seed), tokens)
@@ -372,17 +348,14 @@ def _drive(
     for _ in range(4):
         traffic.run_one(Call("warm-up", traffic._generation(args.short_tokens), 120, metadata=auth))
     for name, fmt, question in FORMATS:
-        request = pb.GenerateRequest(
-            prompt=question, stopping=pb.StoppingCriteria(max_new_tokens=2), response_format=fmt
-        )
+        request = pb.GenerateRequest(prompt=question, stopping=pb.StoppingCriteria(max_new_tokens=2), response_format=fmt)  # fmt: skip
         traffic.run_one(Call("warm-up", request, 120, metadata=auth, detail=name))
     traffic.outcomes.clear()
     warm_lines = len(server.find("request finished")) if server is not None else 0
     start_status = process_status(pid) if pid else {}
-    print(f"soak: {args.minutes:g} min at {args.rate:g} calls/s against {target} "
-          f"({info.name}, {info.engine}, admission {info.max_active_streams}+{info.max_queued_requests}, "
-          f"bursts of {burst_size} every {args.burst_every:g} s, tenants {sorted(tokens) or 'off'})",
-          file=sys.stderr, flush=True)  # fmt: skip
+    doc.log(f"soak: {args.minutes:g} min at {args.rate:g} calls/s against {target} ({info.name}, {info.engine}, admission "
+            f"{info.max_active_streams}+{info.max_queued_requests}, bursts of {burst_size} every {args.burst_every:g} s, "
+            f"tenants {sorted(tokens) or 'off'})")  # fmt: skip
     started = time.monotonic()
     end = started + args.minutes * 60
     next_burst = started + min(args.burst_every, args.minutes * 30)  # at least one burst in a short run
@@ -405,7 +378,7 @@ def _drive(
             if now >= next_report:
                 next_report = now + 30
                 codes = collections.Counter(o.code for o in list(traffic.outcomes))
-                print(f"soak: {now - started:5.0f} s  {dict(codes)}", file=sys.stderr, flush=True)
+                doc.log(f"soak: {now - started:5.0f} s  {dict(codes)}")
             time.sleep(max(0.0, started + sent / args.rate - time.monotonic()))
     finally:
         concurrent.futures.wait(pending, timeout=180)
@@ -467,23 +440,17 @@ def _cancel_storm(traffic: Traffic, args: argparse.Namespace, pid: int | None) -
         return {}
     time.sleep(2)
     before = process_status(pid).get("threads") if pid else None
-    started = time.monotonic()
-    cancelled = 0
-    auth = traffic.auth("interactive")
+    started, cancelled = time.monotonic(), 0
     for _ in range(args.cancel_storm):
         if time.monotonic() - started > args.cancel_storm_seconds:
             break
-        call = traffic._stub.Generate(traffic._generation(args.long_tokens), timeout=60, metadata=auth)
-        try:
-            next(call)
-        except (grpc.RpcError, StopIteration):
-            continue
-        call.cancel()
-        cancelled += 1
+        call = Call("storm", traffic._generation(args.long_tokens), 60, metadata=traffic.auth("interactive"))
+        _, chunks, error = traffic._read(call, call.request, cut=1)
+        cancelled += bool(chunks) and error is None
     seconds = time.monotonic() - started
     time.sleep(2)
     after = process_status(pid).get("threads") if pid else None
-    print(f"soak: cancel storm: {cancelled} streams in {seconds:.0f} s, threads {before} -> {after}", file=sys.stderr)
+    doc.log(f"soak: cancel storm: {cancelled} streams in {seconds:.0f} s, threads {before} -> {after}")
     return {"cancelled": cancelled, "seconds": round(seconds, 1), "threads_before": before, "threads_after": after}
 
 
@@ -545,8 +512,7 @@ def run(args: argparse.Namespace) -> doc.Section:
     if args.write_doc:
         args.out = Path(args.doc)
     if not passed(report):
-        print(f"soak: FAIL: {report['bad']} violations={report['violations'][:5]} alive={report['server_alive']}",
-              file=sys.stderr)  # fmt: skip
+        doc.log(f"soak: FAIL: {report['bad']} violations={report['violations'][:5]} alive={report['server_alive']}")
     return doc.Section("soak", render_doc(report, args.command), passed(report))
 
 

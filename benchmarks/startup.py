@@ -10,7 +10,7 @@ import argparse
 import time
 
 from benchmarks import doc
-from benchmarks.launcher import ServerProcess, health_check
+from benchmarks.launcher import ServerProcess
 from benchmarks.stats import median, spread
 
 FLAGS = {"repeats": 5, "server_args": ("", "extra server flags, space-separated")}
@@ -20,23 +20,11 @@ POLL_S = 0.02
 
 def start_once(model: str, extra: list[str]) -> tuple[float, dict[str, float]]:
     """(seconds from exec to readiness SERVING at the client, the ready line's phases)."""
-    from tokenwire_server.health import SERVING
-
     started = time.monotonic()
     server = ServerProcess(["--model", model, *extra], wait=False)
     try:
         server.wait_listening(600)
-        while True:
-            try:
-                if health_check(server.target, timeout=1.0) == SERVING:
-                    break
-            except Exception:  # the port is open before the health service answers
-                pass
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {server.proc.returncode}:\n" + server.output())
-            if time.monotonic() - started > 600:
-                raise RuntimeError("server did not become ready:\n" + server.output())
-            time.sleep(POLL_S)
+        server.wait_ready(600 - (time.monotonic() - started), poll=POLL_S)
         serving = time.monotonic() - started
         deadline = time.monotonic() + 10
         while not server.find("ready") and time.monotonic() < deadline:
@@ -56,7 +44,7 @@ def run(args: argparse.Namespace) -> doc.Section:
         totals.append(total)
         for name, seconds in seen.items():
             phases.setdefault(name, []).append(seconds)
-        print(f"repeat {repeat}: ready in {total:.2f} s; {seen}", flush=True)
+        doc.log(f"repeat {repeat}: ready in {total:.2f} s; {seen}")
     return doc.section(
         "startup", "Start-up: exec to readiness (`make bench-startup`)", args.command,
         f"{doc.host()}. Model `{args.model}`{' with ' + args.server_args if args.server_args else ''}; "

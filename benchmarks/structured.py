@@ -13,18 +13,16 @@ import re
 import time
 from typing import Any
 
+from tokenwire.v1 import generation_pb2 as pb
+
 from benchmarks import doc, load
 from benchmarks.launcher import serve
 from benchmarks.stats import median, spread
 
 CONCURRENCY = 16
 SLICES = 4
-FLAGS = {
-    "engine": {"default": "batched", "choices": ["batched", "vllm"]},
-    "repeats": 3,
-    "max_new_tokens": 400,
-    "sampler_steps": (200, "steps the in-process sampler is timed over"),
-}
+FLAGS = {"engine": {"default": "batched", "choices": ["batched", "vllm"]}, "repeats": 3, "max_new_tokens": 400,
+         "sampler_steps": (200, "steps the in-process sampler is timed over")}  # fmt: skip
 DRY_RUN = {"repeats": 1, "max_new_tokens": 8, "sampler_steps": 4}
 
 
@@ -92,23 +90,16 @@ QUESTIONS = {
 
 def requests(max_new_tokens: int) -> list[tuple[str, Any]]:
     """(what it is, request): 16 per schema, 8 regex, 8 choice; greedy and seeded top-p in turn."""
-    from tokenwire.v1 import generation_pb2 as pb
 
     def request(kind: str, i: int, question: str, fmt: Any) -> tuple[str, Any]:
-        sampling = (
-            pb.SamplingParams(temperature=0.0)
-            if i % 2 == 0
-            else pb.SamplingParams(temperature=0.7, top_p=0.9, seed=1000 + i)
-        )
+        sampling = pb.SamplingParams(temperature=0.0) if i % 2 == 0 else pb.SamplingParams(temperature=0.7, top_p=0.9, seed=1000 + i)  # fmt: skip
         return kind, pb.GenerateRequest(request_id=f"{kind}-{i}", chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=question)]),
                                         sampling=sampling, stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens), response_format=fmt)  # fmt: skip
 
     out = [request(name, i, QUESTIONS[name][i % 4], pb.ResponseFormat(json_schema=json.dumps(schema)))
            for name, schema in SCHEMAS.items() for i in range(16)]  # fmt: skip
     for i in range(8):
-        out.append(
-            request("regex", i, "Where and when were you born? City, Country Year.", pb.ResponseFormat(regex=REGEX))
-        )
+        out.append(request("regex", i, "Where and when were you born? City, Country Year.", pb.ResponseFormat(regex=REGEX)))  # fmt: skip
         out.append(request("choice", i, f"Is this review positive? 'It broke after {i + 1} days.'",
                            pb.ResponseFormat(choice=pb.Choice(options=CHOICES))))  # fmt: skip
     return out
@@ -130,8 +121,6 @@ def follows(kind: str, text: str) -> bool:
 
 def twins(todo: list[tuple[str, Any]], lengths: list[int]) -> list[Any]:
     """The same requests without a format, each held to its constrained answer's token count."""
-    from tokenwire.v1 import generation_pb2 as pb
-
     out = []
     for (_, request), length in zip(todo, lengths, strict=True):
         twin = pb.GenerateRequest()
@@ -216,14 +205,13 @@ def sampler_cost(loaded: Any, steps: int = 200) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace) -> doc.Section:
-    from tokenwire.v1 import generation_pb2 as pb
     from tokenwire_server.model import load_model
 
     loaded = load_model(args.model, device="cpu", dtype="float32")
     compiled_ms = compile_times(loaded)
-    print("compile ms:", {k: round(v, 1) for k, v in compiled_ms.items()}, flush=True)
+    doc.log(f"compile ms: { {k: round(v, 1) for k, v in compiled_ms.items()} }")
     sampler_ms = [sampler_cost(loaded, args.sampler_steps) for _ in range(args.repeats)]
-    print("sampler ms per step (free, constrained):", sampler_ms, flush=True)
+    doc.log(f"sampler ms per step (free, constrained): {sampler_ms}")
     del loaded
     todo = requests(args.max_new_tokens)
     flags = ["--model", args.model, "--max-active", str(CONCURRENCY), "--max-queue", "256",
@@ -261,9 +249,8 @@ def run(args: argparse.Namespace) -> doc.Section:
             row |= {f"ttft_{which}": median(s.ttft for s in got) * 1000 for which, got in results.items()}
             row["ratio"] = row["constrained_tps"] / row["free_tps"]
             rows.append(row)
-            print(f"repeat {repeat}: constrained {row['constrained_tps']:.1f} tok/s ({tokens['constrained']} tokens), "
-                  f"unconstrained {row['free_tps']:.1f} tok/s ({tokens['free']} tokens), ratio {row['ratio']:.3f}",
-                  flush=True)  # fmt: skip
+            doc.log(f"repeat {repeat}: constrained {row['constrained_tps']:.1f} tok/s ({tokens['constrained']} tokens), "
+                    f"unconstrained {row['free_tps']:.1f} tok/s ({tokens['free']} tokens), ratio {row['ratio']:.3f}")  # fmt: skip
     formats = []
     for kind in [*SCHEMAS, "regex", "choice"]:
         cells = [f"{n}/{of}" for greedy in (True, False) for whole, valid, total in [ended.get((kind, greedy), [0, 0, 0])]

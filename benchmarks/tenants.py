@@ -18,23 +18,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
+from tokenwire.v1 import generation_pb2 as pb
+
 from benchmarks import doc, load
 from benchmarks.launcher import serve
 from benchmarks.stats import median, p99, spread
 
-FLAGS = {
-    "repeats": 3,
-    "max_active": (16, "the server's --max-active (its default)"),
-    "backlog": (64, "A's streams waiting beyond the slots"),
-    "a_tokens": 128,
-    "b_calls": 15,
-    "b_every": (1.0, "seconds between B's streams"),
-    "b_tokens": 8,
-    "b_timeout": 20.0,
-    "warmup": 8.0,
-    "a_alone": 15.0,
-    "window": 60.0,
-}
+FLAGS = {"repeats": 3, "max_active": (16, "the server's --max-active (its default)"),
+         "backlog": (64, "A's streams waiting beyond the slots"), "a_tokens": 128, "b_calls": 15,
+         "b_every": (1.0, "seconds between B's streams"), "b_tokens": 8, "b_timeout": 20.0, "warmup": 8.0,
+         "a_alone": 15.0, "window": 60.0}  # fmt: skip
 DRY_RUN = {"repeats": 1, "max_active": 2, "backlog": 2, "a_tokens": 8, "b_calls": 2, "b_every": 0.05, "b_tokens": 2,
            "b_timeout": 5.0, "warmup": 0.1, "a_alone": 0.3, "window": 0.3}  # fmt: skip
 TOKENS = "tok-a a\ntok-b b\n"
@@ -50,26 +44,18 @@ class Load:
     every token's arrival time is kept."""
 
     def __init__(self, stub: Any, token: str, streams: int, new_tokens: int) -> None:
-        from tokenwire.v1 import generation_pb2 as pb
-
         self.arrivals: list[float] = []
         self.refused = 0
-        self._stop = threading.Event()
-        self._calls: list[Any] = []
-        self._lock = threading.Lock()
-        self._request = pb.GenerateRequest(
-            prompt="Write a long story about a lighthouse keeper and the sea.",
-            stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True),
-            output=pb.OutputOptions(token_ids=True),
-        )
+        self._stop, self._lock, self._calls = threading.Event(), threading.Lock(), []
+        self._request = pb.GenerateRequest(prompt="Write a long story about a lighthouse keeper and the sea.",
+                                           stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True),
+                                           output=pb.OutputOptions(token_ids=True))  # fmt: skip
         self._stub, self._token = stub, token
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
         for thread in self._threads:
             thread.start()
 
     def _run(self) -> None:
-        import grpc
-
         while not self._stop.is_set():
             call = self._stub.Generate(self._request, metadata=auth(self._token))
             with self._lock:
@@ -97,9 +83,6 @@ class Load:
 def paced(stub: Any, args: argparse.Namespace) -> tuple[list[float], list[float], int]:
     """B's ``--b-calls`` short streams, one every ``--b-every`` seconds, each in its own thread:
     (TTFT of each that started, server queue time of each that finished, misses)."""
-    import grpc
-    from tokenwire.v1 import generation_pb2 as pb
-
     stopping = pb.StoppingCriteria(max_new_tokens=args.b_tokens, ignore_eos=True)
     request = pb.GenerateRequest(prompt="The capital of France is", stopping=stopping)
     ttft: list[float] = []
@@ -129,14 +112,12 @@ def paced(stub: Any, args: argparse.Namespace) -> tuple[list[float], list[float]
     for thread in threads:
         thread.join(args.b_timeout + 5)
     if codes:
-        print(f"  B calls that failed: {', '.join(sorted(codes))}", flush=True)
+        doc.log(f"  B calls that failed: {', '.join(sorted(codes))}")
     return ttft, queue, len(misses)
 
 
 @contextmanager
 def server(folder: Path, args: argparse.Namespace, tokens: str, tenants: str | None) -> Iterator[Any]:
-    import grpc
-
     (folder / "tokens").write_text(tokens)
     flags = ["--model", args.model, "--auth-token-file", str(folder / "tokens"), "--max-queue", str(args.backlog + 16)]
     if tenants is not None:
@@ -194,7 +175,7 @@ def run(args: argparse.Namespace) -> doc.Section:
                 with server(Path(tmp), args, tokens, tenants) as stub:
                     result = weights(stub, args) if mode == "weights 3:1" else fair_share(stub, args)
                 (weighted if mode == "weights 3:1" else fair[mode]).append(result)
-                print(f"repeat {repeat} {mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()), flush=True)
+                doc.log(f"repeat {repeat} {mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()))
 
     def col(mode: str, key: str, scale: float = 1.0, digits: int = 0) -> str:
         return spread([r[key] * scale for r in fair[mode] if r[key] == r[key]], digits)  # nan: no B call finished
