@@ -134,7 +134,7 @@ $(BENCH_SUITES): bench%: model
 	VLLM_PYTHON=$(VLLM_PY) $(PY) -m benchmarks $(or $(*:-%=%),bench) $($(shell echo '$(or $(*:-%=%),bench)' | tr a-z A-Z)_ARGS)
 
 soak: model ## N minutes of mixed traffic against a local server; writes docs/reliability.md figures
-	$(PY) -m benchmarks.soak $(SOAK_ARGS)
+	$(PY) -m benchmarks soak $(SOAK_ARGS)
 
 # -- vLLM: its own venv (vllm pins its own torch and transformers) -----------------------
 VLLM_VENV ?= .venv-vllm

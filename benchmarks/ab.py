@@ -2,20 +2,12 @@
 
     python -m benchmarks ab --old v1.2 [--new HEAD] --cases c1,c16,long,server-c1,server-c16
 
-``--old`` and ``--new`` (this checkout by default) are each a folder with the tree's
-``service/`` and ``client/``, or a git revision, checked out once into a worktree under
-``--workdir``. Every repeat runs every case once on each tree, alternating which goes first,
-each from a fresh process with that tree's packages first on ``PYTHONPATH``:
-
-- ``c1`` / ``c16``: the batched engine in process, tokens/s of 1 or 16 concurrent greedy
-  streams of ``--max-new-tokens``, ``ignore_eos``, chat prompts (``tokenwire.bench``'s);
-- ``long``: the same engine, 8 streams decode, a ~1,500-token prompt arrives; the largest
-  inter-token gap of the 8 while it is read, against their ITL p50 (the stall);
-- ``server-cN``: a server from that tree, tokens/s of N streams over gRPC.
-
-The machine is shared: the verdict is new ÷ old inside each repeat. Cells are median
-(min–max) over the repeats. With ``--out docs/benchmarks.md`` the table replaces section
-``--section`` there, ``--label`` saying what the two trees are.
+``--old``/``--new``: a folder with the tree's ``service/`` and ``client/``, or a git revision
+(checked out once under ``--workdir``). Every repeat runs every case once on each tree,
+alternating which goes first, each from a fresh process that imports that tree first.
+``c1``/``c16``/``long``: the batched engine in process (``long``: 8 streams decode while a
+~1,500-token prompt is read); ``server-cN``: a server from that tree, N streams over gRPC.
+With ``--out docs/benchmarks.md`` the table replaces section ``--section`` there.
 """
 
 from __future__ import annotations
@@ -35,21 +27,13 @@ from benchmarks import doc, load
 from benchmarks.launcher import REPO, serve
 from benchmarks.stats import spread
 
+OUT = None  # a quick check by default: nothing written
+FLAGS = {"old": {"required": True, "help": "a tree (folder) or a git revision"},
+         "new": (str(REPO), "a tree (folder) or a git revision"), "repeats": 3, "max_new_tokens": 128, "cases": "c1,c16,long",
+         "requests_per_stream": (2, "server cases: requests per stream"), "server_arg": ([], "server cases: extra flag (repeatable)"),
+         "workdir": Path("/tmp/tokenwire-revisions"), "section": ("ab", "the section of --out the table replaces"),
+         "label": ("old tree vs new tree", "what the two trees are, for the section")}  # fmt: skip
 DRY_RUN = {"repeats": 1, "cases": "c1,server-c2", "max_new_tokens": 4}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--old", required=True, help="a tree (folder) or a git revision")
-    parser.add_argument("--new", default=str(REPO), help="a tree (folder) or a git revision")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--cases", default="c1,c16,long")
-    parser.add_argument("--requests-per-stream", type=int, default=2, help="server cases: requests per stream")
-    parser.add_argument("--server-arg", action="append", default=[], help="server cases: extra flag (repeatable)")
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/tokenwire-revisions"))
-    parser.add_argument("--section", default="ab", help="the section of --out the table replaces")
-    parser.add_argument("--label", default="old tree vs new tree", help="what the two trees are, for the section")
-    parser.set_defaults(out=None)  # a quick check by default: nothing written
 
 
 def tree(given: str, workdir: Path) -> Path:
@@ -78,9 +62,8 @@ def child(model: str, case: str, max_new: int) -> dict[str, Any]:
     built: dict[str, Any] = {}
 
     def build() -> None:
-        # In a thread that ends, as the server does (TokenwireServer.load): a thread
-        # that ran torch in parallel and lives on keeps a second OpenMP pool, which
-        # slows the engine loop's.
+        # In a thread that ends, as the server does (TokenwireServer.load): a thread that ran
+        # torch in parallel and lives on keeps a second OpenMP pool, which slows the engine loop's.
         built["loaded"] = load_model(model, device="cpu", dtype="float32")
         built["engine"] = create_engine("batched", built["loaded"], EngineLimits(16, 16, 16 * 2048), workers=1)
 
@@ -92,20 +75,16 @@ def child(model: str, case: str, max_new: int) -> dict[str, Any]:
     gc.collect()
     gc.freeze()
     loaded, engine = built["loaded"], built["engine"]
-    tok = loaded.tokenizer
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        for p in DEFAULT_PROMPTS
-    ]
+    prompts = [load.chat_ids(loaded.tokenizer, p) for p in DEFAULT_PROMPTS]
     engine.start()
 
     class Sink:
-        def __init__(self) -> None:
+        def __init__(self, rid: str, ids: list[int], new: int) -> None:
             self.times: list[float] = []
             self.done = threading.Event()
-            self.handle: Any = None
+            sampling = SamplingOptions(temperature=0.0)
+            request = GenerationRequest(rid, list(ids), sampling, new, ignore_eos=True, want_tokens=True)
+            self.handle = engine.submit(request, self)
 
         def __call__(self, event: object) -> None:
             if isinstance(event, TextEvent | FinishEvent):
@@ -113,28 +92,20 @@ def child(model: str, case: str, max_new: int) -> dict[str, Any]:
             if not isinstance(event, TextEvent):
                 self.done.set()
 
-    def submit(rid: str, ids: list[int], new: int) -> Sink:
-        sink = Sink()
-        req = GenerationRequest(
-            rid, list(ids), SamplingOptions(temperature=0.0), new, ignore_eos=True, want_tokens=True
-        )
-        sink.handle = engine.submit(req, sink)
-        return sink
-
     try:
-        submit("warm", prompts[0], 8).done.wait(120)
+        Sink("warm", prompts[0], 8).done.wait(120)
         if case in ("c1", "c16"):
             n = int(case[1:])
             started = time.perf_counter()
-            for s in [submit(f"r{i}", prompts[i % len(prompts)], max_new) for i in range(n)]:
+            for s in [Sink(f"r{i}", prompts[i % len(prompts)], max_new) for i in range(n)]:
                 s.done.wait(600)
             return {"tok_s": n * max_new / (time.perf_counter() - started)}
-        sinks = [submit(f"d{i}", prompts[i % len(prompts)], 400) for i in range(8)]
+        sinks = [Sink(f"d{i}", prompts[i % len(prompts)], 400) for i in range(8)]
         while min(len(s.times) for s in sinks) < 20:
             time.sleep(0.01)
-        long_ids = tok(LONG_PROMPT_FILLER)["input_ids"][:1500]
+        long_ids = loaded.tokenizer(LONG_PROMPT_FILLER)["input_ids"][:1500]
         arrived = time.perf_counter()
-        big = submit("long", long_ids, 4)
+        big = Sink("long", long_ids, 4)
         big.done.wait(600)
         time.sleep(0.5)  # a few more steps after the long prompt's last token, then stop the 8
         for s in sinks:
@@ -154,7 +125,7 @@ def measure(args: argparse.Namespace, case: str, folder: Path) -> dict[str, Any]
         flags = ["--model", args.model, "--max-active", str(c), *args.server_arg]
         with serve(args.dry_run, flags, env={"PYTHONPATH": path}, ready_timeout=600) as server:
             load.warm(server.target)
-            m = load.grpc_load(server.target, case, c, c * args.requests_per_stream, args.max_new_tokens, prompts())
+            m = load.grpc_load(server.target, case, c, c * args.requests_per_stream, args.max_new_tokens)
         return {"tok_s": m.tokens_per_s}
     command = [sys.executable, "-m", "benchmarks.ab", args.model, case, str(args.max_new_tokens)]
     out = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
@@ -164,47 +135,45 @@ def measure(args: argparse.Namespace, case: str, folder: Path) -> dict[str, Any]
     return dict(json.loads(line[0][len("RESULT ") :]))
 
 
-def prompts() -> tuple[str, ...]:
-    from tokenwire.bench import DEFAULT_PROMPTS
-
-    return DEFAULT_PROMPTS
-
-
 def run(args: argparse.Namespace) -> doc.Section:
     trees = {"old": tree(args.old, args.workdir), "new": tree(args.new, args.workdir)}
     cases = args.cases.split(",")
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for repeat in range(args.repeats):
-        order = ("old", "new") if repeat % 2 == 0 else ("new", "old")
         for case in cases:
-            for label in order:
+            for label in ("old", "new") if repeat % 2 == 0 else ("new", "old"):
                 result = measure(args, case, trees[label])
                 results.setdefault((case, label), []).append(result)
-                print(f"repeat {repeat} {case} {label}: {result}", file=sys.stderr, flush=True)
-    lines = [
-        f"## Two trees side by side: {args.label}",
-        "",
-        doc.written(args.command),
+                doc.log(f"repeat {repeat} {case} {label}: {result}")
+    rows = []
+    for case in cases:
+        old, new = results[(case, "old")], results[(case, "new")]
+        for metric in old[0]:
+            ratios = [n[metric] / o[metric] for o, n in zip(old, new, strict=True)]
+            rows.append(
+                [case, metric, spread([r[metric] for r in old]), spread([r[metric] for r in new]), spread(ratios, 2)]
+            )
+        if case == "long":
+            for label, runs in (("old", old), ("new", new)):
+                rows.append(
+                    [
+                        "long",
+                        f"stall ({label})",
+                        "",
+                        "",
+                        f"{spread([r['max_gap_ms'] / r['itl_p50_ms'] for r in runs], 2)}×",
+                    ]
+                )
+    return doc.section(
+        args.section, f"Two trees side by side: {args.label}", args.command,
         f"{doc.host()}. Each repeat runs every case once on each tree, alternating, each in a fresh process; "
         f"c1/c16: tokens/s of 1 or 16 greedy streams of {args.max_new_tokens} tokens on the batched engine in "
         "process; long: 8 streams decode while a ~1,500-token prompt is read (their largest gap ÷ their ITL p50 "
         "before it: the stall); server-cN: tokens/s of N streams over gRPC. Cells: median (min–max) over the "
         "repeats; ratios: new ÷ old per repeat.",
         "",
-        "| case | metric | old | new | new ÷ old |",
-        "|---|---|---:|---:|---:|",
-    ]
-    for case in cases:
-        old, new = results[(case, "old")], results[(case, "new")]
-        for metric in old[0]:
-            ratios = [n[metric] / o[metric] for o, n in zip(old, new, strict=True)]
-            lines.append(f"| {case} | {metric} | {spread([r[metric] for r in old])} | {spread([r[metric] for r in new])} "
-                         f"| {spread(ratios, 2)} |")  # fmt: skip
-        if case == "long":
-            for label, runs in (("old", old), ("new", new)):
-                stalls = [r["max_gap_ms"] / r["itl_p50_ms"] for r in runs]
-                lines.append(f"| long | stall ({label}) | | | {spread(stalls, 2)}× |")
-    return doc.Section(args.section, "\n".join(lines) + "\n")
+        *doc.table("case | metric | old | new | new ÷ old", "llrrr", rows),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":  # the child of one in-process case: MODEL CASE MAX_NEW

@@ -1,20 +1,13 @@
 """In-process `generate` vs the simple and batched engines, side by side in one run (`make bench`).
 
-(a) in-process ``model.generate`` at batch 1 and at static batch 16 (the library's own
-ceiling), (b) a server with ``--engine simple``, (c) a server with ``--engine batched``,
-each at concurrency 1, 4 and 16, all on the same prompts (chat-templated) with the
-same fixed ``max_new_tokens`` and ``ignore_eos``, so every run does the same work;
-interleaved single-stream pairs (in-process, server), cancellation inside a batch, and a
-long prompt arriving among decoding streams. Writes the "bench" section (machine,
-versions, the table, ratios against the targets) and docs/benchmarks.png. The machine
-is shared and noisy: read the ratios, not the absolute times.
+Also one stream in interleaved pairs (in-process, server), cancellation inside a batch and a
+long prompt among decoding streams; writes the "bench" section and docs/benchmarks.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,30 +18,15 @@ from benchmarks.load import Measure
 from benchmarks.stats import median, percentile
 
 CONCURRENCY = (1, 4, 16)
+FLAGS = {
+    "max_new_tokens": 64, "requests_per_stream": (2, "requests per concurrent stream in each run"), "engines": "simple,batched",
+    "pairs": (12, "interleaved single-stream pairs (in-process, server)"),
+    "cancels": (16, "streams cancelled inside a running batch of 8"),
+    "plot": ("docs/benchmarks.png", "where the figure goes ('' for none)"), "server_arg": ([], "extra server flag (repeatable)"),
+    "long_repeats": (3, "arrivals of a 1,500-token prompt among 8 decoding streams (0: skip)"),
+}  # fmt: skip
 DRY_RUN = {"max_new_tokens": 4, "requests_per_stream": 1, "pairs": 1, "cancels": 2, "long_repeats": 1, "plot": ""}
 LONG_PROMPT_FILLER = " ".join(f"item {i} is {i * 7 % 13}." for i in range(400))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--requests-per-stream", type=int, default=2, help="requests per concurrent stream in each run")
-    parser.add_argument("--engines", default="simple,batched")
-    parser.add_argument("--pairs", type=int, default=12, help="interleaved single-stream pairs (in-process, server)")
-    parser.add_argument("--cancels", type=int, default=16, help="streams cancelled inside a running batch of 8")
-    parser.add_argument("--plot", default="docs/benchmarks.png", help="where the figure goes ('' for none)")
-    parser.add_argument("--server-arg", action="append", default=[], help="extra server flag (repeatable)")
-    parser.add_argument("--long-repeats", type=int, default=3, help="arrivals of a 1,500-token prompt among 8 decoding streams (0: skip)")  # fmt: skip
-
-
-def chat_prompts(tokenizer: Any, prompts: tuple[str, ...]) -> list[list[int]]:
-    return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        for p in prompts
-    ]
-
-
 LOADED: dict[str, Any] = {}  # model name -> the model in_process loaded, while a suite runs
 
 
@@ -58,11 +36,9 @@ def in_process(model_name: str, batch: int, repeats: int, max_new: int, prompts:
     from tokenwire_server.model import load_model
     from transformers.generation.streamers import BaseStreamer
 
-    if model_name not in LOADED:
-        LOADED[model_name] = load_model(model_name)
-    loaded = LOADED[model_name]
+    loaded = LOADED.get(model_name) or LOADED.setdefault(model_name, load_model(model_name))
     tokenizer, model = loaded.tokenizer, loaded.model
-    encoded = chat_prompts(tokenizer, prompts)
+    encoded = [load.chat_ids(tokenizer, p) for p in prompts]
     tokenizer.padding_side = "left"
 
     class Clock(BaseStreamer):
@@ -105,14 +81,13 @@ def through_server(args: argparse.Namespace, engine: str, prompts: tuple[str, ..
             peak = process_status(server.proc.pid).get("peak_rss_kib")
             row.rss_mb = peak / 1024 if peak else None
             rows.append(row)
-            print(f"  {engine:>8} c={c:<3} {row.tokens_per_s:7.1f} tok/s", file=sys.stderr, flush=True)
+            doc.log(f"  {engine:>8} c={c:<3} {row.tokens_per_s:7.1f} tok/s")
     return rows
 
 
 def cancel_steps(model_name: str, prompts: tuple[str, ...], cancels: int, streams: int = 8) -> list[int]:
-    """Decode steps that still included a stream after its cancel, for ``cancels`` streams
-    cancelled mid-generation inside a running batch of ``streams`` (the batched engine,
-    in-process: only the engine knows how many steps it ran)."""
+    """Decode steps that still included a stream after its cancel, for ``cancels`` streams cancelled
+    inside a running batch of ``streams`` (the batched engine in process: only it counts its steps)."""
     import random
 
     from tokenwire_server.domain import GenerationRequest, SamplingOptions
@@ -122,7 +97,7 @@ def cancel_steps(model_name: str, prompts: tuple[str, ...], cancels: int, stream
     from tokenwire_server.model import load_model
 
     loaded = load_model(model_name)
-    encoded = chat_prompts(loaded.tokenizer, prompts)
+    encoded = [load.chat_ids(loaded.tokenizer, p) for p in prompts]
     engine = create_engine("batched", loaded, EngineLimits(streams, streams, 1 << 20), 1)
     assert isinstance(engine, BatchedEngine)
     engine.start()
@@ -130,9 +105,8 @@ def cancel_steps(model_name: str, prompts: tuple[str, ...], cancels: int, stream
     counts: list[int] = []
 
     def submit(i: int) -> Any:
-        request = GenerationRequest(
-            f"c{i}", encoded[i % len(encoded)], SamplingOptions(temperature=0.0), 10_000, ignore_eos=True
-        )
+        sampling = SamplingOptions(temperature=0.0)
+        request = GenerationRequest(f"c{i}", encoded[i % len(encoded)], sampling, 10_000, ignore_eos=True)
         return engine.submit(request, lambda event: None)
 
     try:
@@ -183,9 +157,6 @@ def stall(arrivals: list[list[float]], arrived: float, last: float) -> tuple[flo
     return p50, worst
 
 
-LONG_PROMPT_FILLER = " ".join(f"item {i} is {i * 7 % 13}." for i in range(400))
-
-
 def long_prompt(
     model_name: str, repeats: int, streams: int = 8, prompt_tokens: int = 1500, extra: list[str] | None = None,
     stream_tokens: int = 2000, dry_run: bool = False,
@@ -208,44 +179,32 @@ def long_prompt(
         client.generate_text(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=4)  # warm-up
         for repeat in range(repeats):
             arrivals: list[list[float]] = [[] for _ in range(streams)]
-            calls = [
-                client.generate(
-                    messages=[
-                        {"role": "user", "content": DEFAULT_PROMPTS[(repeat * streams + i) % len(DEFAULT_PROMPTS)]}
-                    ],
-                    max_new_tokens=stream_tokens,
-                    ignore_eos=True,
-                    token_ids=True,
-                )
-                for i in range(streams)
-            ]
-
             failures: list[TokenwireError] = []
+            calls = [
+                client.generate(messages=[{"role": "user", "content": DEFAULT_PROMPTS[(repeat * streams + i) % len(DEFAULT_PROMPTS)]}],
+                                max_new_tokens=stream_tokens, ignore_eos=True, token_ids=True)
+                for i in range(streams)
+            ]  # fmt: skip
 
-            def read(call: Any, times: list[float], failures: list[TokenwireError]) -> None:
+            def read(call: Any, times: list[float], failures: list[TokenwireError] = failures) -> None:
                 try:
                     for _ in call:
                         times.append(time.perf_counter())
                 except TokenwireError as exc:  # CANCELLED below, or a refusal
                     failures.append(exc)
 
-            readers = [
-                threading.Thread(target=read, args=(call, times, failures), daemon=True)
-                for call, times in zip(calls, arrivals, strict=True)
-            ]
+            pairs = zip(calls, arrivals, strict=True)
+            readers = [threading.Thread(target=read, args=pair, daemon=True) for pair in pairs]
             for reader in readers:
                 reader.start()
             while min(len(times) for times in arrivals) < 20:
                 if failures or not all(reader.is_alive() for reader in readers):
-                    raise RuntimeError(
-                        f"a decoding stream ended before its 20th chunk: {failures[:1] or 'finished early'}"
-                    )
+                    why = failures[:1] or "finished early"
+                    raise RuntimeError(f"a decoding stream ended before its 20th chunk: {why}")
                 time.sleep(0.01)
             arrived = time.perf_counter()
-            chunks = [
-                time.perf_counter()
-                for _ in client.generate(input_ids=ids, max_new_tokens=4, ignore_eos=True, token_ids=True)
-            ]
+            long_call = client.generate(input_ids=ids, max_new_tokens=4, ignore_eos=True, token_ids=True)
+            chunks = [time.perf_counter() for _ in long_call]
             time.sleep(0.5)  # a few steps after its last chunk, then stop the others
             for call in calls:
                 call.cancel()
@@ -253,10 +212,8 @@ def long_prompt(
                 reader.join(60)
             p50, worst = stall([list(times) for times in arrivals], arrived, chunks[-1])
             runs.append(LongPromptRun(p50 * 1000, worst * 1000, chunks[0] - arrived, len(ids)))
-            print(
-                f"  long prompt {repeat}: largest gap {worst * 1000:.0f} ms, ITL p50 {p50 * 1000:.0f} ms ({worst / p50:.2f}x)",
-                file=sys.stderr,
-                flush=True,
+            doc.log(
+                f"  long prompt {repeat}: largest gap {worst * 1e3:.0f} ms, ITL p50 {p50 * 1e3:.0f} ms ({worst / p50:.2f}x)"
             )
     return runs
 
@@ -316,13 +273,8 @@ def targets(rows: list[Measure], ab: SingleStreamAB, long_runs: list[LongPromptR
                 ratio >= 0.95))  # fmt: skip
     if b16 and b16.itl_p50 and b16.itl_p99:
         ratio = b16.itl_p99 / b16.itl_p50
-        out.append(
-            (
-                "c=16: batched ITL p99 <= 2.5x p50",
-                f"{ratio:.2f}x ({b16.itl_p99:.1f} / {b16.itl_p50:.1f} ms)",
-                ratio <= 2.5,
-            )
-        )
+        measured = f"{ratio:.2f}x ({b16.itl_p99:.1f} / {b16.itl_p50:.1f} ms)"
+        out.append(("c=16: batched ITL p99 <= 2.5x p50", measured, ratio <= 2.5))
     delta = ab.ttft_delta_ms
     out.append(("c=1: TTFT p50 <= in-process TTFT + 15 ms (interleaved pairs)",
                 f"{delta:+.1f} ms ({pairs}; {ab.server_ttft_ms:.1f} vs {ab.in_process_ttft_ms:.1f} ms)", delta <= 15))  # fmt: skip
@@ -338,86 +290,67 @@ def targets(rows: list[Measure], ab: SingleStreamAB, long_runs: list[LongPromptR
 
 
 def render(args: argparse.Namespace, rows: list[Measure], ab: SingleStreamAB, long_runs: list[LongPromptRun],
-           cancels: list[int], prompts: int) -> str:  # fmt: skip
+           cancels: list[int], prompts: int) -> doc.Section:  # fmt: skip
+    model = args.model if args.model != "default" else "SmolLM2-135M-Instruct (default)"
+    ratios = []
+    for c in CONCURRENCY:
+        b, s, g = (find(rows, e, c) for e in ("server --engine batched", "server --engine simple", "in-process gen"))
+        ratios.append([c, _fmt(b.tokens_per_s / s.tokens_per_s, 2) + "x" if b and s else "-",
+                       _fmt(b.tokens_per_s / g.tokens_per_s, 2) + "x" if b and g else "-"])  # fmt: skip
     lines = [
-        "## In-process `generate` and the tokenwire engines (`make bench`)",
+        "Every row ran in the same invocation on the same machine, one after another; the machine is shared and",
+        "noisy, so compare the ratios, not the absolute figures.",
         "",
-        f"Written by `{args.command}`; do not edit by hand.",
-        "Every row ran in the same invocation on the same machine, one after another; the",
-        "machine is shared and noisy, so compare the ratios, not the absolute figures.",
-        "",
-        f"Work per request: a chat prompt from a fixed set of {prompts}, `max_new_tokens={args.max_new_tokens}`,",
-        "`ignore_eos` (every request generates exactly that many tokens), greedy. Concurrency *c*",
-        "means *c* client streams kept busy (closed loop) through gRPC on 127.0.0.1; for in-process",
-        "`generate` it is the batch size (static batch: all rows start and end together).",
-        "Latencies are milliseconds, seen by the client. ITL = gap between streamed tokens.",
+        f"Work per request: a chat prompt from a fixed set of {prompts}, `max_new_tokens={args.max_new_tokens}`, `ignore_eos`",
+        "(every request generates exactly that many tokens), greedy. Concurrency *c* means *c* client streams kept busy",
+        "(closed loop) through gRPC on 127.0.0.1; for in-process `generate` it is the batch size (static batch: all rows",
+        "start and end together). Latencies are milliseconds, seen by the client. ITL = gap between streamed tokens.",
         "",
         "### Machine",
         "",
-        "| | |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in doc.machine().items()],
-        f"| run at | {doc.now()} |",
-        f"| model | {args.model if args.model != 'default' else 'SmolLM2-135M-Instruct (default)'} (float32) |",
+        *doc.table("|", "ll", [*doc.machine().items(), ("model", f"{model} (float32)")]),
         "",
         "### Results",
         "",
-        "| engine | c | requests | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p50 | e2e p99 | peak RSS MB | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]  # fmt: skip
-    for r in rows:
-        errors = ", ".join(f"{k}: {v}" for k, v in r.errors.items()) or "0"
-        lines.append(
-            f"| {r.system} | {r.concurrency} | {r.requests} | {r.tokens_per_s:.1f} | {_fmt(r.ttft_p50)} | {_fmt(r.ttft_p99)} "
-            f"| {_fmt(r.itl_p50)} | {_fmt(r.itl_p99)} | {_fmt(r.e2e_p50, 0)} | {_fmt(r.e2e_p99, 0)} | {_fmt(r.rss_mb, 0)} | {errors} |"
-        )  # fmt: skip
-    lines += ["", "### Ratios", "", "| c | batched / simple | batched / in-process generate |", "|---:|---:|---:|"]
-    for c in CONCURRENCY:
-        b, s, g = (
-            find(rows, e, c) for e in ("server --engine batched", "server --engine simple", "in-process generate")
-        )
-        lines.append(f"| {c} | {_fmt(b.tokens_per_s / s.tokens_per_s, 2) + 'x' if b and s else '-'} "
-                     f"| {_fmt(b.tokens_per_s / g.tokens_per_s, 2) + 'x' if b and g else '-'} |")  # fmt: skip
-    lines += [
+        *doc.table("engine | c | requests | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p50 | e2e p99 | peak RSS MB | errors",
+                   "lrrrrrrrrrrl", ([r.system, r.concurrency, r.requests, f"{r.tokens_per_s:.1f}", _fmt(r.ttft_p50), _fmt(r.ttft_p99),
+                                     _fmt(r.itl_p50), _fmt(r.itl_p99), _fmt(r.e2e_p50, 0), _fmt(r.e2e_p99, 0), _fmt(r.rss_mb, 0),
+                                     ", ".join(f"{k}: {v}" for k, v in r.errors.items()) or "0"] for r in rows)),
+        "",
+        "### Ratios",
+        "",
+        *doc.table("c | batched / simple | batched / in-process generate", "rrr", ratios),
         "",
         "### Targets",
         "",
-        "The single-stream targets compare the batched server with in-process `generate` in",
-        "interleaved pairs (one request each, same prompt, alternating), because two runs minutes",
-        "apart on this shared machine differ by more than the margin being measured.",
+        "The single-stream targets compare the batched server with in-process `generate` in interleaved pairs (one",
+        "request each, same prompt, alternating), because two runs minutes apart on this shared machine differ by more",
+        "than the margin being measured.",
         "",
-        "| target | measured | met |",
-        "|---|---|---|",
-        *[
-            f"| {name} | {measured} | {'yes' if met else 'NO'} |"
-            for name, measured, met in targets(rows, ab, long_runs)
-        ],
-    ]
+        *doc.table("target | measured | met", "lll", ((n, m, "yes" if ok else "NO") for n, m, ok in targets(rows, ab, long_runs))),
+    ]  # fmt: skip
     if long_runs:
         lines += [
             "",
             "### A long prompt among decoding streams",
             "",
-            "`server --engine batched`, over gRPC: 8 chat streams decode (greedy, `ignore_eos`); once each has",
-            f"20 chunks, a {long_runs[0].prompt_tokens}-token prompt arrives (token ids, 4 new tokens). The streams' largest gap",
-            "between chunks while it is read (until its last chunk) against their ITL p50 before it came;",
+            "`server --engine batched`, over gRPC: 8 chat streams decode (greedy, `ignore_eos`); once each has 20 chunks, a",
+            f"{long_runs[0].prompt_tokens}-token prompt arrives (token ids, 4 new tokens). The streams' largest gap between chunks",
+            "while it is read (until its last chunk) against their ITL p50 before it came; "
             f"{len(long_runs)} arrivals on one server. min / median / max:",
             "",
-            "| | min | median | max |",
-            "|---|---:|---:|---:|",
+            *doc.table("| min | median | max", "lrrr", (
+                [label, *(f"{f(values):.2f}" for f in (min, median, max))] for label, values in (
+                    ("ITL p50 before, ms", [run.itl_p50_ms for run in long_runs]),
+                    ("largest gap while read, ms", [run.max_gap_ms for run in long_runs]),
+                    ("largest gap / ITL p50", [run.ratio for run in long_runs]),
+                    ("long prompt's first chunk, s", [run.first_token_s for run in long_runs])))),
         ]  # fmt: skip
-        for label, values in (
-            ("ITL p50 before, ms", [run.itl_p50_ms for run in long_runs]),
-            ("largest gap while read, ms", [run.max_gap_ms for run in long_runs]),
-            ("largest gap / ITL p50", [run.ratio for run in long_runs]),
-            ("long prompt's first chunk, s", [run.first_token_s for run in long_runs]),
-        ):
-            lines.append(f"| {label} | {min(values):.2f} | {median(values):.2f} | {max(values):.2f} |")
     lines += ["", "![throughput and inter-token latency against concurrency](benchmarks.png)", "", "### Notes", "",
               f"- Cancellation inside a running batch of 8 (batched engine, in-process, {len(cancels)} cancels at random "
               f"moments): decode steps that still included the stream after its cancel: max {max(cancels)}, "
               f"median {median(cancels):g} (target: at most 2).", ""]  # fmt: skip
-    return "\n".join(lines)
+    return doc.section("bench", "In-process `generate` and the tokenwire engines (`make bench`)", args.command, *lines)
 
 
 def plot(path: Path, rows: list[Measure]) -> None:
@@ -434,24 +367,15 @@ def plot(path: Path, rows: list[Measure]) -> None:
         right.plot(xs, [r.itl_p50 or 0 for r in points], marker=marker, label=f"{system} p50")
         right.plot(xs, [r.itl_p99 or 0 for r in points], marker=marker, linestyle="--", label=f"{system} p99")
     statics = [r for r in rows if r.system.startswith("in-process")]
-    left.plot(
-        [r.concurrency for r in statics],
-        [r.tokens_per_s for r in statics],
-        marker="^",
-        linestyle=":",
-        label="in-process generate (batch = c)",
-    )
+    left.plot([r.concurrency for r in statics], [r.tokens_per_s for r in statics], marker="^", linestyle=":",
+              label="in-process generate (batch = c)")  # fmt: skip
     for ax in (left, right):
         ax.set_xscale("log", base=2)
-        ax.set_xticks(list(CONCURRENCY))
-        ax.set_xticklabels([str(c) for c in CONCURRENCY])
-        ax.set_xlabel("concurrent streams")
+        ax.set(xticks=list(CONCURRENCY), xticklabels=[str(c) for c in CONCURRENCY], xlabel="concurrent streams")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    left.set_ylabel("output tokens/s (aggregate)")
-    left.set_title("Throughput")
-    right.set_ylabel("inter-token latency, ms")
-    right.set_title("Inter-token latency")
+    left.set(ylabel="output tokens/s (aggregate)", title="Throughput")
+    right.set(ylabel="inter-token latency, ms", title="Inter-token latency")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -461,22 +385,22 @@ def run(args: argparse.Namespace) -> doc.Section:
 
     prompts = tuple(DEFAULT_PROMPTS)
     engines = args.engines.split(",")
-    print("in-process generate ...", file=sys.stderr, flush=True)
+    doc.log("in-process generate ...")
     rows = [in_process(args.model, batch, repeats, args.max_new_tokens, prompts)
             for batch, repeats in ((1, max(4, args.requests_per_stream * 2)), (4, args.requests_per_stream),
                                    (16, args.requests_per_stream))]  # fmt: skip
-    print("one stream: in-process and server, interleaved ...", file=sys.stderr, flush=True)
+    doc.log("one stream: in-process and server, interleaved ...")
     ab = single_stream_ab(args, prompts)
     LOADED.clear()
-    print("cancellation inside a batch ...", file=sys.stderr, flush=True)
+    doc.log("cancellation inside a batch ...")
     cancels = cancel_steps(args.model, prompts, args.cancels)
     for engine in engines:
-        print(f"server --engine {engine} ...", file=sys.stderr, flush=True)
+        doc.log(f"server --engine {engine} ...")
         rows += through_server(args, engine, prompts)
     long_runs: list[LongPromptRun] = []
     if args.long_repeats and "batched" in engines:
-        print("a long prompt among decoding streams ...", file=sys.stderr, flush=True)
+        doc.log("a long prompt among decoding streams ...")
         long_runs = long_prompt(args.model, args.long_repeats, extra=args.server_arg, dry_run=args.dry_run)
     if args.plot:
         plot(Path(args.plot), rows)
-    return doc.Section("bench", render(args, rows, ab, long_runs, cancels, len(prompts)))
+    return render(args, rows, ab, long_runs, cancels, len(prompts))

@@ -1,38 +1,10 @@
 """The fastest GEMM for the model's weights on this CPU, and decode attention (`make bench-kernels`).
 
-Which kernel reads the weights fastest, and how fast do 16 decode rows attend over the KV cache?
-
-Every linear layer of the default model (q/k/v and gate/up fused, as the batched
-engine's native pass runs them, and the vocabulary projection), once each, at 1 row
-and at 16 rows; the time of the whole set is about what the weights cost one decode
-step. Four kernels, all from stock torch:
-
-- ``F.linear``: float32, what transformers' forward calls;
-- ``onednn``: float32, weights reordered once for oneDNN
-  (``torch.ops.mkldnn._reorder_linear_weight``, ``_linear_pointwise``): what
-  ``--forward native`` runs on a CPU;
-- ``int8``: ``torch.ops.aten._weight_int8pack_mm``, int8 weights per output channel,
-  float32 activations;
-- ``int4``: ``torch.ops.aten._weight_int4pack_mm_for_cpu``, 4-bit weights in groups of
-  32 with a scale and a minimum: exactly the default checkpoint's Q4_1 numbers.
-
-Decode attention: 16 one-token rows over the default model's 30 layers of KV cache
-(3 KV heads of 64, 9 query heads), every row at the same context length, two ways:
-
-- ``sdpa``: ``scaled_dot_product_attention`` over each row's columns laid out
-  contiguously (the rows' query heads grouped by KV head, a length mask): its best
-  case; the native pass's stock-torch path first gathers a row's blocks into that layout;
-- ``kernel``: ``torch.ops.tokenwire.decode_attention`` (``engine/kernels``), what
-  ``--kernels auto`` runs where the compiled ops build, reading each row's columns
-  through its block table (16-token blocks, interleaved with the other rows' in the pool).
-
-Each row shows the time for all 30 layers and the keys and values read per
-second (the bytes a step must read at least: the rows' columns).
-
-Each repeat times every kernel in turn (the machine is shared: compare within a
-repeat); min/median/max over the repeats. Loading and timing run in one thread of
-their own, the only one that ever runs torch in parallel (as the server's engine
-loop is: a second OpenMP pool alive slows the first). Replaces the "cpu-kernels" section.
+Every linear layer once (q/k/v and gate/up fused, as the native pass runs them) with each of
+``KERNELS`` (stock torch: ``F.linear``; oneDNN-packed, what ``--forward native`` runs; int8 per
+channel; Q4_1-like int4), then 16 decode rows over every layer's KV cache: ``sdpa`` on contiguous
+columns vs the ``decode_attention`` op through block tables. Timed in one thread of its own, as
+the engine loop runs torch. Replaces the "cpu-kernels" section.
 """
 
 from __future__ import annotations
@@ -40,9 +12,9 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks import doc
@@ -51,14 +23,9 @@ from benchmarks.stats import spread
 KERNELS = ("F.linear", "onednn", "int8", "int4")
 SLOTS, CAPACITY = 16, 2049  # decode rows, and each row's cache capacity in the engine
 BLOCK = 16  # tokens per KV block (engine.blocks.BLOCK_SIZE)
+FLAGS = {"repeats": 3, "rows": "1,16", "calls": (5, "passes timed per kernel and repeat"),
+         "contexts": ("100,400,1000", "the decode attention's context lengths")}  # fmt: skip
 DRY_RUN = {"repeats": 1, "calls": 1, "contexts": "16"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rows", default="1,16")
-    parser.add_argument("--calls", type=int, default=5, help="passes timed per kernel and repeat")
-    parser.add_argument("--contexts", default="100,400,1000", help="the decode attention's context lengths")
 
 
 def weights(name: str) -> tuple[list[Any], Any]:
@@ -70,12 +37,8 @@ def weights(name: str) -> tuple[list[Any], Any]:
     out = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        out += [
-            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
-            a.o_proj.weight.detach(),
-            torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(),
-            m.down_proj.weight.detach(),
-        ]
+        out += [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(), a.o_proj.weight.detach(),
+                torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), m.down_proj.weight.detach()]  # fmt: skip
     out.append(model.get_output_embeddings().weight.detach())
     return out, model.config
 
@@ -104,10 +67,21 @@ def prepare(kernel: str, w: Any) -> Any:
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)
 
 
+def timed(
+    results: dict[tuple[str, int], list[float]], key: tuple[str, int], fn: Callable[[], None], calls: int
+) -> None:
+    """One warm call, then ``calls`` timed: ``results[key]`` gets the ms per call."""
+    fn()
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    results.setdefault(key, []).append((time.perf_counter() - started) / calls * 1000)
+    doc.log(f"  {key[0]} {key[1]}: {results[key][-1]:.1f} ms")
+
+
 def measure(args: argparse.Namespace, rows_list: list[int]) -> tuple[dict[tuple[str, int], list[float]], Any]:
     import torch
 
-    repeats, calls = args.repeats, args.calls
     results: dict[tuple[str, int], list[float]] = {}
     shape: list[Any] = []
 
@@ -116,22 +90,16 @@ def measure(args: argparse.Namespace, rows_list: list[int]) -> tuple[dict[tuple[
         shape.append(config)
         with torch.inference_mode():
             prepared = {kernel: [prepare(kernel, w) for w in ws] for kernel in KERNELS}
-            for _ in range(repeats):
+            for _ in range(args.repeats):
                 for rows in rows_list:
                     inputs = {k: torch.randn(rows, k) for k in {int(w.shape[1]) for w in ws}}
                     for kernel in KERNELS:
-                        fns = prepared[kernel]
-                        for fn, w in zip(fns, ws, strict=True):  # warm
-                            fn(inputs[int(w.shape[1])])
-                        started = time.perf_counter()
-                        for _ in range(calls):
+
+                        def passes(fns: list[Any] = prepared[kernel], inputs: dict[int, Any] = inputs) -> None:
                             for fn, w in zip(fns, ws, strict=True):
                                 fn(inputs[int(w.shape[1])])
-                        results.setdefault((kernel, rows), []).append((time.perf_counter() - started) / calls * 1000)
-                        print(
-                            f"  {kernel} rows={rows}: {results[(kernel, rows)][-1]:.1f} ms", file=sys.stderr, flush=True
-                        )
 
+                        timed(results, (kernel, rows), passes, args.calls)
         attention(args, config, results)
 
     worker = threading.Thread(target=run)
@@ -158,30 +126,27 @@ def attention(args: argparse.Namespace, config: Any, results: dict[tuple[str, in
     op = loaded.ops.decode_attention
     n_layers, kv_heads, n_heads, head_dim = heads(config)
     contexts = [int(c) for c in args.contexts.split(",")]
-    repeats, calls, top = args.repeats, args.calls, max(contexts)
-    layers = []
+    top = max(contexts)
     per_row = -(-top // BLOCK)
     # row r's block b is pool block b * SLOTS + r: the rows' blocks interleaved, as a busy pool leaves them
     tables = (torch.arange(per_row).view(1, -1) * SLOTS + torch.arange(SLOTS).view(-1, 1)).contiguous()
-    pools = []
+    layers, pools = [], []
     for _ in range(n_layers):  # only the columns read are ever touched
-        keys = torch.empty(SLOTS, kv_heads, CAPACITY, head_dim)
-        values = torch.empty(SLOTS, kv_heads, CAPACITY, head_dim)
-        keys[:, :, :top].normal_()
-        values[:, :, :top].normal_()
-        layers.append((keys, values))
+        pair = (torch.empty(SLOTS, kv_heads, CAPACITY, head_dim), torch.empty(SLOTS, kv_heads, CAPACITY, head_dim))
+        layers.append(pair)
         pool = []
-        for buffer in (keys, values):
+        for buffer in pair:
+            buffer[:, :, :top].normal_()
             blocks = buffer[:, :, : per_row * BLOCK].reshape(SLOTS, kv_heads, per_row, BLOCK, head_dim).transpose(1, 2)
             paged = torch.empty(SLOTS * per_row, kv_heads, BLOCK, head_dim)
             paged[tables.reshape(-1)] = blocks.reshape(-1, kv_heads, BLOCK, head_dim)
             pool.append(paged)
-        pools.append((pool[0], pool[1]))
+        pools.append(pool)
     q = torch.randn(SLOTS, n_heads, head_dim)
     grouped = q.view(SLOTS, kv_heads, n_heads // kv_heads, head_dim)
     scale = head_dim**-0.5
     with torch.inference_mode():
-        for _ in range(repeats):
+        for _ in range(args.repeats):
             for context in contexts:
                 mask = torch.ones(SLOTS, 1, 1, context, dtype=torch.bool)
                 lengths = torch.full((SLOTS,), context)
@@ -196,65 +161,43 @@ def attention(args: argparse.Namespace, config: Any, results: dict[tuple[str, in
                     for keys, values in pools:
                         op(q, keys, values, tables, n, scale)
 
-                for way, fn in (("sdpa", sdpa), ("kernel", kernel)):
-                    fn()
-                    started = time.perf_counter()
-                    for _ in range(calls):
-                        fn()
-                    results.setdefault((way, context), []).append((time.perf_counter() - started) / calls * 1000)
-                    print(
-                        f"  attention {way} context={context}: {results[(way, context)][-1]:.1f} ms",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-
-
-def render(results: dict[tuple[str, int], list[float]], rows_list: list[int], contexts: list[int], config: Any,
-           command: str, meta: str) -> str:  # fmt: skip
-    n_layers, kv_heads, _, head_dim = heads(config)
-    lines = [
-        "## CPU kernels: which GEMM reads the weights fastest; decode attention",
-        "",
-        f"Command: `{command}` ({meta}). Every linear layer of the model once "
-        "(q/k/v and gate/up fused, plus the vocabulary projection), ms per pass, "
-        "min/median/max over the repeats; ratio: median of F.linear / median of the kernel.",
-        "",
-        "| kernel | " + " | ".join(f"{r} row{'s' if r > 1 else ''} ms | ratio" for r in rows_list) + " |",
-        "|---|" + "---:|---:|" * len(rows_list),
-    ]
-    for kernel in KERNELS:
-        cells = []
-        for rows in rows_list:
-            values = results[(kernel, rows)]
-            base = statistics.median(results[("F.linear", rows)])
-            cells.append(f"{spread(values)} | {base / statistics.median(values):.2f}×")
-        lines.append(f"| {kernel} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        f"Decode attention, {SLOTS} rows at one context length, all {n_layers} layers: ms (min/median/max), "
-        "the keys and values read per second at the median, and sdpa / kernel (median of the per-repeat ratios).",
-        "",
-        "| context | sdpa ms | sdpa GB/s | kernel ms | kernel GB/s | kernel speed-up |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    for context in contexts:
-        read = n_layers * 2 * SLOTS * kv_heads * context * head_dim * 4 / 1e9  # GB
-        sdpa, kernel = results[("sdpa", context)], results[("kernel", context)]
-        ratio = statistics.median(a / b for a, b in zip(sdpa, kernel, strict=True))
-        lines.append(
-            f"| {context} | {spread(sdpa)} | {read / statistics.median(sdpa) * 1000:.1f} | {spread(kernel)} | "
-            f"{read / statistics.median(kernel) * 1000:.1f} | {ratio:.2f}× |"
-        )
-    return "\n".join(lines)
+                timed(results, ("sdpa", context), sdpa, args.calls)
+                timed(results, ("kernel", context), kernel, args.calls)
 
 
 def run(args: argparse.Namespace) -> doc.Section:
     import torch
 
     rows_list = [int(r) for r in args.rows.split(",")]
-    results, config = measure(args, rows_list)
-    m = doc.machine()
-    meta = (f"torch {m['torch']}, {m['torch threads']} threads, {torch.backends.cpu.get_cpu_capability()}, "
-            f"{platform.machine()}, {doc.now()}")  # fmt: skip
     contexts = [int(c) for c in args.contexts.split(",")]
-    return doc.Section("cpu-kernels", render(results, rows_list, contexts, config, args.command, meta))
+    results, config = measure(args, rows_list)
+    n_layers, kv_heads, _, head_dim = heads(config)
+    m = doc.machine()
+    kernels = []
+    for kernel in KERNELS:
+        cells = [kernel]
+        for rows in rows_list:
+            values, base = results[(kernel, rows)], statistics.median(results[("F.linear", rows)])
+            cells += [spread(values), f"{base / statistics.median(values):.2f}×"]
+        kernels.append(cells)
+    attention_rows = []
+    for context in contexts:
+        read = n_layers * 2 * SLOTS * kv_heads * context * head_dim * 4 / 1e9  # GB
+        sdpa, kernel = results[("sdpa", context)], results[("kernel", context)]
+        ratio = statistics.median(a / b for a, b in zip(sdpa, kernel, strict=True))
+        attention_rows.append([context, spread(sdpa), f"{read / statistics.median(sdpa) * 1000:.1f}", spread(kernel),
+                               f"{read / statistics.median(kernel) * 1000:.1f}", f"{ratio:.2f}×"])  # fmt: skip
+    return doc.section(
+        "cpu-kernels", "CPU kernels: which GEMM reads the weights fastest; decode attention", args.command,
+        f"torch {m['torch']}, {m['torch threads']} threads, {torch.backends.cpu.get_cpu_capability()}, {platform.machine()}. "
+        "Every linear layer of the model once (q/k/v and gate/up fused, plus the vocabulary projection), ms per pass, "
+        "min/median/max over the repeats; ratio: median of F.linear / median of the kernel.",
+        "",
+        *doc.table("kernel | " + " | ".join(f"{r} row{'s' if r > 1 else ''} ms | ratio" for r in rows_list),
+                   "l" + "rr" * len(rows_list), kernels),
+        "",
+        f"Decode attention, {SLOTS} rows at one context length, all {n_layers} layers: ms (min/median/max), "
+        "the keys and values read per second at the median, and sdpa / kernel (median of the per-repeat ratios).",
+        "",
+        *doc.table("context | sdpa ms | sdpa GB/s | kernel ms | kernel GB/s | kernel speed-up", "rrrrrr", attention_rows),
+    )  # fmt: skip

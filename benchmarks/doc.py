@@ -1,12 +1,15 @@
-"""The report writer: docs/benchmarks.md is written by the suites, each owning one marked
-section, and each section says which command wrote it, when, and on what machine."""
+"""The report writer: docs/benchmarks.md (docs/reliability.md, docs/benchmarks-cuda.md) is written
+by the suites, each owning one marked section that says which command wrote it, when, and where."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
+import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 HEADER = """# Benchmarks
@@ -22,19 +25,31 @@ and ratios inside a section, not absolute figures across sections.
 
 @dataclasses.dataclass(frozen=True)
 class Section:
-    """What a suite's ``run()`` returns: the marked section ``name`` of docs/benchmarks.md."""
+    """What a suite's ``run()`` returns: the marked section ``name``; ``ok``: the run passed."""
 
     name: str
     text: str
+    ok: bool = True
 
 
-def replace_section(path: Path, name: str, text: str) -> None:
+def section(name: str, title: str, command: str, *lines: str) -> Section:
+    """Section ``name``: ``## title``, the line that names ``command``, then ``lines``."""
+    return Section(name, "\n".join([f"## {title}", "", written(command), *lines]).rstrip("\n") + "\n")
+
+
+def table(header: str, align: str, rows: Iterable[Iterable[object]]) -> list[str]:
+    """A markdown table: ``header`` ("a | b"), ``align`` (l or r per column), then ``rows`` of cells."""
+    rule = "|" + "".join("---:|" if a == "r" else "---|" for a in align)
+    return [f"| {header} |", rule, *(f"| {' | '.join(str(cell) for cell in row)} |" for row in rows)]
+
+
+def replace_section(path: Path, name: str, text: str, header: str = HEADER) -> None:
     """Put ``text`` between the markers of section ``name`` in ``path``, keeping the rest."""
     begin, end = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
     block = f"{begin}\n{text.rstrip()}\n{end}\n"
     old = path.read_text() if path.exists() else ""
-    if not old.startswith(HEADER):
-        old = HEADER  # a file from before the sections (or none): start again
+    if not old.startswith(header):
+        old = header  # a file from before the sections (or none): start again
     if begin in old and end in old:
         head, rest = old.split(begin, 1)
         new = head + block + rest.split(end, 1)[1].lstrip("\n")
@@ -42,6 +57,11 @@ def replace_section(path: Path, name: str, text: str) -> None:
         new = old.rstrip("\n") + "\n\n" + block
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(new)
+
+
+def log(message: str) -> None:
+    """A suite's progress, on stderr (stdout gets its section)."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def now() -> str:
@@ -60,23 +80,13 @@ def machine() -> dict[str, str]:
     from tokenwire_server.model import cpu_instruction_sets
 
     cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "instruction sets": ", ".join(cpu_instruction_sets()) or "none of note",
-        "cores": str(os.cpu_count()),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch threads": str(torch.get_num_threads()),
-    }
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
+    return {"cpu": cpu, "instruction sets": ", ".join(cpu_instruction_sets()) or "none of note", "cores": str(os.cpu_count()),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch threads": str(torch.get_num_threads())}  # fmt: skip
 
 
 def host() -> str:

@@ -36,7 +36,7 @@ def _answer(request: pb.GenerateRequest) -> tuple[int, str]:
 class _Servicer(pb_grpc.TextGenerationServicer):
     def Generate(self, request: pb.GenerateRequest, context: Any) -> Any:
         prompt_tokens, fixed = _answer(request)
-        new = request.stopping.max_new_tokens or 16
+        new = 1 if fixed else min(request.stopping.max_new_tokens or 16, 512)  # a choice: one token, then EOS
         start = len(request.resume.generated_token_ids)
         key = pb.GenerateRequest()
         key.CopyFrom(request)
@@ -45,20 +45,13 @@ class _Servicer(pb_grpc.TextGenerationServicer):
         seed = zlib.crc32(key.SerializeToString(deterministic=True))
         for k in range(start, new):
             time.sleep(TOKEN_S)
-            last = k == new - 1
-            chunk = pb.TokenChunk(
-                request_id=request.request_id,
-                index=request.resume.next_index + k - start,
-                text=fixed if k == 0 else " t",
-            )
+            index, text = request.resume.next_index + k - start, fixed if k == 0 else " t"
+            chunk = pb.TokenChunk(request_id=request.request_id, index=index, text=text)
             chunk.tokens.add(id=(seed + k) % 49152)
-            if last:
+            if k == new - 1:
                 chunk.finish_reason = pb.FINISH_REASON_EOS if fixed else pb.FINISH_REASON_LENGTH
-                chunk.usage.CopyFrom(
-                    pb.Usage(
-                        prompt_tokens=prompt_tokens, completion_tokens=new, cached_prompt_tokens=prompt_tokens // 2
-                    )
-                )
+                chunk.usage.CopyFrom(pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=new,
+                                              cached_prompt_tokens=prompt_tokens // 2))  # fmt: skip
             yield chunk
 
     def Tokenize(self, request: pb.TokenizeRequest, context: Any) -> pb.TokenizeResponse:
@@ -70,7 +63,10 @@ class _Servicer(pb_grpc.TextGenerationServicer):
 
 
 class FakeServer:
-    """Stands in for ``launcher.ServerProcess``: ``target``, ``proc.pid`` (this process), ``find``."""
+    """Stands in for ``launcher.ServerProcess``: ``target``, ``proc`` (this process), ``find``; no metrics."""
+
+    metrics_port = 0
+    records: list[dict[str, Any]] = []
 
     def __init__(self, args: list[str]) -> None:
         self.args = list(args)
@@ -81,7 +77,7 @@ class FakeServer:
         health_pb2_grpc.add_HealthServicer_to_server(status, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.target = f"127.0.0.1:{self.port}"
-        self.proc = SimpleNamespace(pid=os.getpid())
+        self.proc = SimpleNamespace(pid=os.getpid(), poll=lambda: None)
         self.server.start()
 
     def find(self, msg: str) -> list[dict[str, Any]]:

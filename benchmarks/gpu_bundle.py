@@ -3,19 +3,10 @@
     python -m benchmarks.gpu_bundle pack .gpu          # after pip download (make gpu-wheels)
     python -m benchmarks.gpu_bundle check .gpu --python 3.12
 
-A lent GPU machine has torch and transformers but no network, no GGUF reader and no
-default model. What travels with the repository (``carry``, 64 MiB in all):
-
-- ``wheels/``: one wheel per line of ``benchmarks/gpu-wheels.txt``, for the machine's
-  Python, ``LIMIT_MIB`` together at most;
-- ``tokenizer/``: the default model's tokenizer files and chat template (a few MiB), read
-  from the converted default model here; the random-weight models and the tests' tiny
-  model are built around them there (``TOKENWIRE_TOKENIZER_DIR``).
-
-``check`` is what ``gpu-check.sh --dry-run`` runs: every wanted wheel there once, at the
-pinned version, installable on that Python; the total under the limit; the tokenizer
-files there (and loading, where transformers is importable). Only the standard library
-is needed to check.
+A lent GPU machine has torch and transformers but no network, no GGUF reader and no default
+model: ``wheels/`` (one per line of benchmarks/gpu-wheels.txt, for its Python, ``LIMIT_MIB`` in
+all) and ``tokenizer/`` (the default model's tokenizer files) travel with the repository.
+``check`` (what ``gpu-check.sh --dry-run`` runs) needs only the standard library.
 """
 
 from __future__ import annotations
@@ -36,10 +27,7 @@ REQUIRED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 def wanted(path: Path = WANTED) -> dict[str, str]:
     """``name -> version`` of every ``name==version`` line (names normalised as in wheel files)."""
     out: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
+    for line in filter(None, (raw.split("#", 1)[0].strip() for raw in path.read_text().splitlines())):
         name, sep, version = line.partition("==")
         if not sep:
             raise ValueError(f"{path}: {line!r} is not pinned (name==version)")
@@ -143,17 +131,13 @@ def size_mib(folder: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu_bundle", description=(__doc__ or "").splitlines()[0]
-    )
+    parser = argparse.ArgumentParser("python -m benchmarks.gpu_bundle", description=(__doc__ or "").splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     packing = sub.add_parser("pack", help="copy the default model's tokenizer files into BUNDLE/tokenizer")
-    packing.add_argument("bundle", type=Path)
-    packing.add_argument(
-        "--tokenizer-from", type=Path, default=None, help="a model folder (default: the converted default model)"
-    )
     checking = sub.add_parser("check", help="is BUNDLE ready for a machine with this Python?")
-    checking.add_argument("bundle", type=Path)
+    for command in (packing, checking):
+        command.add_argument("bundle", type=Path)
+    packing.add_argument("--tokenizer-from", type=Path, help="a model folder (default: the converted default model)")
     checking.add_argument("--python", default=f"{sys.version_info[0]}.{sys.version_info[1]}")
     checking.add_argument("--limit-mib", type=int, default=LIMIT_MIB)
     args = parser.parse_args(argv)

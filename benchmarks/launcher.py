@@ -1,11 +1,8 @@
-"""The servers the tests, the benchmarks and the soak run: a real tokenwire server as a
-child process (``ServerProcess``), the peers' OpenAI-compatible servers in their own venvs
-(``OpenAIServer``), and the process-tree figures (CPU seconds, RSS) measured of them.
-
-A tokenwire server listens on 127.0.0.1 port 0; the bound port is read back from its own
-"listening" log line, and it is ready once the readiness health check says so. A suite
-asks ``serve``/``serve_openai`` for its servers, which hand out the fakes of
-benchmarks/fake.py instead under ``--dry-run``.
+"""The servers the tests, the benchmarks and the soak run: a tokenwire server as a child process
+(``ServerProcess``: on 127.0.0.1 port 0, the port read back from its "listening" log line, ready
+once its readiness check says so), the peers' OpenAI-compatible servers in their own venvs
+(``OpenAIServer``), and the process-tree figures measured of them. ``serve``/``serve_openai``
+hand out the fakes of benchmarks/fake.py instead under ``--dry-run``.
 """
 
 from __future__ import annotations
@@ -48,26 +45,20 @@ class ServerProcess:
     # exec will do. None here: every server is exec'd (the benchmarks, start-up under test).
     spawner: Callable[[list[str], dict[str, str]], Any] | None = None
 
-    def __init__(
-        self,
-        args: Sequence[str],
-        env: dict[str, str] | None = None,
-        ready_timeout: float = 180.0,
-        python: str | None = None,
-        wait: bool = True,
-        spawner: Callable[[list[str], dict[str, str]], Any] | None | bool = True,
-    ) -> None:
-        """``python``: the interpreter to run it with (another venv's, e.g. .venv-vllm's);
-        this one by default. The server leads its own process group, so that stopping it
-        also stops the processes it started (vLLM's engine core and workers). ``wait``:
-        return once it is ready (else at once: ``wait_listening``, then poll it). ``spawner``:
-        ``None`` to insist on exec, else the class's."""
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, ready_timeout: float = 180.0,
+                 python: str | None = None, wait: bool = True,
+                 spawner: Callable[[list[str], dict[str, str]], Any] | None | bool = True,
+                 stop_timeout: float = 60.0) -> None:  # fmt: skip
+        """``python``: the interpreter (another venv's, e.g. .venv-vllm's); this one by default.
+        It leads its own process group, so that stopping it stops what it started (vLLM's
+        engine core and workers). ``wait``: return once it is ready (else at once:
+        ``wait_listening``, then poll it). ``spawner``: ``None`` to insist on exec, else the
+        class's. ``stop_timeout``: what leaving ``with`` waits for it."""
         python = python or sys.executable
         cmd = [python, "-m", "tokenwire_server", "--host", "127.0.0.1", "--port", "0", "--log-format", "json", *args]
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        full_env = {"PYTHONUNBUFFERED": "1", **os.environ, **(env or {})}
         self.args = list(args)
+        self.stop_timeout = stop_timeout
         spawn = type(self).spawner if spawner is True else spawner
         forked = spawn(cmd, full_env) if callable(spawn) else None
         self.proc = forked or subprocess.Popen(
@@ -116,7 +107,7 @@ class ServerProcess:
     ) -> int:
         return health_check(self.target, service, timeout, credentials)
 
-    def wait_ready(self, timeout: float, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def wait_ready(self, timeout: float, credentials: grpc.ChannelCredentials | None = None, poll: float = 0.2) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -124,9 +115,9 @@ class ServerProcess:
             try:
                 if self.health(credentials=credentials) == SERVING:
                     return
-            except grpc.RpcError:
+            except grpc.RpcError:  # the port is open before the health service answers
                 pass
-            time.sleep(0.2)
+            time.sleep(poll)
         raise RuntimeError("server did not become ready:\n" + self.output())
 
     def channel(self) -> grpc.Channel:
@@ -156,7 +147,7 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         try:
-            self.terminate()
+            self.terminate(self.stop_timeout)
         finally:
             self.kill()
 
@@ -199,26 +190,14 @@ def serve(dry_run: bool, flags: Sequence[str], engine: str = "", **kwargs: Any) 
         yield server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class OpenAIServer:
     """An OpenAI-compatible server (vLLM's or llama-cpp-python's) as a child process group on 127.0.0.1."""
 
-    def __init__(
-        self,
-        python: str,
-        model: Path,
-        args: Sequence[str],
-        env: dict[str, str],
-        log: Path,
-        ready_timeout: float,
-        kind: str,
-    ) -> None:
-        self.port = free_port()
+    def __init__(self, python: str, model: Path, args: Sequence[str], env: dict[str, str], log: Path,
+                 ready_timeout: float, kind: str) -> None:  # fmt: skip
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            self.port = int(free.getsockname()[1])
         common = ["--host", "127.0.0.1", "--port", str(self.port)]
         if kind == "vllm":
             module, alias, health = "vllm.entrypoints.openai.api_server", "--served-model-name", "/health"
@@ -266,9 +245,8 @@ def process_tree(pid: int) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                children.setdefault(int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(
-                    int(entry.name)
-                )
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
     out, todo = [], [pid]
     while todo:
         out.append(todo.pop())

@@ -1,13 +1,8 @@
-"""The load generators: gRPC (tokenwire's own API) and OpenAI-style SSE (the peers' HTTP).
-
-- ``grpc_load``: a closed loop of ``concurrency`` streams over a prompt set, each asking for
-  exactly ``max_new_tokens`` (``ignore_eos``): the client's ``run_bench``, as a ``Measure``;
-- ``stream`` / ``streams``: one raw ``GenerateRequest`` each, read to the end (time to the
-  first chunk, every chunk kept), on a thread pool: for suites that build their own requests;
-- ``openai_load``: the same closed loop against ``/v1/chat/completions`` over a raw HTTP/1.1
-  connection (stdlib only), streaming.
-
-Every latency is taken at the client; ``Measure`` holds them in milliseconds.
+"""The load generators, every latency taken at the client: ``grpc_load`` (a closed loop of
+streams over tokenwire's gRPC API, each asking for exactly ``max_new_tokens``: the client's
+``run_bench``), ``stream``/``streams`` (raw ``GenerateRequest``s read to their end, for suites
+that build their own) and ``openai_load`` (the same closed loop over an OpenAI-style SSE
+endpoint, stdlib HTTP/1.1).
 """
 
 from __future__ import annotations
@@ -55,22 +50,29 @@ class Measure:
 
 
 def grpc_load(
-    target: str, system: str, concurrency: int, requests: int, max_new: int, prompts: Sequence[str], repeat: int = 0
-) -> Measure:
-    from tokenwire.bench import run_bench
+    target: str, system: str, concurrency: int, requests: int, max_new: int, prompts: Sequence[str] | None = None,
+    repeat: int = 0, **options: Any,
+) -> Measure:  # fmt: skip
+    """The client's ``run_bench`` (``options``: its sampling keywords), as a ``Measure``."""
+    import tokenwire.bench
 
-    r = run_bench(
-        target, concurrency=concurrency, requests=requests, max_new_tokens=max_new, prompts=prompts, timeout=3600
-    )
+    r = tokenwire.bench.run_bench(target, concurrency=concurrency, requests=requests, max_new_tokens=max_new,
+                                  prompts=prompts or tokenwire.bench.DEFAULT_PROMPTS, timeout=3600, **options)  # fmt: skip
     return Measure(system, concurrency, r.requests, r.output_tokens, r.output_tokens_per_s, r.ttft_ms.p50,
                    r.ttft_ms.p99, r.itl_ms.p50, r.itl_ms.p99, r.e2e_ms.p50, r.e2e_ms.p99, r.errors, repeat)  # fmt: skip
 
 
 def warm(target: str) -> None:
     """One short request, so that lazy initialisation is not counted."""
-    from tokenwire.bench import run_bench
+    import tokenwire.bench
 
-    run_bench(target, concurrency=1, requests=1, max_new_tokens=4)
+    tokenwire.bench.run_bench(target, concurrency=1, requests=1, max_new_tokens=4)
+
+
+def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """``prompt`` as one user message, chat-templated, ready for the assistant's answer."""
+    messages = [{"role": "user", "content": prompt}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 @dataclasses.dataclass
@@ -95,18 +97,17 @@ class Stream:
 
 
 def stub(channel: Any) -> Any:
+    """A TextGeneration stub on ``channel``, or on a new channel to ``channel`` where it is an address."""
+    import grpc
     from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
-    return pb_grpc.TextGenerationStub(channel)
+    return pb_grpc.TextGenerationStub(grpc.insecure_channel(channel) if isinstance(channel, str) else channel)
 
 
 def stream(stub: Any, request: Any, timeout: float = 1800, metadata: Sequence[tuple[str, str]] = ()) -> Stream:
-    start = time.perf_counter()
-    first = None
-    chunks = []
+    start, first, chunks = time.perf_counter(), None, []
     for chunk in stub.Generate(request, timeout=timeout, metadata=metadata):
-        if first is None:
-            first = time.perf_counter() - start
+        first = time.perf_counter() - start if first is None else first
         chunks.append(chunk)
     assert first is not None, "a stream of no chunks"
     return Stream(first, time.perf_counter() - start, chunks)
@@ -140,10 +141,8 @@ async def openai_stream(port: int, body: dict[str, Any]) -> tuple[float | None, 
     while (line := await reader.readline()) not in (b"\r\n", b""):
         chunked |= line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower()
     first: float | None = None
-    last = 0.0
-    gaps: list[float] = []
+    last, gaps, buffer = 0.0, [], b""
     counts = {"completion": 0, "prompt": 0, "events": 0}
-    buffer = b""
 
     def events(data: bytes) -> None:
         nonlocal buffer, first, last
@@ -154,11 +153,8 @@ async def openai_stream(port: int, body: dict[str, Any]) -> tuple[float | None, 
                 continue
             now = time.perf_counter()
             record = json.loads(event[6:])
-            if record.get("usage"):
-                counts["completion"], counts["prompt"] = (
-                    record["usage"]["completion_tokens"],
-                    record["usage"]["prompt_tokens"],
-                )
+            if usage := record.get("usage"):
+                counts["completion"], counts["prompt"] = usage["completion_tokens"], usage["prompt_tokens"]
             if not record.get("choices"):
                 continue
             # One event per token step; an event whose text the detokenizer holds back

@@ -1,17 +1,9 @@
 """Does the server keep its pace when another process wants a core? (`make bench-neighbour`)
 
-torch computes with one OpenMP thread per core. Between parallel regions an idle libgomp
-thread spins for GOMP_SPINCOUNT iterations before it sleeps; with its default spin, a
-thread that has lost its core to a neighbour (another pod on the node, a CPU limit, a
-test runner) holds every later step at the barrier until the scheduler gives the core
-back. `--omp-spin-count` (default 1000) shortens the spin; this measures what it costs
-on a quiet host and what it saves beside a busy one.
-
-Two servers on the default model, one with `--omp-spin-count 1000` (the default) and one
-with `--omp-spin-count 0` (OpenMP's own spin), each measured quiet and beside one busy
-Python process (`while True: pass`, one core's worth), at c=1 and c=16 streams of 64
-tokens. Three repeats alternate the settings; the section reports median (min–max) of
-tokens/s and per-stream latency, and the per-repeat ratios. Replaces the "neighbour" section.
+Between torch's parallel regions an idle libgomp thread spins for GOMP_SPINCOUNT iterations; a
+thread that lost its core to a neighbour holds every later step at the barrier.
+`--omp-spin-count 1000` (the default) against `0` (OpenMP's own spin), each quiet and beside one
+busy Python process, at c=1 and c=16. Replaces the "neighbour" section.
 """
 
 from __future__ import annotations
@@ -22,27 +14,21 @@ import subprocess
 import sys
 import time
 
+import grpc
+from tokenwire.v1 import generation_pb2 as pb
+
 from benchmarks import doc, load
 from benchmarks.launcher import serve
 from benchmarks.stats import median, p99, spread
 
 SETTINGS = {"1000 (default)": "1000", "OpenMP's own (0)": "0"}
 PROMPT = "Tell me a story about a cat who learns to sail."
+FLAGS = {"repeats": 3, "tokens": 64, "concurrency": "1,16", "rounds": (3, "waves of streams per cell")}
 DRY_RUN = {"repeats": 1, "rounds": 1, "concurrency": "1,2", "tokens": 4}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--concurrency", default="1,16")
-    parser.add_argument("--rounds", type=int, default=3, help="waves of streams per cell")
 
 
 def measure(target: str, concurrency: int, tokens: int, rounds: int) -> tuple[float, list[float]]:
     """Tokens/s over ``rounds`` waves of ``concurrency`` streams, and every stream's seconds."""
-    import grpc
-    from tokenwire.v1 import generation_pb2 as pb
-
     request = pb.GenerateRequest(prompt=PROMPT, stopping=pb.StoppingCriteria(max_new_tokens=tokens, ignore_eos=True))
     with grpc.insecure_channel(target) as channel:
         stub = load.stub(channel)
@@ -72,42 +58,29 @@ def run(args: argparse.Namespace) -> doc.Section:
                             rate, latencies = measure(server.target, c, args.tokens, args.rounds)
                             tps.setdefault((name, neighbour, c), []).append(rate)
                             lat.setdefault((name, neighbour, c), []).extend(latencies)
-                            print(
-                                f"repeat {repeat} spin {reported} neighbour={neighbour} c={c}: {rate:.1f} tok/s",
-                                flush=True,
-                            )
+                            doc.log(f"repeat {repeat} spin {reported} neighbour={neighbour} c={c}: {rate:.1f} tok/s")
                     finally:
                         if hog:
                             hog.kill()
                             hog.wait()
-    lines = [
-        "## Beside a busy neighbour: OpenMP's spin (`make bench-neighbour`)",
-        "",
-        doc.written(args.command),
+    busy = {False: "none", True: "busy"}
+    rows = [[name, busy[neighbour], c, spread(tps[(name, neighbour, c)]),
+             f"{median(lat[(name, neighbour, c)]):.2f} / {p99(lat[(name, neighbour, c)]):.2f}"]
+            for c in levels for neighbour in (False, True) for name in SETTINGS]  # fmt: skip
+    default, own = SETTINGS
+    notes = [f"- c={c}, neighbour {busy[neighbour]}: spin 1000 vs OpenMP's own, tokens/s ratio "
+             f"{spread([a / b for a, b in zip(tps[(default, neighbour, c)], tps[(own, neighbour, c)], strict=True)], 2)}×"
+             for c in levels for neighbour in (False, True)]  # fmt: skip
+    notes += [f"- {name}, c={c}: pace kept beside the neighbour (busy ÷ quiet tokens/s) "
+              f"{spread([b / a for a, b in zip(tps[(name, False, c)], tps[(name, True, c)], strict=True)], 2)}"
+              for name in SETTINGS for c in levels]  # fmt: skip
+    return doc.section(
+        "neighbour", "Beside a busy neighbour: OpenMP's spin (`make bench-neighbour`)", args.command,
         f"The default model over gRPC, {doc.host()}; streams of {args.tokens} tokens, {args.rounds} waves per cell, "
         f"{args.repeats} repeats alternating the settings. The neighbour is one `while True: pass` process. "
         "Tokens/s: median (min–max) over repeats; latency: median and p99 over every stream of the cell.",
         "",
-        "| --omp-spin-count | neighbour | streams | tokens/s | stream latency median / p99 (s) |",
-        "|---|---|---:|---:|---:|",
-    ]
-    busy = {False: "none", True: "busy"}
-    for c in levels:
-        for neighbour in (False, True):
-            for name in SETTINGS:
-                values = lat[(name, neighbour, c)]
-                lines.append(f"| {name} | {busy[neighbour]} | {c} | {spread(tps[(name, neighbour, c)])} "
-                             f"| {median(values):.2f} / {p99(values):.2f} |")  # fmt: skip
-    lines.append("")
-    default, own = SETTINGS
-    for c in levels:
-        for neighbour in (False, True):
-            ratios = [a / b for a, b in zip(tps[(default, neighbour, c)], tps[(own, neighbour, c)], strict=True)]
-            lines.append(
-                f"- c={c}, neighbour {busy[neighbour]}: spin 1000 vs OpenMP's own, tokens/s ratio {spread(ratios, 2)}×"
-            )
-    for name in SETTINGS:
-        for c in levels:
-            kept = [b / a for a, b in zip(tps[(name, False, c)], tps[(name, True, c)], strict=True)]
-            lines.append(f"- {name}, c={c}: pace kept beside the neighbour (busy ÷ quiet tokens/s) {spread(kept, 2)}")
-    return doc.Section("neighbour", "\n".join(lines) + "\n")
+        *doc.table("--omp-spin-count | neighbour | streams | tokens/s | stream latency median / p99 (s)", "llrrr", rows),
+        "",
+        *notes,
+    )  # fmt: skip

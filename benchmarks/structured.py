@@ -1,22 +1,8 @@
 """Do constrained answers follow their format, and what do they cost? (`make bench-structured`)
 
-On the default model, one server (``--max-active 16``) and 16 client threads:
-
-- **Constrained:** 64 requests over 4 JSON schemas (a short one; a person with a nested
-  address and an array; an order with an array of objects, enums and a pattern; a
-  page-long product review with nested objects, arrays and enums), plus 8 regex and 8
-  choice requests; half greedy, half seeded top-p. Every answer that ends EOS (or a stop
-  sequence) is parsed and validated with ``jsonschema`` (or matched against its regex or
-  choice); the table counts them.
-- **Unconstrained twin:** the same 80 requests without a format, each held to exactly the
-  number of tokens its constrained answer had (``max_new_tokens`` = that count,
-  ``ignore_eos``): the same work, so tokens/s compare like with like.
-
-Each repeat runs both over four slices of 20 requests (every fourth), each slice
-constrained and unconstrained in ABBA order, so that a burst of load from a neighbour
-lands on both alike; throughput is all completion tokens ÷ the summed wall time. A first pass learns the answer lengths and
-fills the grammar cache (and is not counted). Compile time: each format compiled cold,
-in process, with the server's options. Replaces the "structured" section.
+80 constrained requests (16 per JSON schema of ``SCHEMAS``, 8 regex, 8 choice) at c=16, every
+answer that ends checked, against unconstrained twins held to the same token counts; each
+format's cold compile and the sampler's own cost in process. Replaces the "structured" section.
 """
 
 from __future__ import annotations
@@ -27,179 +13,95 @@ import re
 import time
 from typing import Any
 
+from tokenwire.v1 import generation_pb2 as pb
+
 from benchmarks import doc, load
 from benchmarks.launcher import serve
 from benchmarks.stats import median, spread
 
 CONCURRENCY = 16
 SLICES = 4
-
-SHORT = {
-    "type": "object",
-    "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
-    "required": ["answer", "confidence"],
-}
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30}},
-            "required": ["city", "country"],
-        },
-        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
-    },
-    "required": ["name", "age", "address", "hobbies"],
-}
-ORDER = {
-    "type": "object",
-    "properties": {
-        "order_id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-        "status": {"enum": ["pending", "shipped", "delivered", "cancelled"]},
-        "express": {"type": "boolean"},
-        "items": {
-            "type": "array",
-            "minItems": 1,
-            "maxItems": 3,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "sku": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
-                    "quantity": {"type": "integer", "minimum": 1, "maximum": 9},
-                    "size": {"enum": ["S", "M", "L", "XL"]},
-                },
-                "required": ["sku", "quantity", "size"],
-            },
-        },
-    },
-    "required": ["order_id", "status", "express", "items"],
-}
+FLAGS = {"engine": {"default": "batched", "choices": ["batched", "vllm"]}, "repeats": 3, "max_new_tokens": 400,
+         "sampler_steps": (200, "steps the in-process sampler is timed over")}  # fmt: skip
+DRY_RUN = {"repeats": 1, "max_new_tokens": 8, "sampler_steps": 4}
 
 
-def _text(limit: int, description: str) -> dict[str, Any]:
-    return {"type": "string", "maxLength": limit, "description": description}
+def _obj(description: str | None = None, **properties: Any) -> dict[str, Any]:
+    """An object that requires every one of its ``properties``, in order."""
+    head = {"type": "object"} | ({"description": description} if description else {})
+    return head | {"properties": properties, "required": list(properties)}
 
 
-REVIEW = {
-    "title": "ProductReview",
-    "description": "A customer's review of a product, as a review site stores it.",
-    "type": "object",
-    "properties": {
-        "product": {
-            "type": "object",
-            "description": "What was reviewed.",
-            "properties": {
-                "name": _text(40, "The product's name as sold."),
-                "brand": _text(30, "The maker."),
-                "category": {"enum": ["electronics", "kitchen", "garden", "toys", "books", "clothing", "sports"]},
-                "price": {
-                    "type": "object",
-                    "properties": {
-                        "amount": {"type": "integer", "minimum": 0, "maximum": 10000},
-                        "currency": {"enum": ["EUR", "USD", "GBP", "JPY"]},
-                    },
-                    "required": ["amount", "currency"],
-                },  # fmt: skip
-            },
-            "required": ["name", "brand", "category", "price"],
-        },
-        "reviewer": {
-            "type": "object",
-            "properties": {
-                "nickname": _text(24, "Shown beside the review."),
-                "verified_purchase": {"type": "boolean"},
-                "reviews_written": {"type": "integer", "minimum": 0, "maximum": 999},
-            },
-            "required": ["nickname", "verified_purchase", "reviews_written"],
-        },
-        "rating": {"type": "integer", "minimum": 1, "maximum": 5, "description": "Stars, 1 to 5."},
-        "headline": _text(60, "One line that sums the review up."),
-        "pros": {"type": "array", "items": _text(40, "One good point."), "minItems": 1, "maxItems": 3},
-        "cons": {"type": "array", "items": _text(40, "One bad point."), "maxItems": 3},
-        "would_recommend": {"type": "boolean"},
-        "usage": {
-            "type": "object",
-            "properties": {
-                "duration": {"enum": ["days", "weeks", "months", "years"]},
-                "frequency": {"enum": ["daily", "weekly", "monthly", "rarely"]},
-            },
-            "required": ["duration", "frequency"],
-        },
-        "sentiment": {"enum": ["positive", "mixed", "negative"]},
-    },
-    "required": ["product", "reviewer", "rating", "headline", "pros", "cons", "would_recommend", "usage", "sentiment"],
-}
+def _int(low: int, high: int, **more: Any) -> dict[str, Any]:
+    return {"type": "integer", "minimum": low, "maximum": high, **more}
+
+
+def _str(limit: int, description: str | None = None) -> dict[str, Any]:
+    return {"type": "string", "maxLength": limit} | ({"description": description} if description else {})
+
+
+def _enum(*values: str) -> dict[str, Any]:
+    return {"enum": list(values)}
+
+
+def _list(items: dict[str, Any], high: int, low: int | None = None) -> dict[str, Any]:
+    return {"type": "array", "items": items} | ({"minItems": low} if low is not None else {}) | {"maxItems": high}
+
+
+SHORT = _obj(answer=_enum("yes", "no"), confidence=_int(0, 100))
+PERSON = _obj(
+    name=_str(40), age=_int(0, 120), address=_obj(city=_str(30), country=_str(30)), hobbies=_list(_str(20), 3)
+)
+ORDER = _obj(
+    order_id={"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+    status=_enum("pending", "shipped", "delivered", "cancelled"),
+    express={"type": "boolean"},
+    items={"type": "array", "minItems": 1, "maxItems": 3, "items": _obj(
+        sku={"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"}, quantity=_int(1, 9), size=_enum("S", "M", "L", "XL"))},
+)  # fmt: skip
+REVIEW = {"title": "ProductReview", "description": "A customer's review of a product, as a review site stores it."} | _obj(
+    product=_obj("What was reviewed.", name=_str(40, "The product's name as sold."), brand=_str(30, "The maker."),
+                 category=_enum("electronics", "kitchen", "garden", "toys", "books", "clothing", "sports"),
+                 price=_obj(amount=_int(0, 10000), currency=_enum("EUR", "USD", "GBP", "JPY"))),
+    reviewer=_obj(nickname=_str(24, "Shown beside the review."), verified_purchase={"type": "boolean"},
+                  reviews_written=_int(0, 999)),
+    rating=_int(1, 5, description="Stars, 1 to 5."),
+    headline=_str(60, "One line that sums the review up."),
+    pros=_list(_str(40, "One good point."), 3, 1),
+    cons=_list(_str(40, "One bad point."), 3),
+    would_recommend={"type": "boolean"},
+    usage=_obj(duration=_enum("days", "weeks", "months", "years"), frequency=_enum("daily", "weekly", "monthly", "rarely")),
+    sentiment=_enum("positive", "mixed", "negative"),
+)  # fmt: skip
 SCHEMAS = {"short": SHORT, "person": PERSON, "order": ORDER, "page-long review": REVIEW}
 REGEX = r"[A-Z][a-z]{2,9}, [A-Z][a-z]{2,9} [0-9]{4}"
 CHOICES = ["positive", "negative", "neutral"]
 QUESTIONS = {
-    "short": [
-        "Is water wet? Answer in JSON.",
-        "Is the Earth flat? Answer in JSON.",
-        "Do cats like fish? Answer in JSON.",
-        "Is Python a snake? Answer in JSON.",
-    ],
-    "person": [
-        "Describe a famous scientist as JSON.",
-        "Invent a character for a novel, as JSON.",
-        "Describe your best friend as JSON.",
-        "Describe a chef as JSON.",
-    ],
-    "order": [
-        "Create an order for two t-shirts as JSON.",
-        "Make a sample shop order as JSON.",
-        "Order three pairs of socks, as JSON.",
-        "Write an order for a jacket as JSON.",
-    ],
-    "page-long review": [
-        "Review a coffee machine you bought, as JSON.",
-        "Write a review of a children's toy as JSON.",
-        "Review running shoes as JSON.",
-        "Review a cookbook as JSON.",
-    ],
-}
+    "short": ["Is water wet? Answer in JSON.", "Is the Earth flat? Answer in JSON.", "Do cats like fish? Answer in JSON.",
+              "Is Python a snake? Answer in JSON."],
+    "person": ["Describe a famous scientist as JSON.", "Invent a character for a novel, as JSON.",
+               "Describe your best friend as JSON.", "Describe a chef as JSON."],
+    "order": ["Create an order for two t-shirts as JSON.", "Make a sample shop order as JSON.",
+              "Order three pairs of socks, as JSON.", "Write an order for a jacket as JSON."],
+    "page-long review": ["Review a coffee machine you bought, as JSON.", "Write a review of a children's toy as JSON.",
+                         "Review running shoes as JSON.", "Review a cookbook as JSON."],
+}  # fmt: skip
 
 
 def requests(max_new_tokens: int) -> list[tuple[str, Any]]:
     """(what it is, request): 16 per schema, 8 regex, 8 choice; greedy and seeded top-p in turn."""
-    from tokenwire.v1 import generation_pb2 as pb
 
-    def chat(question: str) -> Any:
-        return pb.Chat(messages=[pb.ChatMessage(role="user", content=question)])
+    def request(kind: str, i: int, question: str, fmt: Any) -> tuple[str, Any]:
+        sampling = pb.SamplingParams(temperature=0.0) if i % 2 == 0 else pb.SamplingParams(temperature=0.7, top_p=0.9, seed=1000 + i)  # fmt: skip
+        return kind, pb.GenerateRequest(request_id=f"{kind}-{i}", chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=question)]),
+                                        sampling=sampling, stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens), response_format=fmt)  # fmt: skip
 
-    def sampling(i: int) -> Any:
-        return (
-            pb.SamplingParams(temperature=0.0)
-            if i % 2 == 0
-            else pb.SamplingParams(temperature=0.7, top_p=0.9, seed=1000 + i)
-        )
-
-    out: list[tuple[str, Any]] = []
-    stopping = pb.StoppingCriteria(max_new_tokens=max_new_tokens)
-    for name, schema in SCHEMAS.items():
-        fmt = pb.ResponseFormat(json_schema=json.dumps(schema))
-        for i in range(16):
-            question = QUESTIONS[name][i % 4]
-            out.append(
-                (
-                    name,
-                    pb.GenerateRequest(
-                        request_id=f"{name}-{i}",
-                        chat=chat(question),
-                        sampling=sampling(i),
-                        stopping=stopping,
-                        response_format=fmt,
-                    ),
-                )
-            )
+    out = [request(name, i, QUESTIONS[name][i % 4], pb.ResponseFormat(json_schema=json.dumps(schema)))
+           for name, schema in SCHEMAS.items() for i in range(16)]  # fmt: skip
     for i in range(8):
-        out.append(("regex", pb.GenerateRequest(request_id=f"regex-{i}", chat=chat("Where and when were you born? City, Country Year."),
-                                                sampling=sampling(i), stopping=stopping, response_format=pb.ResponseFormat(regex=REGEX))))  # fmt: skip
-        out.append(("choice", pb.GenerateRequest(request_id=f"choice-{i}", chat=chat(f"Is this review positive? 'It broke after {i + 1} days.'"),
-                                                 sampling=sampling(i), stopping=stopping,
-                                                 response_format=pb.ResponseFormat(choice=pb.Choice(options=CHOICES)))))  # fmt: skip
+        out.append(request("regex", i, "Where and when were you born? City, Country Year.", pb.ResponseFormat(regex=REGEX)))  # fmt: skip
+        out.append(request("choice", i, f"Is this review positive? 'It broke after {i + 1} days.'",
+                           pb.ResponseFormat(choice=pb.Choice(options=CHOICES))))  # fmt: skip
     return out
 
 
@@ -219,8 +121,6 @@ def follows(kind: str, text: str) -> bool:
 
 def twins(todo: list[tuple[str, Any]], lengths: list[int]) -> list[Any]:
     """The same requests without a format, each held to its constrained answer's token count."""
-    from tokenwire.v1 import generation_pb2 as pb
-
     out = []
     for (_, request), length in zip(todo, lengths, strict=True):
         twin = pb.GenerateRequest()
@@ -237,9 +137,10 @@ def domain_formats() -> dict[str, Any]:
     from tokenwire_server.domain import ResponseFormat
 
     formats = {name: ResponseFormat("json_schema", json.dumps(schema)) for name, schema in SCHEMAS.items()}
-    formats["regex"] = ResponseFormat("regex", REGEX)
-    formats["choice"] = ResponseFormat("choice", options=tuple(CHOICES))
-    return formats
+    return formats | {
+        "regex": ResponseFormat("regex", REGEX),
+        "choice": ResponseFormat("choice", options=tuple(CHOICES)),
+    }
 
 
 def compile_times(loaded: Any) -> dict[str, float]:
@@ -247,11 +148,10 @@ def compile_times(loaded: Any) -> dict[str, float]:
     from tokenwire_server.domain import ResponseFormat
     from tokenwire_server.structured import Grammars
 
-    formats = domain_formats()
     grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
     grammars.compile(ResponseFormat("json_object"))  # reads the vocabulary once
     out = {}
-    for name, fmt in formats.items():
+    for name, fmt in domain_formats().items():
         times = []
         for _ in range(3):
             fresh = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
@@ -264,10 +164,10 @@ def compile_times(loaded: Any) -> dict[str, float]:
 
 
 def sampler_cost(loaded: Any, steps: int = 200) -> tuple[float, float]:
-    """The shared sampler's time per step for 16 rows (half greedy, half seeded top-p) on logits of
-    the model's vocabulary, unconstrained and with every row constrained (each row's matcher moving
-    on with the token picked, and starting again when its answer is complete), in ms: the only
-    work a constrained step adds. Medians over ``steps`` steps, the two kinds in turns."""
+    """The shared sampler's ms per step for 16 rows (half greedy, half seeded top-p) on random
+    logits, unconstrained and with every row constrained (each matcher moving on with the token
+    picked, starting again when its answer is complete): the only work a constrained step adds.
+    Medians over ``steps`` steps, the two kinds in turns."""
     import torch
     from tokenwire_server.domain import GenerationRequest, RequestHandle, SamplingOptions
     from tokenwire_server.engine.generation import Generation
@@ -278,20 +178,16 @@ def sampler_cost(loaded: Any, steps: int = 200) -> tuple[float, float]:
     grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
     sampler = Sampler(loaded.eos_token_ids)
 
-    def rows(constrained: bool) -> list[Generation]:
-        out = []
-        for i in range(CONCURRENCY):
-            sampling = (
-                SamplingOptions(temperature=0.0) if i % 2 == 0 else SamplingOptions(temperature=0.7, top_p=0.9, seed=i)
-            )
-            fmt = formats[i % len(formats)] if constrained else None
-            request = GenerationRequest(f"s{i}", [1], sampling, 1_000_000, response_format=fmt)
-            constraint = grammars.constraint(fmt) if fmt is not None else None
-            out.append(Generation(request, RequestHandle(), lambda event: None, loaded.tokenizer, loaded.eos_token_ids,
-                                  torch.device("cpu"), constraint))  # fmt: skip
-        return out
+    def row(i: int, constrained: bool) -> Generation:
+        sampling = (
+            SamplingOptions(temperature=0.0) if i % 2 == 0 else SamplingOptions(temperature=0.7, top_p=0.9, seed=i)
+        )
+        fmt = formats[i % len(formats)] if constrained else None
+        request = GenerationRequest(f"s{i}", [1], sampling, 1_000_000, response_format=fmt)
+        return Generation(request, RequestHandle(), lambda event: None, loaded.tokenizer, loaded.eos_token_ids,
+                          torch.device("cpu"), grammars.constraint(fmt) if fmt is not None else None)  # fmt: skip
 
-    free, bound = rows(False), rows(True)
+    free, bound = [row(i, False) for i in range(CONCURRENCY)], [row(i, True) for i in range(CONCURRENCY)]
     torch.manual_seed(0)
     times: dict[bool, list[float]] = {False: [], True: []}
     for step in range(steps):
@@ -304,30 +200,18 @@ def sampler_cost(loaded: Any, steps: int = 200) -> tuple[float, float]:
                 for i, (seq, (token, _, _)) in enumerate(zip(seqs, picks, strict=True)):
                     assert seq.constraint is not None and seq.constraint.accept(token)
                     if seq.constraint.terminated:
-                        seqs[i] = rows(True)[i]
+                        seqs[i] = row(i, True)
     return median(times[False]), median(times[True])
 
 
-DRY_RUN = {"repeats": 1, "max_new_tokens": 8, "sampler_steps": 4}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", default="batched", choices=["batched", "vllm"])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=400)
-    parser.add_argument("--sampler-steps", type=int, default=200, help="steps the in-process sampler is timed over")
-
-
 def run(args: argparse.Namespace) -> doc.Section:
-    import grpc
-    from tokenwire.v1 import generation_pb2 as pb
     from tokenwire_server.model import load_model
 
     loaded = load_model(args.model, device="cpu", dtype="float32")
     compiled_ms = compile_times(loaded)
-    print("compile ms:", {k: round(v, 1) for k, v in compiled_ms.items()}, flush=True)
+    doc.log(f"compile ms: { {k: round(v, 1) for k, v in compiled_ms.items()} }")
     sampler_ms = [sampler_cost(loaded, args.sampler_steps) for _ in range(args.repeats)]
-    print("sampler ms per step (free, constrained):", sampler_ms, flush=True)
+    doc.log(f"sampler ms per step (free, constrained): {sampler_ms}")
     del loaded
     todo = requests(args.max_new_tokens)
     flags = ["--model", args.model, "--max-active", str(CONCURRENCY), "--max-queue", "256",
@@ -337,7 +221,7 @@ def run(args: argparse.Namespace) -> doc.Section:
     ended: dict[tuple[str, bool], list[int]] = {}  # (kind, greedy) -> [ended whole, of which follow, all]
     rows: list[dict[str, float]] = []
     with serve(args.dry_run, flags, args.engine) as server:
-        stub = load.stub(grpc.insecure_channel(server.target))
+        stub = load.stub(server.target)
         constrained = [r for _, r in todo]
         _, learned = load.streams(stub, constrained, CONCURRENCY)
         free = twins(todo, [s.usage.completion_tokens for s in learned])
@@ -365,13 +249,16 @@ def run(args: argparse.Namespace) -> doc.Section:
             row |= {f"ttft_{which}": median(s.ttft for s in got) * 1000 for which, got in results.items()}
             row["ratio"] = row["constrained_tps"] / row["free_tps"]
             rows.append(row)
-            print(f"repeat {repeat}: constrained {row['constrained_tps']:.1f} tok/s ({tokens['constrained']} tokens), "
-                  f"unconstrained {row['free_tps']:.1f} tok/s ({tokens['free']} tokens), ratio {row['ratio']:.3f}",
-                  flush=True)  # fmt: skip
-    lines = [
-        "## Structured output (`make bench-structured`)",
-        "",
-        doc.written(args.command),
+            doc.log(f"repeat {repeat}: constrained {row['constrained_tps']:.1f} tok/s ({tokens['constrained']} tokens), "
+                    f"unconstrained {row['free_tps']:.1f} tok/s ({tokens['free']} tokens), ratio {row['ratio']:.3f}")  # fmt: skip
+    formats = []
+    for kind in [*SCHEMAS, "regex", "choice"]:
+        cells = [f"{n}/{of}" for greedy in (True, False) for whole, valid, total in [ended.get((kind, greedy), [0, 0, 0])]
+                 for n, of in ((whole, total), (valid, whole))]  # fmt: skip
+        formats.append([kind, *cells, f"{compiled_ms[kind]:.1f}"])
+    col = lambda key, digits=1: spread([r[key] for r in rows], digits)  # noqa: E731
+    return doc.section(
+        "structured", "Structured output (`make bench-structured`)", args.command,
         f"{doc.host()}; engine `{args.engine}`, the default model, "
         f"{CONCURRENCY} streams at a time over gRPC. 80 constrained requests per pass (16 per JSON schema, 8 regex, "
         "8 choice; greedy and seeded top-p in turn) against their unconstrained twins (the same requests without a "
@@ -383,28 +270,16 @@ def run(args: argparse.Namespace) -> doc.Section:
         f"({args.max_new_tokens}); valid: of those, parsed and valid against the schema (`jsonschema`), or matching "
         "the regex or the choice. All repeats together.",
         "",
-        "| format | greedy: ended | greedy: valid | seeded top-p: ended | seeded top-p: valid | compile, cold (ms) |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for kind in [*SCHEMAS, "regex", "choice"]:
-        cells = []
-        for greedy in (True, False):
-            whole, valid, total = ended.get((kind, greedy), [0, 0, 0])
-            cells += [f"{whole}/{total}", f"{valid}/{whole}"]
-        lines.append(f"| {kind} | {' | '.join(cells)} | {compiled_ms[kind]:.1f} |")
-    lines += [
+        *doc.table("format | greedy: ended | greedy: valid | seeded top-p: ended | seeded top-p: valid | compile, cold (ms)",
+                   "lrrrrr", formats),
         "",
-        "| pass | tokens/s at c=16 | TTFT p50 (ms) |",
-        "|---|---:|---:|",
-        f"| all rows constrained | {spread([r['constrained_tps'] for r in rows])} "
-        f"| {spread([r['ttft_constrained'] for r in rows], 0)} |",
-        f"| unconstrained twins | {spread([r['free_tps'] for r in rows])} | {spread([r['ttft_free'] for r in rows], 0)} |",
-        f"| constrained ÷ unconstrained | {spread([r['ratio'] for r in rows], 3)} | |",
+        *doc.table("pass | tokens/s at c=16 | TTFT p50 (ms)", "lrr", [
+            ["all rows constrained", col("constrained_tps"), col("ttft_constrained", 0)],
+            ["unconstrained twins", col("free_tps"), col("ttft_free", 0)], ["constrained ÷ unconstrained", col("ratio", 3), ""]]),
         "",
         f"The sampler alone, in process, per step of {CONCURRENCY} rows (the only work a constrained step adds: "
         "each row's bitmask filled and applied): "
         f"{spread([free for free, _ in sampler_ms], 2)} ms unconstrained, "
         f"{spread([bound for _, bound in sampler_ms], 2)} ms with every row constrained "
         f"(constrained − unconstrained: {spread([bound - free for free, bound in sampler_ms], 2)} ms a step).",
-    ]
-    return doc.Section("structured", "\n".join(lines) + "\n")
+    )  # fmt: skip

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import MIX, TENANT_MIX, Traffic, build_parser, passed, render_doc, soak
+from benchmarks.__main__ import parser_for
+from benchmarks.soak import MIX, TENANT_MIX, Traffic, passed, render_doc, soak
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,7 +36,7 @@ EXPECTED = {
 
 
 def test_the_mix_sends_every_kind_first_and_the_tenant_kinds_only_with_tenants() -> None:
-    args = build_parser().parse_args([])
+    args = parser_for("soak").parse_args([])
     tokens = {"interactive": "a", "batch": "b", "metered": "c"}
     with_tenants = Traffic(None, args, random.Random(0), tokens)  # type: ignore[arg-type]
     first = [with_tenants.pick() for _ in range(len(with_tenants.kinds))]
@@ -58,7 +59,7 @@ def test_a_short_soak_sends_every_kind_and_each_ends_as_its_kind_expects(tiny_mo
         "--short-tokens", "4", "--long-tokens", "12", "--burst-tokens", "2",
         "--cancel-storm", "20", "--cancel-storm-seconds", "30",
     ]  # fmt: skip
-    report = soak(build_parser().parse_args(argv))
+    report = soak(parser_for("soak").parse_args(argv))
     assert report["server_alive"] and report["bad"] == {"UNKNOWN": 0, "INTERNAL": 0}
     assert report["violations"] == []
     assert set(report["by_kind"]) == set(EXPECTED)
