@@ -133,6 +133,9 @@ def test_an_idle_tenant_banks_no_credit() -> None:
         order.append(s.request.tenant)
         finish(q, s)
     assert order.count("b") <= 6 and order.count("a") >= 4
+    # and B is served: at once, then in turn with A (a tenant charged for its idle time would wait)
+    assert "b" in order[:2] and order.count("b") >= 4
+    assert all(x != y for x, y in zip(order[:-1], order[1:], strict=True)), order
 
 
 def test_what_a_request_did_not_generate_goes_back_to_its_tenant() -> None:
