@@ -230,21 +230,62 @@ class StepTimes(NoObserver):
         self.host.append(seconds)
 
 
+# What the slow part of a step takes, on the engine's clock: 1/32 s, exact in binary, so the
+# engine's sums and differences of it are exact too.
+SLOW = 2.0**-5
+
+
+class EngineClock:
+    """``time.perf_counter`` for the engine's modules: it moves only when the test says (by
+    ``SLOW`` in the slowed forward pass or delivery), so what the engine counts as a step's
+    host time is what it computes from the parts of the step, whatever the host's load."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class _ClockedTime:
+    """The ``time`` module with ``perf_counter`` swapped for an ``EngineClock``."""
+
+    def __init__(self, clock: EngineClock) -> None:
+        self.perf_counter = clock
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
 class SlowSink(Recorder):
-    """Delivery that takes 30 ms an event: host work inside the step, after its forward pass."""
+    """Delivery that takes ``SLOW`` an event on the engine's clock: host work inside the step, after its forward pass."""
+
+    def __init__(self, clock: EngineClock) -> None:
+        super().__init__()
+        self._clock = clock
 
     def __call__(self, event: object) -> None:
-        time.sleep(0.03)
+        self._clock.advance(SLOW)
         super().__call__(event)
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
 @pytest.mark.parametrize("slow", ["forward", "delivery"])
-def test_the_host_time_of_a_step_counts_delivery_and_not_the_forward_pass(loaded, slow, overlap):
+def test_the_host_time_of_a_step_counts_delivery_and_not_the_forward_pass(loaded, slow, overlap, monkeypatch):
     """``tokenwire_decode_step_host_seconds``: a step's wall time less its compute (with
-    ``--overlap``: the period from one step's picks to the next's, less the compute). A forward
-    pass made 30 ms slower leaves the host's part under 30 ms; delivery made 30 ms slower puts
-    it over."""
+    ``--overlap``: the period from one step's picks to the next's, less the compute). On a
+    clock that moves only inside the slowed part of the step: a forward pass made ``SLOW``
+    slower leaves the host's part at exactly 0 (the forward pass is all compute); delivery
+    made ``SLOW`` slower an event puts it at ``SLOW`` or more (delivery is all host)."""
+    from tokenwire_server.engine import batched, sampling
+    from tokenwire_server.engine import runner as runner_module
+
+    clock = EngineClock()
+    for module in (batched, runner_module, sampling):  # every perf_counter a step's times come from
+        monkeypatch.setattr(module, "time", _ClockedTime(clock))
     times = StepTimes()
     eng = create_engine("batched", loaded, EngineLimits(8, 16, 8 * 1024), workers=1, observer=times, overlap=overlap)
     runner = eng.runner
@@ -252,7 +293,7 @@ def test_the_host_time_of_a_step_counts_delivery_and_not_the_forward_pass(loaded
     forward = runner._native if runner.native is not None else runner._transformers
 
     def slow_forward(plan):
-        time.sleep(0.03)
+        clock.advance(SLOW)
         return forward(plan)
 
     if slow == "forward":
@@ -260,10 +301,10 @@ def test_the_host_time_of_a_step_counts_delivery_and_not_the_forward_pass(loaded
             runner._native = slow_forward
         else:
             runner._transformers = slow_forward
-    sink = Recorder() if slow == "forward" else SlowSink()
+    sink = Recorder() if slow == "forward" else SlowSink(clock)
     eng.start()
     try:
-        # A first request pays the first-use costs (the first detokenizing takes ~0.1 s); then measure.
+        # A first request pays the first-use costs; then measure.
         run_all(eng, [request(loaded, "warm", "Hello", max_new=3, ignore_eos=True)])
         times.steps.clear()
         times.host.clear()
@@ -278,6 +319,7 @@ def test_the_host_time_of_a_step_counts_delivery_and_not_the_forward_pass(loaded
     for host, step in zip(times.host, times.steps, strict=True):
         assert host >= 0.0
         if slow == "forward":
-            assert step >= 0.03 and host < 0.03
+            assert step >= SLOW and host < SLOW
+            assert host == 0.0 and step == SLOW  # nothing but the forward pass moved the clock
         else:
-            assert host >= 0.03
+            assert host >= SLOW

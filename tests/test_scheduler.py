@@ -390,9 +390,19 @@ def test_the_engine_commits_the_kv_budget_start_up_checks_and_no_more(shape: str
     layers = int(loaded.model.config.num_hidden_layers)
     assert checked <= committed <= checked + layers * block_bytes_per_layer(loaded), (committed, checked)
     assert engine.pool.num_blocks == kv_blocks(budget)
-    # the slot layout this replaced committed max_active x (min(context, budget) + 1) tokens: 2-16x the check
-    slots = config.max_active * (min(loaded.context_length, budget) + 1) * kv_bytes_per_token(loaded.model.config, loaded.dtype)
-    assert slots >= 2 * checked
+    # "No more", as the engine's scheduler acts on it: asked for max_active streams of a whole
+    # context each (what the slot layout this replaced committed for), it promises each admitted
+    # one its worst case, and only as many as the committed cache holds; the rest wait.
+    context = min(loaded.context_length, budget)
+    s = engine.scheduler
+    submit(s, *(FakeSeq(prompt(1, 1000 + i), context - 1, f"s{i}") for i in range(config.max_active)))
+    s.admit()
+    promised = s.pool.tokens_committed()
+    assert len(s.rows) == budget // context and s.queue.queued == config.max_active - len(s.rows)
+    assert promised == len(s.rows) * context and promised * per_token <= committed
+    # the slot layout committed max_active x (context + 1) tokens: 2-16x what the scheduler promised
+    slots = config.max_active * (context + 1) * kv_bytes_per_token(loaded.model.config, loaded.dtype)
+    assert slots >= 2 * checked and slots >= 2 * promised * per_token
 
 
 GIB = 2**30

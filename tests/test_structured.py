@@ -8,6 +8,8 @@
   constrained ones as without them.
 - Batch invariance: twelve constrained requests, greedy and seeded, give the same tokens
   alone and together (each kernel set, and the simple engine).
+- A seeded constrained row is sampled, not taken greedily: it answers unlike its greedy twin
+  (same prompt and format), and its seeded repeat gives the same tokens.
 - The grammar ends the answer (min_new_tokens and ignore_eos do not hold it open), and a
   resumed constrained stream continues exactly; resume ids the grammar refuses are refused.
 
@@ -67,6 +69,11 @@ FORMATS = [
     ResponseFormat("grammar", EBNF),
     ResponseFormat("grammar", LARK),
 ]
+# The formats that leave a sampled answer room to differ from greedy on every seed tried: the
+# tiny model's logits are well separated, so a choice or a short grammar often draws the greedy
+# answer even hot. HOT and SEED: a temperature and seed at which they do.
+OPEN = [FORMATS[0], FORMATS[2], FORMATS[3]]
+HOT, SEED = 2.0, 2
 
 
 def follows(fmt: ResponseFormat, text: str) -> bool:
@@ -229,8 +236,28 @@ def test_twelve_constrained_requests_give_the_same_tokens_alone_and_together(tin
     for req, a, t in zip(requests, alone, together, strict=True):
         assert t.token_ids == a.token_ids, (req.response_format, req.sampling)
         assert t.last.reason == a.last.reason
-    # Seeded sampling is not ignored: the same format and prompt, greedy vs sampled, differ somewhere.
+    # The twelve answers are not all alike (no two here share both prompt and format: that a
+    # sampled constrained row differs from its greedy twin is the next test's).
     assert len({tuple(r.token_ids) for r in together}) > 6
+
+
+def test_a_seeded_constrained_row_is_sampled_not_greedy_and_repeats_exactly(tiny: Any) -> None:
+    """Each open format beside its greedy twin (same prompt, same format) in one batch: the
+    seeded hot row answers differently from greedy (and, where it ends, follows the format),
+    and its seeded repeat gives the same tokens. (A constrained row taken greedily, whatever
+    its sampling options, would answer exactly as its twin.)"""
+    prompt = prompts(tiny, 1)[0]
+    hot = SamplingOptions(temperature=HOT, seed=SEED)
+    twins = [SamplingOptions(temperature=0.0), hot, hot]  # greedy, sampled, the sampled one's repeat
+    requests = [request(3 * k + i, fmt, prompt, sampling, 24) for k, fmt in enumerate(OPEN) for i, sampling in enumerate(twins)]
+    recs = run(tiny, requests)
+    for k, fmt in enumerate(OPEN):
+        greedy, sampled, repeat = recs[3 * k : 3 * k + 3]
+        assert sampled.token_ids != greedy.token_ids, (fmt, greedy.text, sampled.text)
+        assert repeat.token_ids == sampled.token_ids, (fmt, sampled.text, repeat.text)
+        for rec in (greedy, sampled):
+            if rec.last.reason is FinishReason.EOS:
+                assert follows(fmt, rec.text), (fmt, rec.text)
 
 
 @pytest.mark.e2e

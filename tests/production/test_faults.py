@@ -1,7 +1,8 @@
 """Faults injected into the model of a server running in this process.
 
-- An exception inside generation fails that request with INTERNAL and a message; the server
-  keeps serving.
+- An exception inside generation fails that request with INTERNAL and a message, after every
+  chunk of the steps before it (no token or text lost, none out of order, --overlap's
+  last step included); the server keeps serving.
 - torch.cuda.OutOfMemoryError (simulated) fails it with RESOURCE_EXHAUSTED and a RetryInfo,
   frees the device cache, and the server keeps serving.
 - A wedged engine loop (no progress while work is pending past --stall-timeout) turns
@@ -104,6 +105,28 @@ def inject(server: InProcessServer, monkeypatch: pytest.MonkeyPatch) -> ForwardF
     return fault
 
 
+def chunks_until_error(stream: Any) -> tuple[list[pb.TokenChunk], grpc.RpcError]:
+    """The chunks a stream delivered before it failed, and its error."""
+    chunks: list[pb.TokenChunk] = []
+    with pytest.raises(grpc.RpcError) as caught:
+        for chunk in stream:
+            chunks.append(chunk)
+    return chunks, caught.value
+
+
+def ids_of(chunks: list[pb.TokenChunk]) -> list[int]:
+    return [t.id for c in chunks for t in c.tokens]
+
+
+def streamed_text(server: InProcessServer, ids: list[int]) -> str:
+    """The text a stream of ``ids`` has delivered so far (no stop sequence): the server's own
+    incremental detokenizer, which holds back a partial character at the end."""
+    from tokenwire_server.text import Detokenizer
+
+    detokenizer = Detokenizer(server.backend.loaded.tokenizer)
+    return "".join(detokenizer.push(token) for token in ids)
+
+
 def assert_still_serving(server: InProcessServer) -> None:
     chunks = list(generation_stub(server.target).Generate(short_request(), timeout=10))
     assert chunks[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
@@ -116,13 +139,21 @@ def assert_still_serving(server: InProcessServer) -> None:
 def test_exception_in_generation_is_internal_and_server_keeps_serving(
     engine: dict, at: int, in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Forward pass number ``at`` raises: the stream ends INTERNAL with the cause, after every
+    token of the passes before it (one each: the prompt's, then each decode), in chunks
+    numbered from 0 with no gap: the very tokens of an undisturbed run that far, and their text."""
     server = in_process_server(**engine)
     fault = inject(server, monkeypatch)
+    stub = generation_stub(server.target)
+    greedy = {"sampling": pb.SamplingParams(temperature=0.0), "output": pb.OutputOptions(token_ids=True)}
+    undisturbed = list(stub.Generate(long_request(at - 1, **greedy), timeout=10)) if at > 1 else []
     fault.arm(RuntimeError("injected fault"), at=at)
-    with pytest.raises(grpc.RpcError) as caught:
-        list(generation_stub(server.target).Generate(long_request(50), timeout=10))
-    assert caught.value.code() == grpc.StatusCode.INTERNAL
-    assert "injected fault" in caught.value.details()
+    chunks, error = chunks_until_error(stub.Generate(long_request(50, **greedy), timeout=10))
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "injected fault" in error.details()
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert ids_of(chunks) == ids_of(undisturbed) and len(ids_of(chunks)) == at - 1
+    assert "".join(c.text for c in chunks) == streamed_text(server, ids_of(chunks))
     assert_still_serving(server)
 
 
@@ -160,28 +191,36 @@ def test_a_failed_step_fails_the_streams_in_its_batch_and_not_the_one_queued(
     """Three streams decode together and a fourth waits for a slot; the engine step that
     fails holds the three (the engine is stopped inside that step's forward pass, and its
     own state says so). Each of the three gets INTERNAL with the cause after the chunks it
-    had; the queued one then runs to its end, and the server keeps serving."""
+    had: every token the engine had generated for it before that step (with --overlap, the
+    last step's too, whose text goes out while the next one is launched), in chunks numbered
+    from 0 with no gap. The queued one then runs to its end, and the server keeps serving."""
     server = in_process_server(**engine, max_active=3, max_queue=1)
     fault = inject(server, monkeypatch)
     stub = generation_stub(server.target)
-    streams = [stub.Generate(long_request(1000, request_id=f"in-batch-{i}"), timeout=30) for i in range(3)]
+    ids = pb.OutputOptions(token_ids=True)
+    streams = [stub.Generate(long_request(1000, request_id=f"in-batch-{i}", output=ids), timeout=30) for i in range(3)]
     firsts = [next(stream) for stream in streams]  # each is decoding in the batch
     engine = server.backend.engine
     fault.gate.clear()
     assert fault.held.wait(10)  # the engine is inside a step's forward pass, and stays there
     assert engine.stats().batch_size == 3 and engine.queue.active == 3
+    generated = {row.seq.request.request_id: list(row.seq.generated) for row in engine.scheduler.rows}
+    assert sorted(generated) == [f"in-batch-{i}" for i in range(3)] and all(generated.values())
     # A deadline that deadline-aware admission cannot refuse, whatever the steps cost: the
     # estimate is 1000 steps of the three long streams (the test's own timeout bounds it).
     queued = stub.Generate(short_request(6, request_id="queued"), timeout=3600)
     assert wait_until(lambda: engine.queue.queued == 1, 10)
     fault.arm(RuntimeError("injected step fault"), at=0)  # the held call raises once the gate opens
     fault.gate.set()
-    for first, stream in zip(firsts, streams, strict=True):
+    for i, (first, stream) in enumerate(zip(firsts, streams, strict=True)):
         assert first.index == 0
-        with pytest.raises(grpc.RpcError) as caught:
-            list(stream)
-        assert caught.value.code() == grpc.StatusCode.INTERNAL
-        assert caught.value.details() == "generation failed: RuntimeError: injected step fault"
+        rest, error = chunks_until_error(stream)
+        assert error.code() == grpc.StatusCode.INTERNAL
+        assert error.details() == "generation failed: RuntimeError: injected step fault"
+        chunks = [first, *rest]
+        assert [c.index for c in chunks] == list(range(len(chunks)))
+        assert ids_of(chunks) == generated[f"in-batch-{i}"]
+        assert "".join(c.text for c in chunks) == streamed_text(server, generated[f"in-batch-{i}"])
     chunks = list(queued)
     assert chunks[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED and chunks[-1].usage.completion_tokens >= 1
     assert_still_serving(server)
