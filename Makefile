@@ -110,7 +110,8 @@ check-proto: $(STAMP) ## fail when regenerating the code from proto/ would chang
 	  echo "generated code is stale: run 'make proto' and commit"; exit 1; fi; \
 	echo "generated code matches proto/"
 
-lint: $(STAMP) ## ruff, mypy strict (client and server), buf lint, hadolint
+lint: $(STAMP) ## ruff format and check (120 columns), mypy strict (client and server), buf lint, hadolint
+	$(BIN)/ruff format --check client service tests benchmarks
 	$(BIN)/ruff check client service tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/buf lint

@@ -219,7 +219,9 @@ def tiny_long_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir
     """The tiny model (weights redrawn) with an 8192-token context: streams long enough to
     outlast a deadline set from this machine's own pace (tests/client)."""
     head_dim = 64 if TEST_ENGINE == "vllm" else 16
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-long"), tiny_model_dir, head_dim=head_dim, context_length=8192)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-long"), tiny_model_dir, head_dim=head_dim, context_length=8192
+    )
 
 
 @pytest.fixture(scope="session")

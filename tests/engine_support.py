@@ -80,7 +80,9 @@ def fresh_cache(model: Any, capacity: int = 256, poisoned: bool = False) -> Any:
 
     _, kv_heads, head_dim = attention_shape(model.config)
     layers = model.config.num_hidden_layers
-    cache = PagedCache(SLOTS * capacity // BLOCK, BLOCK, kv_heads, head_dim, [(torch.device("cpu"), torch.float32)] * layers)
+    cache = PagedCache(
+        SLOTS * capacity // BLOCK, BLOCK, kv_heads, head_dim, [(torch.device("cpu"), torch.float32)] * layers
+    )
     for layer in cache.layers:
         layer.keys.fill_(float("nan") if poisoned else 0.0)
         layer.values.fill_(float("nan") if poisoned else 0.0)

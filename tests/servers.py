@@ -9,6 +9,8 @@ from benchmarks.launcher import READINESS, ServerProcess, health_check, process_
 # TOKENWIRE_TEST_ENGINE=vllm and runs the same tests against vLLM (eager mode on a CPU:
 # no compile warm-up).
 TEST_ENGINE = os.environ.get("TOKENWIRE_TEST_ENGINE", "batched")
-ENGINE_ARGS = ["--engine", "vllm", "--enforce-eager", "--max-active", "8"] if TEST_ENGINE == "vllm" else ["--engine", TEST_ENGINE]
+ENGINE_ARGS = (
+    ["--engine", "vllm", "--enforce-eager", "--max-active", "8"] if TEST_ENGINE == "vllm" else ["--engine", TEST_ENGINE]
+)
 
 __all__ = ["ENGINE_ARGS", "READINESS", "TEST_ENGINE", "ServerProcess", "health_check", "process_status"]

@@ -107,7 +107,9 @@ def test_the_gpu_bench_counts_the_default_models_weights_exactly(default_model_d
     assert kv_bytes_per_token(model.config, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
 
 
-def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same code `benchmarks/gpu-check.sh` runs on a GPU, on the tiny shape on this CPU:
     a random-weight model folder, a server per forward (and with --overlap off, and sampled
     requests with and without it), two
@@ -132,7 +134,11 @@ def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Pa
             "--step-graphs", "static"]  # fmt: skip
     assert main(argv) == 0
     assert (tmp_path / "random-tiny" / "config.json").exists()
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.read_text().splitlines() if line.startswith("| tiny")]
+    rows = [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in out.read_text().splitlines()
+        if line.startswith("| tiny")
+    ]
     assert [(r[1], int(r[2])) for r in rows] == [
         ("tokenwire native +static graphs", 1), ("tokenwire native +static graphs", 2),
         ("tokenwire native +static graphs -overlap", 1), ("tokenwire native +static graphs -overlap", 2),
@@ -154,7 +160,11 @@ def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(tmp_path: Pa
     # The prompt budget alone: a long prompt among 2 decoding streams, at two budgets.
     assert main([*argv, "--forwards", "", "--ceiling", "none", "--prefill-budgets", "64,256", "--prefill-streams", "2",
                  "--prefill-stream-tokens", "400"]) == 0  # fmt: skip
-    prefill = [[c.strip() for c in line.split("|")[1:-1]] for line in out.read_text().splitlines() if line.startswith("| tiny | ")]
+    prefill = [
+        [c.strip() for c in line.split("|")[1:-1]]
+        for line in out.read_text().splitlines()
+        if line.startswith("| tiny | ")
+    ]
     assert [int(r[1]) for r in prefill] == [64, 256]
     for row in prefill:
         stall, itl, gap, ttft = (float(x) for x in row[2:])
@@ -198,7 +208,14 @@ def test_the_long_prompt_case_stops_with_the_reason_when_a_stream_is_refused(tin
     from benchmarks.bench import long_prompt
 
     with pytest.raises(RuntimeError, match=r"ended before its 20th chunk: \[Overloaded\(.server is full"):
-        long_prompt(str(tiny_model_dir), repeats=1, streams=2, prompt_tokens=300, stream_tokens=600, extra=["--max-active", "1", "--max-queue", "0"])
+        long_prompt(
+            str(tiny_model_dir),
+            repeats=1,
+            streams=2,
+            prompt_tokens=300,
+            stream_tokens=600,
+            extra=["--max-active", "1", "--max-queue", "0"],
+        )
 
 
 def test_the_structured_bench_checks_answers_and_holds_each_twin_to_its_answers_length() -> None:

@@ -86,7 +86,9 @@ def reference(q, keys, values, slots, lengths, scale):
     for r in range(rows):
         s, n = int(slots[r]), int(lengths[r])
         grouped = q[r].view(kv_heads, heads // kv_heads, dim)
-        out[r] = F.scaled_dot_product_attention(grouped, keys[s, :, :n], values[s, :, :n], scale=scale).reshape(heads, dim)
+        out[r] = F.scaled_dot_product_attention(grouped, keys[s, :, :n], values[s, :, :n], scale=scale).reshape(
+            heads, dim
+        )
     return out
 
 
@@ -122,7 +124,14 @@ def test_a_row_gives_the_same_bits_alone_as_among_others_and_never_reads_past_it
     pool_k, pool_v, tables = paged(keys, values, seed=1, block_size=8)
     tables[2, 1:] = 10**9  # and row 2's table past its one block points nowhere: never read
     for row in range(4):
-        alone = op(q[row : row + 1].contiguous(), pool_k, pool_v, tables[row : row + 1].contiguous(), lengths[row : row + 1], 0.125)
+        alone = op(
+            q[row : row + 1].contiguous(),
+            pool_k,
+            pool_v,
+            tables[row : row + 1].contiguous(),
+            lengths[row : row + 1],
+            0.125,
+        )
         assert torch.equal(alone[0], together[row])
 
 
@@ -133,7 +142,10 @@ def test_a_row_gives_the_same_bits_alone_as_among_others_and_never_reads_past_it
         ({"lengths": torch.tensor([0, 4])}, "length out of range"),
         ({"lengths": torch.tensor([4, 17])}, "length out of range"),
         ({"lengths": torch.tensor([4])}, "one table and one length per row"),
-        ({"keys": torch.zeros(2, 3, 12, 64), "values": torch.zeros(2, 3, 12, 64)}, "block size must be a multiple of 8"),
+        (
+            {"keys": torch.zeros(2, 3, 12, 64), "values": torch.zeros(2, 3, 12, 64)},
+            "block size must be a multiple of 8",
+        ),
         ({"q": torch.randn(2, 9, 64, dtype=torch.float64)}, "float32 only"),
         ({"q": torch.randn(2, 8, 64)}, "multiple of KV heads"),
         ({"q": torch.randn(9, 2, 64).transpose(0, 1)}, "contiguous"),
@@ -159,7 +171,9 @@ def test_a_built_kernel_is_found_again_without_compiling() -> None:
     assert built.seconds == 0.0 and built.path == kernels.load().path == kernels.library_path() and built.path.is_file()
 
 
-def test_auto_keeps_torch_ops_where_the_library_is_unavailable_and_compiled_refuses_to_start(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_keeps_torch_ops_where_the_library_is_unavailable_and_compiled_refuses_to_start(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     loaded = load_model(str(tiny_model_dir))
     monkeypatch.setattr(kernels, "load", lambda: kernels.Kernel(None, "no C++ compiler (test)"))
     native = NativeForward(loaded.model, fresh_cache(loaded.model, 64), batch_hint=2)
@@ -263,7 +277,17 @@ def test_store_kv_writes_each_tokens_key_and_value_where_index_copy_would() -> N
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda ops: ops.store_kv(torch.randn(2, 64), torch.zeros(1, 1, 4, 16), torch.zeros(1, 1, 4, 16), torch.tensor([0, 0]), torch.tensor([0, 1]), 1), "qkv must be"),
+        (
+            lambda ops: ops.store_kv(
+                torch.randn(2, 64),
+                torch.zeros(1, 1, 4, 16),
+                torch.zeros(1, 1, 4, 16),
+                torch.tensor([0, 0]),
+                torch.tensor([0, 1]),
+                1,
+            ),
+            "qkv must be",
+        ),
         (lambda ops: ops.rms_norm(torch.randn(2, 8), torch.ones(9), 1e-5), "rms_norm weight"),
         (lambda ops: ops.rms_norm(torch.randn(8, 2).t(), torch.ones(8), 1e-5), "contiguous float32"),
         (lambda ops: ops.silu_mul(torch.randn(2, 9), 4), "2 \\* intermediate"),
@@ -321,7 +345,11 @@ def test_a_cpu_without_avx2_runs_the_torch_ops_and_the_log_line_says_why(
 
 
 def test_no_compiler_and_nothing_built_runs_the_torch_ops_and_the_log_line_says_why(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, reload_kernels: None
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    reload_kernels: None,
 ) -> None:
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     monkeypatch.setenv(kernels.KERNEL_DIR_ENV, str(tmp_path / "kernels"))
@@ -350,12 +378,22 @@ def test_the_log_line_says_why_when_the_native_pass_or_the_compiled_ops_are_not_
     with caplog.at_level(logging.INFO):
         create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1, kernels="torch")
     line = forward_pass_line(caplog)
-    assert (line.forward, line.kernels, line.why_not_compiled, line.why_not_native) == ("native", "torch", "--kernels torch", None)  # type: ignore[attr-defined]
+    assert (line.forward, line.kernels, line.why_not_compiled, line.why_not_native) == (
+        "native",
+        "torch",
+        "--kernels torch",
+        None,
+    )  # type: ignore[attr-defined]
     caplog.clear()
     with caplog.at_level(logging.INFO):
         create_engine("batched", loaded, EngineLimits(2, 2, 1024), workers=1, forward="transformers")
     line = forward_pass_line(caplog)
-    assert (line.forward, line.kernels, line.why_not_compiled, line.why_not_native) == ("transformers", None, None, "--forward transformers")  # type: ignore[attr-defined]
+    assert (line.forward, line.kernels, line.why_not_compiled, line.why_not_native) == (
+        "transformers",
+        None,
+        None,
+        "--forward transformers",
+    )  # type: ignore[attr-defined]
     caplog.clear()
     loaded.model.config.model_type = "not-llama"
     with caplog.at_level(logging.INFO):
@@ -365,7 +403,10 @@ def test_the_log_line_says_why_when_the_native_pass_or_the_compiled_ops_are_not_
     assert line.why_not_native == "model_type 'not-llama' (native pass: llama)"  # type: ignore[attr-defined]
 
 
-@pytest.mark.skipif(platform.machine().lower() not in kernels.X86_64, reason="ATEN_CPU_CAPABILITY=default fakes a CPU without AVX2 on x86-64 only")
+@pytest.mark.skipif(
+    platform.machine().lower() not in kernels.X86_64,
+    reason="ATEN_CPU_CAPABILITY=default fakes a CPU without AVX2 on x86-64 only",
+)
 def test_a_server_on_a_cpu_without_avx2_logs_why_and_serves_on_torch_ops(tiny_model_dir: Path) -> None:
     """The real server, with torch itself told the CPU has no AVX2 (``ATEN_CPU_CAPABILITY=default``)."""
     env = {"ATEN_CPU_CAPABILITY": "default"}
@@ -374,7 +415,9 @@ def test_a_server_on_a_cpu_without_avx2_logs_why_and_serves_on_torch_ops(tiny_mo
         assert (line["forward"], line["kernels"], line["why_not_native"]) == ("native", "torch", None)
         assert line["why_not_compiled"] == "the CPU lacks AVX2+FMA (torch capability DEFAULT)"
     with pytest.raises(RuntimeError, match="server exited") as refused:
-        ServerProcess(["--model", str(tiny_model_dir), "--engine", "batched", "--kernels", "compiled"], env=env, ready_timeout=120)
+        ServerProcess(
+            ["--model", str(tiny_model_dir), "--engine", "batched", "--kernels", "compiled"], env=env, ready_timeout=120
+        )
     assert "--kernels compiled: the CPU lacks AVX2+FMA (torch capability DEFAULT)" in str(refused.value)
 
 
@@ -403,12 +446,15 @@ def test_make_kernels_builds_on_an_x86_cpu_without_avx2(tmp_path: Path) -> None:
     if kernels.build_reason():
         pytest.skip(f"this host cannot build: {kernels.build_reason()}")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", kernels.KERNEL_DIR_ENV: str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "tokenwire_server.engine.kernels"], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenwire_server.engine.kernels"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     target = kernels.library_path(tmp_path)
     assert target.is_file()
     assert re.fullmatch(
-        re.escape(str(target)) + r" \(built in [\d.]+ s\); not loaded: the CPU lacks AVX2\+FMA \(torch capability DEFAULT\), "
+        re.escape(str(target))
+        + r" \(built in [\d.]+ s\); not loaded: the CPU lacks AVX2\+FMA \(torch capability DEFAULT\), "
         r"so a server on this machine runs stock torch ops",
         done.stdout.strip(),
     ), done.stdout

@@ -46,7 +46,12 @@ def test_seeds_reproduce(stub):
     seeded = pb.SamplingParams(temperature=0.9, top_p=0.95, seed=7)
     a, _ = chat(stub, "Write a sentence about the sea.", sampling=seeded, stopping=stopping)
     b, _ = chat(stub, "Write a sentence about the sea.", sampling=seeded, stopping=stopping)
-    c, _ = chat(stub, "Write a sentence about the sea.", sampling=pb.SamplingParams(temperature=0.9, top_p=0.95, seed=8), stopping=stopping)
+    c, _ = chat(
+        stub,
+        "Write a sentence about the sea.",
+        sampling=pb.SamplingParams(temperature=0.9, top_p=0.95, seed=8),
+        stopping=stopping,
+    )
     assert a == b
     assert a != c
 

@@ -63,11 +63,18 @@ KERNELS = kernel_choices()
 def test_engines_agree(loaded, kernels):
     results = {}
     for name in ("batched", "simple"):
-        eng = batched_engine(loaded, kernels, workers=2) if name == "batched" else create_engine(name, loaded, EngineLimits(8, 16, 8 * 1024), workers=2)
+        eng = (
+            batched_engine(loaded, kernels, workers=2)
+            if name == "batched"
+            else create_engine(name, loaded, EngineLimits(8, 16, 8 * 1024), workers=2)
+        )
         eng.start()
         try:
             seeded = SamplingOptions(temperature=0.8, top_k=40, top_p=0.9, seed=99)
-            reqs = [request(loaded, "g", PROMPTS[0], 20, ignore_eos=True), request(loaded, "s", PROMPTS[1], 20, ignore_eos=True, sampling=seeded)]
+            reqs = [
+                request(loaded, "g", PROMPTS[0], 20, ignore_eos=True),
+                request(loaded, "s", PROMPTS[1], 20, ignore_eos=True, sampling=seeded),
+            ]
             results[name] = [r.token_ids for r in run_all(eng, reqs)]
         finally:
             eng.close()
@@ -103,7 +110,9 @@ def test_per_request_parameters_inside_one_batch(loaded, kernels):
         assert b.token_ids == alone_b.token_ids
         # each sampled request's own parameters took effect: its prompt greedy gives other tokens
         assert a.token_ids != greedy_a.token_ids and b.token_ids != greedy_b.token_ids
-        assert s.last.reason is FinishReason.STOP_SEQUENCE and s.text == alone_greedy.text[: alone_greedy.text.index(stop)]
+        assert (
+            s.last.reason is FinishReason.STOP_SEQUENCE and s.text == alone_greedy.text[: alone_greedy.text.index(stop)]
+        )
         assert short.last.reason is FinishReason.LENGTH and short.last.usage.completion_tokens == 3
     finally:
         eng.close()
@@ -157,8 +166,9 @@ def test_start_estimate_is_a_lower_bound_from_known_lengths():
     from tokenwire_server.engine.estimate import StartEstimator, remaining_steps_lower_bound
 
     def req(max_new, *, ignore_eos=False, min_new=0, stops=()):
-        return GenerationRequest("r", [1, 2], SamplingOptions(), max_new, min_new_tokens=min_new,
-                                 ignore_eos=ignore_eos, stop_sequences=stops)
+        return GenerationRequest(
+            "r", [1, 2], SamplingOptions(), max_new, min_new_tokens=min_new, ignore_eos=ignore_eos, stop_sequences=stops
+        )
 
     assert remaining_steps_lower_bound(req(100, ignore_eos=True), 30) == 70  # known exactly
     assert remaining_steps_lower_bound(req(100, ignore_eos=True, stops=("x",)), 30) == 1  # a stop may come

@@ -42,7 +42,9 @@ pytestmark = pytest.mark.timeout(600)
 KERNELS = kernel_choices()
 
 
-def make_request(rid: str, prompt: list[int], max_new: int, sampling: SamplingOptions | None = None) -> GenerationRequest:
+def make_request(
+    rid: str, prompt: list[int], max_new: int, sampling: SamplingOptions | None = None
+) -> GenerationRequest:
     return GenerationRequest(
         rid, list(prompt), sampling or SamplingOptions(temperature=0.0), max_new, ignore_eos=True, want_tokens=True
     )
@@ -94,13 +96,17 @@ def test_blocks_are_allocated_on_each_layers_device() -> None:
 
 
 def test_block_writes_land_in_their_tables_blocks_and_reads_gather_each_rows_columns() -> None:
-    cache = PagedCache(num_blocks=4, block_size=4, kv_heads=2, head_dim=4, placements=[(torch.device("cpu"), torch.float32)])
+    cache = PagedCache(
+        num_blocks=4, block_size=4, kv_heads=2, head_dim=4, placements=[(torch.device("cpu"), torch.float32)]
+    )
     layer = cache.layers[0]
     layer.keys.fill_(float("nan"))  # as uninitialised memory may be
     layer.values.fill_(float("nan"))
     keys = torch.randn(2, 2, 3, 4)  # [rows, heads, queries, dim]
     values = torch.randn(2, 2, 3, 4)
-    tables = table_tensor([[3, 1], [0]], cache.scratch, 2)  # row 0: blocks 3 then 1; row 1: block 0 (padded with scratch)
+    tables = table_tensor(
+        [[3, 1], [0]], cache.scratch, 2
+    )  # row 0: blocks 3 then 1; row 1: block 0 (padded with scratch)
     # row 0 writes its columns 2..4 (block 3 offsets 2, 3; block 1 offset 0); row 1 its columns 0, 1 and a padding query
     write_blocks = torch.tensor([[3, 3, 1], [0, 0, cache.scratch]])
     write_offsets = torch.tensor([[2, 3, 0], [0, 1, 0]])
@@ -123,7 +129,9 @@ def test_layer_placements_fall_back_to_the_model_device() -> None:
 
 def test_real_model_blocks_follow_its_layers(tiny_model_dir: Path) -> None:
     loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
-    placements = layer_placements(loaded.model, loaded.model.config.num_hidden_layers, torch.device("meta"), torch.float16)
+    placements = layer_placements(
+        loaded.model, loaded.model.config.num_hidden_layers, torch.device("meta"), torch.float16
+    )
     assert placements == [(torch.device("cpu"), torch.float32)] * loaded.model.config.num_hidden_layers
 
 
@@ -137,7 +145,9 @@ def long_prompt(loaded: LoadedModel, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
-def chunked_equals_one_shot(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, prompt_tokens: int, new: int, kernels: str) -> None:
+def chunked_equals_one_shot(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, prompt_tokens: int, new: int, kernels: str
+) -> None:
     prompt = long_prompt(loaded, prompt_tokens)
     limits = EngineLimits(max_active=4, max_queue=4, kv_cache_tokens=4 * 1024, max_prefill_tokens=16)
     # The prefix cache off: the same prompt is read again each time, chunked differently.
@@ -176,14 +186,18 @@ def chunked_equals_one_shot(loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_chunked_prefill_equals_one_shot_tiny(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, kernels: str) -> None:
+def test_chunked_prefill_equals_one_shot_tiny(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, kernels: str
+) -> None:
     loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
     chunked_equals_one_shot(loaded, monkeypatch, prompt_tokens=200, new=24, kernels=kernels)
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_chunked_prefill_equals_one_shot_default_model(default_model_dir: Path, monkeypatch: pytest.MonkeyPatch, kernels: str) -> None:
+def test_chunked_prefill_equals_one_shot_default_model(
+    default_model_dir: Path, monkeypatch: pytest.MonkeyPatch, kernels: str
+) -> None:
     loaded = load_model(str(default_model_dir), device="cpu", dtype="float32")
     chunked_equals_one_shot(loaded, monkeypatch, prompt_tokens=150, new=16, kernels=kernels)
 
@@ -191,7 +205,9 @@ def test_chunked_prefill_equals_one_shot_default_model(default_model_dir: Path, 
 def test_while_rows_decode_a_chunk_deep_into_a_long_prompt_gets_fewer_tokens(tiny_model_dir: Path) -> None:
     """A prompt token read at column c counts 1 + c / span against --max-prefill-tokens
     (its attention reads the c columns before it); with nobody decoding, depth is free."""
-    smollm2 = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536)
+    smollm2 = SimpleNamespace(
+        hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536
+    )
     assert 1300 < batched.prefill_span_columns(smollm2) < 1400  # the figure docs/architecture.md gives
 
     loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
@@ -296,8 +312,17 @@ def test_eos_is_blocked_until_min_new_tokens_and_logprobs_come_back() -> None:
     sampler = Sampler([2])
     logits = torch.zeros(2, 10)
     logits[:, 2] = 10.0
-    request = GenerationRequest("m", [1], SamplingOptions(temperature=0.0), 8, min_new_tokens=2, want_logprobs=True, top_logprobs=3)
-    blocked = Generation(request, RequestHandle(), lambda event: None, SimpleNamespace(decode=lambda ids, **kw: "x"), (2,), torch.device("cpu"))
+    request = GenerationRequest(
+        "m", [1], SamplingOptions(temperature=0.0), 8, min_new_tokens=2, want_logprobs=True, top_logprobs=3
+    )
+    blocked = Generation(
+        request,
+        RequestHandle(),
+        lambda event: None,
+        SimpleNamespace(decode=lambda ids, **kw: "x"),
+        (2,),
+        torch.device("cpu"),
+    )
     free = generation([1], SamplingOptions(temperature=0.0))
     (token_a, logprob_a, top_a), (token_b, logprob_b, top_b) = sampler(logits, [blocked, free])
     assert token_a != 2 and token_b == 2
@@ -311,7 +336,9 @@ def test_eos_is_blocked_until_min_new_tokens_and_logprobs_come_back() -> None:
 @pytest.mark.parametrize("model", ["tiny", pytest.param("default", marks=pytest.mark.e2e)])
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_alone_equals_batch_of_12_mixed(model: str, kernels: str, quantization: str, request: pytest.FixtureRequest) -> None:
+def test_alone_equals_batch_of_12_mixed(
+    model: str, kernels: str, quantization: str, request: pytest.FixtureRequest
+) -> None:
     """The one place for "batched == alone" on a CPU (tests/gpu has the CUDA one): twelve
     requests, greedy and sampled (seeded, top-p, top-k, repetition penalty), each gives in
     a batch of twelve the tokens it gives alone, on the tiny model and the real one, with
@@ -334,7 +361,9 @@ def test_alone_equals_batch_of_12_mixed(model: str, kernels: str, quantization: 
         "Give me a tip for learning Python.",
     ]
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         for q in questions
     ]
     kinds = [
@@ -359,7 +388,11 @@ def test_alone_equals_batch_of_12_mixed(model: str, kernels: str, quantization: 
         assert len(t.token_ids) == req.max_new_tokens
     # Sampling is not ignored: the same prompt, with the same length, sampled and greedy.
     greedy = {tuple(req.prompt_ids): a.token_ids for a, req in zip(alone, requests, strict=True) if req.sampling.greedy}
-    pairs = [(req.sampling, a.token_ids, greedy[tuple(req.prompt_ids)]) for a, req in zip(alone, requests, strict=True) if not req.sampling.greedy and tuple(req.prompt_ids) in greedy]
+    pairs = [
+        (req.sampling, a.token_ids, greedy[tuple(req.prompt_ids)])
+        for a, req in zip(alone, requests, strict=True)
+        if not req.sampling.greedy and tuple(req.prompt_ids) in greedy
+    ]
     assert len(pairs) == 4
     for sampling, sampled_ids, greedy_ids in pairs:
         assert sampled_ids != greedy_ids, sampling

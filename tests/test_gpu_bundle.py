@@ -35,7 +35,9 @@ def test_the_wheel_list_pins_what_the_constraints_pin() -> None:
     assert {"grpcio", "grpcio_status", "grpcio_health_checking", "grpcio_reflection", "protobuf"} <= set(pins)
     for name, version in pins.items():
         if name in constraints:
-            assert version == constraints[name], f"{name}: gpu-wheels.txt {version}, constraints.txt {constraints[name]}"
+            assert version == constraints[name], (
+                f"{name}: gpu-wheels.txt {version}, constraints.txt {constraints[name]}"
+            )
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,9 @@ def test_auto_dtype_is_bf16_only_where_the_gpu_computes_it(device, capability, e
 
 
 def test_kv_bytes_per_token_counts_keys_and_values_of_every_layer():
-    smollm2_135m = types.SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30)
+    smollm2_135m = types.SimpleNamespace(
+        num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30
+    )
     assert kv_bytes_per_token(smollm2_135m, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
     assert kv_bytes_per_token(smollm2_135m, torch.float32) == 2 * 30 * 3 * 64 * 4
 
@@ -89,7 +91,9 @@ def test_on_one_gpu_the_weights_load_straight_onto_it(tiny_model_dir, monkeypatc
     assert seen["device_map"] == "auto"  # several GPUs: accelerate spreads the layers
 
 
-def test_a_process_capped_by_a_memory_fraction_sizes_from_its_cap_not_the_whole_device(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_process_capped_by_a_memory_fraction_sizes_from_its_cap_not_the_whole_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A 24 GB card tested on a 141 GB one (``set_per_process_memory_fraction``), or a shared
     GPU: the cap is the total, and free is the cap less what torch's allocator holds."""
     import torch

@@ -27,7 +27,11 @@ def run_js(target: str, requests: dict[str, dict]) -> dict[str, dict]:
     assert NODE, "node is needed for the grpc-js client (a Debian/npm install)"
     assert (JS / "node_modules" / "@grpc" / "grpc-js").is_dir(), "run `make js-deps` (npm ci in tests/js)"
     done = subprocess.run(
-        [NODE, str(JS / "client.mjs"), target, json.dumps(requests)], capture_output=True, text=True, timeout=300, check=False
+        [NODE, str(JS / "client.mjs"), target, json.dumps(requests)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     return {r["name"]: r for r in map(json.loads, done.stdout.splitlines())}

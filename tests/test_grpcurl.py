@@ -27,7 +27,9 @@ def test_list_and_describe(tiny_server):
     assert {"tokenwire.v1.TextGeneration", "grpc.health.v1.Health"} <= set(services)
     described = grpcurl(tiny_server.target, "describe", "tokenwire.v1.TextGeneration")
     assert described.returncode == 0, described.stderr
-    assert "rpc Generate ( .tokenwire.v1.GenerateRequest ) returns ( stream .tokenwire.v1.TokenChunk )" in described.stdout
+    assert (
+        "rpc Generate ( .tokenwire.v1.GenerateRequest ) returns ( stream .tokenwire.v1.TokenChunk )" in described.stdout
+    )
     message = grpcurl(tiny_server.target, "describe", "tokenwire.v1.GenerateRequest")
     assert "oneof input" in message.stdout and "stop_sequences" not in message.stdout  # nested in StoppingCriteria
 
@@ -76,7 +78,10 @@ def test_health_check(tiny_server):
         result = grpcurl("-d", json.dumps({"service": service}), tiny_server.target, "grpc.health.v1.Health/Check")
         assert result.returncode == 0, result.stderr
         status = json.loads(result.stdout)["status"]
-        assert status == "SERVING", (service, [r for r in tiny_server.records if r.get("level") in ("warning", "error")])
+        assert status == "SERVING", (
+            service,
+            [r for r in tiny_server.records if r.get("level") in ("warning", "error")],
+        )
 
 
 def test_bad_request_shows_field_and_code(tiny_server):
@@ -90,7 +95,10 @@ def test_bad_request_shows_field_and_code(tiny_server):
 
 @pytest.mark.e2e
 def test_default_model_chat_over_grpcurl(default_server):
-    body = {"chat": {"messages": [{"role": "user", "content": "What is the capital of France?"}]}, "stopping": {"max_new_tokens": 40}}
+    body = {
+        "chat": {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+        "stopping": {"max_new_tokens": 40},
+    }
     result = grpcurl("-d", json.dumps(body), default_server.target, "tokenwire.v1.TextGeneration/Generate", timeout=120)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout

@@ -203,7 +203,7 @@ def test_quotes_and_replies_are_cut_to_their_bounds() -> None:
 
 def test_text_logs_escape_control_characters() -> None:
     record = logging.LogRecord("tokenwire.requests", logging.INFO, "", 0, "request\rfinished", None, None)
-    record.request_id = 'x\r\n12:00:00 INFO    request finished  request_id=forged\x1b[2J\u2028'
+    record.request_id = "x\r\n12:00:00 INFO    request finished  request_id=forged\x1b[2J\u2028"
     line = TextFormatter().format(record)
     assert "\n" not in line and "\r" not in line and "\x1b" not in line and "\u2028" not in line
     assert "request_id=x\\r\\n12:00:00" in line and "\\x1b[2J" in line and "request\\rfinished" in line

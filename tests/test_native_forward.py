@@ -42,7 +42,9 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
 # build them) and stock torch ops.
 KERNEL_REASON = kernel_unbuildable()
 KERNELS = [
-    pytest.param("compiled", marks=pytest.mark.skipif(KERNEL_REASON is not None, reason=f"compiled CPU ops: {KERNEL_REASON}")),
+    pytest.param(
+        "compiled", marks=pytest.mark.skipif(KERNEL_REASON is not None, reason=f"compiled CPU ops: {KERNEL_REASON}")
+    ),
     "torch",
 ]
 
@@ -78,7 +80,10 @@ def check_against_transformers(model_dir: Path, tolerance: float, kernels: str) 
     assert (got[2] - want_second[14]).abs().max().item() < tolerance
     # One-token rows of different lengths in adjacent slots (2 and 3), the second a one-token chunk.
     got = native(
-        torch.tensor([second[15], first[0]]), torch.tensor([15, 0]), [slot_segment(2, 15, 1), slot_segment(3, 0, 1)], [0, 1]
+        torch.tensor([second[15], first[0]]),
+        torch.tensor([15, 0]),
+        [slot_segment(2, 15, 1), slot_segment(3, 0, 1)],
+        [0, 1],
     )
     assert (got[0] - want_second[15]).abs().max().item() < tolerance
     assert (got[1] - want_first[0]).abs().max().item() < tolerance
@@ -110,7 +115,9 @@ def shape_models(tiny_model_factory: Any) -> dict[str, Path]:
 
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_native_logits_match_transformers_on_every_llama_shape(shape_models: dict[str, Path], shape: str, kernels: str) -> None:
+def test_native_logits_match_transformers_on_every_llama_shape(
+    shape_models: dict[str, Path], shape: str, kernels: str
+) -> None:
     check_against_transformers(shape_models[shape], 1e-3, kernels)
 
 
@@ -147,14 +154,21 @@ def test_one_token_rows_split_into_the_attention_calls_that_read_the_fewest_colu
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_rows_of_very_different_lengths_attend_in_separate_calls_and_match_transformers(tiny_model_dir: Path, kernels: str) -> None:
+def test_rows_of_very_different_lengths_attend_in_separate_calls_and_match_transformers(
+    tiny_model_dir: Path, kernels: str
+) -> None:
     loaded = load_model(str(tiny_model_dir))
     model = loaded.model
     native = NativeForward(model, fresh_cache(model, poisoned=True), batch_hint=4, kernel_choice=kernels)
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(10, loaded.vocab_size, (n,), generator=generator).tolist() for n in (5, 200, 7)]
     for slot, prompt in enumerate(prompts):
-        native(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), [slot_segment(slot, 0, len(prompt) - 1)], [len(prompt) - 2])
+        native(
+            torch.tensor(prompt[:-1]),
+            torch.arange(len(prompt) - 1),
+            [slot_segment(slot, 0, len(prompt) - 1)],
+            [len(prompt) - 2],
+        )
     step = [slot_segment(slot, len(prompt) - 1, 1) for slot, prompt in enumerate(prompts)]
     assert len(single_groups(step)) == 3  # the 200-token row does not make the others read 200 columns
     got = native(torch.tensor([p[-1] for p in prompts]), torch.tensor([len(p) - 1 for p in prompts]), step, [0, 1, 2])
@@ -163,7 +177,9 @@ def test_rows_of_very_different_lengths_attend_in_separate_calls_and_match_trans
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_a_long_prompt_read_beside_short_rows_never_reads_past_any_rows_length(tiny_model_dir: Path, kernels: str) -> None:
+def test_a_long_prompt_read_beside_short_rows_never_reads_past_any_rows_length(
+    tiny_model_dir: Path, kernels: str
+) -> None:
     # Unwritten columns are NaN: a row that read one unmasked would give NaN logits, and
     # a gathered read that did not zero what lies past a row's length (masked, but NaN
     # times a zero weight is NaN) would too. No block outside the rows' tables is touched.
@@ -175,15 +191,26 @@ def test_a_long_prompt_read_beside_short_rows_never_reads_past_any_rows_length(t
     short = [torch.randint(10, loaded.vocab_size, (n,), generator=generator).tolist() for n in (6, 9)]
     long = torch.randint(10, loaded.vocab_size, (700,), generator=generator).tolist()
     for slot, prompt in enumerate(short):
-        native(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), [slot_segment(slot, 0, len(prompt) - 1, 1024)], [len(prompt) - 2])
+        native(
+            torch.tensor(prompt[:-1]),
+            torch.arange(len(prompt) - 1),
+            [slot_segment(slot, 0, len(prompt) - 1, 1024)],
+            [len(prompt) - 2],
+        )
     # Requests 0 and 1 each decode one token a step (their prompts' own tokens, teacher-forced)
     # while request 2 reads the long prompt in chunks of 100.
     grown = [list(prompt) for prompt in short]
     for chunk in range(7):
         ids = [grown[0][-1], grown[1][-1], *long[chunk * 100 : (chunk + 1) * 100]]
         starts = [len(grown[0]) - 1, len(grown[1]) - 1]
-        step = [slot_segment(0, starts[0], 1, 1024), slot_segment(1, starts[1], 1, 1024), slot_segment(2, chunk * 100, 100, 1024)]
-        got = native(torch.tensor(ids), torch.tensor([*starts, *range(chunk * 100, (chunk + 1) * 100)]), step, [0, 1, 101])
+        step = [
+            slot_segment(0, starts[0], 1, 1024),
+            slot_segment(1, starts[1], 1, 1024),
+            slot_segment(2, chunk * 100, 100, 1024),
+        ]
+        got = native(
+            torch.tensor(ids), torch.tensor([*starts, *range(chunk * 100, (chunk + 1) * 100)]), step, [0, 1, 101]
+        )
         assert torch.isfinite(got).all()
         for row in range(2):
             want = reference_logits(model, grown[row])[-1]
@@ -191,7 +218,11 @@ def test_a_long_prompt_read_beside_short_rows_never_reads_past_any_rows_length(t
             grown[row].append(int(want.argmax()))
     assert (got[2] - reference_logits(model, long)[-1]).abs().max().item() < 1e-3
     keys = cache.layers[0].keys
-    written = {block for slot, length in ((0, len(grown[0]) - 1), (1, len(grown[1]) - 1), (2, 700)) for block in slot_segment(slot, 0, length, 1024).table[: -(-length // 16)]}
+    written = {
+        block
+        for slot, length in ((0, len(grown[0]) - 1), (1, len(grown[1]) - 1), (2, 700))
+        for block in slot_segment(slot, 0, length, 1024).table[: -(-length // 16)]
+    }
     untouched = [block for block in range(cache.num_blocks) if block not in written]
     assert torch.isnan(keys[untouched]).all()  # nobody's block but the rows' own is written
     assert torch.isnan(keys[cache.scratch]).all()  # and nothing padded writes to scratch here
@@ -210,7 +241,9 @@ def test_on_this_cpu_the_native_pass_packs_its_weights_for_onednn_and_computes_w
         assert native.packed, "oneDNN is here, and the native pass did not pack"
     if not native.packed:
         pytest.skip(f"no oneDNN packing on this {platform.machine()} CPU")
-    linears = [native.lm_head] + [getattr(layer, name) for layer in native.layers for name in ("qkv", "out", "gate_up", "down")]
+    linears = [native.lm_head] + [
+        getattr(layer, name) for layer in native.layers for name in ("qkv", "out", "gate_up", "down")
+    ]
     assert all(linear.packed and linear.weight.is_mkldnn for linear in linears)
 
     with monkeypatch.context() as patch:  # the same pass, its weights left plain
@@ -235,7 +268,14 @@ def serves_one_request(engine, loaded, tokens: int) -> None:
     try:
         engine.start()
         prompt = loaded.tokenizer("Hello there")["input_ids"]
-        [rec] = run_all(engine, [GenerationRequest("r", prompt, SamplingOptions(temperature=0.0), tokens, ignore_eos=True, want_tokens=True)])
+        [rec] = run_all(
+            engine,
+            [
+                GenerationRequest(
+                    "r", prompt, SamplingOptions(temperature=0.0), tokens, ignore_eos=True, want_tokens=True
+                )
+            ],
+        )
         assert isinstance(rec.last, FinishEvent) and len(rec.token_ids) == tokens
     finally:
         engine.close()
@@ -266,7 +306,10 @@ def test_unpacked_the_fused_weights_replace_the_models_instead_of_sitting_beside
     for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.gate_proj, layer.mlp.up_proj):
         assert module.weight.numel() == 0
     kept = sum(p.numel() for p in model.parameters())
-    fused = sum(x.qkv.weight.numel() + x.gate_up.weight.numel() + x.out.weight.numel() + x.down.weight.numel() for x in native.layers)
+    fused = sum(
+        x.qkv.weight.numel() + x.gate_up.weight.numel() + x.out.weight.numel() + x.down.weight.numel()
+        for x in native.layers
+    )
     table = model.model.embed_tokens.weight
     head = 0 if native.lm_head.weight.data_ptr() == table.data_ptr() else native.lm_head.weight.numel()
     assert kept + fused + head == before  # every weight held once: by the model or by the pass
@@ -290,14 +333,18 @@ def test_both_forwards_give_the_same_greedy_tokens_with_a_long_prompt_read_along
     (native: in the same passes; transformers: in passes of its own): same tokens either way."""
     loaded = load_model(str(default_model_dir))
     tok = loaded.tokenizer
-    prompts = [tok(text)["input_ids"] for text in ("The capital of France is", "def fib(n):", "Water boils at", "1, 2, 3, 4,")]
+    prompts = [
+        tok(text)["input_ids"] for text in ("The capital of France is", "def fib(n):", "Water boils at", "1, 2, 3, 4,")
+    ]
     long_prompt = tok(" ".join(f"item {i}," for i in range(100)))["input_ids"][:300]
     assert len(long_prompt) == 300
 
     greedy = SamplingOptions(temperature=0.0)
     results = {}
     for forward in ("native", "transformers"):
-        engine = create_engine("batched", loaded, EngineLimits(8, 8, 8 * 1024, max_prefill_tokens=64), workers=1, forward=forward)
+        engine = create_engine(
+            "batched", loaded, EngineLimits(8, 8, 8 * 1024, max_prefill_tokens=64), workers=1, forward=forward
+        )
         engine.start()
         try:
             recorders = [Recorder() for _ in range(5)]
@@ -308,7 +355,9 @@ def test_both_forwards_give_the_same_greedy_tokens_with_a_long_prompt_read_along
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             prefill_steps = engine.prefill_steps  # type: ignore[attr-defined]
-            engine.submit(GenerationRequest("long", long_prompt, greedy, 8, ignore_eos=True, want_tokens=True), recorders[4])
+            engine.submit(
+                GenerationRequest("long", long_prompt, greedy, 8, ignore_eos=True, want_tokens=True), recorders[4]
+            )
             for rec in recorders:
                 assert rec.done.wait(300)
                 assert isinstance(rec.last, FinishEvent), rec.last

@@ -56,9 +56,22 @@ def requests(loaded: Any, stop: str) -> list[GenerationRequest]:
     greedy = SamplingOptions(temperature=0.0)
     return [
         req("greedy", "The weather today", 24, greedy, ignore_eos=True, want_tokens=True),
-        req("seeded", "Once upon a time", 24, SamplingOptions(temperature=0.9, top_k=30, top_p=0.9, seed=7), ignore_eos=True),
-        req("penalty", "In a galaxy far", 24, SamplingOptions(temperature=0.8, repetition_penalty=1.4, seed=3),
-            ignore_eos=True, want_logprobs=True, top_logprobs=3),  # fmt: skip
+        req(
+            "seeded",
+            "Once upon a time",
+            24,
+            SamplingOptions(temperature=0.9, top_k=30, top_p=0.9, seed=7),
+            ignore_eos=True,
+        ),
+        req(
+            "penalty",
+            "In a galaxy far",
+            24,
+            SamplingOptions(temperature=0.8, repetition_penalty=1.4, seed=3),
+            ignore_eos=True,
+            want_logprobs=True,
+            top_logprobs=3,
+        ),  # fmt: skip
         req("stop", "The weather today", 24, greedy, ignore_eos=True, stop_sequences=(stop,)),
         req("short", "Numbers: 1, 2,", 3, greedy, ignore_eos=True),
         req("eos", "Hello", 40, SamplingOptions(temperature=1.0, seed=11), min_new_tokens=2, want_tokens=True),
@@ -70,7 +83,9 @@ def stop_after(loaded: Any, rec: Recorder, tokens: int) -> str:
     """Four characters of ``rec``'s text first found past its first ``tokens`` tokens' text, so
     a stop sequence made of them ends the stream while it decodes, not at its first token."""
     text = rec.text
-    head = len(loaded.tokenizer.decode(rec.token_ids[:tokens], skip_special_tokens=True, clean_up_tokenization_spaces=False))
+    head = len(
+        loaded.tokenizer.decode(rec.token_ids[:tokens], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    )
     stop = next((text[i : i + 4] for i in range(head, len(text) - 3) if text.find(text[i : i + 4]) >= head), None)
     assert stop is not None, text
     return stop
@@ -81,7 +96,16 @@ def stream(rec: Recorder) -> list[tuple[Any, ...]]:
     out: list[tuple[Any, ...]] = []
     for event in rec.events:
         if isinstance(event, FinishEvent):
-            out.append(("finish", event.text, event.tokens, event.reason, event.usage.completion_tokens, event.usage.prompt_tokens))
+            out.append(
+                (
+                    "finish",
+                    event.text,
+                    event.tokens,
+                    event.reason,
+                    event.usage.completion_tokens,
+                    event.usage.prompt_tokens,
+                )
+            )
         elif isinstance(event, ErrorEvent):
             out.append(("error", event.kind, event.message))
         else:
@@ -128,9 +152,18 @@ def test_a_row_that_a_stop_sequence_ends_has_its_next_pick_dropped(loaded: Any) 
     """Alone, a row stopped by a stop sequence has already been launched into one more step:
     that step runs (one more than the plain loop), and its token goes nowhere."""
     tok = loaded.tokenizer
-    base = GenerationRequest("s", tok("The weather today")["input_ids"], SamplingOptions(temperature=0.0), 24, ignore_eos=True, want_tokens=True)
+    base = GenerationRequest(
+        "s",
+        tok("The weather today")["input_ids"],
+        SamplingOptions(temperature=0.0),
+        24,
+        ignore_eos=True,
+        want_tokens=True,
+    )
     stop = stop_after(loaded, run(loaded, "off", [base])[0][0], 3)
-    stopped = GenerationRequest("s", base.prompt_ids, base.sampling, 24, ignore_eos=True, stop_sequences=(stop,), want_tokens=True)
+    stopped = GenerationRequest(
+        "s", base.prompt_ids, base.sampling, 24, ignore_eos=True, stop_sequences=(stop,), want_tokens=True
+    )
     (plain,), plain_engine = run(loaded, "off", [stopped])
     (overlapped,), overlap_engine = run(loaded, "on", [stopped])
     assert stream(overlapped) == stream(plain)
@@ -150,7 +183,9 @@ def test_a_cancelled_stream_leaves_and_the_others_go_on_with_their_own_tokens(lo
     try:
         gone, kept = Recorder(), Recorder()
         kept.request = keep
-        handle = eng.submit(GenerationRequest("gone", tok("In a galaxy far")["input_ids"], greedy, 2000, ignore_eos=True), gone)
+        handle = eng.submit(
+            GenerationRequest("gone", tok("In a galaxy far")["input_ids"], greedy, 2000, ignore_eos=True), gone
+        )
         eng.submit(keep, kept)
         deadline = time.monotonic() + 30
         while len(gone.events) < 3 and time.monotonic() < deadline:
@@ -235,14 +270,20 @@ def test_the_sampler_launch_queues_its_parameters_without_waiting(meta_as_cuda: 
     rows = [
         generation([5], SamplingOptions(temperature=0.0), [], ignore_eos=True),
         generation([5, 6], SamplingOptions(temperature=0.9, top_k=20, top_p=0.8, seed=11), [7], ignore_eos=True),
-        generation([7, 7, 9], SamplingOptions(temperature=1.2, repetition_penalty=1.3, seed=12), [9, 4], ignore_eos=True),
-        generation([1], SamplingOptions(temperature=0.7, seed=13), [], min_new_tokens=4, want_logprobs=True, top_logprobs=3),
+        generation(
+            [7, 7, 9], SamplingOptions(temperature=1.2, repetition_penalty=1.3, seed=12), [9, 4], ignore_eos=True
+        ),
+        generation(
+            [1], SamplingOptions(temperature=0.7, seed=13), [], min_new_tokens=4, want_logprobs=True, top_logprobs=3
+        ),
     ]
     with Transfers() as transfers:
         drawn = Sampler([2]).launch(torch.empty(4, 500, device="meta"), rows)
     assert drawn.values.device.type == "meta" and drawn.values.shape == (4, 1 + 1 + 2 * 3)
     assert transfers.blocking == []
-    assert transfers.queued >= 10  # penalty (3), EOS block (2); rows drawn, temperatures, keys, top-k, top-p, top-p flags (6)
+    assert (
+        transfers.queued >= 10
+    )  # penalty (3), EOS block (2); rows drawn, temperatures, keys, top-k, top-p, top-p flags (6)
 
 
 def test_an_eager_native_step_queues_its_inputs_without_waiting(tiny_model_dir: Path, meta_as_cuda: None) -> None:
@@ -256,16 +297,25 @@ def test_an_eager_native_step_queues_its_inputs_without_waiting(tiny_model_dir: 
     model = load_model(str(tiny_model_dir)).model.to("meta")  # its own copy: the module's model stays on the CPU
     _, kv_heads, head_dim = attention_shape(model.config)
     placements = [(torch.device("meta"), torch.float32)] * model.config.num_hidden_layers
-    native = NativeForward(model, PagedCache(SLOTS * 256 // BLOCK, BLOCK, kv_heads, head_dim, placements), batch_hint=4, kernel_choice="torch")
+    native = NativeForward(
+        model,
+        PagedCache(SLOTS * 256 // BLOCK, BLOCK, kv_heads, head_dim, placements),
+        batch_hint=4,
+        kernel_choice="torch",
+    )
     ids, positions = torch.tensor([5, 5, *range(10, 25)]), torch.tensor([37, 37, *range(15)])
     with Transfers() as transfers:
-        logits = native(ids, positions, [slot_segment(0, 37, 1), slot_segment(1, 37, 1), slot_segment(2, 0, 15)], [0, 1, 16])
+        logits = native(
+            ids, positions, [slot_segment(0, 37, 1), slot_segment(1, 37, 1), slot_segment(2, 0, 15)], [0, 1, 16]
+        )
     assert logits.device.type == "meta" and logits.shape[0] == 3
     assert transfers.blocking == []
     assert transfers.queued >= 7  # ids, positions, decode tables/lengths/mask, chunk table/mask, write index, kept rows
 
 
-def test_out_of_memory_where_a_step_is_collected_fails_only_the_newest_row(loaded: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_out_of_memory_where_a_step_is_collected_fails_only_the_newest_row(
+    loaded: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One out-of-memory policy wherever the step runs out (``Engine._out_of_memory``): an error
     raised while the overlapped loop collects a step, outside the launch that retries, ends the
     newest row RESOURCE_EXHAUSTED, and the rows admitted before it finish with the tokens they

@@ -32,12 +32,16 @@ pytestmark = pytest.mark.timeout(900)
 def requests(prompts: list[list[int]], new: int, tag: str) -> list[GenerationRequest]:
     out = []
     for i, prompt in enumerate(prompts):
-        sampling = SamplingOptions(temperature=0.8, top_p=0.9, seed=100 + i) if i % 2 else SamplingOptions(temperature=0.0)
+        sampling = (
+            SamplingOptions(temperature=0.8, top_p=0.9, seed=100 + i) if i % 2 else SamplingOptions(temperature=0.0)
+        )
         out.append(GenerationRequest(f"{tag}-{i}", list(prompt), sampling, new, ignore_eos=True, want_tokens=True))
     return out
 
 
-def answers(loaded: Any, prompts: list[list[int]], new: int, prefix_cache: bool, **engine: Any) -> list[tuple[list[int], int]]:
+def answers(
+    loaded: Any, prompts: list[list[int]], new: int, prefix_cache: bool, **engine: Any
+) -> list[tuple[list[int], int]]:
     """Token ids and cached prompt tokens of each prompt: the first alone, then the rest together."""
     limits = EngineLimits(max_active=8, max_queue=16, kv_cache_tokens=16 * 1024, max_prefill_tokens=24)
     eng = create_engine("batched", loaded, limits, workers=1, prefix_cache=prefix_cache, **engine)
@@ -95,7 +99,9 @@ def test_six_chats_share_a_1000_token_system_prompt_on_the_default_model(default
 
     def chat(question: str) -> list[int]:
         messages = [{"role": "system", "content": rules}, {"role": "user", "content": question}]
-        ids: list[int] = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids: list[int] = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         return ids
 
     prompts = [chat(q) for q in questions]

@@ -57,7 +57,9 @@ def test_int8_is_offered_everywhere_int4_and_fp8_on_cuda_only_each_refusal_sayin
 
 
 @pytest.mark.parametrize(("mode", "config_name"), [("int4", "Int4WeightOnlyConfig"), ("fp8", "Float8WeightOnlyConfig")])
-def test_int4_and_fp8_on_cuda_hand_the_model_to_torchaos_weight_only_configs(mode: str, config_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int4_and_fp8_on_cuda_hand_the_model_to_torchaos_weight_only_configs(
+    mode: str, config_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No GPU here: torchao's quantize_ is replaced by a recorder, to check the wiring (the
     config, its group size and packing: PyTorch's own tinygemm kernel for int4)."""
     import torchao.quantization as ao
@@ -137,11 +139,16 @@ def test_int8_replaces_every_linear_weight_and_says_so(tiny_model_dir: Path) -> 
     assert linears == [] and len(int8) == 7 * quantized.model.config.num_hidden_layers + 1
     full_linear = sum(m.weight.numel() * 4 for m in full.model.modules() if isinstance(m, torch.nn.Linear))
     # Each linear weight: 1 byte instead of 4, plus its scales; the embedding stays as it was.
-    assert weight_bytes(full.model) - weight_bytes(quantized.model) > 0.7 * full_linear - full.model.get_input_embeddings().weight.numel() * 4
+    assert (
+        weight_bytes(full.model) - weight_bytes(quantized.model)
+        > 0.7 * full_linear - full.model.get_input_embeddings().weight.numel() * 4
+    )
 
 
 @pytest.mark.parametrize("kernel", ["dequant", "int8pack"])
-def test_the_native_pass_runs_int8_layers_fused_and_matches_transformers_forward_on_them(tiny_model_dir: Path, kernel: str) -> None:
+def test_the_native_pass_runs_int8_layers_fused_and_matches_transformers_forward_on_them(
+    tiny_model_dir: Path, kernel: str
+) -> None:
     """The same int8 layers both ways. With float activations (``dequant``) only the order of
     float additions differs: within 1e-3, as for float32. With bf16 activations (``int8pack``)
     a last-bit difference upstream can round a bf16 input the other way: within a few parts
@@ -150,7 +157,10 @@ def test_the_native_pass_runs_int8_layers_fused_and_matches_transformers_forward
     model = loaded.model
     for module in model.modules():
         if isinstance(module, Int8Linear) and module.kernel != kernel:
-            module.kernel, module.scale = kernel, module.scale.float() if kernel == "dequant" else module.scale.to(torch.bfloat16)
+            module.kernel, module.scale = (
+                kernel,
+                module.scale.float() if kernel == "dequant" else module.scale.to(torch.bfloat16),
+            )
     assert unsupported_reason(model) is None
     native = NativeForward(model, fresh_cache(model), batch_hint=4)
     assert native.quantized
@@ -201,14 +211,18 @@ def test_a_folder_converted_from_gguf_is_full_precision_not_prequantized(default
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes"])
-def test_a_prequantized_checkpoint_on_a_cpu_is_refused_by_name(tmp_path: Path, tiny_model_dir: Path, method: str) -> None:
+def test_a_prequantized_checkpoint_on_a_cpu_is_refused_by_name(
+    tmp_path: Path, tiny_model_dir: Path, method: str
+) -> None:
     folder = _prequantized_folder(tmp_path, tiny_model_dir, method)
     assert prequantized_method(json.loads((folder / "config.json").read_text())) == method
     with pytest.raises(ModelLoadError, match=rf"already quantized \({method}\).*CUDA.*--quantization int8"):
         load_model(str(folder), device="cpu")
 
 
-def test_a_prequantized_checkpoint_stops_the_server_with_status_2_and_the_reason(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_a_prequantized_checkpoint_stops_the_server_with_status_2_and_the_reason(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     folder = _prequantized_folder(tmp_path, tiny_model_dir, "gptq")
     proc = subprocess.run(
         [sys.executable, "-m", "tokenwire_server", "--model", str(folder), "--device", "cpu", "--port", "0", "--no-warmup"],
@@ -228,8 +242,21 @@ def test_int4_on_a_cpu_stops_the_server_with_status_2_before_loading(tiny_model_
 
 
 def _quality_table(path: Path, meets: bool) -> Path:
-    entry = {"kl": 0.005, "kl_max": 0.01, "identical": 15 if meets else 5, "of": 16, "parted_median": 32, "meets_bar": meets, "host": "test", "measured": "now"}
-    path.write_text(json.dumps({"bar": {"kl": 0.02, "identical": 14, "of": 16, "greedy_tokens": 32}, "modes": {"int8": {"cpu": entry}}}))
+    entry = {
+        "kl": 0.005,
+        "kl_max": 0.01,
+        "identical": 15 if meets else 5,
+        "of": 16,
+        "parted_median": 32,
+        "meets_bar": meets,
+        "host": "test",
+        "measured": "now",
+    }
+    path.write_text(
+        json.dumps(
+            {"bar": {"kl": 0.02, "identical": 14, "of": 16, "greedy_tokens": 32}, "modes": {"int8": {"cpu": entry}}}
+        )
+    )
     return path
 
 
@@ -245,9 +272,15 @@ def test_the_quality_gate_refuses_a_mode_measured_below_the_bar_unless_the_opera
     monkeypatch.setattr(quantize, "QUALITY_FILE", tmp_path / "q.json")
     with pytest.raises(ModelLoadError, match=r"misses the quality bar on cpu.*5/16.*--allow-unmet-quality-bar"):
         load_model(str(tiny_model_dir), device="cpu", quantization="int8", allow_unmet_quality_bar=False)
-    assert load_model(str(tiny_model_dir), device="cpu", quantization="int8", allow_unmet_quality_bar=True).quantization == "int8"
+    assert (
+        load_model(str(tiny_model_dir), device="cpu", quantization="int8", allow_unmet_quality_bar=True).quantization
+        == "int8"
+    )
     _quality_table(tmp_path / "q.json", True)
-    assert load_model(str(tiny_model_dir), device="cpu", quantization="int8", allow_unmet_quality_bar=False).quantization == "int8"
+    assert (
+        load_model(str(tiny_model_dir), device="cpu", quantization="int8", allow_unmet_quality_bar=False).quantization
+        == "int8"
+    )
 
 
 def test_the_server_applies_the_measured_verdict_that_ships_with_it(tiny_model_dir: Path) -> None:
@@ -265,7 +298,9 @@ def test_the_server_applies_the_measured_verdict_that_ships_with_it(tiny_model_d
         with ServerProcess(args) as server, Client(server.target) as client:
             assert client.model_info().quantization == "int8"
         return
-    proc = subprocess.run([sys.executable, "-m", "tokenwire_server", *args, "--port", "0"], capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenwire_server", *args, "--port", "0"], capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "misses the quality bar on cpu" in proc.stderr and "--allow-unmet-quality-bar" in proc.stderr
 
@@ -286,11 +321,18 @@ def test_the_default_model_answers_the_paris_question_the_same_in_none_and_int8(
     for mode in ("none", "int8"):
         loaded = load_model(str(default_model_dir), device="cpu", dtype="float32", quantization=mode)
         tok = loaded.tokenizer
-        ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
         engine = create_engine("batched", loaded, EngineLimits(4, 4, 4 * 2048), workers=1)
         engine.start()
         try:
-            (got,) = run_all(engine, [GenerationRequest(f"paris-{mode}", list(ids), SamplingOptions(temperature=0.0), 40)])
+            (got,) = run_all(
+                engine, [GenerationRequest(f"paris-{mode}", list(ids), SamplingOptions(temperature=0.0), 40)]
+            )
         finally:
             engine.close()
         assert isinstance(got.last, FinishEvent)

@@ -93,7 +93,9 @@ def check_resume(loaded: Any, kind: str, prompts: list[list[int]], new: int, see
         ids = rec.token_ids
         cut = rng.randrange(1, len(ids)) if len(ids) > 1 else 0
         cuts.append(cut)
-        resumed_requests.append(dataclasses.replace(req, request_id=req.request_id + "-resumed", resume_ids=tuple(ids[:cut])))
+        resumed_requests.append(
+            dataclasses.replace(req, request_id=req.request_id + "-resumed", resume_ids=tuple(ids[:cut]))
+        )
     resumed = run(loaded, kind, resumed_requests, **options)
     mid_way = 0
     for req, before, after, cut in zip(requests, uncut, resumed, cuts, strict=True):
@@ -116,7 +118,9 @@ def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
         if i % 2:  # raw text, no template, every other one
             out.append(tokenizer(questions[i % len(questions)])["input_ids"])
         else:
-            out.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+            out.append(
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            )
     return out
 
 
@@ -127,7 +131,9 @@ def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
             "batched",
             {"kernels": "compiled"},
             id="batched-compiled",
-            marks=pytest.mark.skipif(kernel_unbuildable() is not None, reason=f"compiled CPU ops: {kernel_unbuildable()}"),
+            marks=pytest.mark.skipif(
+                kernel_unbuildable() is not None, reason=f"compiled CPU ops: {kernel_unbuildable()}"
+            ),
         ),
         pytest.param("batched", {"kernels": "torch"}, id="batched-torch"),
         pytest.param("batched", {"prefix_cache": False}, id="batched-no-prefix-cache"),
@@ -135,7 +141,9 @@ def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
         pytest.param("simple", {}, id="simple"),
     ],
 )
-def test_a_cut_stream_resumes_exactly_on_the_tiny_model(tiny_model_dir: Path, kind: str, options: dict[str, Any]) -> None:
+def test_a_cut_stream_resumes_exactly_on_the_tiny_model(
+    tiny_model_dir: Path, kind: str, options: dict[str, Any]
+) -> None:
     loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
     assert check_resume(loaded, kind, chat_prompts(loaded.tokenizer, 9), 40, seed=7, **options) >= 6
 

@@ -107,7 +107,9 @@ class FakeSeq:
         return self.finished
 
 
-def scheduler(blocks: int, prefix_cache: bool = True, max_active: int = 16, prefill: int = 20, fresh_first: bool = True) -> Scheduler:
+def scheduler(
+    blocks: int, prefix_cache: bool = True, max_active: int = 16, prefill: int = 20, fresh_first: bool = True
+) -> Scheduler:
     limits = EngineLimits(max_active=max_active, max_queue=64, kv_cache_tokens=blocks * BLOCK_SIZE)
     pool = BlockPool(blocks, BLOCK_SIZE, prefix_cache=prefix_cache, fresh_first=fresh_first)
     return Scheduler(AdmissionQueue(limits), pool, max_active, prefill, span_columns=1e9, batch_window_s=0.0)
@@ -171,7 +173,9 @@ def test_a_request_past_the_whole_pool_fails_at_once_and_the_others_go_on() -> N
     big, small = FakeSeq(prompt(60), 10), FakeSeq(prompt(10), 5)
     submit(s, big, small)
     s.admit()
-    assert big.failed is not None and big.failed[0] is ErrorKind.INTERNAL and "more than the whole budget" in big.failed[1]
+    assert (
+        big.failed is not None and big.failed[0] is ErrorKind.INTERNAL and "more than the whole budget" in big.failed[1]
+    )
     assert [row.seq for row in s.rows] == [small]
     assert s.queue.active == 1
 
@@ -208,7 +212,10 @@ def test_a_step_decodes_every_decoding_row_and_reads_prompt_chunks_within_the_bu
     plan = s.schedule()
     assert plan is not None
     # the decode row first, then 20 prompt tokens: 20 of the second prompt, none of the third
-    assert [(p.row.seq, p.start, p.count, p.decodes) for p in plan.parts] == [(first, 5, 1, True), (second, 0, 20, False)]
+    assert [(p.row.seq, p.start, p.count, p.decodes) for p in plan.parts] == [
+        (first, 5, 1, True),
+        (second, 0, 20, False),
+    ]
     assert plan.emitters == [plan.parts[0].row] and plan.prompt_tokens == 20
     assert s.rows[1].length == 0  # nothing moves before postprocess
     s.postprocess(plan, [(12, None, ())])
@@ -229,7 +236,9 @@ def test_a_resumed_row_reads_its_prompt_and_resumed_tokens_and_shares_the_prompt
     s.admit()
     [row] = s.rows
     assert resumed.cached_prompt_tokens == 32 and row.length == 32  # two prompt blocks from before
-    assert len(row.lease.blocks) + row.lease.promised == 3  # prompt + max_new_tokens (48) in blocks: unchanged by the resume
+    assert (
+        len(row.lease.blocks) + row.lease.promised == 3
+    )  # prompt + max_new_tokens (48) in blocks: unchanged by the resume
     plan = s.schedule()
     assert plan is not None and [(p.start, p.count, p.decodes) for p in plan.parts] == [(32, 11, False)]
     assert plan.parts[0].ids == [*prompt(8, 1032), 5, 6, 7] and plan.emitters == [row]
@@ -307,7 +316,10 @@ def test_on_a_cpu_the_blocks_touched_stay_at_the_most_ever_held_at_once() -> Non
     new ones, so the resident KV stays at one request's worth; the latest prompt is still
     cached. With ``fresh_first`` (a GPU) the same traffic spreads over the pool and keeps
     every prompt cached."""
-    for fresh_first, touched, hits in ((False, 4, [0, 0, 0, 0, 0, 0, 0, 0, 32]), (True, 18, [0, 0, 0, 0, 0, 0, 0, 0, 32])):
+    for fresh_first, touched, hits in (
+        (False, 4, [0, 0, 0, 0, 0, 0, 0, 0, 32]),
+        (True, 18, [0, 0, 0, 0, 0, 0, 0, 0, 32]),
+    ):
         s = scheduler(blocks=64, fresh_first=fresh_first)
         for i in range(9):
             seq = FakeSeq(prompt(40, 1000 * i) if i < 8 else prompt(40, 7000), 24)  # 4 blocks; the last repeats the 8th
@@ -343,10 +355,42 @@ def test_a_block_held_by_a_running_request_is_never_evicted() -> None:
 # -- memory: what the engine commits, on meta ----------------------------------------------------
 
 SHAPES = {
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, vocab_size=49152),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, vocab_size=128256),
-    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, vocab_size=32000),
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, vocab_size=128256),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        vocab_size=49152,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        vocab_size=128256,
+    ),
+    "llama-2-7b": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+        vocab_size=32000,
+    ),
+    "llama-3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        vocab_size=128256,
+    ),
 }
 
 
@@ -382,7 +426,9 @@ def test_the_engine_commits_the_kv_budget_start_up_checks_and_no_more(shape: str
     loaded = meta_model(SHAPES[shape])
     config = ServerConfig()  # default flags
     per_token = kv_bytes_per_token(loaded.model.config, loaded.dtype)
-    budget = kv_cache_budget(config.kv_cache_tokens, config.max_active, loaded.context_length, per_token).tokens  # as the server sizes it
+    budget = kv_cache_budget(
+        config.kv_cache_tokens, config.max_active, loaded.context_length, per_token
+    ).tokens  # as the server sizes it
     checked = budget * per_token
     limits = EngineLimits(config.max_active, config.max_queue, budget)
     engine = BatchedEngine(loaded, limits)
@@ -472,7 +518,12 @@ def test_each_auto_is_decided_once_per_device_with_its_reason() -> None:
     assert (cpu.forward, cpu.step_graphs, cpu.overlap, cpu.fresh_blocks_first) == ("native", "off", False, False)
     assert cpu.why_not_native is None and "CUDA" in (cpu.why_no_step_graphs or "") and "cpu" in cpu.why_overlap
     cuda = resolve(EngineOptions(), _on("cuda", loaded))
-    assert (cuda.forward, cuda.step_graphs, cuda.overlap, cuda.fresh_blocks_first) == ("transformers", "off", True, True)
+    assert (cuda.forward, cuda.step_graphs, cuda.overlap, cuda.fresh_blocks_first) == (
+        "transformers",
+        "off",
+        True,
+        True,
+    )
     assert "CPU only" in (cuda.why_not_native or "")
     native = resolve(EngineOptions(forward="native"), _on("cuda", loaded))
     assert (native.forward, native.step_graphs, native.overlap) == ("native", "cuda", True)

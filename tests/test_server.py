@@ -87,7 +87,11 @@ def tokenizer(tiny_model_dir):
         pb.GenerateRequest(prompt="Café crème, naïve façade: "),
         pb.GenerateRequest(prompt="日本語の文章を書いてください。東京は"),
         pb.GenerateRequest(prompt="Emoji story: 🧑‍🚀🚀🌕 then 🎉"),
-        pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="Réponds avec des emoji 🎉: où est Kyōto (京都)?")])),
+        pb.GenerateRequest(
+            chat=pb.Chat(
+                messages=[pb.ChatMessage(role="user", content="Réponds avec des emoji 🎉: où est Kyōto (京都)?")]
+            )
+        ),
         pb.GenerateRequest(prompt="plain words"),
     ],
     ids=["accents", "cjk", "emoji", "chat-mixed", "plain"],
@@ -117,7 +121,9 @@ def test_streamed_text_equals_the_decoded_ids(stub, tokenizer, request_, seed):
 
 def test_request_id_from_metadata_and_assigned(stub):
     sampling, stopping = greedy(max_new_tokens=2)
-    from_md = collect(stub, pb.GenerateRequest(prompt="hi", sampling=sampling, stopping=stopping), metadata=[("x-request-id", "md-7")])
+    from_md = collect(
+        stub, pb.GenerateRequest(prompt="hi", sampling=sampling, stopping=stopping), metadata=[("x-request-id", "md-7")]
+    )
     assert {c.request_id for c in from_md} == {"md-7"}
     assigned = collect(stub, pb.GenerateRequest(prompt="hi", sampling=sampling, stopping=stopping))
     ids = {c.request_id for c in assigned}
@@ -137,7 +143,9 @@ def test_greedy_is_reproducible_and_seeds_reproduce(stub):
         text_of(
             collect(
                 stub,
-                pb.GenerateRequest(prompt="Once upon", sampling=pb.SamplingParams(temperature=1.0, seed=seed), stopping=stopping),
+                pb.GenerateRequest(
+                    prompt="Once upon", sampling=pb.SamplingParams(temperature=1.0, seed=seed), stopping=stopping
+                ),
             )
         )
         for seed in (1, 2, 3)
@@ -182,13 +190,17 @@ def test_min_new_tokens_and_time_limit(stub):
     sampling = pb.SamplingParams(temperature=0.0)
     chunks = collect(
         stub,
-        pb.GenerateRequest(prompt="Hi", sampling=sampling, stopping=pb.StoppingCriteria(max_new_tokens=200, min_new_tokens=20)),
+        pb.GenerateRequest(
+            prompt="Hi", sampling=sampling, stopping=pb.StoppingCriteria(max_new_tokens=200, min_new_tokens=20)
+        ),
     )
     assert chunks[-1].usage.completion_tokens >= 20
     chunks = collect(
         stub,
         pb.GenerateRequest(
-            prompt="Hi", sampling=sampling, stopping=pb.StoppingCriteria(max_new_tokens=500, ignore_eos=True, time_limit_ms=200)
+            prompt="Hi",
+            sampling=sampling,
+            stopping=pb.StoppingCriteria(max_new_tokens=500, ignore_eos=True, time_limit_ms=200),
         ),
     )
     assert chunks[-1].finish_reason == pb.FINISH_REASON_TIME_LIMIT
@@ -241,7 +253,10 @@ def test_health_and_reflection(tiny_server):
         ({"prompt": "x", "sampling": pb.SamplingParams(repetition_penalty=0.0)}, "sampling.repetition_penalty"),
         ({"prompt": "x", "stopping": pb.StoppingCriteria(max_new_tokens=513)}, "stopping.max_new_tokens"),
         ({"prompt": "x", "stopping": pb.StoppingCriteria(max_new_tokens=0)}, "stopping.max_new_tokens"),
-        ({"prompt": "x", "stopping": pb.StoppingCriteria(max_new_tokens=4, min_new_tokens=5)}, "stopping.min_new_tokens"),
+        (
+            {"prompt": "x", "stopping": pb.StoppingCriteria(max_new_tokens=4, min_new_tokens=5)},
+            "stopping.min_new_tokens",
+        ),
         ({"prompt": "x", "stopping": pb.StoppingCriteria(stop_sequences=[""])}, "stopping.stop_sequences[0]"),
         ({"prompt": "x", "stopping": pb.StoppingCriteria(stop_sequences=["a"] * 17)}, "stopping.stop_sequences"),
         ({"prompt": "x", "stopping": pb.StoppingCriteria(stop_sequences=["a" * 257])}, "stopping.stop_sequences[0]"),
@@ -281,7 +296,9 @@ def test_cancelled_stream_stops_generation(tiny_server):
     with tiny_server.channel() as channel:
         stub = pb_grpc.TextGenerationStub(channel)
         call = stub.Generate(
-            pb.GenerateRequest(request_id="cancel-me", prompt="go", stopping=pb.StoppingCriteria(max_new_tokens=500, ignore_eos=True)),
+            pb.GenerateRequest(
+                request_id="cancel-me", prompt="go", stopping=pb.StoppingCriteria(max_new_tokens=500, ignore_eos=True)
+            ),
             timeout=60,
         )
         next(call)

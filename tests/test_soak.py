@@ -43,7 +43,9 @@ def test_the_mix_sends_every_kind_first_and_the_tenant_kinds_only_with_tenants()
     assert [c.kind for c in first] == [k for k, _ in MIX] + [k for k, _ in TENANT_MIX] + ["short"]
     by_kind = {c.kind: c for c in first}
     assert by_kind["unauthenticated"].metadata == (("authorization", "Bearer not-a-token"),)
-    assert by_kind["priority-above-cap"].tenant == "batch" and by_kind["metered"].metadata == (("authorization", "Bearer c"),)
+    assert by_kind["priority-above-cap"].tenant == "batch" and by_kind["metered"].metadata == (
+        ("authorization", "Bearer c"),
+    )
     assert all(c.metadata for c in first)  # a server with tokens refuses a call without one
     assert by_kind["structured"].request.HasField("response_format")
 
@@ -65,7 +67,9 @@ def test_a_short_soak_sends_every_kind_and_each_ends_as_its_kind_expects(tiny_mo
     assert set(report["by_kind"]) == set(EXPECTED)
     for kind, codes in report["by_kind"].items():
         assert set(codes) <= EXPECTED[kind], f"{kind}: {codes}"
-    assert report["by_kind"]["unauthenticated"] == {"UNAUTHENTICATED": report["by_kind"]["unauthenticated"]["UNAUTHENTICATED"]}
+    assert report["by_kind"]["unauthenticated"] == {
+        "UNAUTHENTICATED": report["by_kind"]["unauthenticated"]["UNAUTHENTICATED"]
+    }
     assert "OK" in report["by_kind"]["resume"] and "OK" in report["by_kind"]["structured"]
     assert set(report["by_tenant"]) == {"interactive", "batch", "metered", "wrong-token"}
     assert report["tenants"] == ["batch", "interactive", "metered"]

@@ -130,7 +130,9 @@ ENGINES = [
 
 
 def start(loaded: LoadedModel, kind: str, options: dict[str, Any], observer: Any = None, **limits: Any) -> Engine:
-    fields: dict[str, Any] = dict(max_active=1, max_queue=0, kv_cache_tokens=4096, stream_backlog=BACKLOG, stalled_reader_timeout_s=0.0)
+    fields: dict[str, Any] = dict(
+        max_active=1, max_queue=0, kv_cache_tokens=4096, stream_backlog=BACKLOG, stalled_reader_timeout_s=0.0
+    )
     fields.update(limits)
     engine_limits = EngineLimits(**fields)
     if kind == "simple":
@@ -155,7 +157,9 @@ def engines(loaded: LoadedModel) -> Iterator[Callable[..., Engine]]:
         engine.close()
 
 
-def request(rid: str, tokens: int, sampling: SamplingOptions = GREEDY, prompt: tuple[int, ...] = (1, 2, 3, 4, 5)) -> GenerationRequest:
+def request(
+    rid: str, tokens: int, sampling: SamplingOptions = GREEDY, prompt: tuple[int, ...] = (1, 2, 3, 4, 5)
+) -> GenerationRequest:
     return GenerationRequest(rid, list(prompt), sampling, max_new_tokens=tokens, ignore_eos=True, want_tokens=True)
 
 
@@ -218,7 +222,9 @@ def test_an_unread_stream_gives_its_slot_up_and_resumes_with_the_same_tokens(
     assert wait_for(lambda: engine.queue.active == 0 and engine.stats().batch_size == 0, 5)  # just after its last event
 
 
-def test_a_parked_stream_holds_no_queue_place_and_the_first_token_estimate_ignores_it(engines: Callable[..., Engine]) -> None:
+def test_a_parked_stream_holds_no_queue_place_and_the_first_token_estimate_ignores_it(
+    engines: Callable[..., Engine],
+) -> None:
     """A deadline caller is refused when its first token cannot come in time; a parked stream
     must not count as a running one ahead of it (issue: 85-93 s estimated, and refused)."""
     engine = engines("batched", {}, max_active=1, max_queue=2)
@@ -327,7 +333,9 @@ def test_a_parked_stream_whose_caller_cancels_is_dropped_at_once(engines: Callab
         thread.join(5)
 
 
-def test_the_flags_have_their_environment_fallbacks_and_bounds(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_flags_have_their_environment_fallbacks_and_bounds(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from tokenwire_server.config import ServerConfig, parse_config
 
     assert (ServerConfig().stream_backlog_chunks, ServerConfig().stalled_reader_timeout) == (256, 30.0)

@@ -159,7 +159,9 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def start_gated(model_dir: Path, gates: Path, awaited: str) -> tuple[subprocess.Popen[str], list[str], list[int], threading.Event]:
+def start_gated(
+    model_dir: Path, gates: Path, awaited: str
+) -> tuple[subprocess.Popen[str], list[str], list[int], threading.Event]:
     """GATED_SERVER on ``model_dir`` (its load and warm-up held at files in ``gates``): the
     process, its output lines as they come, its port once it listens, and an event set once
     it logs ``awaited`` (or its output ends)."""
@@ -245,7 +247,9 @@ def test_readiness_is_not_serving_while_the_model_loads_and_warms_up(tiny_model_
 
 
 @pytest.mark.parametrize("phase", ["loading", "warming"])
-def test_a_signal_during_start_up_stops_the_server_without_it_ever_being_ready(tiny_model_dir: Path, tmp_path: Path, phase: str) -> None:
+def test_a_signal_during_start_up_stops_the_server_without_it_ever_being_ready(
+    tiny_model_dir: Path, tmp_path: Path, phase: str
+) -> None:
     """SIGTERM while the model loads (or warms up): the drain runs at once and says "stopped";
     when the load (warm-up) then returns, the server does not go on to serve: no "ready"
     line, readiness never SERVING, the engine closed, and the process exits 0."""

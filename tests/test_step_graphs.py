@@ -95,10 +95,14 @@ def test_the_fixed_shape_step_matches_the_eager_pass_and_writes_only_its_rows_an
     for slot, prompt in enumerate(prompts):
         native(prompt, torch.arange(len(prompt)), [slot_segment(slot, 0, len(prompt))], [len(prompt) - 1])
     nxt = [7, 8, 9]
-    eager = native(torch.tensor(nxt), torch.tensor(lengths), [slot_segment(s, n, 1) for s, n in enumerate(lengths)], [0, 1, 2])
+    eager = native(
+        torch.tensor(nxt), torch.tensor(lengths), [slot_segment(s, n, 1) for s, n in enumerate(lengths)], [0, 1, 2]
+    )
     before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
 
-    graphs = DecodeGraphs(native.decode_step, CPU, cache.block_size, cache.scratch, max_rows=4, max_width=16, pad_id=0, capture=False)
+    graphs = DecodeGraphs(
+        native.decode_step, CPU, cache.block_size, cache.scratch, max_rows=4, max_width=16, pad_id=0, capture=False
+    )
     tables = [list(slot_table(s)) for s in range(3)]
     with torch.inference_mode():
         static = graphs.run(nxt, lengths, tables)
@@ -115,14 +119,19 @@ def test_the_fixed_shape_step_matches_the_eager_pass_and_writes_only_its_rows_an
                 if (block, offset) in written:
                     continue
                 for old, new in ((keys_before, layer.keys), (values_before, layer.values)):
-                    assert torch.equal(old[block, :, offset].nan_to_num(7.0), new[block, :, offset].nan_to_num(7.0)), (block, offset)
+                    assert torch.equal(old[block, :, offset].nan_to_num(7.0), new[block, :, offset].nan_to_num(7.0)), (
+                        block,
+                        offset,
+                    )
 
 
 def test_more_rows_than_the_largest_bucket_or_a_wider_table_fall_back_to_the_eager_step(tiny_model_dir: Path) -> None:
     loaded = load_model(str(tiny_model_dir))
     cache = fresh_cache(loaded.model)
     native = NativeForward(loaded.model, cache, batch_hint=4, kernel_choice="torch")
-    graphs = DecodeGraphs(native.decode_step, CPU, cache.block_size, cache.scratch, max_rows=2, max_width=2, pad_id=0, capture=False)
+    graphs = DecodeGraphs(
+        native.decode_step, CPU, cache.block_size, cache.scratch, max_rows=2, max_width=2, pad_id=0, capture=False
+    )
     tables = [list(slot_table(s)) for s in range(3)]
     with torch.inference_mode():
         assert graphs.run([1, 2, 3], [0, 0, 0], tables) is None  # 3 rows: buckets stop at 2
@@ -135,14 +144,20 @@ def requests_for(loaded: object, sampled: bool) -> list[GenerationRequest]:
     tok = loaded.tokenizer  # type: ignore[attr-defined]
     out = []
     for i in range(5):
-        sampling = SamplingOptions(temperature=0.8, top_p=0.9, seed=100 + i) if sampled and i % 2 else SamplingOptions(temperature=0.0)
+        sampling = (
+            SamplingOptions(temperature=0.8, top_p=0.9, seed=100 + i)
+            if sampled and i % 2
+            else SamplingOptions(temperature=0.0)
+        )
         prompt = tok(f"Story {i}: " + "once upon a time " * (i * 4))["input_ids"]
         # Lengths 24, 20, ... 8: the batch shrinks as they end, through several buckets.
         out.append(GenerationRequest(f"r{i}", prompt, sampling, 24 - 4 * i, ignore_eos=True, want_tokens=True))
     return out
 
 
-def generate(model_dir: Path, step_graphs: str, compile_step: bool = False, max_active: int = 8) -> tuple[list[list[int]], object]:
+def generate(
+    model_dir: Path, step_graphs: str, compile_step: bool = False, max_active: int = 8
+) -> tuple[list[list[int]], object]:
     loaded = load_model(str(model_dir))
     engine = create_engine(
         "batched", loaded, EngineLimits(max_active, 8, 8 * 1024, max_prefill_tokens=16), workers=1,
@@ -219,7 +234,12 @@ def test_the_capture_warms_up_on_a_side_stream_records_once_per_key_and_replays_
     eager, _ = generate(tiny_model_dir, "off")
     loaded = load_model(str(tiny_model_dir))
     engine = create_engine(
-        "batched", loaded, EngineLimits(8, 8, 8 * 1024, max_prefill_tokens=16), workers=1, kernels="torch", step_graphs="static"
+        "batched",
+        loaded,
+        EngineLimits(8, 8, 8 * 1024, max_prefill_tokens=16),
+        workers=1,
+        kernels="torch",
+        step_graphs="static",
     )
     graphs = engine.runner.graphs  # type: ignore[attr-defined]
     graphs.capture = True  # what --step-graphs cuda sets; the CUDA calls below are fakes

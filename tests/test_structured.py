@@ -54,7 +54,11 @@ SCHEMA = {
     },
     "required": ["name", "ok", "color", "sizes"],
 }
-SHORT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}}, "required": ["ok", "color"]}
+SHORT = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+    "required": ["ok", "color"],
+}
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
 CHOICES = ("yes", "no", 'a "quoted"\nanswer', "naïve ☃ 🙂", "back\\slash")
 EBNF = 'root ::= "The answer is " [0-9] [0-9]? "."'
@@ -103,7 +107,9 @@ def grammars(tiny: Any) -> structured.Grammars:
     return structured.Grammars(tiny.tokenizer, tiny.vocab_size, tiny.eos_token_ids)
 
 
-def request(i: int, fmt: ResponseFormat | None, prompt: list[int], sampling: SamplingOptions, new: int = 40, **more: Any) -> GenerationRequest:
+def request(
+    i: int, fmt: ResponseFormat | None, prompt: list[int], sampling: SamplingOptions, new: int = 40, **more: Any
+) -> GenerationRequest:
     return GenerationRequest(f"r{i}", prompt, sampling, new, want_tokens=True, response_format=fmt, **more)
 
 
@@ -116,7 +122,9 @@ def engine_of(loaded: Any, kind: str, kernels: str = "torch") -> Any:
     return create_engine("batched", loaded, limits, workers=1, kernels=kernels)
 
 
-def run(loaded: Any, requests: list[GenerationRequest], kind: str = "batched", kernels: str = "torch", alone: bool = False) -> list[Any]:
+def run(
+    loaded: Any, requests: list[GenerationRequest], kind: str = "batched", kernels: str = "torch", alone: bool = False
+) -> list[Any]:
     engine = engine_of(loaded, kind, kernels)
     engine.start()
     try:
@@ -136,7 +144,9 @@ def prompts(loaded: Any, count: int) -> list[list[int]]:
 # -- compiling ---------------------------------------------------------------------------
 
 
-def test_each_format_compiles_once_and_the_cache_is_bounded(grammars: structured.Grammars, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_format_compiles_once_and_the_cache_is_bounded(
+    grammars: structured.Grammars, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fmt = ResponseFormat("regex", "[a-z]{3}")
     compiled, seconds = grammars.compile(fmt)
     again, cached = grammars.compile(ResponseFormat("regex", "[a-z]{3}"))  # equal by content
@@ -158,12 +168,16 @@ def test_each_format_compiles_once_and_the_cache_is_bounded(grammars: structured
         (ResponseFormat("grammar", "start: missing_rule"), "missing_rule"),
     ],
 )
-def test_a_format_the_library_refuses_names_its_field_and_says_why(grammars: structured.Grammars, fmt: ResponseFormat, words: str) -> None:
+def test_a_format_the_library_refuses_names_its_field_and_says_why(
+    grammars: structured.Grammars, fmt: ResponseFormat, words: str
+) -> None:
     with pytest.raises(InvalidResponseFormat) as caught:
         grammars.compile(fmt)
     assert caught.value.field == f"response_format.{fmt.kind}"
     message = str(caught.value)
-    assert words in message and not message.startswith("[") and ".cc:" not in message  # the message, not the C++ location
+    assert (
+        words in message and not message.startswith("[") and ".cc:" not in message
+    )  # the message, not the C++ location
 
 
 def test_a_grammar_with_a_rule_defined_by_colons_equals_is_ebnf_else_lark() -> None:
@@ -193,7 +207,13 @@ def test_every_answer_that_ends_follows_its_format(tiny: Any, kind: str) -> None
     """Each format, greedy and seeded, in one batch: an answer that ends EOS follows it."""
     base = prompts(tiny, 4)
     requests = [
-        request(i, fmt, base[i % 4], SamplingOptions(temperature=0.0) if i % 2 == 0 else SamplingOptions(temperature=0.9, top_p=0.95, seed=i), new=96)
+        request(
+            i,
+            fmt,
+            base[i % 4],
+            SamplingOptions(temperature=0.0) if i % 2 == 0 else SamplingOptions(temperature=0.9, top_p=0.95, seed=i),
+            new=96,
+        )
         for i, fmt in enumerate(FORMATS * 2)
     ]
     recs = run(tiny, requests, kind)
@@ -213,7 +233,16 @@ def test_every_answer_that_ends_follows_its_format(tiny: Any, kind: str) -> None
 
 def test_unconstrained_rows_are_untouched_by_constrained_neighbours(tiny: Any) -> None:
     base = prompts(tiny, 6)
-    free = [request(i, None, base[i], SamplingOptions(temperature=0.0) if i % 2 else SamplingOptions(temperature=0.8, seed=5 + i), 24) for i in range(6)]
+    free = [
+        request(
+            i,
+            None,
+            base[i],
+            SamplingOptions(temperature=0.0) if i % 2 else SamplingOptions(temperature=0.8, seed=5 + i),
+            24,
+        )
+        for i in range(6)
+    ]
     constrained = [request(10 + i, FORMATS[i], base[i], SamplingOptions(temperature=0.0), 24) for i in range(6)]
     alone = run(tiny, free)
     mixed = run(tiny, free + constrained)[:6]
@@ -249,7 +278,9 @@ def test_a_seeded_constrained_row_is_sampled_not_greedy_and_repeats_exactly(tiny
     prompt = prompts(tiny, 1)[0]
     hot = SamplingOptions(temperature=HOT, seed=SEED)
     twins = [SamplingOptions(temperature=0.0), hot, hot]  # greedy, sampled, the sampled one's repeat
-    requests = [request(3 * k + i, fmt, prompt, sampling, 24) for k, fmt in enumerate(OPEN) for i, sampling in enumerate(twins)]
+    requests = [
+        request(3 * k + i, fmt, prompt, sampling, 24) for k, fmt in enumerate(OPEN) for i, sampling in enumerate(twins)
+    ]
     recs = run(tiny, requests)
     for k, fmt in enumerate(OPEN):
         greedy, sampled, repeat = recs[3 * k : 3 * k + 3]
@@ -261,7 +292,9 @@ def test_a_seeded_constrained_row_is_sampled_not_greedy_and_repeats_exactly(tiny
 
 
 @pytest.mark.e2e
-def test_twelve_constrained_requests_on_the_default_model_are_batch_invariant_and_valid(default_model_dir: Path) -> None:
+def test_twelve_constrained_requests_on_the_default_model_are_batch_invariant_and_valid(
+    default_model_dir: Path,
+) -> None:
     """The real model: the same twelve constrained chats (greedy, seeded top-p, seeded top-k
     with a penalty) give the same tokens alone and together, and each complete answer is valid."""
     loaded = load_model(str(default_model_dir), device="cpu", dtype="float32")
@@ -275,7 +308,9 @@ def test_twelve_constrained_requests_on_the_default_model_are_batch_invariant_an
     formats = [FORMATS[1], FORMATS[3], FORMATS[4], FORMATS[5]]
     requests = []
     for i in range(12):
-        prompt = tok.apply_chat_template([{"role": "user", "content": asks[i % 4]}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": asks[i % 4]}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         requests.append(request(i, formats[i % 4], prompt, kinds[i % 3], 48))
     engine = engine_of(loaded, "batched", "auto")
     engine.start()
@@ -325,7 +360,13 @@ def test_resume_ids_the_grammar_refuses_are_an_invalid_resume(tiny: Any) -> None
     tok = tiny.tokenizer
     engine = engine_of(tiny, "batched")
     try:
-        bad = request(0, ResponseFormat("regex", "[0-9]+"), prompts(tiny, 1)[0], SamplingOptions(temperature=0.0), resume_ids=tuple(tok.encode("12ab")))
+        bad = request(
+            0,
+            ResponseFormat("regex", "[0-9]+"),
+            prompts(tiny, 1)[0],
+            SamplingOptions(temperature=0.0),
+            resume_ids=tuple(tok.encode("12ab")),
+        )
         with pytest.raises(InvalidResume, match="does not follow the request's response_format"):
             engine.submit(bad, lambda event: None)
     finally:

@@ -33,7 +33,12 @@ def queue(*policies: TenantPolicy, max_active: int = 4, max_queue: int = 64) -> 
 
 
 def seq(
-    tenant: str = DEFAULT_TENANT, priority: Priority = Priority.NORMAL, prompt: int = 8, new: int = 32, name: str = "", done: int = 0
+    tenant: str = DEFAULT_TENANT,
+    priority: Priority = Priority.NORMAL,
+    prompt: int = 8,
+    new: int = 32,
+    name: str = "",
+    done: int = 0,
 ) -> Any:
     """A fake request; ``done``: tokens it has already generated (a resumed stream's, counted as its progress)."""
     return FakeSeq(list(range(1, prompt + 1)), new, name=name, resumed=(7,) * done, tenant=tenant, priority=priority)
@@ -52,7 +57,9 @@ def finish(q: AdmissionQueue, s: Any) -> None:
     q.vacate(s)
 
 
-def saturate(q: AdmissionQueue, make: dict[str, Any], steps: int, backlog: int = 8) -> tuple[collections.Counter[str], collections.Counter[str]]:
+def saturate(
+    q: AdmissionQueue, make: dict[str, Any], steps: int, backlog: int = 8
+) -> tuple[collections.Counter[str], collections.Counter[str]]:
     """Keep every tenant of ``make`` backlogged and run ``steps`` engine steps: each step
     fills the free slots from the queue, then every running stream generates one token and
     those that reach their ``max_new_tokens`` leave. (tokens, admissions) per tenant."""

@@ -285,9 +285,20 @@ def test_variables_turn_tracing_on(receiver: Receiver, no_otel_env: None, monkey
         tracer.shutdown()
     named = by_name(spans)
     attrs = attributes(named["tokenwire.v1.TextGeneration/Generate"].attributes)
-    assert (attrs["tokenwire.tenant"], attrs["tokenwire.priority"], attrs["tokenwire.finish_reason"]) == ("acme", "high", "eos")
-    assert (attrs["tokenwire.prompt_tokens"], attrs["tokenwire.completion_tokens"], attrs["tokenwire.cached_prompt_tokens"]) == (7, 3, 2)
-    lengths = {name: named[name].end_time_unix_nano - named[name].start_time_unix_nano for name in ("queue", "prefill", "decode")}
+    assert (attrs["tokenwire.tenant"], attrs["tokenwire.priority"], attrs["tokenwire.finish_reason"]) == (
+        "acme",
+        "high",
+        "eos",
+    )
+    assert (
+        attrs["tokenwire.prompt_tokens"],
+        attrs["tokenwire.completion_tokens"],
+        attrs["tokenwire.cached_prompt_tokens"],
+    ) == (7, 3, 2)
+    lengths = {
+        name: named[name].end_time_unix_nano - named[name].start_time_unix_nano
+        for name in ("queue", "prefill", "decode")
+    }
     for name, expected_ms in (("queue", 10), ("prefill", 15), ("decode", 15)):
         assert abs(lengths[name] - expected_ms * 1_000_000) <= 2, (name, lengths)
     resource = {r["service.name"]: r for r, span in receiver.spans()}["llm-gateway"]

@@ -128,7 +128,10 @@ class FakeBackend:
         self.requests: list[GenerationRequest] = []
         self.submissions: list[FakeSubmission] = []
         self.behaviour: Callable[[GenerationRequest], FakeSubmission] = lambda r: FakeSubmission(
-            [TextEvent("he", (TokenInfo(5, "he"),)), FinishEvent("llo", (TokenInfo(6, "llo"),), FinishReason.EOS, USAGE)]
+            [
+                TextEvent("he", (TokenInfo(5, "he"),)),
+                FinishEvent("llo", (TokenInfo(6, "llo"),), FinishReason.EOS, USAGE),
+            ]
         )
         self.admission_stopped = False
         self.formats = []
@@ -150,7 +153,9 @@ class FakeBackend:
         if text == "<encodes to nothing>":
             return Encoding([], text)
         ids = [ord(c) % 1000 for c in text]
-        return Encoding(ids, text, [(i, i + 1) for i in range(len(text))] if offsets else [], list(text) if tokens else [])
+        return Encoding(
+            ids, text, [(i, i + 1) for i in range(len(text))] if offsets else [], list(text) if tokens else []
+        )
 
     async def check_format(self, fmt: ResponseFormat, tenant: str = "default", *, limited: bool = True) -> float | None:
         """As a compiler would: a spec holding "unsupported" is refused with the library's message;
@@ -199,7 +204,9 @@ class LogRecords(logging.Handler):
         deadline = time.monotonic() + wait_s
         while True:
             found = [
-                r for r in self.records if r.getMessage() == "request finished" and r.__dict__.get("request_id") == request_id
+                r
+                for r in self.records
+                if r.getMessage() == "request finished" and r.__dict__.get("request_id") == request_id
             ]
             if found or time.monotonic() >= deadline:
                 return found
@@ -331,20 +338,42 @@ def test_generation_request_maps_every_field() -> None:
     request = pb.GenerateRequest(
         prompt="abc",
         stopping=pb.StoppingCriteria(
-            max_new_tokens=5, min_new_tokens=2, stop_sequences=["x", "y"], include_stop_sequence=True,
-            ignore_eos=True, time_limit_ms=1500,
+            max_new_tokens=5,
+            min_new_tokens=2,
+            stop_sequences=["x", "y"],
+            include_stop_sequence=True,
+            ignore_eos=True,
+            time_limit_ms=1500,
         ),
         output=pb.OutputOptions(top_logprobs=3),
     )
     got = conversion.generation_request(request, "r1", [1, 2, 3], description(), arrival=5.0, deadline=9.0)
     assert got.sampling.seed is not None  # samples without a seed: the server's own, for a resume
     assert got == GenerationRequest(
-        request_id="r1", prompt_ids=[1, 2, 3], sampling=dataclasses.replace(DEFAULTS, seed=got.sampling.seed), max_new_tokens=5, min_new_tokens=2,
-        stop_sequences=("x", "y"), include_stop_sequence=True, ignore_eos=True, time_limit_s=1.5, deadline=9.0,
-        want_tokens=True, want_logprobs=True, top_logprobs=3, arrival=5.0,
+        request_id="r1",
+        prompt_ids=[1, 2, 3],
+        sampling=dataclasses.replace(DEFAULTS, seed=got.sampling.seed),
+        max_new_tokens=5,
+        min_new_tokens=2,
+        stop_sequences=("x", "y"),
+        include_stop_sequence=True,
+        ignore_eos=True,
+        time_limit_s=1.5,
+        deadline=9.0,
+        want_tokens=True,
+        want_logprobs=True,
+        top_logprobs=3,
+        arrival=5.0,
     )
-    plain = conversion.generation_request(pb.GenerateRequest(prompt="a"), "r2", [1], description(), arrival=0, deadline=None)
-    assert (plain.max_new_tokens, plain.time_limit_s, plain.want_tokens, plain.want_logprobs) == (16, None, False, False)
+    plain = conversion.generation_request(
+        pb.GenerateRequest(prompt="a"), "r2", [1], description(), arrival=0, deadline=None
+    )
+    assert (plain.max_new_tokens, plain.time_limit_s, plain.want_tokens, plain.want_logprobs) == (
+        16,
+        None,
+        False,
+        False,
+    )
 
 
 def test_prompts_requests_ids_and_chunks() -> None:
@@ -377,7 +406,12 @@ def test_model_info_publishes_every_limit_and_the_default_sampling() -> None:
     assert (limits.max_stop_sequence_chars, limits.max_chat_messages, limits.max_top_logprobs) == (10, 4, 5)
     assert (limits.max_message_bytes, limits.context_length, limits.vocab_size) == (1 << 20, 64, 1000)
     assert info.default_sampling.top_k == 40 and info.default_sampling.temperature == pytest.approx(0.7)
-    assert (info.max_new_tokens_limit, info.context_length, info.max_active_streams, info.max_queued_requests) == (48, 64, 2, 3)
+    assert (info.max_new_tokens_limit, info.context_length, info.max_active_streams, info.max_queued_requests) == (
+        48,
+        64,
+        2,
+        3,
+    )
 
 
 # -- the servicer on a fake backend ----------------------------------------------------------
@@ -393,7 +427,11 @@ def test_a_stream_its_trailer_metrics_and_log_line(harness: Harness, logs: LogRe
     assert trailer(call, "x-request-id") == "ok-1"
     assert harness.count("Generate", "OK") == 1
     [record] = logs.finished("ok-1")
-    assert (record.__dict__["code"], record.__dict__["finish_reason"], record.__dict__["completion_tokens"]) == ("OK", "eos", 2)
+    assert (record.__dict__["code"], record.__dict__["finish_reason"], record.__dict__["completion_tokens"]) == (
+        "OK",
+        "eos",
+        2,
+    )
     assert "prompt" not in record.__dict__  # prompts are not logged unless asked for
     [sent] = harness.backend.requests  # type: ignore[union-attr]
     assert sent.prompt_ids == [ord(c) for c in "hey"] and dataclasses.replace(sent.sampling, seed=None) == DEFAULTS
@@ -404,9 +442,24 @@ def test_a_stream_its_trailer_metrics_and_log_line(harness: Harness, logs: LogRe
 @pytest.mark.parametrize(
     ("setup", "request_", "code", "field"),
     [
-        ("none", pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(temperature=-1)), "INVALID_ARGUMENT", "sampling.temperature"),
-        ("none", pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(stop_sequences=["a"] * 4)), "INVALID_ARGUMENT", "stopping.stop_sequences"),
-        ("none", pb.GenerateRequest(prompt="x" * 60, stopping=pb.StoppingCriteria(max_new_tokens=10)), "INVALID_ARGUMENT", "prompt"),
+        (
+            "none",
+            pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(temperature=-1)),
+            "INVALID_ARGUMENT",
+            "sampling.temperature",
+        ),
+        (
+            "none",
+            pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(stop_sequences=["a"] * 4)),
+            "INVALID_ARGUMENT",
+            "stopping.stop_sequences",
+        ),
+        (
+            "none",
+            pb.GenerateRequest(prompt="x" * 60, stopping=pb.StoppingCriteria(max_new_tokens=10)),
+            "INVALID_ARGUMENT",
+            "prompt",
+        ),
         ("overloaded", pb.GenerateRequest(prompt="x"), "RESOURCE_EXHAUSTED", None),
         ("closed", pb.GenerateRequest(prompt="x"), "UNAVAILABLE", None),
         ("bug", pb.GenerateRequest(prompt="x"), "INTERNAL", None),
@@ -558,22 +611,34 @@ def test_log_prompts_puts_prompt_and_output_on_the_line(logs: LogRecords) -> Non
 def test_resume_continues_the_index_names_the_seed_and_is_checked() -> None:
     """GenerateRequest.resume: the ids reach the engine, chunk indexes go on from next_index,
     the first chunk names the seed; more ids than the request may generate is INVALID_ARGUMENT."""
-    request = pb.GenerateRequest(prompt="abc", stopping=pb.StoppingCriteria(max_new_tokens=5), resume=pb.Resume(generated_token_ids=[7, 8], next_index=2))
+    request = pb.GenerateRequest(
+        prompt="abc",
+        stopping=pb.StoppingCriteria(max_new_tokens=5),
+        resume=pb.Resume(generated_token_ids=[7, 8], next_index=2),
+    )
     got = conversion.generation_request(request, "r", [1, 2, 3], description(), arrival=0, deadline=None)
     assert got.resume_ids == (7, 8) and got.max_new_tokens == 5
     greedy = pb.GenerateRequest(prompt="abc", sampling=pb.SamplingParams(temperature=0))
-    assert conversion.generation_request(greedy, "g", [1], description(), arrival=0, deadline=None).sampling.seed is None
-    too_many = pb.GenerateRequest(prompt="abc", resume=pb.Resume(generated_token_ids=[7] * 17))  # default max_new_tokens 16
+    assert (
+        conversion.generation_request(greedy, "g", [1], description(), arrival=0, deadline=None).sampling.seed is None
+    )
+    too_many = pb.GenerateRequest(
+        prompt="abc", resume=pb.Resume(generated_token_ids=[7] * 17)
+    )  # default max_new_tokens 16
     with pytest.raises(InvalidResume):
         conversion.generation_request(too_many, "t", [1, 2, 3], description(), arrival=0, deadline=None)
-    clamped = pb.GenerateRequest(prompt="abc", resume=pb.Resume(generated_token_ids=[7] * 5))  # 60 + 5 > the context (64)
+    clamped = pb.GenerateRequest(
+        prompt="abc", resume=pb.Resume(generated_token_ids=[7] * 5)
+    )  # 60 + 5 > the context (64)
     with pytest.raises(InvalidResume):
         conversion.generation_request(clamped, "c", [1] * 60, description(), arrival=0, deadline=None)
 
 
 def test_a_resumed_call_over_grpc(harness: Harness) -> None:
     request = pb.GenerateRequest(
-        request_id="resumed", prompt="hey", sampling=pb.SamplingParams(temperature=0.5, seed=77),
+        request_id="resumed",
+        prompt="hey",
+        sampling=pb.SamplingParams(temperature=0.5, seed=77),
         resume=pb.Resume(generated_token_ids=[4, 5, 6], next_index=3),
     )
     chunks = list(harness.stub.Generate(request, timeout=10))
@@ -586,12 +651,19 @@ def test_a_resumed_call_over_grpc(harness: Harness) -> None:
         ("resume.generated_token_ids", pb.Resume(generated_token_ids=list(range(9)))),
     ):
         with pytest.raises(grpc.RpcError) as caught:
-            list(harness.stub.Generate(pb.GenerateRequest(prompt="hey", stopping=pb.StoppingCriteria(max_new_tokens=8), resume=bad), timeout=10))
+            list(
+                harness.stub.Generate(
+                    pb.GenerateRequest(prompt="hey", stopping=pb.StoppingCriteria(max_new_tokens=8), resume=bad),
+                    timeout=10,
+                )
+            )
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
         assert [f for f, _ in status_details(caught.value)[0]] == [field]
 
 
-def test_hand_off_ends_the_streams_in_flight_unavailable_with_the_resume_trailer(harness: Harness, logs: LogRecords) -> None:
+def test_hand_off_ends_the_streams_in_flight_unavailable_with_the_resume_trailer(
+    harness: Harness, logs: LogRecords
+) -> None:
     backend = harness.backend
     assert backend is not None
     backend.behaviour = lambda r: FakeSubmission([], forever=True)
@@ -622,7 +694,9 @@ def test_response_format_becomes_the_domain_format_of_its_field() -> None:
         request = pb.GenerateRequest(prompt="x", response_format=fmt)
         made = conversion.generation_request(request, "r", [1, 2], description(), arrival=0, deadline=None)
         assert made.response_format == expected and expected.field == f"response_format.{expected.kind}"
-    plain = conversion.generation_request(pb.GenerateRequest(prompt="x"), "r", [1], description(), arrival=0, deadline=None)
+    plain = conversion.generation_request(
+        pb.GenerateRequest(prompt="x"), "r", [1], description(), arrival=0, deadline=None
+    )
     assert plain.response_format is None
 
 
@@ -645,13 +719,25 @@ def test_a_constrained_call_compiles_its_format_once_and_counts_it(harness: Harn
         (pb.ResponseFormat(), "response_format", "set one of json_schema"),
         (pb.ResponseFormat(json_schema=""), "response_format.json_schema", "must not be empty"),
         (pb.ResponseFormat(json_schema="{not json"), "response_format.json_schema", "is not valid JSON"),
-        (pb.ResponseFormat(json_schema="[1, 2]"), "response_format.json_schema", "must be a JSON object (a JSON Schema document), got an array"),
-        (pb.ResponseFormat(json_schema='{"type": "unsupported"}'), "response_format.json_schema", "Unsupported keyword"),
+        (
+            pb.ResponseFormat(json_schema="[1, 2]"),
+            "response_format.json_schema",
+            "must be a JSON object (a JSON Schema document), got an array",
+        ),
+        (
+            pb.ResponseFormat(json_schema='{"type": "unsupported"}'),
+            "response_format.json_schema",
+            "Unsupported keyword",
+        ),
         (pb.ResponseFormat(json_object=False), "response_format.json_object", "must be true"),
         (pb.ResponseFormat(regex=""), "response_format.regex", "must not be empty"),
         (pb.ResponseFormat(regex="unsupported("), "response_format.regex", "Unsupported keyword"),
         (pb.ResponseFormat(choice=pb.Choice()), "response_format.choice.options", "at least one option"),
-        (pb.ResponseFormat(choice=pb.Choice(options=["a", "b\x00"])), "response_format.choice.options[1]", "not valid text"),
+        (
+            pb.ResponseFormat(choice=pb.Choice(options=["a", "b\x00"])),
+            "response_format.choice.options[1]",
+            "not valid text",
+        ),
         (pb.ResponseFormat(grammar="x" * (64 * 1024 + 1)), "response_format.grammar", "at most 65536"),
         (pb.ResponseFormat(grammar="root ::= unsupported"), "response_format.grammar", "Unsupported keyword"),
     ],

@@ -34,7 +34,9 @@ from tokenwire_server.transport.status import DRAINING
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(TEST_ENGINE != "vllm", reason="vLLM tests run under `make test-vllm` (TOKENWIRE_TEST_ENGINE=vllm)"),
+    pytest.mark.skipif(
+        TEST_ENGINE != "vllm", reason="vLLM tests run under `make test-vllm` (TOKENWIRE_TEST_ENGINE=vllm)"
+    ),
     pytest.mark.timeout(600),
 ]
 
@@ -104,7 +106,9 @@ def finished_line(server: ServerProcess, request_id: str) -> dict:
 def watch_until(target: str, service: str, status: int, within_s: float = STATE_WITHIN_S) -> None:
     """Follow grpc.health.v1 Watch of ``service`` until it reports ``status``."""
     with grpc.insecure_channel(target) as channel:
-        stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service), timeout=within_s)
+        stream = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=service), timeout=within_s
+        )
         seen = []
         try:
             for response in stream:
@@ -260,7 +264,10 @@ def test_drain_lets_the_stream_in_flight_finish(tiny_model_dir: Path) -> None:
     """
     tokens = 1000
     args = ["--model", str(tiny_model_dir), *VLLM, "--grace-period", "60", "--handoff-after-s", "0"]
-    with ServerProcess(args, ready_timeout=400) as server, grpc.insecure_channel(server.target, options=STALLING) as held:
+    with (
+        ServerProcess(args, ready_timeout=400) as server,
+        grpc.insecure_channel(server.target, options=STALLING) as held,
+    ):
         in_flight = pb_grpc.TextGenerationStub(held).Generate(
             long_request(tokens, output=HEAVY, request_id="in-flight"), timeout=300
         )
@@ -339,10 +346,15 @@ def test_usage_counts_vllm_prefix_cache_hits(small_server: ServerProcess) -> Non
 
 @pytest.mark.e2e
 def test_the_default_model_answers_on_vllm(default_model_dir: Path) -> None:
-    with ServerProcess(["--model", "default", *VLLM], ready_timeout=400) as server, grpc.insecure_channel(server.target) as channel:
+    with (
+        ServerProcess(["--model", "default", *VLLM], ready_timeout=400) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
         stub = pb_grpc.TextGenerationStub(channel)
         chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="What is the capital of France?")])
-        chunks = list(stub.Generate(pb.GenerateRequest(chat=chat, stopping=pb.StoppingCriteria(max_new_tokens=48)), timeout=300))
+        chunks = list(
+            stub.Generate(pb.GenerateRequest(chat=chat, stopping=pb.StoppingCriteria(max_new_tokens=48)), timeout=300)
+        )
         assert "Paris" in "".join(c.text for c in chunks)
         assert chunks[-1].finish_reason in (pb.FINISH_REASON_EOS, pb.FINISH_REASON_LENGTH)
 
@@ -358,14 +370,20 @@ def test_prefix_cache_off_and_a_resumed_stream_on_vllm(tiny_model_dir: Path) -> 
         stub = pb_grpc.TextGenerationStub(channel)
         cached = []
         for _ in range(2):
-            request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(temperature=0),
-                                         stopping=pb.StoppingCriteria(max_new_tokens=2, ignore_eos=True))
+            request = pb.GenerateRequest(
+                prompt=prompt,
+                sampling=pb.SamplingParams(temperature=0),
+                stopping=pb.StoppingCriteria(max_new_tokens=2, ignore_eos=True),
+            )
             cached.append(list(stub.Generate(request, timeout=60))[-1].usage.cached_prompt_tokens)
         assert cached == [0, 0]
 
-        request = pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(temperature=0),
-                                     stopping=pb.StoppingCriteria(max_new_tokens=40, ignore_eos=True),
-                                     output=pb.OutputOptions(token_ids=True))
+        request = pb.GenerateRequest(
+            prompt="hello",
+            sampling=pb.SamplingParams(temperature=0),
+            stopping=pb.StoppingCriteria(max_new_tokens=40, ignore_eos=True),
+            output=pb.OutputOptions(token_ids=True),
+        )
         uncut = list(stub.Generate(request, timeout=60))
         cut = 15
         request.resume.generated_token_ids.extend(t.id for c in uncut[:cut] for t in c.tokens)
@@ -399,8 +417,15 @@ def test_the_default_model_answers_in_a_json_schema_on_vllm(default_model_dir: P
 
     import jsonschema
 
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}}, "required": ["city", "country"]}
-    with ServerProcess(["--model", "default", *VLLM], ready_timeout=400) as server, grpc.insecure_channel(server.target) as channel:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+    }
+    with (
+        ServerProcess(["--model", "default", *VLLM], ready_timeout=400) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
         stub = pb_grpc.TextGenerationStub(channel)
         chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="What is the capital of France? Answer in JSON.")])
         request = pb.GenerateRequest(chat=chat, stopping=pb.StoppingCriteria(max_new_tokens=48),

@@ -160,7 +160,9 @@ class Zygote:
         # What the server's environment is once it has set its own defaults, before torch loads.
         effective = {"GOMP_SPINCOUNT": DEFAULT_OMP_SPIN_COUNT, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **env}
         changed = sorted(
-            k for k in set(base) | set(effective) if base.get(k) != effective.get(k) and not k.startswith(RUNTIME_VARIABLES)
+            k
+            for k in set(base) | set(effective)
+            if base.get(k) != effective.get(k) and not k.startswith(RUNTIME_VARIABLES)
         )
         return f"environment: {', '.join(changed)}" if changed else None
 

@@ -115,7 +115,9 @@ class AsyncClient(ClientBase):
 
     def _connect(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, str | int]]) -> None:
         self._channel = (
-            aio.insecure_channel(self.target, options) if creds is None else aio.secure_channel(self.target, creds, options)
+            aio.insecure_channel(self.target, options)
+            if creds is None
+            else aio.secure_channel(self.target, creds, options)
         )
         self._stub = pb_grpc.TextGenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

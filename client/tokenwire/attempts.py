@@ -29,7 +29,16 @@ from tokenwire.resume import Resumption
 from tokenwire.retry import RetryPolicy
 from tokenwire.v1 import generation_pb2 as pb
 
-__all__ = ["Attempt", "Deadline", "GiveUp", "Retry", "StreamAttempts", "UnaryAttempts", "health_failure", "health_status"]
+__all__ = [
+    "Attempt",
+    "Deadline",
+    "GiveUp",
+    "Retry",
+    "StreamAttempts",
+    "UnaryAttempts",
+    "health_failure",
+    "health_status",
+]
 
 Clock = Callable[[], float]
 
@@ -88,7 +97,11 @@ class _Attempts:
     """The attempts of one call against its retry policy and its one deadline."""
 
     def __init__(
-        self, retry: RetryPolicy, timeout: float | None, *, rng: random.Random | None = None,
+        self,
+        retry: RetryPolicy,
+        timeout: float | None,
+        *,
+        rng: random.Random | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
         self.retry = retry
@@ -127,8 +140,14 @@ class StreamAttempts(_Attempts):
     """
 
     def __init__(
-        self, request: pb.GenerateRequest, *, resume: bool, retry: RetryPolicy, timeout: float | None,
-        rng: random.Random | None = None, clock: Clock = time.monotonic,
+        self,
+        request: pb.GenerateRequest,
+        *,
+        resume: bool,
+        retry: RetryPolicy,
+        timeout: float | None,
+        rng: random.Random | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
         super().__init__(retry, timeout, rng=rng, clock=clock)
         self.request_id = request.request_id

@@ -186,9 +186,7 @@ async def _one_request(client: AsyncClient, prompt: str, chat: bool, params: dic
     usage_tokens: int | None = None
     itl: list[float] = []
     stream = (
-        client.generate(messages=[Message("user", prompt)], **params)
-        if chat
-        else client.generate(prompt, **params)
+        client.generate(messages=[Message("user", prompt)], **params) if chat else client.generate(prompt, **params)
     )
     try:
         async with stream:
@@ -315,8 +313,19 @@ def run_bench(
     """``run_bench_async`` in its own event loop, for callers that have none."""
     return asyncio.run(
         run_bench_async(
-            target, concurrency, requests, max_new_tokens, duration=duration, prompts=prompts, chat=chat,
-            temperature=temperature, seed=seed, tls=tls, token=token, timeout=timeout, retry=retry,
+            target,
+            concurrency,
+            requests,
+            max_new_tokens,
+            duration=duration,
+            prompts=prompts,
+            chat=chat,
+            temperature=temperature,
+            seed=seed,
+            tls=tls,
+            token=token,
+            timeout=timeout,
+            retry=retry,
             progress=progress,
         )
     )

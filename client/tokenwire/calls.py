@@ -234,7 +234,9 @@ class ClientBase(abc.ABC):
         """``generate_json``'s arguments: the Generate call that asks for an answer in
         ``schema``, and the schema the answer is parsed with."""
         options = json_options(params, schema)
-        call = self._generate_call(prompt, messages=messages, input_ids=input_ids, timeout=timeout, resume=resume, **options)
+        call = self._generate_call(
+            prompt, messages=messages, input_ids=input_ids, timeout=timeout, resume=resume, **options
+        )
         return call, schema
 
     def _chat_call(
@@ -259,7 +261,10 @@ class ClientBase(abc.ABC):
     ) -> UnaryCall[pb.TokenizeResponse, Tokenization]:
         """``tokenize``'s arguments."""
         request = build_tokenize_request(
-            text, messages=messages, return_tokens=return_tokens, return_offsets=return_offsets,
+            text,
+            messages=messages,
+            return_tokens=return_tokens,
+            return_offsets=return_offsets,
             limits=self.limits,
         )
         return self._unary_call(request, timeout, Tokenization.from_proto)

@@ -18,7 +18,13 @@ from pathlib import Path
 import grpc
 
 __all__ = [
-    "ChannelOptions", "PemSource", "TLSConfig", "channel_options", "credentials", "resolve_target", "trace_metadata",
+    "ChannelOptions",
+    "PemSource",
+    "TLSConfig",
+    "channel_options",
+    "credentials",
+    "resolve_target",
+    "trace_metadata",
 ]
 
 PemSource = bytes | str | Path
@@ -122,9 +128,7 @@ def resolve_target(target: str | Sequence[str]) -> str:
     return "ipv6:" + ",".join(v6)
 
 
-def channel_options(
-    *, tls: bool | TLSConfig = False, extra: Sequence[tuple[str, str | int]] = ()
-) -> ChannelOptions:
+def channel_options(*, tls: bool | TLSConfig = False, extra: Sequence[tuple[str, str | int]] = ()) -> ChannelOptions:
     options: ChannelOptions = [
         ("grpc.lb_policy_name", "round_robin"),
         ("grpc.service_config", _SERVICE_CONFIG),

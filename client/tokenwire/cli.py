@@ -103,8 +103,13 @@ def _connection_parser(retries: int = 4) -> argparse.ArgumentParser:
     group.add_argument("--server-name", help="name to check the server's certificate against")
     group.add_argument("--token-file", type=Path, help="file holding a bearer token (default: $TOKENWIRE_TOKEN)")
     group.add_argument("--timeout", type=float, help="deadline of each call in seconds, retries included")
-    group.add_argument("--retries", type=int, default=retries, help="retries of a refused call before the first chunk, and resumes of a cut stream after it "
-                       "(default: 4; bench: 0, so that overload shows as errors)")
+    group.add_argument(
+        "--retries",
+        type=int,
+        default=retries,
+        help="retries of a refused call before the first chunk, and resumes of a cut stream after it "
+        "(default: 4; bench: 0, so that overload shows as errors)",
+    )
     return parser
 
 
@@ -122,7 +127,11 @@ def _generation_parser() -> argparse.ArgumentParser:
     group.add_argument("--include-stop-sequence", action="store_true")
     group.add_argument("--ignore-eos", action="store_true")
     group.add_argument("--time-limit-ms", type=int)
-    group.add_argument("--priority", choices=("high", "normal", "low"), help="admission order among waiting calls (the server may cap it per tenant)")
+    group.add_argument(
+        "--priority",
+        choices=("high", "normal", "low"),
+        help="admission order among waiting calls (the server may cap it per tenant)",
+    )
     group.add_argument("--system", metavar="TEXT", help="system message (chat)")
     group.add_argument(
         "--no-resume",
@@ -149,13 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = commands.add_parser(
-        "generate", parents=[connection, generation], epilog=EPILOG, formatter_class=formatter,
+        "generate",
+        parents=[connection, generation],
+        epilog=EPILOG,
+        formatter_class=formatter,
         help="stream the completion of a prompt to stdout",
         description="Stream the completion of PROMPT (or stdin) to stdout as it arrives.",
     )
     gen.add_argument("prompt", nargs="?", help="the prompt; '-' or absent: read stdin")
     gen.add_argument(
-        "--chat", action="store_true",
+        "--chat",
+        action="store_true",
         help="send the prompt as a user message (chat template); without it the prompt is raw text, as in the RPC",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object per chunk")
@@ -164,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-logprobs", type=int, metavar="N")
     gen.add_argument("--request-id")
     gen.add_argument("--usage", action="store_true", help="print the finish reason and usage to stderr")
-    formats = gen.add_argument_group("response format (the answer follows it; at most one)").add_mutually_exclusive_group()
+    formats = gen.add_argument_group(
+        "response format (the answer follows it; at most one)"
+    ).add_mutually_exclusive_group()
     formats.add_argument("--json-schema", type=Path, metavar="FILE", help="a JSON Schema document ('-': stdin)")
     formats.add_argument("--json-object", action="store_true", help="any JSON object")
     formats.add_argument("--regex", metavar="PATTERN", help="a regular expression the whole answer matches")
@@ -172,19 +187,28 @@ def build_parser() -> argparse.ArgumentParser:
     formats.add_argument("--grammar", type=Path, metavar="FILE", help="a grammar: EBNF/GBNF (start rule root) or Lark")
 
     chat = commands.add_parser(
-        "chat", parents=[connection, generation], epilog=EPILOG, formatter_class=formatter,
+        "chat",
+        parents=[connection, generation],
+        epilog=EPILOG,
+        formatter_class=formatter,
         help="interactive chat that keeps the conversation",
         description="Chat with the model. Ctrl-C stops an answer; Ctrl-D or /exit quits; "
         "/reset forgets the conversation.",
     )
     chat.set_defaults(chat=True)
 
-    info = commands.add_parser("info", parents=[connection], epilog=EPILOG, formatter_class=formatter,
-                               help="describe the model and the server's limits")
+    info = commands.add_parser(
+        "info",
+        parents=[connection],
+        epilog=EPILOG,
+        formatter_class=formatter,
+        help="describe the model and the server's limits",
+    )
     info.add_argument("--json", action="store_true")
 
-    tok = commands.add_parser("tokenize", parents=[connection], epilog=EPILOG, formatter_class=formatter,
-                              help="show the token ids of a text")
+    tok = commands.add_parser(
+        "tokenize", parents=[connection], epilog=EPILOG, formatter_class=formatter, help="show the token ids of a text"
+    )
     tok.add_argument("text", help="the text ('-': read stdin)")
     tok.add_argument("--chat", action="store_true", help="tokenize as a user message with the chat template")
     tok.add_argument("--system", metavar="TEXT", help="system message (with --chat)")
@@ -193,14 +217,23 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--json", action="store_true")
 
     health = commands.add_parser(
-        "health", parents=[connection], epilog=EPILOG, formatter_class=formatter,
+        "health",
+        parents=[connection],
+        epilog=EPILOG,
+        formatter_class=formatter,
         help="grpc.health.v1 check; exit 0 only when SERVING",
     )
-    health.add_argument("--service", default="", help="service to check ('' is the whole server; "
-                        "tokenwire.v1.TextGeneration is readiness)")
+    health.add_argument(
+        "--service",
+        default="",
+        help="service to check ('' is the whole server; tokenwire.v1.TextGeneration is readiness)",
+    )
 
     bench = commands.add_parser(
-        "bench", parents=[_connection_parser(retries=0)], epilog=EPILOG, formatter_class=formatter,
+        "bench",
+        parents=[_connection_parser(retries=0)],
+        epilog=EPILOG,
+        formatter_class=formatter,
         help="drive the server with concurrent streams and report latency and throughput",
         description=f"Send concurrent streams over a set of {len(DEFAULT_PROMPTS)} short chat prompts, "
         "each generating exactly --max-new-tokens tokens (ignore_eos), and report throughput, "
@@ -228,7 +261,9 @@ def _tls(args: argparse.Namespace) -> bool | TLSConfig:
         if (args.cert_file is None) != (args.key_file is None):
             raise UsageError("--cert-file and --key-file go together")
         return TLSConfig(
-            root_certificates=args.ca_file, client_cert=args.cert_file, client_key=args.key_file,
+            root_certificates=args.ca_file,
+            client_cert=args.cert_file,
+            client_key=args.key_file,
             server_name=args.server_name,
         )
     return bool(args.tls)
@@ -254,15 +289,28 @@ def _client(args: argparse.Namespace) -> Client:
     if args.retries < 0:
         raise UsageError("--retries must be >= 0")
     return Client(
-        _target(args), tls=_tls(args), token=_token(args), timeout=args.timeout,
+        _target(args),
+        tls=_tls(args),
+        token=_token(args),
+        timeout=args.timeout,
         retry=RetryPolicy(max_attempts=args.retries + 1),
     )
 
 
 def _options(args: argparse.Namespace) -> GenerateOptions:
     options: GenerateOptions = {}
-    for name in ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_new_tokens",
-                 "min_new_tokens", "time_limit_ms", "top_logprobs", "request_id"):
+    for name in (
+        "temperature",
+        "top_k",
+        "top_p",
+        "repetition_penalty",
+        "seed",
+        "max_new_tokens",
+        "min_new_tokens",
+        "time_limit_ms",
+        "top_logprobs",
+        "request_id",
+    ):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
@@ -309,7 +357,6 @@ def _print_error(error: TokenwireError) -> None:
             print(f"  {violation}", file=sys.stderr)
     if error.retry_after is not None:
         print(f"  retry after {error.retry_after:.3g} s", file=sys.stderr)
-
 
 
 class CancelOnInterrupt:
@@ -531,9 +578,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts = [p for p in args.prompt_file.read_text().splitlines() if p.strip()]
     bar = None if args.no_progress else ProgressBar(sys.stderr)
     report = run_bench(
-        _target(args), args.concurrency, args.requests, args.max_new_tokens, duration=args.duration,
-        prompts=prompts, chat=not args.raw, temperature=args.temperature, seed=args.seed, tls=_tls(args),
-        token=_token(args), timeout=args.timeout, retry=RetryPolicy(max_attempts=args.retries + 1),
+        _target(args),
+        args.concurrency,
+        args.requests,
+        args.max_new_tokens,
+        duration=args.duration,
+        prompts=prompts,
+        chat=not args.raw,
+        temperature=args.temperature,
+        seed=args.seed,
+        tls=_tls(args),
+        token=_token(args),
+        timeout=args.timeout,
+        retry=RetryPolicy(max_attempts=args.retries + 1),
         progress=bar,
     )
     if bar is not None:

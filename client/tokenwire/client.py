@@ -146,7 +146,9 @@ class Client(ClientBase):
 
     def _connect(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, str | int]]) -> None:
         self._channel = (
-            grpc.insecure_channel(self.target, options) if creds is None else grpc.secure_channel(self.target, creds, options)
+            grpc.insecure_channel(self.target, options)
+            if creds is None
+            else grpc.secure_channel(self.target, creds, options)
         )
         self._stub = pb_grpc.TextGenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

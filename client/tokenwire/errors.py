@@ -88,9 +88,7 @@ class InvalidArgument(TokenwireError):
         self.field_violations: tuple[FieldViolation, ...] = tuple(field_violations)
 
     @classmethod
-    def from_violations(
-        cls, violations: Sequence[FieldViolation], *, request_id: str | None = None
-    ) -> InvalidArgument:
+    def from_violations(cls, violations: Sequence[FieldViolation], *, request_id: str | None = None) -> InvalidArgument:
         """The error the client raises itself when its own checks reject a request."""
         details = "; ".join(str(v) for v in violations)
         return cls(details, field_violations=violations, request_id=request_id)
@@ -236,9 +234,7 @@ def from_rpc_error(error: grpc.RpcError, *, request_id: str | None = None) -> To
             if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
                 bad_request = error_details_pb2.BadRequest()
                 detail.Unpack(bad_request)
-                violations.extend(
-                    FieldViolation(v.field, v.description) for v in bad_request.field_violations
-                )
+                violations.extend(FieldViolation(v.field, v.description) for v in bad_request.field_violations)
             elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
                 retry_info = error_details_pb2.RetryInfo()
                 detail.Unpack(retry_info)
@@ -254,7 +250,5 @@ def from_rpc_error(error: grpc.RpcError, *, request_id: str | None = None) -> To
 
     cls = error_class(code)
     if cls is InvalidArgument:
-        return InvalidArgument(
-            details, field_violations=violations, request_id=request_id, retry_after=retry_after
-        )
+        return InvalidArgument(details, field_violations=violations, request_id=request_id, retry_after=retry_after)
     return cls(details, code=code, request_id=request_id, retry_after=retry_after)

@@ -95,8 +95,11 @@ def build_generate_request(
     unknown = sorted(set(options) - _KNOWN)
     if unknown:
         raise TypeError(f"unknown generate parameter(s): {', '.join(unknown)}")
-    given = [name for name, value in (("prompt", prompt), ("messages", messages), ("input_ids", input_ids))
-             if value is not None]
+    given = [
+        name
+        for name, value in (("prompt", prompt), ("messages", messages), ("input_ids", input_ids))
+        if value is not None
+    ]
     if len(given) > 1:
         raise TypeError(f"give only one of prompt, messages or input_ids (got {' and '.join(given)})")
 
@@ -128,7 +131,9 @@ def build_generate_request(
         priority = options["priority"]
         if isinstance(priority, str):
             if priority not in PRIORITIES:
-                raise TypeError(f"priority must be one of {', '.join(PRIORITIES)} or a tokenwire.v1.Priority, got {priority!r}")
+                raise TypeError(
+                    f"priority must be one of {', '.join(PRIORITIES)} or a tokenwire.v1.Priority, got {priority!r}"
+                )
             priority = PRIORITIES[priority]
         request.priority = priority  # type: ignore[assignment]  # an unknown int is the validator's to refuse
 

@@ -71,12 +71,20 @@ class Rule(str, Enum):
     INVALID_UTF8 = "is not valid text (lone surrogate or NUL character)"
     UNPRINTABLE = "must be printable text (no control characters such as CR or LF)"
     NO_CHAT_TEMPLATE = "this model has no chat template; send a prompt or token_ids instead"
-    UNKNOWN_PRIORITY = "is {value}, not a Priority; expected PRIORITY_UNSPECIFIED (0), PRIORITY_HIGH (1) or PRIORITY_LOW (2)"
+    UNKNOWN_PRIORITY = (
+        "is {value}, not a Priority; expected PRIORITY_UNSPECIFIED (0), PRIORITY_HIGH (1) or PRIORITY_LOW (2)"
+    )
     PRIORITY_ABOVE_CAP = "{value} is above what tenant {tenant!r} may ask for (at most {limit})"
     NO_FORMAT = "set one of " + ", ".join(FORMAT_KINDS)
     FORMAT_TOO_LONG = "has {count} characters; at most " + str(MAX_FORMAT_CHARS) + " are allowed"
     NOT_JSON = "is not valid JSON: {error}"
-    SCHEMA_TOO_DEEP = "nests arrays and objects more than " + str(MAX_JSON_SCHEMA_DEPTH) + " levels deep; at most " + str(MAX_JSON_SCHEMA_DEPTH) + " are allowed"
+    SCHEMA_TOO_DEEP = (
+        "nests arrays and objects more than "
+        + str(MAX_JSON_SCHEMA_DEPTH)
+        + " levels deep; at most "
+        + str(MAX_JSON_SCHEMA_DEPTH)
+        + " are allowed"
+    )
     SCHEMA_NOT_OBJECT = "must be a JSON object (a JSON Schema document), got {kind}"
     JSON_OBJECT_FALSE = "must be true (leave response_format unset for free text)"
     NO_OPTIONS = "must hold at least one option"
@@ -212,11 +220,18 @@ def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> li
                 bad(f"resume.generated_token_ids[{i}]", Rule.TOKEN_OUT_OF_VOCAB, value=value, limit=limits.vocab_size)
                 break
     if request.stopping.HasField("max_new_tokens") and len(resumed) > request.stopping.max_new_tokens >= 1:
-        bad("resume.generated_token_ids", Rule.RESUME_OVER_MAX, count=len(resumed), limit=request.stopping.max_new_tokens)
+        bad(
+            "resume.generated_token_ids",
+            Rule.RESUME_OVER_MAX,
+            count=len(resumed),
+            limit=request.stopping.max_new_tokens,
+        )
     # Chunk indexes run from next_index up by at most one per token: they must stay a uint32.
     # Without max_new_tokens the server's cap bounds the stream (the server checks again with
     # the max_new_tokens it settles on).
-    most_new = request.stopping.max_new_tokens if request.stopping.HasField("max_new_tokens") else limits.max_new_tokens_limit
+    most_new = (
+        request.stopping.max_new_tokens if request.stopping.HasField("max_new_tokens") else limits.max_new_tokens_limit
+    )
     next_index = request.resume.next_index
     if most_new is not None and next_index + most_new > MAX_CHUNK_INDEX:
         bad("resume.next_index", Rule.RESUME_INDEX_OVERFLOW, value=next_index, limit=most_new)
@@ -329,7 +344,9 @@ def validate_chat(chat: pb.Chat, limits: Limits, field: str) -> list[FieldViolat
         return out
     for i, message in enumerate(messages):
         if message.role not in CHAT_ROLES:
-            out.append(FieldViolation(f"{field}.messages[{i}].role", Rule.UNKNOWN_ROLE.error(role=quoted(message.role))))
+            out.append(
+                FieldViolation(f"{field}.messages[{i}].role", Rule.UNKNOWN_ROLE.error(role=quoted(message.role)))
+            )
         if _bad_text(message.content):
             out.append(FieldViolation(f"{field}.messages[{i}].content", Rule.INVALID_UTF8.error()))
     return out

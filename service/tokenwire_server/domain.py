@@ -129,7 +129,9 @@ class ModelDescription:
 class PromptTooLong(ValueError):
     """The prompt (with the completion it asks for) does not fit the model's context."""
 
-    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int, *, at_least: bool = False, chars: int = 0) -> None:
+    def __init__(
+        self, prompt_tokens: int, max_new_tokens: int, context_length: int, *, at_least: bool = False, chars: int = 0
+    ) -> None:
         super().__init__(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new > context {context_length}")
         self.prompt_tokens = prompt_tokens
         self.max_new_tokens = max_new_tokens
@@ -183,7 +185,9 @@ class EmptyPrompt(ValueError):
     """The prompt encodes to no tokens: there is nothing to continue."""
 
 
-def fit_to_context(prompt_tokens: int, max_new_tokens: int | None, default_max_new_tokens: int, context_length: int) -> int:
+def fit_to_context(
+    prompt_tokens: int, max_new_tokens: int | None, default_max_new_tokens: int, context_length: int
+) -> int:
     """The context rule, in one place: how many tokens a request may generate.
 
     A prompt that fills the context, or an explicit ``max_new_tokens`` that does not
@@ -194,7 +198,9 @@ def fit_to_context(prompt_tokens: int, max_new_tokens: int | None, default_max_n
     if prompt_tokens == 0:
         raise EmptyPrompt("the prompt encodes to no tokens")
     wanted = default_max_new_tokens if max_new_tokens is None else max_new_tokens
-    if prompt_tokens >= context_length or (max_new_tokens is not None and prompt_tokens + max_new_tokens > context_length):
+    if prompt_tokens >= context_length or (
+        max_new_tokens is not None and prompt_tokens + max_new_tokens > context_length
+    ):
         raise PromptTooLong(prompt_tokens, wanted, context_length)
     return min(wanted, context_length - prompt_tokens)
 

@@ -83,7 +83,9 @@ class Intake:
         self._prepare = prepare  # the compiler's one-time set-up (reads the vocabulary): never timed
         self._prepared = False
         self.timeout_s = timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=encode_threads, thread_name_prefix="tokenwire-encode")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=encode_threads, thread_name_prefix="tokenwire-encode"
+        )
         self._bulk = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenwire-encode-bulk")
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=COMPILE_THREADS, thread_name_prefix="tokenwire-grammar"

@@ -41,7 +41,9 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         extras = " ".join(
-            f"{k}={escape_controls(str(v))}" for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")
+            f"{k}={escape_controls(str(v))}"
+            for k, v in record.__dict__.items()
+            if k not in _STANDARD and not k.startswith("_")
         )
         line = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname:<7} {escape_controls(record.getMessage())}"
         if extras:

@@ -48,8 +48,12 @@ class _TenantCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         labels = ["tenant", "priority"]
-        active = GaugeMetricFamily("tokenwire_tenant_active_streams", "Requests generating now, per tenant and priority", labels=labels)
-        queued = GaugeMetricFamily("tokenwire_tenant_queue_depth", "Requests waiting for a slot, per tenant and priority", labels=labels)
+        active = GaugeMetricFamily(
+            "tokenwire_tenant_active_streams", "Requests generating now, per tenant and priority", labels=labels
+        )
+        queued = GaugeMetricFamily(
+            "tokenwire_tenant_queue_depth", "Requests waiting for a slot, per tenant and priority", labels=labels
+        )
         for load in self.stats().tenants if self.stats is not None else ():
             active.add_metric([load.tenant, load.priority], load.active)
             queued.add_metric([load.tenant, load.priority], load.queued)
@@ -64,7 +68,9 @@ class _GpuCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         if self._memory is not None:
             allocated = GaugeMetricFamily(CUDA_METRIC_NAMES[0], "GPU memory held by tensors (torch)", labels=["device"])
-            reserved = GaugeMetricFamily(CUDA_METRIC_NAMES[1], "GPU memory reserved by torch's allocator", labels=["device"])
+            reserved = GaugeMetricFamily(
+                CUDA_METRIC_NAMES[1], "GPU memory reserved by torch's allocator", labels=["device"]
+            )
             total = GaugeMetricFamily(CUDA_METRIC_NAMES[2], "GPU memory on the device", labels=["device"])
             for device, (a, r, t) in self._memory().items():
                 allocated.add_metric([device], a)
@@ -72,7 +78,9 @@ class _GpuCollector(Collector):
                 total.add_metric([device], t)
             yield from (allocated, reserved, total)
         if self._utilisation is not None:
-            busy = GaugeMetricFamily(NVML_METRIC_NAMES[0], "GPU busy fraction over the last sample (NVML)", labels=["device"])
+            busy = GaugeMetricFamily(
+                NVML_METRIC_NAMES[0], "GPU busy fraction over the last sample (NVML)", labels=["device"]
+            )
             used = GaugeMetricFamily(NVML_METRIC_NAMES[1], "GPU memory used by all processes (NVML)", labels=["device"])
             for device, (u, m) in self._utilisation().items():
                 busy.add_metric([device], u)
@@ -110,22 +118,35 @@ class Metrics:
             "tokenwire_requests", "Finished calls by method and gRPC status code", ["method", "code"], registry=r
         )
         self.ttft = Histogram(
-            "tokenwire_time_to_first_token_seconds", "Arrival to first streamed text", buckets=_LATENCY_BUCKETS, registry=r
+            "tokenwire_time_to_first_token_seconds",
+            "Arrival to first streamed text",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
             "tokenwire_inter_token_latency_seconds", "Gap between streamed chunks", buckets=_ITL_BUCKETS, registry=r
         )
         self.latency = Histogram(
-            "tokenwire_request_duration_seconds", "Arrival to end of call", ["method"], buckets=_LATENCY_BUCKETS, registry=r
+            "tokenwire_request_duration_seconds",
+            "Arrival to end of call",
+            ["method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.queue_wait = Histogram(
             "tokenwire_queue_wait_seconds", "Arrival to admission into the engine", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.prefill_step_seconds = Histogram(
-            "tokenwire_prefill_step_seconds", "Time of one engine step that reads prompt tokens", buckets=_STEP_BUCKETS, registry=r
+            "tokenwire_prefill_step_seconds",
+            "Time of one engine step that reads prompt tokens",
+            buckets=_STEP_BUCKETS,
+            registry=r,
         )
         self.decode_step_seconds = Histogram(
-            "tokenwire_decode_step_seconds", "Time of one engine decode step over the batch", buckets=_STEP_BUCKETS, registry=r
+            "tokenwire_decode_step_seconds",
+            "Time of one engine decode step over the batch",
+            buckets=_STEP_BUCKETS,
+            registry=r,
         )
         self.step_host_seconds = Histogram(
             "tokenwire_decode_step_host_seconds",
@@ -218,12 +239,18 @@ class Metrics:
             "Streams out of the batch until their readers catch up: holding no slot, KV blocks or queue place",
             registry=r,
         )
-        self.max_active = Gauge("tokenwire_max_active_streams", "Most streams generating at once (--max-active)", registry=r)
+        self.max_active = Gauge(
+            "tokenwire_max_active_streams", "Most streams generating at once (--max-active)", registry=r
+        )
         self.max_queue = Gauge("tokenwire_max_queue_depth", "Most requests that may wait (--max-queue)", registry=r)
         self.kv_reserved = Gauge(
-            "tokenwire_kv_cache_tokens_reserved", "KV-cache tokens held or promised by admitted requests (their worst case, in whole blocks)", registry=r
+            "tokenwire_kv_cache_tokens_reserved",
+            "KV-cache tokens held or promised by admitted requests (their worst case, in whole blocks)",
+            registry=r,
         )
-        self.kv_budget = Gauge("tokenwire_kv_cache_tokens_budget", "KV-cache budget in tokens (--kv-cache-tokens)", registry=r)
+        self.kv_budget = Gauge(
+            "tokenwire_kv_cache_tokens_budget", "KV-cache budget in tokens (--kv-cache-tokens)", registry=r
+        )
         self.ready = Gauge("tokenwire_ready", "1 while readiness is SERVING", registry=r)
         self.live = Gauge("tokenwire_live", "1 while liveness is SERVING", registry=r)
         self._http: Any = None

@@ -112,7 +112,19 @@ def cpu_instruction_sets(capabilities: dict[str, Any] | None = None) -> list[str
     """The instruction sets that decide a CPU's fast precision, as torch sees them (for logs
     and for every benchmark figure)."""
     caps = capabilities if capabilities is not None else torch.cpu.get_capabilities()
-    names = ("avx2", "fma3", "avx512_f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
+    names = (
+        "avx2",
+        "fma3",
+        "avx512_f",
+        "avx512_vnni",
+        "avx512_bf16",
+        "avx512_fp16",
+        "avx_vnni",
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+        "amx_fp16",
+    )
     return [name for name in names if caps.get(name)]
 
 
@@ -194,7 +206,9 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def fit_kv_budget(tokens: int, derived: bool, bytes_per_token: int, free_bytes: int, headroom: float = 0.9) -> tuple[int, str]:
+def fit_kv_budget(
+    tokens: int, derived: bool, bytes_per_token: int, free_bytes: int, headroom: float = 0.9
+) -> tuple[int, str]:
     """The KV budget checked against free device memory after loading: (budget, message).
 
     A derived budget (``--kv-cache-tokens 0``) that does not fit is lowered to what fits in
@@ -391,14 +405,23 @@ def quality_gate(quantization: str, device: str, allow_unmet: bool) -> None:
             f"'Quality'). Serve it anyway with --allow-unmet-quality-bar"
         )
     if meets is not True:
-        log.warning("quantization below or without a measured quality bar", extra={"quantization": quantization, "figures": figures})
+        log.warning(
+            "quantization below or without a measured quality bar",
+            extra={"quantization": quantization, "figures": figures},
+        )
     else:
         log.info("quantization quality", extra={"quantization": quantization, "figures": figures})
 
 
 def load_model(
-    model: str, *, device: str = "auto", dtype: str = "auto", cache_dir: str = "", quantization: str = "none",
-    allow_unmet_quality_bar: bool = True, phases: Callable[[str], AbstractContextManager[None]] | None = None,
+    model: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    cache_dir: str = "",
+    quantization: str = "none",
+    allow_unmet_quality_bar: bool = True,
+    phases: Callable[[str], AbstractContextManager[None]] | None = None,
 ) -> LoadedModel:
     """The model and its tokenizer, ready to run; ``phases`` times the steps (start-up's log line)."""
     phase = phases or (lambda name: contextlib.nullcontext())
@@ -439,7 +462,9 @@ def load_model(
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model from {folder}: {exc}") from exc
     lm.eval()
-    vocab_size_loaded = int(lm.get_output_embeddings().weight.shape[0]) if lm.get_output_embeddings() is not None else None
+    vocab_size_loaded = (
+        int(lm.get_output_embeddings().weight.shape[0]) if lm.get_output_embeddings() is not None else None
+    )
     if quantization != "none":
         try:
             report = quantize_model(lm, quantization, torch.device(device_name), capability)

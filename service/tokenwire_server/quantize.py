@@ -132,7 +132,17 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mapping, choose, quantize = _torchao_quantizer()
     w = weight.detach().float()
     block = (1, w.shape[1])
-    scale, zero = choose(w, mapping.SYMMETRIC, block, torch.int8, quant_min=-128, quant_max=127, eps=torch.finfo(torch.float32).eps, scale_dtype=torch.float32, zero_point_dtype=torch.int8)
+    scale, zero = choose(
+        w,
+        mapping.SYMMETRIC,
+        block,
+        torch.int8,
+        quant_min=-128,
+        quant_max=127,
+        eps=torch.finfo(torch.float32).eps,
+        scale_dtype=torch.float32,
+        zero_point_dtype=torch.int8,
+    )
     qdata = quantize(w, block, scale, zero, torch.int8, quant_min=-128, quant_max=127)
     return qdata.contiguous(), scale.reshape(-1).float().contiguous()
 
@@ -150,7 +160,9 @@ class Int8Linear(torch.nn.Module):
     scale: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None) -> None:
+    def __init__(
+        self, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None
+    ) -> None:
         super().__init__()
         self.in_features = int(qdata.shape[1])
         self.out_features = int(qdata.shape[0])
@@ -224,7 +236,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(_tensor_bytes(t, seen) for t in [*model.parameters(), *model.buffers()] if t is not None)
 
 
-def quantize_model(model: torch.nn.Module, mode: str, device: torch.device, capability: tuple[int, int] | None = None) -> dict[str, Any]:
+def quantize_model(
+    model: torch.nn.Module, mode: str, device: torch.device, capability: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """Quantize ``model``'s linear layers in place; returns what was done, for the log.
 
     Raises ``QuantizationError`` when ``mode`` is not offered on ``device``.
@@ -255,4 +269,10 @@ def quantize_model(model: torch.nn.Module, mode: str, device: torch.device, capa
         quantize_(model, ao_config)
         kernel = "torchao"
     after = weight_bytes(model)
-    return {"quantization": mode, "linear_layers": layers, "kernel": kernel, "weight_bytes_before": before, "weight_bytes_after": after}
+    return {
+        "quantization": mode,
+        "linear_layers": layers,
+        "kernel": kernel,
+        "weight_bytes_before": before,
+        "weight_bytes_after": after,
+    }

@@ -94,7 +94,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if sum(1 for key, _ in metadata or () if key == "authorization") > 1:
             # Which one would count is a guess the caller and a proxy in between may make
             # differently: refuse rather than take the first.
-            return _refusing(handler, "more than one 'authorization' header; send exactly one 'authorization: Bearer <token>'")
+            return _refusing(
+                handler, "more than one 'authorization' header; send exactly one 'authorization: Bearer <token>'"
+            )
         presented = _bearer(metadata).encode()
         # Every token is compared (constant time each): the time taken says nothing of which matched.
         matched = [hmac.compare_digest(presented, expected) for expected in self._expected]

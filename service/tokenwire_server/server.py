@@ -160,7 +160,12 @@ class TokenwireServer:
         self._server = server
         log.info(
             "listening",
-            extra={"port": self.port, "host": config.host, "tls": bool(config.tls_cert), "mtls": bool(config.tls_client_ca)},
+            extra={
+                "port": self.port,
+                "host": config.host,
+                "tls": bool(config.tls_cert),
+                "mtls": bool(config.tls_client_ca),
+            },
         )
 
     def start_metrics(self) -> None:
@@ -190,7 +195,10 @@ class TokenwireServer:
         finally:
             loader.shutdown(wait=False)  # its thread, and with it its OpenMP pool, ends
         if self.draining:  # a signal came while the model loaded: nothing is served (drain said "stopped")
-            log.info("start-up stopped: a signal came while the model loaded", extra={"seconds": round(time.monotonic() - started, 2)})
+            log.info(
+                "start-up stopped: a signal came while the model loaded",
+                extra={"seconds": round(time.monotonic() - started, 2)},
+            )
             await backend.close()
             return
         self.backend = backend
@@ -353,7 +361,12 @@ class TokenwireServer:
                     f"{context + VLLM_RESERVED_TOKENS}, or 0 to derive it"
                 )
             tokens = kv_cache_budget(
-                config.kv_cache_tokens, config.max_active, context, per_token, blocks=False, reserved=VLLM_RESERVED_TOKENS
+                config.kv_cache_tokens,
+                config.max_active,
+                context,
+                per_token,
+                blocks=False,
+                reserved=VLLM_RESERVED_TOKENS,
             ).tokens
             kv_bytes = max(256 << 20, tokens * per_token)
         settings = VllmSettings(
@@ -390,7 +403,9 @@ class TokenwireServer:
                 continue
             stalled = backend.stalled(self.config.stall_timeout)
             if stalled and self.health.live:
-                log.error("engine loop made no progress; liveness NOT_SERVING", extra={"timeout_s": self.config.stall_timeout})
+                log.error(
+                    "engine loop made no progress; liveness NOT_SERVING", extra={"timeout_s": self.config.stall_timeout}
+                )
             await self.health.set_live(not stalled)
 
     async def drain(self, reason: str = "signal") -> None:
@@ -406,7 +421,10 @@ class TokenwireServer:
         grace = self.config.grace_period
         self.draining = True
         self._servicer.begin_drain()
-        log.info("draining", extra={"reason": reason, "grace_period_s": grace, "calls_in_flight": self._servicer.calls.in_flight})
+        log.info(
+            "draining",
+            extra={"reason": reason, "grace_period_s": grace, "calls_in_flight": self._servicer.calls.in_flight},
+        )
         started = time.monotonic()
         await self.health.set_ready(False)
         if self._preparing is not None:
@@ -477,7 +495,12 @@ async def warm_up(backend: GenerationBackend, phases: StartupPhases | None = Non
     prompt = ChatPrompt((("user", text),)) if backend.describe().has_chat_template else TextPrompt(text)
     with (phases or StartupPhases())("warmup"):
         encoding = await backend.encode(prompt)
-        await _generate_once(backend, GenerationRequest("warm-up", encoding.ids, SamplingOptions(temperature=0.0), max_new_tokens=4, ignore_eos=True))
+        await _generate_once(
+            backend,
+            GenerationRequest(
+                "warm-up", encoding.ids, SamplingOptions(temperature=0.0), max_new_tokens=4, ignore_eos=True
+            ),
+        )
 
 
 async def prepare_formats(backend: GenerationBackend) -> None:
@@ -512,6 +535,7 @@ async def _generate_once(backend: GenerationBackend, request: GenerationRequest)
 async def serve(config: ServerConfig) -> int:
     server = TokenwireServer(config)
     loop = asyncio.get_running_loop()
+
     def on_signal(sig: signal.Signals) -> None:
         asyncio.ensure_future(server.drain(sig.name))
 

@@ -106,7 +106,9 @@ def tenants_from_mapping(data: Mapping[str, object], source: str = "tenant confi
     for name, table in tables.items():
         where = f"{source}: [tenants.{name}]"
         if not name or not name.isprintable() or len(name) > 128:
-            raise TenantConfigError(f"{where}: a tenant name is 1-128 printable characters (a certificate's common name may hold spaces: quote it)")
+            raise TenantConfigError(
+                f"{where}: a tenant name is 1-128 printable characters (a certificate's common name may hold spaces: quote it)"
+            )
         if not isinstance(table, dict):
             raise TenantConfigError(f"{where}: must be a table")
         unknown = set(table) - _KEYS
@@ -119,11 +121,15 @@ def tenants_from_mapping(data: Mapping[str, object], source: str = "tenant confi
         for key in ("max_active", "max_queued", "tokens_per_minute"):
             value = table.get(key, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise TenantConfigError(f"{where}: {key} must be an integer >= 0 (0: no limit of its own), got {value!r}")
+                raise TenantConfigError(
+                    f"{where}: {key} must be an integer >= 0 (0: no limit of its own), got {value!r}"
+                )
             counts[key] = value
         priority_name = table.get("max_priority", "high")
         if priority_name not in PRIORITY_NAMES:
-            raise TenantConfigError(f"{where}: max_priority must be one of {sorted(PRIORITY_NAMES)}, got {priority_name!r}")
+            raise TenantConfigError(
+                f"{where}: max_priority must be one of {sorted(PRIORITY_NAMES)}, got {priority_name!r}"
+            )
         policies.append(TenantPolicy(name, float(weight), max_priority=PRIORITY_NAMES[str(priority_name)], **counts))
     return Tenants(policies)
 

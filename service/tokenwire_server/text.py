@@ -225,7 +225,9 @@ class PromptEncoder:
                 return Encoding([], text, truncated=True, chars=len(text))
             cut = {"truncation": True, "max_length": max_tokens + 1}
         # A rendered chat already holds its special tokens; raw text gets the model's usual ones.
-        encoded = tokenizer(text, add_special_tokens=not templated, return_offsets_mapping=offsets and tokenizer.is_fast, **cut)
+        encoded = tokenizer(
+            text, add_special_tokens=not templated, return_offsets_mapping=offsets and tokenizer.is_fast, **cut
+        )
         ids = [int(i) for i in encoded["input_ids"]]
         spans = [(int(a), int(b)) for a, b in encoded.get("offset_mapping", [])] if offsets else []
         over = max_tokens is not None and len(ids) > max_tokens

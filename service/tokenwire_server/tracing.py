@@ -142,10 +142,14 @@ class OtlpTracing:
         if endpoint is not None:
             insecure = endpoint.startswith("http://") or None  # https://: TLS; else as the variables say
         exporter = OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
-        self.endpoint = endpoint or next((os.environ[v] for v in ENDPOINT_VARIABLES if os.environ.get(v, "").strip()), "")
+        self.endpoint = endpoint or next(
+            (os.environ[v] for v in ENDPOINT_VARIABLES if os.environ.get(v, "").strip()), ""
+        )
         detected = Resource.create()
         service = {} if _service_named() else {SERVICE_NAME: DEFAULT_SERVICE_NAME}
-        self._provider: TracerProvider = TracerProvider(resource=detected.merge(Resource(service)), shutdown_on_exit=False)
+        self._provider: TracerProvider = TracerProvider(
+            resource=detected.merge(Resource(service)), shutdown_on_exit=False
+        )
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer: Tracer = self._provider.get_tracer("tokenwire_server")
         self._propagator = TraceContextTextMapPropagator()

@@ -91,8 +91,14 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
         with self.lock:
             return self.lock.wait_for(lambda: predicate(self), timeout)
 
-    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str,
-               details: list[any_pb2.Any] | None = None, trailer_ms: int | None = None) -> None:
+    def _abort(
+        self,
+        context: grpc.ServicerContext,
+        code: grpc.StatusCode,
+        message: str,
+        details: list[any_pb2.Any] | None = None,
+        trailer_ms: int | None = None,
+    ) -> None:
         status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message)
         for detail in details or ():
             status.details.append(detail)
@@ -157,8 +163,7 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
                 any_info = any_pb2.Any()
                 any_info.Pack(info)
                 details.append(any_info)
-            fail(script.refuse_code, f"{self.name} is full", details,
-                        trailer_ms=script.pushback_trailer_ms)
+            fail(script.refuse_code, f"{self.name} is full", details, trailer_ms=script.pushback_trailer_ms)
 
         violations = validate_generate_request(
             request, Limits(max_new_tokens_limit=script.max_new_tokens_limit, vocab_size=VOCAB_SIZE)
@@ -194,8 +199,11 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
                 fail_after, text = int(arg), rest
 
         words = _words(text)
-        max_new = request.stopping.max_new_tokens if request.stopping.HasField("max_new_tokens") \
+        max_new = (
+            request.stopping.max_new_tokens
+            if request.stopping.HasField("max_new_tokens")
             else script.default_max_new_tokens
+        )
         if request.stopping.ignore_eos:
             words = [words[i % len(words)] for i in range(max_new)]
         finish = pb.FINISH_REASON_LENGTH if request.stopping.ignore_eos else pb.FINISH_REASON_EOS

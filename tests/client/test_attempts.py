@@ -53,10 +53,17 @@ def unavailable(*trailing: tuple[str, str]) -> FakeRpcError:
     return FakeRpcError(grpc.StatusCode.UNAVAILABLE, "replica gone", trailing)
 
 
-def stream(req: pb.GenerateRequest | None = None, *, resume: bool = True, timeout: float | None = 10.0,
-           retry: RetryPolicy = POLICY, clock: Clock | None = None) -> StreamAttempts:
-    return StreamAttempts(request() if req is None else req, resume=resume, retry=retry, timeout=timeout,
-                          clock=clock or Clock())
+def stream(
+    req: pb.GenerateRequest | None = None,
+    *,
+    resume: bool = True,
+    timeout: float | None = 10.0,
+    retry: RetryPolicy = POLICY,
+    clock: Clock | None = None,
+) -> StreamAttempts:
+    return StreamAttempts(
+        request() if req is None else req, resume=resume, retry=retry, timeout=timeout, clock=clock or Clock()
+    )
 
 
 def started(attempts: StreamAttempts) -> Attempt:

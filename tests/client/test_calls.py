@@ -272,4 +272,3 @@ def test_no_attempt_starts_past_the_deadline():
     with pytest.raises(tokenwire.DeadlineExceeded):
         stream._next_attempt()
     assert stream.attempts == 0
-

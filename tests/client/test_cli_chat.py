@@ -37,7 +37,11 @@ class Terminal:
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", LAUNCH_SIGINT_IGNORED if sigint_ignored else LAUNCH, *command],
-                stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
+                stdin=slave,
+                stdout=slave,
+                stderr=slave,
+                env=env,
+                start_new_session=True,
             )
         finally:
             os.close(slave)

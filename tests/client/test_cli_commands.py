@@ -65,8 +65,14 @@ def test_invalid_argument_exits_2_with_the_rule(tw, fake):
 
 @pytest.mark.parametrize(
     ("code", "status"),
-    [("UNAVAILABLE", 4), ("RESOURCE_EXHAUSTED", 5), ("FAILED_PRECONDITION", 3), ("INTERNAL", 1),
-     ("PERMISSION_DENIED", 7), ("NOT_FOUND", 8)],
+    [
+        ("UNAVAILABLE", 4),
+        ("RESOURCE_EXHAUSTED", 5),
+        ("FAILED_PRECONDITION", 3),
+        ("INTERNAL", 1),
+        ("PERMISSION_DENIED", 7),
+        ("NOT_FOUND", 8),
+    ],
 )
 def test_exit_code_by_status(tw, code, status):
     result = tw("generate", f"error:{code} x", "--retries", "0")
@@ -121,7 +127,10 @@ def test_token_from_file_and_environment(tw, fake, tmp_path):
 
 def test_target_from_environment(fake, cli_env):
     result = subprocess.run(
-        [sys.executable, "-m", "tokenwire", "health"], capture_output=True, text=True, timeout=30,
+        [sys.executable, "-m", "tokenwire", "health"],
+        capture_output=True,
+        text=True,
+        timeout=30,
         env={**cli_env, "TOKENWIRE_TARGET": fake.address},
     )
     assert result.returncode == 0 and result.stdout.strip() == "SERVING"
@@ -157,8 +166,9 @@ def test_health_exit_codes(tw, fake):
 
 def test_usage_errors_and_help(cli_env):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "tokenwire", *args], capture_output=True, text=True,
-                              timeout=30, env=cli_env)
+        return subprocess.run(
+            [sys.executable, "-m", "tokenwire", *args], capture_output=True, text=True, timeout=30, env=cli_env
+        )
 
     assert run().returncode == 2
     assert run("generate", "--temperature", "hot").returncode == 2

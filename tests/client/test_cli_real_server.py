@@ -75,7 +75,9 @@ def test_info_tokenize_health_and_bench(target: str) -> None:
     unknown = tokenwire("health", "--target", target, "--service", "no.such.Service")
     assert unknown.returncode != 0
 
-    bench = tokenwire("bench", "--target", target, "-c", "2", "-n", "4", "--max-new-tokens", "8", "--json", "--no-progress")
+    bench = tokenwire(
+        "bench", "--target", target, "-c", "2", "-n", "4", "--max-new-tokens", "8", "--json", "--no-progress"
+    )
     assert bench.returncode == 0, bench.stderr
     report = json.loads(bench.stdout)
     assert (report["requests"], report["succeeded"], report["failed"], report["errors"]) == (4, 4, 0, {})
@@ -83,13 +85,21 @@ def test_info_tokenize_health_and_bench(target: str) -> None:
 
 
 def test_generate_follows_a_json_schema_a_regex_and_a_choice(target: str, tmp_path: Path) -> None:
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}}, "required": ["ok", "color"]}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+        "required": ["ok", "color"],
+    }
     (tmp_path / "schema.json").write_text(json.dumps(schema))
     base = ("generate", "--target", target, "--temperature", "0", "--max-new-tokens", "40", "--usage")
     done = tokenwire(*base, "--json-schema", str(tmp_path / "schema.json"), "Describe it as JSON")
     assert done.returncode == 0, done.stderr
     answer = json.loads(done.stdout)
-    assert set(answer) == {"ok", "color"} and answer["color"] in ("red", "green") and "finish_reason: eos" in done.stderr.lower()
+    assert (
+        set(answer) == {"ok", "color"}
+        and answer["color"] in ("red", "green")
+        and "finish_reason: eos" in done.stderr.lower()
+    )
     choice = tokenwire(*base, "--choice", "yes,no, maybe", "Well?")
     assert choice.returncode == 0 and choice.stdout.strip() in ("yes", "no", "maybe"), choice
     code = tokenwire(*base, "--regex", "[0-9]{3}-[a-z]{2}", "Code?")

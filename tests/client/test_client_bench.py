@@ -68,16 +68,47 @@ def test_progress_bar_draws_on_a_terminal():
 
 def test_bench_command(fake, cli_env):
     result = subprocess.run(
-        [sys.executable, "-m", "tokenwire", "bench", "--target", fake.address, "--requests", "2",
-         "--concurrency", "2", "--max-new-tokens", "4", "--json"],
-        capture_output=True, text=True, timeout=30, env=cli_env,
+        [
+            sys.executable,
+            "-m",
+            "tokenwire",
+            "bench",
+            "--target",
+            fake.address,
+            "--requests",
+            "2",
+            "--concurrency",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=cli_env,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["requests"] == 2 and report["output_tokens"] == 8 and report["errors"] == {}
     text = subprocess.run(
-        [sys.executable, "-m", "tokenwire", "bench", "--target", fake.address, "-n", "2", "-c", "1",
-         "--max-new-tokens", "4"],
-        capture_output=True, text=True, timeout=30, env=cli_env,
+        [
+            sys.executable,
+            "-m",
+            "tokenwire",
+            "bench",
+            "--target",
+            fake.address,
+            "-n",
+            "2",
+            "-c",
+            "1",
+            "--max-new-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=cli_env,
     )
     assert text.returncode == 0 and "TTFT" in text.stdout and "inter-token" in text.stdout

@@ -46,16 +46,15 @@ def test_retry_info_and_pushback_trailer():
     trailer = _status_trailer(code_pb2.RESOURCE_EXHAUSTED, "full", info)
     error = from_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", [trailer]))
     assert isinstance(error, tokenwire.Overloaded) and error.retry_after == pytest.approx(1.5)
-    error = from_rpc_error(
-        FakeRpcError(grpc.StatusCode.UNAVAILABLE, "draining", [("grpc-retry-pushback-ms", "750")])
-    )
+    error = from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "draining", [("grpc-retry-pushback-ms", "750")]))
     assert isinstance(error, tokenwire.Unavailable) and error.retry_after == pytest.approx(0.75)
 
 
 def test_request_id_trailer_and_malformed_details():
     error = from_rpc_error(
         FakeRpcError(
-            grpc.StatusCode.INTERNAL, "boom",
+            grpc.StatusCode.INTERNAL,
+            "boom",
             [("x-request-id", "srv-7"), ("grpc-status-details-bin", b"\xff\x00garbage")],
         ),
         request_id="mine",

@@ -64,7 +64,11 @@ def test_base_install_has_the_client_and_no_torch(fake, tmp_path):
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     install = subprocess.run(
         [str(python), "-m", "pip", "install", "-q", str(project)],
-        capture_output=True, text=True, timeout=540, env=env, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=env,
+        cwd=tmp_path,
     )
     assert install.returncode == 0, install.stdout + install.stderr
 
@@ -76,6 +80,10 @@ def test_base_install_has_the_client_and_no_torch(fake, tmp_path):
 
     health = subprocess.run(
         [str(venv / "bin" / "tokenwire"), "health", "--target", fake.address],
-        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
     )
     assert health.returncode == 0 and health.stdout.strip() == "SERVING", health.stderr

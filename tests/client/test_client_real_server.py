@@ -122,8 +122,11 @@ def test_health_of_an_unreachable_server_is_unavailable():
 
 def test_generate_streams_what_generate_text_returns(client, tiny_server):
     request_id = rid("stream")
-    chunks = list(client.generate("Once upon a time", max_new_tokens=8, ignore_eos=True, token_ids=True,
-                                  logprobs=True, request_id=request_id))
+    chunks = list(
+        client.generate(
+            "Once upon a time", max_new_tokens=8, ignore_eos=True, token_ids=True, logprobs=True, request_id=request_id
+        )
+    )
     assert [c.index for c in chunks] == list(range(len(chunks)))
     assert {c.request_id for c in chunks} == {request_id}
     assert all(c.finish_reason is None and c.usage is None for c in chunks[:-1])
@@ -171,7 +174,7 @@ def test_chat_and_tokenize(client, tiny_server):
     plain = client.tokenize("Hello world", return_tokens=True, return_offsets=True)
     assert plain.count == len(plain.ids) == len(plain.tokens) == len(plain.offsets) >= 2
     assert plain.text == "Hello world"
-    assert [plain.text[o.start:o.end] for o in plain.offsets][0] == "Hello"
+    assert [plain.text[o.start : o.end] for o in plain.offsets][0] == "Hello"
 
     async def main():
         async with tokenwire.AsyncClient(tiny_server.target, timeout=30) as aclient:
@@ -200,29 +203,59 @@ MISTAKES: list[tuple[str, dict[str, Any], Callable[[], pb.GenerateRequest]]] = [
     ("no input", {}, lambda: pb.GenerateRequest()),
     ("NUL in prompt", {"prompt": "a\x00b"}, lambda: pb.GenerateRequest(prompt="a\x00b")),
     ("no messages", {"messages": []}, lambda: _with_empty_chat()),
-    ("unknown role", {"messages": [("robot", "hi"), ("user", "ok")]},
-     lambda: pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="robot", content="hi"),
-                                                        pb.ChatMessage(role="user", content="ok")]))),
+    (
+        "unknown role",
+        {"messages": [("robot", "hi"), ("user", "ok")]},
+        lambda: pb.GenerateRequest(
+            chat=pb.Chat(
+                messages=[pb.ChatMessage(role="robot", content="hi"), pb.ChatMessage(role="user", content="ok")]
+            )
+        ),
+    ),
     ("empty token ids", {"input_ids": []}, lambda: _with_empty_ids()),
-    ("id outside vocab", {"input_ids": [5, 49152]},
-     lambda: pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 49152]))),
-    ("bad sampling", {"prompt": "x", "temperature": -1.0, "top_p": 1.5, "repetition_penalty": 0.0},
-     lambda: pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(temperature=-1.0, top_p=1.5,
-                                                                        repetition_penalty=0.0))),
-    ("max_new_tokens 0", {"prompt": "x", "max_new_tokens": 0},
-     lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(max_new_tokens=0))),
-    ("above the cap", {"prompt": "x", "max_new_tokens": LIMIT + 1},
-     lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(max_new_tokens=LIMIT + 1))),
-    ("min over max", {"prompt": "x", "max_new_tokens": 2, "min_new_tokens": 5},
-     lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(max_new_tokens=2, min_new_tokens=5))),
-    ("too many stops", {"prompt": "x", "stop": _stop_seqs(17)},
-     lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(stop_sequences=_stop_seqs(17)))),
-    ("bad stops", {"prompt": "x", "stop": ["ok", "", "y" * 257]},
-     lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(stop_sequences=["ok", "", "y" * 257]))),
-    ("top_logprobs", {"prompt": "x", "top_logprobs": 6},
-     lambda: pb.GenerateRequest(prompt="x", output=pb.OutputOptions(top_logprobs=6))),
-    ("long request id", {"prompt": "x", "request_id": "r" * 129},
-     lambda: pb.GenerateRequest(prompt="x", request_id="r" * 129)),
+    ("id outside vocab", {"input_ids": [5, 49152]}, lambda: pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 49152]))),
+    (
+        "bad sampling",
+        {"prompt": "x", "temperature": -1.0, "top_p": 1.5, "repetition_penalty": 0.0},
+        lambda: pb.GenerateRequest(
+            prompt="x", sampling=pb.SamplingParams(temperature=-1.0, top_p=1.5, repetition_penalty=0.0)
+        ),
+    ),
+    (
+        "max_new_tokens 0",
+        {"prompt": "x", "max_new_tokens": 0},
+        lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(max_new_tokens=0)),
+    ),
+    (
+        "above the cap",
+        {"prompt": "x", "max_new_tokens": LIMIT + 1},
+        lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(max_new_tokens=LIMIT + 1)),
+    ),
+    (
+        "min over max",
+        {"prompt": "x", "max_new_tokens": 2, "min_new_tokens": 5},
+        lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(max_new_tokens=2, min_new_tokens=5)),
+    ),
+    (
+        "too many stops",
+        {"prompt": "x", "stop": _stop_seqs(17)},
+        lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(stop_sequences=_stop_seqs(17))),
+    ),
+    (
+        "bad stops",
+        {"prompt": "x", "stop": ["ok", "", "y" * 257]},
+        lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(stop_sequences=["ok", "", "y" * 257])),
+    ),
+    (
+        "top_logprobs",
+        {"prompt": "x", "top_logprobs": 6},
+        lambda: pb.GenerateRequest(prompt="x", output=pb.OutputOptions(top_logprobs=6)),
+    ),
+    (
+        "long request id",
+        {"prompt": "x", "request_id": "r" * 129},
+        lambda: pb.GenerateRequest(prompt="x", request_id="r" * 129),
+    ),
 ]
 
 
@@ -238,7 +271,9 @@ def _with_empty_ids() -> pb.GenerateRequest:
     return request
 
 
-def _server_says(stub: pb_grpc.TextGenerationStub, request: pb.GenerateRequest) -> tuple[str, list[tuple[str, str]], str]:
+def _server_says(
+    stub: pb_grpc.TextGenerationStub, request: pb.GenerateRequest
+) -> tuple[str, list[tuple[str, str]], str]:
     """The INVALID_ARGUMENT message and field violations the server gives a raw request, and
     the request id it echoed (x-request-id)."""
     call = stub.Generate(request, timeout=10)
@@ -397,8 +432,18 @@ def one_slot_server(tiny_long_model_dir: Path) -> Iterator[ServerProcess]:
     """One slot, no queue; the long-context tiny model, so that a hog of LONGEST tokens holds
     the slot for seconds (a 500-token one ended within half a second at times, and a refusal
     the test counted on was then served)."""
-    args = ["--model", str(tiny_long_model_dir), "--max-active", "1", "--max-queue", "0",
-            "--max-new-tokens-limit", str(LONGEST), "--kv-cache-tokens", "8192"]
+    args = [
+        "--model",
+        str(tiny_long_model_dir),
+        "--max-active",
+        "1",
+        "--max-queue",
+        "0",
+        "--max-new-tokens-limit",
+        str(LONGEST),
+        "--kv-cache-tokens",
+        "8192",
+    ]
     with ServerProcess(args) as server:
         yield server
 
@@ -541,8 +586,11 @@ def test_complete_answers_end_ok_on_the_server(client, tiny_server):
     assert last.finish_reason is FinishReason.LENGTH
     # Every line these calls get, a late CANCELLED included, is logged before the sentinel's.
     wanted = {*request_ids, request_ids[0] + "-s"}
-    codes = [r["code"] for r in records_before_sentinel(tiny_server, client)
-             if r.get("msg") == "request finished" and r.get("request_id") in wanted]
+    codes = [
+        r["code"]
+        for r in records_before_sentinel(tiny_server, client)
+        if r.get("msg") == "request finished" and r.get("request_id") in wanted
+    ]
     assert len(codes) == 101 and set(codes) == {"OK"}, sorted(codes)
 
 
@@ -550,8 +598,18 @@ def test_a_client_accepts_what_a_server_with_other_limits_accepts(tiny_model_dir
     """Limits come from the server the client talks to, never from copied defaults: a server
     started with 32 stop sequences and 4 chat messages accepts 20 stops, and so does a default
     Client and a Client checking against the limits that server publishes."""
-    args = ["--model", str(tiny_model_dir), "--max-stop-sequences", "32", "--max-chat-messages", "4",
-            "--max-new-tokens-limit", "64", "--default-max-new-tokens", "8"]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--max-stop-sequences",
+        "32",
+        "--max-chat-messages",
+        "4",
+        "--max-new-tokens-limit",
+        "64",
+        "--default-max-new-tokens",
+        "8",
+    ]
     stops = [f"zq{i}" for i in range(20)]  # more than the 16 a default server allows
     with ServerProcess(args) as server, tokenwire.Client(server.target, timeout=30) as client:
         info = client.model_info()
@@ -612,7 +670,9 @@ def test_async_generate_json_and_the_servers_refusal_names_the_field(tiny_server
         async with tokenwire.AsyncClient(tiny_server.target, timeout=30) as client:
             parsed = await client.generate_json("Answer as JSON", schema=SHORT_SCHEMA, temperature=0, max_new_tokens=40)
             with pytest.raises(tokenwire.InvalidArgument) as caught:
-                await client.generate_text("x", response_format={"type": "object", "properties": {"a": {"type": "nonsense"}}})
+                await client.generate_text(
+                    "x", response_format={"type": "object", "properties": {"a": {"type": "nonsense"}}}
+                )
             return parsed, caught.value
 
     parsed, error = run(main())

@@ -47,8 +47,12 @@ def wait_logged(servers: list[ServerProcess], request_ids: list[str], timeout: f
     """Until every id has a final (non-refused) record on some replica: the log lines trail the replies."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        done = {r.get("request_id") for s in servers for r in s.find("request finished")
-                if r.get("code") not in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")}
+        done = {
+            r.get("request_id")
+            for s in servers
+            for r in s.find("request finished")
+            if r.get("code") not in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")
+        }
         if done.issuperset(request_ids):
             return
         time.sleep(0.05)

@@ -72,9 +72,22 @@ def test_generate_from_token_ids(client, fake):
 
 def test_every_parameter_reaches_the_server(client, fake):
     client.generate_text(
-        "x", temperature=0.5, top_k=5, top_p=0.9, repetition_penalty=1.1, seed=7, max_new_tokens=9,
-        min_new_tokens=1, stop=["zz"], include_stop_sequence=True, ignore_eos=True, time_limit_ms=500,
-        token_ids=True, logprobs=True, top_logprobs=2, request_id="my-id",
+        "x",
+        temperature=0.5,
+        top_k=5,
+        top_p=0.9,
+        repetition_penalty=1.1,
+        seed=7,
+        max_new_tokens=9,
+        min_new_tokens=1,
+        stop=["zz"],
+        include_stop_sequence=True,
+        ignore_eos=True,
+        time_limit_ms=500,
+        token_ids=True,
+        logprobs=True,
+        top_logprobs=2,
+        request_id="my-id",
     )
     r = fake.servicer.requests[-1]
     assert r.request_id == "my-id"

@@ -169,9 +169,7 @@ GRPC_PORT = SERVER_DEFAULTS.port
 METRICS_PORT = 9090
 
 
-def server_config_from_env(
-    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
-) -> server_config.ServerConfig:
+def server_config_from_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> server_config.ServerConfig:
     """The configuration the server would run with under `env` (and no flags)."""
     for name in list(os.environ):
         if name.startswith(server_config.ENV_PREFIX):
@@ -198,9 +196,7 @@ def kubectl() -> Path:
 
 def kustomize(directory: Path) -> list[dict[str, Any]]:
     """The objects `kubectl kustomize directory` prints."""
-    result = subprocess.run(
-        [str(kubectl()), "kustomize", str(directory)], capture_output=True, text=True, timeout=120
-    )
+    result = subprocess.run([str(kubectl()), "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, f"kubectl kustomize {directory} failed:\n{result.stderr}"
     # kustomize warns about deprecated fields (commonLabels, patchesStrategicMerge, ...) on stderr.
     assert not result.stderr.strip(), f"kubectl kustomize {directory} warns:\n{result.stderr}"

@@ -78,9 +78,7 @@ def test_every_hadolint_ignore_is_justified() -> None:
                 break
             comment.append(above)
         for rule in pragma.group(1).split(","):
-            assert rule in " ".join(comment), (
-                f"line {number + 1}: say in a comment above why {rule} is ignored"
-            )
+            assert rule in " ".join(comment), f"line {number + 1}: say in a comment above why {rule} is ignored"
 
 
 def test_builder_uses_the_makefile_targets_ci_runs(stages: list[Stage]) -> None:
@@ -152,17 +150,13 @@ def test_each_engine_installs_through_its_makefile_target(stages: list[Stage]) -
     assert " ".join(commands["batched"]).startswith("make setup VENV=/opt/tokenwire EXTRAS=server EDITABLE= ")
     vllm = " ".join(commands["vllm"])
     # The CUDA vllm package from PyPI (it brings its own CUDA torch), server extra only.
-    assert vllm.startswith(
-        "make setup-vllm VLLM_VENV=/opt/tokenwire VLLM_PACKAGE=vllm VLLM_EXTRAS=server EDITABLE= "
-    )
+    assert vllm.startswith("make setup-vllm VLLM_VENV=/opt/tokenwire VLLM_PACKAGE=vllm VLLM_EXTRAS=server EDITABLE= ")
     assert "make setup " not in vllm
     makefile = (REPO / "Makefile").read_text()
     for variable in ("VLLM_VENV", "VLLM_PACKAGE", "VLLM_EXTRAS"):
         assert re.search(rf"^{variable} \?=", makefile, re.M), f"the Makefile has no overridable {variable}"
     assert re.search(r"^setup-vllm:", makefile, re.M)
-    assert not re.search(r"^override ", makefile, re.M), (
-        "the build overrides Makefile variables on the command line"
-    )
+    assert not re.search(r"^override ", makefile, re.M), "the build overrides Makefile variables on the command line"
 
 
 def builder_arg_defaults(stages: list[Stage]) -> dict[str, str]:
@@ -191,9 +185,7 @@ def dry_run(argv: list[str], venv: Path, build_args: dict[str, str]) -> list[str
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_the_model_bakes_into_the_venv_the_engine_installed(
-    stages: list[Stage], engine: str, tmp_path: Path
-) -> None:
+def test_the_model_bakes_into_the_venv_the_engine_installed(stages: list[Stage], engine: str, tmp_path: Path) -> None:
     """`make model VENV=/opt/tokenwire` after each engine's setup runs only the server's
     --prepare-only from that venv: the setup target wrote the stamp that `model` depends on,
     so make does not run `make setup`'s recipe (a second install) over it."""
@@ -225,9 +217,7 @@ def test_image_environment_selects_the_engine(
     assert server_config_from_env(resolved, monkeypatch).engine == engine
 
 
-def test_runtime_runs_as_the_manifests_non_root_user(
-    stages: list[Stage], rendered: dict[str, Objects]
-) -> None:
+def test_runtime_runs_as_the_manifests_non_root_user(stages: list[Stage], rendered: dict[str, Objects]) -> None:
     (user,) = runtime(stages).all("USER")
     uid, _, gid = user.args.partition(":")
     assert uid.isdigit() and int(uid) != 0, "a numeric non-root UID, so runAsNonRoot can verify it"
@@ -270,9 +260,7 @@ def test_stop_signal_and_entrypoint_fit_the_drain(stages: list[Stage]) -> None:
     assert entrypoint.exec_form() == ["tokenwire-server"]
 
 
-def test_exposed_ports_and_environment_match_the_server(
-    stages: list[Stage], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_exposed_ports_and_environment_match_the_server(stages: list[Stage], monkeypatch: pytest.MonkeyPatch) -> None:
     final = runtime(stages)
     exposed = {int(p.split("/")[0]) for i in final.all("EXPOSE") for p in i.args.split()}
     assert exposed == {GRPC_PORT, METRICS_PORT}
@@ -285,9 +273,7 @@ def test_exposed_ports_and_environment_match_the_server(
     assert (config.port, config.metrics_port) == (GRPC_PORT, METRICS_PORT)
 
 
-def test_cache_directory_is_where_the_manifests_mount_it(
-    stages: list[Stage], rendered: dict[str, Objects]
-) -> None:
+def test_cache_directory_is_where_the_manifests_mount_it(stages: list[Stage], rendered: dict[str, Objects]) -> None:
     cache_dir = runtime(stages).env()["TOKENWIRE_CACHE_DIR"]
     assert stage(stages, "builder").env()["TOKENWIRE_CACHE_DIR"] == cache_dir
     assert any(i.args.endswith(f"{cache_dir} {cache_dir}") for i in runtime(stages).all("COPY"))

@@ -112,9 +112,7 @@ def test_startup_probe_allows_a_model_load(rendered: dict[str, Objects], name: s
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
-def test_ports_match_the_server(
-    rendered: dict[str, Objects], name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_ports_match_the_server(rendered: dict[str, Objects], name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     objects = rendered[name]
     container = server_container(objects)
     config = server_config_from_env(tokenwire_env(container_env(container)), monkeypatch)
@@ -175,9 +173,7 @@ def test_base_runs_on_a_gpu_and_cpu_overlay_on_cpu(
     config = server_config_from_env(tokenwire_env(container_env(cpu)), monkeypatch)
     assert (config.device, config.model) == ("cpu", "default")
     assert container_env(cpu)["OMP_NUM_THREADS"] == str(cpu["resources"]["limits"]["cpu"])
-    assert _memory_gib(cpu["resources"]["limits"]["memory"]) < _memory_gib(
-        gpu["resources"]["limits"]["memory"]
-    )
+    assert _memory_gib(cpu["resources"]["limits"]["memory"]) < _memory_gib(gpu["resources"]["limits"]["memory"])
 
 
 def _memory_gib(quantity: str) -> float:
@@ -285,9 +281,7 @@ def test_rollout_and_disruption_keep_capacity(rendered: dict[str, Objects], name
     # A node drain must leave a replica serving (a scaler that may go to zero has nothing to keep).
     assert low == 0 or pdb["spec"]["maxUnavailable"] < low
     if scaler["kind"] == "ScaledObject":
-        assert "replicas" not in deployment["spec"], (
-            "KEDA owns the replica count: `kubectl apply` must not reset it"
-        )
+        assert "replicas" not in deployment["spec"], "KEDA owns the replica count: `kubectl apply` must not reset it"
     else:
         assert deployment["spec"]["replicas"] >= low
 
@@ -301,9 +295,7 @@ def test_hpa_scales_on_gauges_the_server_exposes(
     assert all(m["type"] == "Pods" for m in hpa["spec"]["metrics"])
     assert set(metrics) == {"tokenwire_queue_depth", "tokenwire_active_streams"}
     assert set(metrics) <= server_gauges(), f"not gauges of the server: {set(metrics)}"
-    config = server_config_from_env(
-        tokenwire_env(container_env(server_container(rendered[name]))), monkeypatch
-    )
+    config = server_config_from_env(tokenwire_env(container_env(server_container(rendered[name]))), monkeypatch)
     target = float(metrics["tokenwire_active_streams"]["averageValue"])
     assert 0 < target < config.max_active, "the active-streams target must be reachable"
     assert 0 < float(metrics["tokenwire_queue_depth"]["averageValue"]) < config.max_queue
@@ -337,9 +329,7 @@ def test_keda_overlay_swaps_the_hpa_for_a_scaledobject(rendered: dict[str, Objec
     assert not only(rendered["keda"], "HorizontalPodAutoscaler")
 
 
-def test_keda_scales_on_the_load_per_replica(
-    rendered: dict[str, Objects], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_keda_scales_on_the_load_per_replica(rendered: dict[str, Objects], monkeypatch: pytest.MonkeyPatch) -> None:
     (scaled,) = only(rendered["keda"], "ScaledObject")
     spec = scaled["spec"]
     (trigger,) = [t for t in spec["triggers"] if t["type"] == "prometheus"]
@@ -351,9 +341,7 @@ def test_keda_scales_on_the_load_per_replica(
     assert promql_metric_names(metadata["query"]) == {"tokenwire_active_streams", "tokenwire_queue_depth"}
     assert promql_metric_names(metadata["query"]) <= server_gauges()
     assert metadata["query"].count("sum(") == 2
-    config = server_config_from_env(
-        tokenwire_env(container_env(server_container(rendered["keda"]))), monkeypatch
-    )
+    config = server_config_from_env(tokenwire_env(container_env(server_container(rendered["keda"]))), monkeypatch)
     assert 0 < float(metadata["threshold"]) < config.max_active, "the per-replica target must be reachable"
     assert float(metadata.get("activationThreshold", "0")) >= 0
     # KEDA's HPA scales like the base HPA: at once up, slowly down (a replica costs a model load).

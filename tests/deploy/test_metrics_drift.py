@@ -52,9 +52,7 @@ def keda_names(rendered: dict[str, Objects]) -> set[str]:
 
 
 def hpa_names(rendered: dict[str, Objects]) -> set[str]:
-    hpas = only(rendered["base"], "HorizontalPodAutoscaler") + only(
-        rendered["cpu"], "HorizontalPodAutoscaler"
-    )
+    hpas = only(rendered["base"], "HorizontalPodAutoscaler") + only(rendered["cpu"], "HorizontalPodAutoscaler")
     return {m["pods"]["metric"]["name"] for hpa in hpas for m in hpa["spec"]["metrics"]}
 
 

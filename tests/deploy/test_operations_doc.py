@@ -82,13 +82,9 @@ def test_table_gives_each_flags_variable_and_default(help_text: str) -> None:
     for flag, (variable, default, *_) in table_rows().items():
         dest = flag[2:].replace("-", "_")
         expected_variable = server_config.env_name(dest) if dest in fields else "—"
-        assert variable == expected_variable, (
-            f"{flag}: variable {variable!r}, the server reads {expected_variable!r}"
-        )
+        assert variable == expected_variable, f"{flag}: variable {variable!r}, the server reads {expected_variable!r}"
         expected_default = doc_default(parser.get_default(dest))
-        assert default == expected_default, (
-            f"{flag}: documented default {default!r}, the server's {expected_default!r}"
-        )
+        assert default == expected_default, f"{flag}: documented default {default!r}, the server's {expected_default!r}"
     boolean = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(server_config.ServerConfig)
                if isinstance(f.default, bool)}  # fmt: skip
     for flag in boolean:
@@ -110,10 +106,7 @@ def test_guide_names_the_metrics_the_hpa_uses(rendered: dict[str, list[dict[str,
         for metric in hpa["spec"]["metrics"]:
             assert f"`{metric['pods']['metric']['name']}`" in text
     assert "prometheus-adapter" in text
-    assert (
-        "histogram_quantile(0.99, sum by (le) (rate(tokenwire_time_to_first_token_seconds_bucket[5m])))"
-        in text
-    )
+    assert "histogram_quantile(0.99, sum by (le) (rate(tokenwire_time_to_first_token_seconds_bucket[5m])))" in text
     assert "sum(rate(tokenwire_generated_tokens_total[1m]))" in text
 
 

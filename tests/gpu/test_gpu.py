@@ -62,7 +62,9 @@ NEAR_TIE = 0.1
 
 @pytest.fixture(scope="module", params=FORWARDS)
 def cuda_server(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(["--model", str(tiny_model_dir), *CUDA, "--max-active", "16", "--forward", request.param]) as server:
+    with ServerProcess(
+        ["--model", str(tiny_model_dir), *CUDA, "--max-active", "16", "--forward", request.param]
+    ) as server:
         yield server
 
 
@@ -85,7 +87,9 @@ def test_the_contract_on_cuda_in_bf16(cuda_server: ServerProcess, tiny_model_dir
     assert [c.index for c in chunks] == list(range(len(chunks)))
     assert len(ids) == 32 == chunks[-1].usage.completion_tokens
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    assert "".join(c.text for c in chunks) == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert "".join(c.text for c in chunks) == tokenizer.decode(
+        ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
 
 
 def story_requests(samplings: list[pb.SamplingParams], top_logprobs: int = 0) -> list[pb.GenerateRequest]:
@@ -97,7 +101,9 @@ def story_requests(samplings: list[pb.SamplingParams], top_logprobs: int = 0) ->
     ]  # fmt: skip
 
 
-def alone_and_together(target: str, requests: list[pb.GenerateRequest]) -> tuple[list[list[pb.Token]], list[list[pb.Token]]]:
+def alone_and_together(
+    target: str, requests: list[pb.GenerateRequest]
+) -> tuple[list[list[pb.Token]], list[list[pb.Token]]]:
     stub = generation_stub(target)
 
     def tokens(request: pb.GenerateRequest) -> list[pb.Token]:
@@ -113,7 +119,18 @@ def alone_and_together(target: str, requests: list[pb.GenerateRequest]) -> tuple
 def test_alone_equals_batched_on_cuda_in_fp32(forward: str, tiny_model_dir: Path) -> None:
     samplings = [pb.SamplingParams(temperature=0), pb.SamplingParams(temperature=0.8, top_p=0.9, seed=7),
                  pb.SamplingParams(temperature=1.0, top_k=20, repetition_penalty=1.2, seed=11)]  # fmt: skip
-    args = ["--model", str(tiny_model_dir), "--device", "cuda", "--dtype", "float32", "--max-active", "16", "--forward", forward]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--device",
+        "cuda",
+        "--dtype",
+        "float32",
+        "--max-active",
+        "16",
+        "--forward",
+        forward,
+    ]
     with ServerProcess(args) as server:
         alone, together = alone_and_together(server.target, story_requests(samplings))
     assert [[t.id for t in row] for row in together] == [[t.id for t in row] for row in alone]
@@ -124,7 +141,9 @@ def test_alone_equals_batched_on_cuda_in_fp32(forward: str, tiny_model_dir: Path
 
 
 def test_alone_and_batched_in_bf16_differ_only_past_a_near_tie(cuda_server: ServerProcess) -> None:
-    alone, together = alone_and_together(cuda_server.target, story_requests([pb.SamplingParams(temperature=0)], top_logprobs=2))
+    alone, together = alone_and_together(
+        cuda_server.target, story_requests([pb.SamplingParams(temperature=0)], top_logprobs=2)
+    )
     differing = 0
     for solo, batched in zip(alone, together, strict=True):
         first = next((i for i, (a, b) in enumerate(zip(solo, batched, strict=True)) if a.id != b.id), None)
@@ -132,7 +151,9 @@ def test_alone_and_batched_in_bf16_differ_only_past_a_near_tie(cuda_server: Serv
             continue
         differing += 1
         best, second = solo[first].top_logprobs[0].logprob, solo[first].top_logprobs[1].logprob
-        assert best - second < NEAR_TIE, f"step {first}: alone {solo[first].id}, batched {batched[first].id}, margin {best - second:.3f} nats"
+        assert best - second < NEAR_TIE, (
+            f"step {first}: alone {solo[first].id}, batched {batched[first].id}, margin {best - second:.3f} nats"
+        )
     assert differing <= len(alone) // 2, f"{differing} of {len(alone)} rows differ"
 
 
@@ -155,7 +176,11 @@ def test_out_of_memory_is_resource_exhausted_frees_the_cache_and_the_server_goes
     server = in_process_server(device=device)
     engine = server.backend.engine
     # the batched engine's own pass where it runs one, else the model's forward
-    owner, name = (engine.runner, "native") if getattr(engine, "forward", None) == "native" else (server.backend.loaded.model, "forward")
+    owner, name = (
+        (engine.runner, "native")
+        if getattr(engine, "forward", None) == "native"
+        else (server.backend.loaded.model, "forward")
+    )
     forward = getattr(owner, name)
     calls = {"n": 0}
     emptied: list[bool] = []
@@ -200,7 +225,9 @@ def test_out_of_memory_is_resource_exhausted_frees_the_cache_and_the_server_goes
 
 
 def test_drain_on_cuda(tiny_model_dir: Path) -> None:
-    with ServerProcess(["--model", str(tiny_model_dir), *CUDA, "--grace-period", "60", "--handoff-after-s", "0"]) as server:
+    with ServerProcess(
+        ["--model", str(tiny_model_dir), *CUDA, "--grace-period", "60", "--handoff-after-s", "0"]
+    ) as server:
         stub = generation_stub(server.target)
         stream = stub.Generate(long_request(1000), timeout=120)
         first = next(stream)
@@ -237,10 +264,15 @@ def test_a_24_gib_card_on_a_larger_one_starts_with_its_kv_cache_sized_from_the_c
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "site"), os.environ.get("PYTHONPATH", "")]),
         "TOKENWIRE_TEST_MEMORY_CAP_GIB": str(cap),
     }
-    with ServerProcess(["--model", str(tiny_model_dir), *CUDA, "--forward", "native", "--metrics-port", "-1"], env=env) as server:
+    with ServerProcess(
+        ["--model", str(tiny_model_dir), *CUDA, "--forward", "native", "--metrics-port", "-1"], env=env
+    ) as server:
         [sized] = server.find("kv cache sized from device memory")
         assert abs(sized["total_bytes"] - cap * 2**30) < 2**20  # the cap, not the device's 141 GB
-        assert list(generation_stub(server.target).Generate(long_request(64), timeout=60))[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert (
+            list(generation_stub(server.target).Generate(long_request(64), timeout=60))[-1].finish_reason
+            == pb.FINISH_REASON_LENGTH
+        )
         reserved = reserved_bytes(server.metrics_port)
         assert reserved is not None and reserved <= cap * 2**30
 
@@ -267,7 +299,14 @@ def test_a_launch_does_not_synchronise_with_the_device(tiny_model_dir: Path) -> 
 
     def row(sampling: SamplingOptions, generated: list[int], **more: Any) -> Generation:
         text = SimpleNamespace(decode=lambda ids, **kw: "x")  # the alternatives' text: not what is checked here
-        seq = Generation(GenerationRequest("r", [5, 6], sampling, 8, **more), RequestHandle(), lambda event: None, text, (2,), torch.device("cuda"))
+        seq = Generation(
+            GenerationRequest("r", [5, 6], sampling, 8, **more),
+            RequestHandle(),
+            lambda event: None,
+            text,
+            (2,),
+            torch.device("cuda"),
+        )
         seq.generated = list(generated)
         return seq
 

@@ -194,8 +194,11 @@ BUSY_STEPS = 8000
 @pytest.fixture(scope="module", params=["batched", "simple"])
 def queueing_server(tiny_long_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     """One slot and room to queue: without deadline-aware admission a late request would wait."""
-    engine_args = ["--engine", "batched", "--max-active", "1"] if request.param == "batched" else [
-        "--engine", "simple", "--workers", "1"]
+    engine_args = (
+        ["--engine", "batched", "--max-active", "1"]
+        if request.param == "batched"
+        else ["--engine", "simple", "--workers", "1"]
+    )
     args = ["--model", str(tiny_long_model_dir), *engine_args, "--max-queue", "4", "--retry-after-ms", "400",
             "--metrics-port", "-1", "--max-new-tokens-limit", str(BUSY_STEPS), "--kv-cache-tokens", "8192"]  # fmt: skip
     with ServerProcess(args) as server:
@@ -283,6 +286,8 @@ def test_a_request_whose_worst_case_exceeds_the_kv_budget_is_refused_or_shortene
         )
         exactly = list(stub.Generate(long_request(48 - prompt_tokens), timeout=30))
         assert exactly[-1].usage.completion_tokens == 48 - prompt_tokens
-        defaulted = list(stub.Generate(pb.GenerateRequest(prompt="hello", stopping=pb.StoppingCriteria(ignore_eos=True)), timeout=30))
+        defaulted = list(
+            stub.Generate(pb.GenerateRequest(prompt="hello", stopping=pb.StoppingCriteria(ignore_eos=True)), timeout=30)
+        )
         assert defaulted[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert defaulted[-1].usage.completion_tokens == 48 - prompt_tokens

@@ -55,45 +55,60 @@ BAD_REQUESTS = {
     "unknown role": (pb.GenerateRequest(chat=chat(1, role="robot")), "chat.messages[0].role"),
     "NUL in chat content": (pb.GenerateRequest(chat=chat(1, content="\x00")), "chat.messages[0].content"),
     "negative temperature": (
-        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(temperature=-1)), "sampling.temperature"
+        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(temperature=-1)),
+        "sampling.temperature",
     ),
     "NaN temperature": (
-        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(temperature=float("nan"))), "sampling.temperature"
+        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(temperature=float("nan"))),
+        "sampling.temperature",
     ),
     "infinite temperature": (
-        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(temperature=float("inf"))), "sampling.temperature"
+        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(temperature=float("inf"))),
+        "sampling.temperature",
     ),
     "top_p zero": (pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(top_p=0)), "sampling.top_p"),
     "top_p above one": (pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(top_p=1.5)), "sampling.top_p"),
     "repetition penalty zero": (
-        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(repetition_penalty=0)), "sampling.repetition_penalty"
+        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(repetition_penalty=0)),
+        "sampling.repetition_penalty",
     ),
-    "max_new_tokens zero": (pb.GenerateRequest(prompt=P, stopping=stopping(max_new_tokens=0)), "stopping.max_new_tokens"),
+    "max_new_tokens zero": (
+        pb.GenerateRequest(prompt=P, stopping=stopping(max_new_tokens=0)),
+        "stopping.max_new_tokens",
+    ),
     "max_new_tokens above cap": (
-        pb.GenerateRequest(prompt=P, stopping=stopping(max_new_tokens=65)), "stopping.max_new_tokens"
+        pb.GenerateRequest(prompt=P, stopping=stopping(max_new_tokens=65)),
+        "stopping.max_new_tokens",
     ),
     "max_new_tokens huge": (
-        pb.GenerateRequest(prompt=P, stopping=stopping(max_new_tokens=2**32 - 1)), "stopping.max_new_tokens"
+        pb.GenerateRequest(prompt=P, stopping=stopping(max_new_tokens=2**32 - 1)),
+        "stopping.max_new_tokens",
     ),
     "min above max": (
-        pb.GenerateRequest(prompt=P, stopping=stopping(max_new_tokens=4, min_new_tokens=5)), "stopping.min_new_tokens"
+        pb.GenerateRequest(prompt=P, stopping=stopping(max_new_tokens=4, min_new_tokens=5)),
+        "stopping.min_new_tokens",
     ),
     "min above cap": (pb.GenerateRequest(prompt=P, stopping=stopping(min_new_tokens=65)), "stopping.min_new_tokens"),
     "too many stop sequences": (
-        pb.GenerateRequest(prompt=P, stopping=stopping(stop_sequences=["a"] * 5)), "stopping.stop_sequences"
+        pb.GenerateRequest(prompt=P, stopping=stopping(stop_sequences=["a"] * 5)),
+        "stopping.stop_sequences",
     ),
     "empty stop sequence": (
-        pb.GenerateRequest(prompt=P, stopping=stopping(stop_sequences=["a", ""])), "stopping.stop_sequences[1]"
+        pb.GenerateRequest(prompt=P, stopping=stopping(stop_sequences=["a", ""])),
+        "stopping.stop_sequences[1]",
     ),
     "stop sequence too long": (
-        pb.GenerateRequest(prompt=P, stopping=stopping(stop_sequences=["x" * 17])), "stopping.stop_sequences[0]"
+        pb.GenerateRequest(prompt=P, stopping=stopping(stop_sequences=["x" * 17])),
+        "stopping.stop_sequences[0]",
     ),
     "top_logprobs above five": (
-        pb.GenerateRequest(prompt=P, output=pb.OutputOptions(top_logprobs=6)), "output.top_logprobs"
+        pb.GenerateRequest(prompt=P, output=pb.OutputOptions(top_logprobs=6)),
+        "output.top_logprobs",
     ),
     "prompt longer than the context": (pb.GenerateRequest(prompt="word " * 1100), "prompt"),
     "prompt + max_new_tokens past the context": (
-        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 1000), stopping=stopping(max_new_tokens=64)), "token_ids"
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 1000), stopping=stopping(max_new_tokens=64)),
+        "token_ids",
     ),
 }
 
@@ -140,12 +155,20 @@ def test_oversize_message_is_resource_exhausted_from_grpc(limited_server: Server
     # grpc itself refuses a request above --max-message-bytes, before any of our code runs;
     # its code for that is RESOURCE_EXHAUSTED ("Received message larger than max").
     with pytest.raises(grpc.RpcError) as caught:
-        list(generation_stub(limited_server.target).Generate(pb.GenerateRequest(prompt="x" * (MESSAGE_BYTES + 1)), timeout=10))
+        list(
+            generation_stub(limited_server.target).Generate(
+                pb.GenerateRequest(prompt="x" * (MESSAGE_BYTES + 1)), timeout=10
+            )
+        )
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "larger than max" in caught.value.details()
     # just under the limit is read (and then refused for its length in tokens, not its bytes)
     with pytest.raises(grpc.RpcError) as under:
-        list(generation_stub(limited_server.target).Generate(pb.GenerateRequest(prompt="x" * (MESSAGE_BYTES - 64)), timeout=10))
+        list(
+            generation_stub(limited_server.target).Generate(
+                pb.GenerateRequest(prompt="x" * (MESSAGE_BYTES - 64)), timeout=10
+            )
+        )
     assert under.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -189,7 +212,9 @@ def test_tiny_temperature_and_penalty_do_not_break_sampling(limited_server: Serv
         pb.SamplingParams(temperature=1.0, repetition_penalty=1e-45),  # seen tokens' logits overflow to inf
         pb.SamplingParams(temperature=0.5, repetition_penalty=3.4e38),
     ):
-        request = pb.GenerateRequest(prompt=P, sampling=sampling, stopping=stopping(max_new_tokens=4), output=pb.OutputOptions(token_ids=True))
+        request = pb.GenerateRequest(
+            prompt=P, sampling=sampling, stopping=stopping(max_new_tokens=4), output=pb.OutputOptions(token_ids=True)
+        )
         chunks = list(stub.Generate(request, timeout=10))
         last = chunks[-1]
         assert last.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)

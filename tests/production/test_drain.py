@@ -58,7 +58,9 @@ def test_signal_drains_with_a_stream_in_flight(sig: signal.Signals, tiny_model_d
         assert order == ["draining", "refused", "in-flight"], order
         assert server.find("stopped")
         server._reader.join(10)  # the whole output, to the end of the process
-        assert not [line for line in server.lines if "leaked" in line], server.output()  # a clean exit: no binding's leak report
+        assert not [line for line in server.lines if "leaked" in line], (
+            server.output()
+        )  # a clean exit: no binding's leak report
 
 
 def test_grace_period_bounds_the_drain(tiny_model_dir: Path) -> None:

@@ -79,9 +79,16 @@ class Gate(engine_support.Recorder):
         self._open.set()
 
 
-def request(request_id: str, tokens: int, deadline: float | None = None, prompt: tuple[int, ...] = (1, 2, 3)) -> GenerationRequest:
+def request(
+    request_id: str, tokens: int, deadline: float | None = None, prompt: tuple[int, ...] = (1, 2, 3)
+) -> GenerationRequest:
     return GenerationRequest(
-        request_id, list(prompt), SamplingOptions(temperature=0.0), max_new_tokens=tokens, ignore_eos=True, deadline=deadline
+        request_id,
+        list(prompt),
+        SamplingOptions(temperature=0.0),
+        max_new_tokens=tokens,
+        ignore_eos=True,
+        deadline=deadline,
     )
 
 

@@ -303,7 +303,9 @@ def mutation(draw: st.DrawFn, data: bytes, depth: int = 0) -> bytes:
     elif kind == "huge_varint":
         fields[i] = Field(field.number, 0, draw(st.sampled_from(HUGE_VARINTS)))
     elif kind == "wire_type":
-        fields[i] = Field(field.number, draw(st.sampled_from([t for t in range(8) if t != field.wire_type])), field.body)
+        fields[i] = Field(
+            field.number, draw(st.sampled_from([t for t in range(8) if t != field.wire_type])), field.body
+        )
     elif kind == "number":
         fields[i] = Field(draw(st.sampled_from(FIELD_NUMBERS)), field.wire_type, field.body)
     elif kind == "length":
@@ -334,25 +336,41 @@ SEEDS = (
         request_id="fuzz-1",
         prompt="Once upon a time",
         sampling=pb.SamplingParams(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.1, seed=7),
-        stopping=pb.StoppingCriteria(max_new_tokens=4, min_new_tokens=1, stop_sequences=["\n", "end"],
-                                     include_stop_sequence=True, ignore_eos=True, time_limit_ms=5000),  # fmt: skip
+        stopping=pb.StoppingCriteria(
+            max_new_tokens=4,
+            min_new_tokens=1,
+            stop_sequences=["\n", "end"],
+            include_stop_sequence=True,
+            ignore_eos=True,
+            time_limit_ms=5000,
+        ),  # fmt: skip
         output=pb.OutputOptions(token_ids=True, logprobs=True, top_logprobs=2),
         priority=pb.PRIORITY_LOW,
     ),
     pb.GenerateRequest(
-        chat=pb.Chat(messages=[pb.ChatMessage(role="system", content="Be brief."), pb.ChatMessage(role="user", content="Hi")]),
+        chat=pb.Chat(
+            messages=[pb.ChatMessage(role="system", content="Be brief."), pb.ChatMessage(role="user", content="Hi")]
+        ),
         stopping=_SMALL,
     ),
-    pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3, 4000, 49151]), stopping=_SMALL, output=pb.OutputOptions(token_ids=True)),
+    pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[1, 2, 3, 4000, 49151]), stopping=_SMALL, output=pb.OutputOptions(token_ids=True)
+    ),
     pb.GenerateRequest(
         prompt="JSON:",
         stopping=_SMALL,
-        response_format=pb.ResponseFormat(json_schema='{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}'),
+        response_format=pb.ResponseFormat(
+            json_schema='{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}'
+        ),
     ),
     pb.GenerateRequest(prompt="JSON:", stopping=_SMALL, response_format=pb.ResponseFormat(json_object=True)),
     pb.GenerateRequest(prompt="Date:", stopping=_SMALL, response_format=pb.ResponseFormat(regex=r"\d{4}-\d{2}-\d{2}")),
-    pb.GenerateRequest(prompt="Pick:", stopping=_SMALL, response_format=pb.ResponseFormat(choice=pb.Choice(options=["yes", "no"]))),
-    pb.GenerateRequest(prompt="Say:", stopping=_SMALL, response_format=pb.ResponseFormat(grammar='root ::= "a" | "b" "c"')),
+    pb.GenerateRequest(
+        prompt="Pick:", stopping=_SMALL, response_format=pb.ResponseFormat(choice=pb.Choice(options=["yes", "no"]))
+    ),
+    pb.GenerateRequest(
+        prompt="Say:", stopping=_SMALL, response_format=pb.ResponseFormat(grammar='root ::= "a" | "b" "c"')
+    ),
     pb.GenerateRequest(
         prompt="hello",
         sampling=pb.SamplingParams(temperature=1.0, seed=3),
@@ -376,7 +394,9 @@ def mutated(draw: st.DrawFn, seeds: Sequence[Any] = SEEDS) -> bytes:
 
 
 raw_bytes = st.binary(max_size=512)
-FUZZ_SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ_SETTINGS = dict(
+    deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 
 def raw_search(rpcs: dict[str, Callable[..., Any]], method: str, requests: st.SearchStrategy[bytes],
@@ -401,7 +421,9 @@ def test_raw_and_mutated_generate_requests_end_in_a_deliberate_status(fuzz_serve
     assert_serving(fuzz_server)
 
 
-def test_raw_and_mutated_tokenize_and_model_info_requests_end_in_a_deliberate_status(fuzz_server: ServerProcess, rpcs: dict) -> None:
+def test_raw_and_mutated_tokenize_and_model_info_requests_end_in_a_deliberate_status(
+    fuzz_server: ServerProcess, rpcs: dict
+) -> None:
     tokenize = raw_search(rpcs, "Tokenize", raw_bytes | mutated(TOKENIZE_SEEDS) | mutated(), examples=250, budget_s=5)
     info = raw_search(rpcs, "GetModelInfo", raw_bytes | mutated(), examples=150, budget_s=3)
     tokenize.check(least=80)
@@ -519,7 +541,9 @@ HOSTILE = (
 
 
 @pytest.mark.parametrize("hostile", HOSTILE, ids=[h.name for h in HOSTILE])
-def test_a_hostile_field_value_ends_in_a_deliberate_status(fuzz_server: ServerProcess, rpcs: dict, hostile: Hostile) -> None:
+def test_a_hostile_field_value_ends_in_a_deliberate_status(
+    fuzz_server: ServerProcess, rpcs: dict, hostile: Hostile
+) -> None:
     outcome = call(rpcs, "Generate", hostile.request.SerializeToString(), hostile.metadata, hostile.allowed)
     assert not outcome.problems, f"{hostile.name}: {'; '.join(outcome.problems)}: {outcome.details[:300]!r}"
     assert fuzz_server.proc.poll() is None, "the server died:\n" + fuzz_server.output()
@@ -527,7 +551,9 @@ def test_a_hostile_field_value_ends_in_a_deliberate_status(fuzz_server: ServerPr
 
 # The grammar: a valid request with one to three of its fields (and its metadata) drawn from
 # these pools. Values that cost the server real time (a 1 MB prompt to tokenize) stay in HOSTILE.
-hostile_text = st.sampled_from(["r" * 9 * 1024, "\r\n", "a\rb\nc", "\x00", "\x01\x1b[0m\x7f", "\ufeff", "\U0001f600" * 200, ""])
+hostile_text = st.sampled_from(
+    ["r" * 9 * 1024, "\r\n", "a\rb\nc", "\x00", "\x01\x1b[0m\x7f", "\ufeff", "\U0001f600" * 200, ""]
+)
 hostile_ids = st.one_of(
     st.lists(st.sampled_from([0, 28, 49151, 49152, U32]), max_size=12),
     st.sampled_from([[28] * 5000, [U32] * 100]),
@@ -542,27 +568,31 @@ hostile_fields: dict[str, st.SearchStrategy[Callable[[pb.GenerateRequest], None]
     "resume": st.tuples(hostile_ids, st.sampled_from([0, 1, 2**31, U32 - 8, U32 - 1, U32])).map(
         lambda p: lambda r: r.resume.MergeFrom(pb.Resume(generated_token_ids=p[0], next_index=p[1]))
     ),
-    "response_format": st.sampled_from([
-        pb.ResponseFormat(json_schema=nested_objects(500)),
-        pb.ResponseFormat(json_schema=nested_arrays(40)),
-        pb.ResponseFormat(json_schema='{"$ref":"#"}'),
-        pb.ResponseFormat(json_schema='{"type":"string","maxLength":' + str(U64) + "}"),
-        pb.ResponseFormat(json_schema="{" * 5000),
-        pb.ResponseFormat(json_object=False),
-        pb.ResponseFormat(regex="(a*)*b"),
-        pb.ResponseFormat(regex="(" * 3000),
-        pb.ResponseFormat(regex="\\"),
-        pb.ResponseFormat(grammar='start: "' + "x" * 9000 + '"'),
-        pb.ResponseFormat(grammar="start: " + "y" * 9000),
-        pb.ResponseFormat(grammar="root ::= root"),
-        pb.ResponseFormat(choice=pb.Choice(options=["\x00", "\r\n"])),
-        pb.ResponseFormat(choice=pb.Choice(options=[])),
-    ]).map(lambda f: lambda r: r.response_format.CopyFrom(f)),
-    "stopping": st.sampled_from([
-        pb.StoppingCriteria(max_new_tokens=8, min_new_tokens=U32),
-        pb.StoppingCriteria(max_new_tokens=U32, time_limit_ms=1),
-        pb.StoppingCriteria(max_new_tokens=4, stop_sequences=["\r\n", "\x00", "s" * 9000]),
-    ]).map(lambda s: lambda r: r.stopping.CopyFrom(s)),
+    "response_format": st.sampled_from(
+        [
+            pb.ResponseFormat(json_schema=nested_objects(500)),
+            pb.ResponseFormat(json_schema=nested_arrays(40)),
+            pb.ResponseFormat(json_schema='{"$ref":"#"}'),
+            pb.ResponseFormat(json_schema='{"type":"string","maxLength":' + str(U64) + "}"),
+            pb.ResponseFormat(json_schema="{" * 5000),
+            pb.ResponseFormat(json_object=False),
+            pb.ResponseFormat(regex="(a*)*b"),
+            pb.ResponseFormat(regex="(" * 3000),
+            pb.ResponseFormat(regex="\\"),
+            pb.ResponseFormat(grammar='start: "' + "x" * 9000 + '"'),
+            pb.ResponseFormat(grammar="start: " + "y" * 9000),
+            pb.ResponseFormat(grammar="root ::= root"),
+            pb.ResponseFormat(choice=pb.Choice(options=["\x00", "\r\n"])),
+            pb.ResponseFormat(choice=pb.Choice(options=[])),
+        ]
+    ).map(lambda f: lambda r: r.response_format.CopyFrom(f)),
+    "stopping": st.sampled_from(
+        [
+            pb.StoppingCriteria(max_new_tokens=8, min_new_tokens=U32),
+            pb.StoppingCriteria(max_new_tokens=U32, time_limit_ms=1),
+            pb.StoppingCriteria(max_new_tokens=4, stop_sequences=["\r\n", "\x00", "s" * 9000]),
+        ]
+    ).map(lambda s: lambda r: r.stopping.CopyFrom(s)),
     "priority": st.sampled_from([-1, 3, 2**31 - 1]).map(lambda p: lambda r: setattr(r, "priority", p)),
 }
 hostile_metadata = st.sampled_from([

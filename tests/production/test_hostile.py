@@ -82,7 +82,9 @@ def refusal(call: grpc.Call) -> tuple[grpc.StatusCode, str, list[tuple[str, str]
     return call.code(), call.details() or "", violations, tuple(call.trailing_metadata() or ())
 
 
-def generate(server: ServerProcess, request: pb.GenerateRequest, token: str = "tok-plain", timeout: float = 30) -> tuple[list[pb.TokenChunk], grpc.RpcError | None]:
+def generate(
+    server: ServerProcess, request: pb.GenerateRequest, token: str = "tok-plain", timeout: float = 30
+) -> tuple[list[pb.TokenChunk], grpc.RpcError | None]:
     """The chunks a Generate call sent, and the error it ended with (None: it finished)."""
     chunks: list[pb.TokenChunk] = []
     stub = generation_stub(server.target)
@@ -156,9 +158,9 @@ def test_resumed_ids_are_charged_as_prompt_tokens_so_a_quota_holds(server: Serve
     prompt = value(after, "tokenwire_tenant_tokens_total", tenant="capped", priority="normal", kind="prompt") - value(
         before, "tokenwire_tenant_tokens_total", tenant="capped", priority="normal", kind="prompt"
     )
-    completion = value(after, "tokenwire_tenant_tokens_total", tenant="capped", priority="normal", kind="completion") - value(
-        before, "tokenwire_tenant_tokens_total", tenant="capped", priority="normal", kind="completion"
-    )
+    completion = value(
+        after, "tokenwire_tenant_tokens_total", tenant="capped", priority="normal", kind="completion"
+    ) - value(before, "tokenwire_tenant_tokens_total", tenant="capped", priority="normal", kind="completion")
     assert prompt >= 900  # the prompt and the 900 ids it read
     assert completion == 1  # only what it generated after the cut
     # The usage still tells the uncut stream's counts (its 900 ids are completion tokens there).
@@ -193,7 +195,12 @@ def test_a_deeply_nested_json_schema_is_invalid_argument_on_the_field(server: Se
     assert caught.value.field_violations[0].field == "response_format.json_schema"
     # Under the limit (32 schema levels = 64 of JSON) it is served.
     chunks, error = generate(
-        server, pb.GenerateRequest(prompt="hi", response_format=pb.ResponseFormat(json_schema=nested_schema(31)), stopping=pb.StoppingCriteria(max_new_tokens=4))
+        server,
+        pb.GenerateRequest(
+            prompt="hi",
+            response_format=pb.ResponseFormat(json_schema=nested_schema(31)),
+            stopping=pb.StoppingCriteria(max_new_tokens=4),
+        ),
     )
     assert error is None, error
     assert not server.find("Generate failed")  # no traceback was logged
@@ -205,14 +212,27 @@ def test_a_deeply_nested_json_schema_is_invalid_argument_on_the_field(server: Se
 @pytest.mark.parametrize(
     ("request_", "field"),
     [
-        (pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="r" * 9000, content="hi")])), "chat.messages[0].role"),
+        (
+            pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="r" * 9000, content="hi")])),
+            "chat.messages[0].role",
+        ),
         (pb.GenerateRequest(prompt="hi", request_id="i" * 200_000), "request_id"),
-        (pb.GenerateRequest(prompt="hi", response_format=pb.ResponseFormat(json_schema='{"type": "' + "t" * 60_000 + '"}')), "response_format.json_schema"),
-        (pb.GenerateRequest(prompt="hi", response_format=pb.ResponseFormat(grammar="start: " + "x" * 60_000 + " (")), "response_format.grammar"),
+        (
+            pb.GenerateRequest(
+                prompt="hi", response_format=pb.ResponseFormat(json_schema='{"type": "' + "t" * 60_000 + '"}')
+            ),
+            "response_format.json_schema",
+        ),
+        (
+            pb.GenerateRequest(prompt="hi", response_format=pb.ResponseFormat(grammar="start: " + "x" * 60_000 + " (")),
+            "response_format.grammar",
+        ),
     ],
     ids=["9 KB role", "200 KB request id", "60 KB schema type", "60 KB Lark line"],
 )
-def test_error_replies_stay_small_and_invalid_argument(server: ServerProcess, request_: pb.GenerateRequest, field: str) -> None:
+def test_error_replies_stay_small_and_invalid_argument(
+    server: ServerProcess, request_: pb.GenerateRequest, field: str
+) -> None:
     chunks, error = generate(server, request_)
     assert error is not None and not chunks
     code, message, violations, trailers = refusal(error)
@@ -227,7 +247,7 @@ def test_error_replies_stay_small_and_invalid_argument(server: ServerProcess, re
 
 
 def test_an_invalid_request_id_is_replaced_before_it_is_echoed(server: ServerProcess) -> None:
-    for bad in ("i" * 129, "forged\r\n{\"msg\": \"request finished\"}"):
+    for bad in ("i" * 129, 'forged\r\n{"msg": "request finished"}'):
         chunks, error = generate(server, pb.GenerateRequest(prompt="hi", request_id=bad))
         assert error is not None and not chunks
         code, _, violations, trailers = refusal(error)
@@ -252,7 +272,9 @@ def test_an_invalid_request_id_is_replaced_before_it_is_echoed(server: ServerPro
 
 
 @pytest.mark.parametrize("max_new", [8, None], ids=["max_new_tokens", "the server's cap"])
-def test_a_next_index_near_2_32_is_invalid_argument_before_any_chunk(server: ServerProcess, max_new: int | None) -> None:
+def test_a_next_index_near_2_32_is_invalid_argument_before_any_chunk(
+    server: ServerProcess, max_new: int | None
+) -> None:
     stopping = pb.StoppingCriteria(max_new_tokens=max_new) if max_new else pb.StoppingCriteria()
     request = pb.GenerateRequest(prompt="hi", resume=pb.Resume(next_index=2**32 - 4), stopping=stopping)
     chunks, error = generate(server, request)
@@ -262,7 +284,14 @@ def test_a_next_index_near_2_32_is_invalid_argument_before_any_chunk(server: Ser
     assert code == grpc.StatusCode.INVALID_ARGUMENT, message
     assert [v[0] for v in violations] == ["resume.next_index"]
     # At the edge it still fits: next_index + max_new_tokens == 2**32 - 1.
-    chunks, error = generate(server, pb.GenerateRequest(prompt="hi", resume=pb.Resume(next_index=2**32 - 1 - 4), stopping=pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True)))
+    chunks, error = generate(
+        server,
+        pb.GenerateRequest(
+            prompt="hi",
+            resume=pb.Resume(next_index=2**32 - 1 - 4),
+            stopping=pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True),
+        ),
+    )
     assert error is None, error
     assert chunks[-1].index <= 2**32 - 1
 
@@ -275,7 +304,9 @@ def test_a_tokenize_answer_past_the_send_limit_is_refused_and_recorded_so(server
     stub = generation_stub(server.target)
     before = scrape(server)
     with pytest.raises(grpc.RpcError) as caught:
-        stub.Tokenize(pb.TokenizeRequest(text=text, return_tokens=True, return_offsets=True), metadata=auth(), timeout=60)
+        stub.Tokenize(
+            pb.TokenizeRequest(text=text, return_tokens=True, return_offsets=True), metadata=auth(), timeout=60
+        )
     code, message, violations, _ = refusal(caught.value)
     # Before: the client got RESOURCE_EXHAUSTED while the server recorded OK with a traceback.
     assert code == grpc.StatusCode.INVALID_ARGUMENT, message
@@ -285,7 +316,9 @@ def test_a_tokenize_answer_past_the_send_limit_is_refused_and_recorded_so(server
     assert value(after, "tokenwire_requests_total", method="Tokenize", code="INVALID_ARGUMENT") == 1 + value(
         before, "tokenwire_requests_total", method="Tokenize", code="INVALID_ARGUMENT"
     )
-    assert value(after, "tokenwire_requests_total", method="Tokenize", code="OK") == value(before, "tokenwire_requests_total", method="Tokenize", code="OK")
+    assert value(after, "tokenwire_requests_total", method="Tokenize", code="OK") == value(
+        before, "tokenwire_requests_total", method="Tokenize", code="OK"
+    )
     # The count alone fits.
     answer = stub.Tokenize(pb.TokenizeRequest(text=text), metadata=auth(), timeout=60)
     assert answer.count > 40_000
@@ -318,7 +351,9 @@ def test_a_prompt_longer_than_any_that_fits_is_refused_unread(server: ServerProc
 # -- 8: a format that compiles too long -----------------------------------------------------
 
 
-def test_a_format_that_compiles_past_the_limit_is_too_complex_and_a_resend_refused_at_once(server: ServerProcess) -> None:
+def test_a_format_that_compiles_past_the_limit_is_too_complex_and_a_resend_refused_at_once(
+    server: ServerProcess,
+) -> None:
     request = pb.GenerateRequest(prompt="hi", response_format=pb.ResponseFormat(regex=SLOW_REGEX))
     warned = len(server.find("response format too complex"))
     for _ in range(2):
@@ -333,7 +368,11 @@ def test_a_format_that_compiles_past_the_limit_is_too_complex_and_a_resend_refus
     # Meanwhile other tenants' formats compile.
     chunks, error = generate(
         server,
-        pb.GenerateRequest(prompt="hi", response_format=pb.ResponseFormat(regex="[0-9]{3}"), stopping=pb.StoppingCriteria(max_new_tokens=8)),
+        pb.GenerateRequest(
+            prompt="hi",
+            response_format=pb.ResponseFormat(regex="[0-9]{3}"),
+            stopping=pb.StoppingCriteria(max_new_tokens=8),
+        ),
         "tok-beta",
     )
     assert error is None, error
@@ -364,7 +403,10 @@ def test_a_format_no_token_can_start_is_invalid_argument_before_any_chunk(server
         (pb.ResponseFormat(choice=pb.Choice(options=["\x06"])), "response_format.choice"),
         (pb.ResponseFormat(json_schema='{"$ref": "#"}'), "response_format.json_schema"),
     ):
-        chunks, error = generate(server, pb.GenerateRequest(prompt="Say:", response_format=fmt, stopping=pb.StoppingCriteria(max_new_tokens=4)))
+        chunks, error = generate(
+            server,
+            pb.GenerateRequest(prompt="Say:", response_format=fmt, stopping=pb.StoppingCriteria(max_new_tokens=4)),
+        )
         assert error is not None and not chunks, fmt  # before: INTERNAL "token 0 breaks the response format"
         code, message, violations, _ = refusal(error)
         assert code == grpc.StatusCode.INVALID_ARGUMENT, message
@@ -372,7 +414,9 @@ def test_a_format_no_token_can_start_is_invalid_argument_before_any_chunk(server
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_a_format_no_token_can_continue_ends_its_own_stream_invalid_argument(server: ServerProcess, temperature: float) -> None:
+def test_a_format_no_token_can_continue_ends_its_own_stream_invalid_argument(
+    server: ServerProcess, temperature: float
+) -> None:
     # "a" can start it, but no token holds the control character that must follow.
     stuck = pb.GenerateRequest(
         prompt="Say:",

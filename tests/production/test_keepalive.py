@@ -46,16 +46,16 @@ def server_args(model: Path, ping_interval_s: str) -> list[str]:
             "--min-client-ping-interval-s", ping_interval_s, "--metrics-port", "-1"]  # fmt: skip
 
 
-
 def wait_behind_long_streams(server: ServerProcess) -> tuple[grpc.StatusCode, list[pb.TokenChunk]]:
     """Hold the only slot with BUSY_STREAMS long streams (one running, the rest queued) on
     one channel, then send a short request on a pinging channel: it waits silently in the
     queue behind them, and the test lets the slot go only at HOLD_S (or once the call has
     ended, cut), so the pinging client sends more pings than a strict server tolerates
     (gRPC closes the connection after its third early ping) while it waits."""
-    with grpc.insecure_channel(server.target) as busy_channel, grpc.insecure_channel(
-        server.target, options=PINGING_CLIENT
-    ) as pinging:
+    with (
+        grpc.insecure_channel(server.target) as busy_channel,
+        grpc.insecure_channel(server.target, options=PINGING_CLIENT) as pinging,
+    ):
         busy_stub = pb_grpc.TextGenerationStub(busy_channel)
         # One at a time into the slot, then the rest into the queue: calls on one channel are
         # not ordered, so "the first" is only the first once its chunk has come.

@@ -29,7 +29,12 @@ def metered_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
 def test_metrics_move_with_traffic(metered_server: ServerProcess) -> None:
     stub = generation_stub(metered_server.target)
     before = scrape(metered_server)
-    chunks = list(stub.Generate(pb.GenerateRequest(prompt="hello there", stopping=pb.StoppingCriteria(max_new_tokens=12, ignore_eos=True)), timeout=10))
+    chunks = list(
+        stub.Generate(
+            pb.GenerateRequest(prompt="hello there", stopping=pb.StoppingCriteria(max_new_tokens=12, ignore_eos=True)),
+            timeout=10,
+        )
+    )
     usage = chunks[-1].usage
     with pytest.raises(grpc.RpcError):
         list(stub.Generate(pb.GenerateRequest(), timeout=10))
@@ -125,7 +130,9 @@ def test_prefix_cache_reuse_shows_in_the_usage_and_the_metrics(tiny_model_dir: P
     assert [u.prompt_tokens for u in usages] == [100, 100]
     want = [0, 96] if setting == "on" else [0, 0]
     assert [u.cached_prompt_tokens for u in usages] == want
-    hits = value(after, "tokenwire_prefix_cache_hit_tokens_total") - value(before, "tokenwire_prefix_cache_hit_tokens_total")
+    hits = value(after, "tokenwire_prefix_cache_hit_tokens_total") - value(
+        before, "tokenwire_prefix_cache_hit_tokens_total"
+    )
     assert hits == sum(want)
     ids = [[t.id for c in chunks for t in c.tokens] for chunks in answers]
     assert ids[0] == ids[1] and len(ids[0]) == 6

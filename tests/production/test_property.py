@@ -54,7 +54,9 @@ floats = st.one_of(
     st.floats(width=32, allow_nan=True, allow_infinity=True),
     st.sampled_from([0.0, -0.0, 1e-45, 1e-38, 1e-6, 0.5, 1.0, 2.0, 3.4e38, float("nan"), float("inf"), -float("inf")]),
 )
-u32 = st.one_of(st.integers(0, 16), st.sampled_from([0, 1, 5, 6, 8, 9, 255, 1023, 1024, 49151, 49152, U32]), st.integers(0, U32))
+u32 = st.one_of(
+    st.integers(0, 16), st.sampled_from([0, 1, 5, 6, 8, 9, 255, 1023, 1024, 49151, 49152, U32]), st.integers(0, U32)
+)
 
 sampling = st.builds(
     pb.SamplingParams,
@@ -91,9 +93,15 @@ valid_inputs = st.one_of(
     st.builds(lambda t: {"prompt": t}, text.filter(bool)),
     st.builds(
         lambda m: {"chat": pb.Chat(messages=m)},
-        st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(["system", "user", "assistant"]), content=text), min_size=1, max_size=4),
+        st.lists(
+            st.builds(pb.ChatMessage, role=st.sampled_from(["system", "user", "assistant"]), content=text),
+            min_size=1,
+            max_size=4,
+        ),
     ),
-    st.builds(lambda ids: {"token_ids": pb.TokenIds(ids=ids)}, st.lists(st.integers(0, 49151), min_size=1, max_size=20)),
+    st.builds(
+        lambda ids: {"token_ids": pb.TokenIds(ids=ids)}, st.lists(st.integers(0, 49151), min_size=1, max_size=20)
+    ),
 )
 
 
@@ -214,7 +222,9 @@ def check_stream(request: pb.GenerateRequest, chunks: list[pb.TokenChunk], decod
     """Every per-call property of a finished stream; returns its token ids."""
     assert [c.index for c in chunks] == list(range(len(chunks)))
     reasons = [c.finish_reason for c in chunks]
-    assert reasons[-1] != pb.FINISH_REASON_UNSPECIFIED and reasons[:-1] == [pb.FINISH_REASON_UNSPECIFIED] * (len(chunks) - 1)
+    assert reasons[-1] != pb.FINISH_REASON_UNSPECIFIED and reasons[:-1] == [pb.FINISH_REASON_UNSPECIFIED] * (
+        len(chunks) - 1
+    )
     assert [c.HasField("usage") for c in chunks] == [False] * (len(chunks) - 1) + [True]
     last = chunks[-1]
     ids = [t.id for c in chunks for t in c.tokens]
@@ -245,7 +255,12 @@ def test_concurrent_generated_requests_keep_every_stream_property(
     pool = concurrent.futures.ThreadPoolExecutor(12)
     batches = 0
 
-    @settings(max_examples=30, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=30,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(batch=st.lists(concurrent_requests(), min_size=8, max_size=12))
     def call(batch: list[pb.GenerateRequest]) -> None:
         nonlocal batches
@@ -284,7 +299,9 @@ tokenize_requests = st.builds(
     return_tokens=st.booleans(),
     return_offsets=st.booleans(),
 ) | st.builds(
-    lambda messages, tokens, offsets: pb.TokenizeRequest(chat=pb.Chat(messages=messages), return_tokens=tokens, return_offsets=offsets),
+    lambda messages, tokens, offsets: pb.TokenizeRequest(
+        chat=pb.Chat(messages=messages), return_tokens=tokens, return_offsets=offsets
+    ),
     st.lists(message, max_size=6),
     st.booleans(),
     st.booleans(),

@@ -39,13 +39,21 @@ pytestmark = pytest.mark.timeout(600)
 
 HANDOFF_S = 0.5
 
+
 def raw_requests(stops: Sequence[str]) -> list[pb.GenerateRequest]:
     """Greedy, seeded top-p, seeded top-k with a repetition penalty; chat and raw; with and
     without stops (benchmarks.resume's set); and one sampled without a seed, for which the
     server chooses one and names it on the first chunk."""
     out = [request for _, request in resume_requests(40, count=12, stops=stops)]
-    out.append(pb.GenerateRequest(request_id="unseeded", prompt="Tell me a story.", sampling=pb.SamplingParams(temperature=0.9),
-                                  stopping=pb.StoppingCriteria(max_new_tokens=40, ignore_eos=True), output=pb.OutputOptions(token_ids=True)))
+    out.append(
+        pb.GenerateRequest(
+            request_id="unseeded",
+            prompt="Tell me a story.",
+            sampling=pb.SamplingParams(temperature=0.9),
+            stopping=pb.StoppingCriteria(max_new_tokens=40, ignore_eos=True),
+            output=pb.OutputOptions(token_ids=True),
+        )
+    )
     return out
 
 
@@ -91,14 +99,18 @@ def test_a_resume_that_cannot_continue_is_invalid_argument(tiny_model_dir: Path)
         stub = generation_stub(server.target)
         cases = {
             "resume.generated_token_ids": pb.GenerateRequest(
-                prompt="hello", stopping=pb.StoppingCriteria(max_new_tokens=3), resume=pb.Resume(generated_token_ids=[5, 6, 7, 8])
+                prompt="hello",
+                stopping=pb.StoppingCriteria(max_new_tokens=3),
+                resume=pb.Resume(generated_token_ids=[5, 6, 7, 8]),
             ),
             "resume.generated_token_ids[1]": pb.GenerateRequest(
                 prompt="hello", resume=pb.Resume(generated_token_ids=[5, 10**9])
             ),
         }
         # Longer than the server's default max_new_tokens fitted to the context: past what it may generate.
-        cases["resume.generated_token_ids "] = pb.GenerateRequest(prompt="hello", resume=pb.Resume(generated_token_ids=[5] * 65))
+        cases["resume.generated_token_ids "] = pb.GenerateRequest(
+            prompt="hello", resume=pb.Resume(generated_token_ids=[5] * 65)
+        )
         for field, request in cases.items():
             with pytest.raises(grpc.RpcError) as refused:
                 list(stub.Generate(request, timeout=30))
@@ -111,8 +123,14 @@ def test_a_resume_that_cannot_continue_is_invalid_argument(tiny_model_dir: Path)
 
 def stream_specs(tokens: int = 256) -> list[dict[str, Any]]:
     return [
-        {"prompt": QUESTIONS[i % len(QUESTIONS)] + f" ({i})", "max_new_tokens": tokens, "ignore_eos": True,
-         "temperature": 0.9, "top_p": 0.95, "seed": 1000 + i}
+        {
+            "prompt": QUESTIONS[i % len(QUESTIONS)] + f" ({i})",
+            "max_new_tokens": tokens,
+            "ignore_eos": True,
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "seed": 1000 + i,
+        }
         for i in range(16)
     ]
 
@@ -157,7 +175,10 @@ class Load:
 
 
 def replicas(model_dir: Path, count: int = 3) -> list[ServerProcess]:
-    return [ServerProcess(["--model", str(model_dir), *ENGINE_ARGS, "--handoff-after-s", str(HANDOFF_S)]) for _ in range(count)]
+    return [
+        ServerProcess(["--model", str(model_dir), *ENGINE_ARGS, "--handoff-after-s", str(HANDOFF_S)])
+        for _ in range(count)
+    ]
 
 
 def check_against(load: Load, reference: list[str]) -> int:
@@ -179,17 +200,21 @@ def wait_for(condition: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.01)
 
 
-# The real model's streams are shorter: its steps cost ~10x the tiny model's, and the cut comes
+# The real model's streams are shorter (64 tokens, the tiny model's 128): its steps cost ~10x the tiny model's, and the cut comes
 # at chunk 10 either way, so 64 tokens still leave most of every stream to be resumed.
 @pytest.mark.parametrize(("model", "tokens"), [("tiny", 128), pytest.param("default", 64, marks=pytest.mark.e2e)])
-def test_streams_survive_a_killed_replica_and_a_handed_off_one(model: str, tokens: int, request: pytest.FixtureRequest) -> None:
+def test_streams_survive_a_killed_replica_and_a_handed_off_one(
+    model: str, tokens: int, request: pytest.FixtureRequest
+) -> None:
     if TEST_ENGINE == "vllm":
         pytest.skip("seeded sampling on vllm does not resume exactly (docs/architecture.md, the engine table)")
     folder = request.getfixturevalue("tiny_model_dir" if model == "tiny" else "default_model_dir")
     servers = replicas(folder)
     try:
         with Client([s.target for s in servers]) as client:
-            reference = ["".join(c.text for c in chunks) for chunks in Load(client, stream_specs(tokens)).start().join_and(600)]
+            reference = [
+                "".join(c.text for c in chunks) for chunks in Load(client, stream_specs(tokens)).start().join_and(600)
+            ]
             load = Load(client, stream_specs(tokens)).start()
             wait_for(lambda: load.received() >= 10, 300)
             servers[0].kill()  # a replica dies: its streams resume elsewhere
@@ -229,7 +254,17 @@ def test_a_rolling_update_fails_no_stream(tiny_model_dir: Path) -> None:
                 assert not servers[i].find("grace period over; cancelling calls in flight")
                 gone_after = time.monotonic() - signalled
                 assert gone_after < HANDOFF_S + 10, gone_after
-                servers[i] = ServerProcess(["--model", str(tiny_model_dir), *ENGINE_ARGS, "--handoff-after-s", str(HANDOFF_S), "--port", str(ports[i])])
+                servers[i] = ServerProcess(
+                    [
+                        "--model",
+                        str(tiny_model_dir),
+                        *ENGINE_ARGS,
+                        "--handoff-after-s",
+                        str(HANDOFF_S),
+                        "--port",
+                        str(ports[i]),
+                    ]
+                )
             for load in loads:
                 load.join(600)
             resumes = sum(check_against(load, reference) for load in loads)

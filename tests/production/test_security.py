@@ -33,7 +33,9 @@ class SecureServerProcess(ServerProcess):
         self.credentials = credentials
         super().__init__(args)
 
-    def health(self, service: str = READINESS, timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None) -> int:
+    def health(
+        self, service: str = READINESS, timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None
+    ) -> int:
         return super().health(service, timeout, credentials or self.credentials)
 
     def stub(self, credentials: grpc.ChannelCredentials | None = None) -> object:
@@ -48,7 +50,9 @@ def tls_server(tiny_model_dir: Path, pki: Pki) -> Iterator[SecureServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def mtls_token_server(tiny_model_dir: Path, pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureServerProcess]:
+def mtls_token_server(
+    tiny_model_dir: Path, pki: Pki, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SecureServerProcess]:
     token_file = tmp_path_factory.mktemp("token") / "token"
     token_file.write_text(TOKEN + "\n")
     args = [
@@ -129,7 +133,9 @@ def test_prompts_and_outputs_are_logged_only_when_asked(log_prompts: bool, tiny_
         request_id = "req-" + uuid.uuid4().hex[:8]
         chunks = list(
             stub.Generate(
-                pb.GenerateRequest(request_id=request_id, prompt=f"say {marker} twice", stopping=pb.StoppingCriteria(max_new_tokens=6)),
+                pb.GenerateRequest(
+                    request_id=request_id, prompt=f"say {marker} twice", stopping=pb.StoppingCriteria(max_new_tokens=6)
+                ),
                 timeout=30,
             )
         )
@@ -137,7 +143,11 @@ def test_prompts_and_outputs_are_logged_only_when_asked(log_prompts: bool, tiny_
         chat = pb.Chat(messages=[pb.ChatMessage(role="user", content=marker)])
         list(stub.Generate(pb.GenerateRequest(chat=chat, stopping=pb.StoppingCriteria(max_new_tokens=6)), timeout=30))
         with pytest.raises(grpc.RpcError):  # a refused one is not logged with its prompt either
-            list(stub.Generate(pb.GenerateRequest(prompt=marker, stopping=pb.StoppingCriteria(max_new_tokens=0)), timeout=10))
+            list(
+                stub.Generate(
+                    pb.GenerateRequest(prompt=marker, stopping=pb.StoppingCriteria(max_new_tokens=0)), timeout=10
+                )
+            )
         assert wait_until(lambda: len(server.find("request finished")) >= 3, 15)
     logged = "\n".join(server.lines)
     finished = [r for r in server.find("request finished") if r.get("request_id") == request_id]
@@ -178,7 +188,9 @@ def test_client_and_async_client_over_tls(tls_server: SecureServerProcess, pki: 
 
 
 def test_a_client_that_trusts_another_ca_cannot_connect(tls_server: SecureServerProcess, pki: Pki) -> None:
-    with tokenwire.Client(tls_server.target, tls=tls(pki, ca=pki.other_ca_cert), timeout=5, retry=tokenwire.NO_RETRY) as c:
+    with tokenwire.Client(
+        tls_server.target, tls=tls(pki, ca=pki.other_ca_cert), timeout=5, retry=tokenwire.NO_RETRY
+    ) as c:
         with pytest.raises(tokenwire.Unavailable):
             c.generate_text("hello", max_new_tokens=2)
     with tokenwire.Client(tls_server.target, timeout=5, retry=tokenwire.NO_RETRY) as plaintext:
@@ -212,7 +224,9 @@ def test_mutual_tls_and_token(mtls_token_server: SecureServerProcess, pki: Pki) 
         asyncio.run(wrong_async())
 
 
-def test_the_cli_flags_reach_a_mutual_tls_server(mtls_token_server: SecureServerProcess, pki: Pki, tmp_path: Path) -> None:
+def test_the_cli_flags_reach_a_mutual_tls_server(
+    mtls_token_server: SecureServerProcess, pki: Pki, tmp_path: Path
+) -> None:
     assert TOKENWIRE
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -222,7 +236,9 @@ def test_the_cli_flags_reach_a_mutual_tls_server(mtls_token_server: SecureServer
             "--cert-file", str(pki.client_cert), "--key-file", str(pki.client_key), "--max-new-tokens", "3", "--ignore-eos"]  # fmt: skip
 
     def run(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*base, *extra, "hello"], capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+        return subprocess.run(
+            [*base, *extra, "hello"], capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"}
+        )
 
     ok = run("--token-file", str(token_file))
     assert ok.returncode == 0, ok.stderr

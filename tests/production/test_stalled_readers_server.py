@@ -88,7 +88,9 @@ def test_callers_that_stop_reading_give_their_slots_up_and_end_aborted(server: S
         assert wait_until(lambda: metric(server, "tokenwire_parked_streams") == 2, 3)
 
         # The other two: nothing read for --stalled-reader-timeout, they end.
-        assert wait_until(lambda: metric(server, "tokenwire_stalled_reader_streams_total", tenant="default") == 2, STALL_S + 30)
+        assert wait_until(
+            lambda: metric(server, "tokenwire_stalled_reader_streams_total", tenant="default") == 2, STALL_S + 30
+        )
         assert metric(server, "tokenwire_parked_streams") == 0
 
         # A client that reads at last gets the chunks that waited for it, then ABORTED.
@@ -101,7 +103,9 @@ def test_callers_that_stop_reading_give_their_slots_up_and_end_aborted(server: S
         assert "stopped reading" in failure.value.details() and "--stalled-reader-timeout" in failure.value.details()
         assert BACKLOG <= len(received) < TOKENS
         assert [chunk.index for chunk in received] == list(range(len(received)))  # nothing lost on the way
-        assert wait_until(lambda: metric(server, "tokenwire_requests_total", method="Generate", code="ABORTED") >= 1, 10)
+        assert wait_until(
+            lambda: metric(server, "tokenwire_requests_total", method="Generate", code="ABORTED") >= 1, 10
+        )
     finally:
         for channel, call in streams:
             call.cancel()

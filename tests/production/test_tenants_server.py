@@ -65,7 +65,9 @@ def finished(stream: Any) -> list[pb.TokenChunk]:
     return chunks
 
 
-def test_a_tenant_over_its_quota_gets_quota_failure_and_another_is_served(in_process_server: Any, tenant_files: dict[str, str]) -> None:
+def test_a_tenant_over_its_quota_gets_quota_failure_and_another_is_served(
+    in_process_server: Any, tenant_files: dict[str, str]
+) -> None:
     server = in_process_server(**tenant_files)
     stub = generation_stub(server.target)
     # batch's 40 tokens a minute: each call charges its prompt and its 8 new tokens
@@ -89,7 +91,9 @@ def test_a_tenant_over_its_quota_gets_quota_failure_and_another_is_served(in_pro
     assert kinds == {"google.rpc.QuotaFailure", "google.rpc.RetryInfo"}
     for detail in status.details:
         detail.Unpack(quota) or detail.Unpack(retry)
-    assert [(v.subject, v.description.split(":")[0]) for v in quota.violations] == [("tenant:batch", "tokens_per_minute")]
+    assert [(v.subject, v.description.split(":")[0]) for v in quota.violations] == [
+        ("tenant:batch", "tokens_per_minute")
+    ]
     assert 0 < retry.retry_delay.ToMilliseconds() <= 60_000
     samples = scrape(server)
     assert sample(samples, "tokenwire_tenant_refusals_total", tenant="batch", limit="tokens_per_minute") == 1
@@ -100,11 +104,17 @@ def test_a_tenant_over_its_quota_gets_quota_failure_and_another_is_served(in_pro
     assert sample(samples, "tokenwire_tenant_queue_depth", tenant="batch", priority="low") == 0
 
 
-def test_a_priority_above_the_tenants_cap_or_unknown_is_invalid_argument(in_process_server: Any, tenant_files: dict[str, str]) -> None:
+def test_a_priority_above_the_tenants_cap_or_unknown_is_invalid_argument(
+    in_process_server: Any, tenant_files: dict[str, str]
+) -> None:
     server = in_process_server(**tenant_files)
     stub = generation_stub(server.target)
     for priority, token, says in [
-        (pb.PRIORITY_HIGH, "tok-batch", "PRIORITY_HIGH is above what tenant 'batch' may ask for (at most PRIORITY_UNSPECIFIED (normal))"),
+        (
+            pb.PRIORITY_HIGH,
+            "tok-batch",
+            "PRIORITY_HIGH is above what tenant 'batch' may ask for (at most PRIORITY_UNSPECIFIED (normal))",
+        ),
         (7, "tok-search", "is 7, not a Priority"),
     ]:
         with pytest.raises(grpc.RpcError) as caught:
@@ -121,7 +131,9 @@ def test_a_priority_above_the_tenants_cap_or_unknown_is_invalid_argument(in_proc
     finished(stub.Generate(short_request(priority=pb.PRIORITY_HIGH), metadata=auth("tok-search"), timeout=30))
 
 
-def test_a_high_call_is_admitted_before_every_queued_low_one(in_process_server: Any, tenant_files: dict[str, str]) -> None:
+def test_a_high_call_is_admitted_before_every_queued_low_one(
+    in_process_server: Any, tenant_files: dict[str, str]
+) -> None:
     server = in_process_server(max_active=1, max_queue=8, **tenant_files)
     stub = generation_stub(server.target)
     engine = server.backend.engine
@@ -153,7 +165,9 @@ def test_a_high_call_is_admitted_before_every_queued_low_one(in_process_server: 
     assert min(first_chunk, key=first_chunk.__getitem__) == "high"
 
 
-def test_a_client_certificates_common_name_names_its_tenant(in_process_server: Any, pki: Pki, tenant_files: dict[str, str]) -> None:
+def test_a_client_certificates_common_name_names_its_tenant(
+    in_process_server: Any, pki: Pki, tenant_files: dict[str, str]
+) -> None:
     server = in_process_server(
         tls_cert=str(pki.server_cert),
         tls_key=str(pki.server_key),
@@ -163,7 +177,16 @@ def test_a_client_certificates_common_name_names_its_tenant(in_process_server: A
     stub = generation_stub(server.target.replace("127.0.0.1", "localhost"), pki.channel_credentials(client=True))
     finished(stub.Generate(short_request(4), timeout=30))
     samples = scrape(server)
-    assert value(samples, "tokenwire_tenant_tokens_total", tenant="tokenwire test client", priority="normal", kind="completion") == 4
+    assert (
+        value(
+            samples,
+            "tokenwire_tenant_tokens_total",
+            tenant="tokenwire test client",
+            priority="normal",
+            kind="completion",
+        )
+        == 4
+    )
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])

@@ -168,7 +168,9 @@ class AdmissionQueue:
                     limits.retry_after_s,
                 )
             if check is not None:
-                check(None if self._preempts_at_once(lane, request.priority) else self._ahead_of(lane, request.priority))
+                check(
+                    None if self._preempts_at_once(lane, request.priority) else self._ahead_of(lane, request.priority)
+                )
             if not lane.queued and not lane.active:
                 lane.tag = max(lane.tag, self._vtime)  # back from idle: no banked credit
             lane.waiting[request.priority].append(seq)
@@ -184,7 +186,9 @@ class AdmissionQueue:
         mine = len(lane.waiting[priority])
         turns = (mine + 1) / lane.policy.weight
         others = sum(
-            min(len(other.waiting[priority]), math.ceil(turns * other.policy.weight)) for other in lanes if other is not lane
+            min(len(other.waiting[priority]), math.ceil(turns * other.policy.weight))
+            for other in lanes
+            if other is not lane
         )
         return urgent + mine + others
 

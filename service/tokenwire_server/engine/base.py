@@ -138,7 +138,13 @@ class Engine(abc.ABC):
     def stats(self) -> EngineStats:
         queue = self.queue
         return EngineStats(
-            queue.active, queue.queued, queue.active, 0, self.limits.kv_cache_tokens, tuple(queue.by_tenant()), queue.parked
+            queue.active,
+            queue.queued,
+            queue.active,
+            0,
+            self.limits.kv_cache_tokens,
+            tuple(queue.by_tenant()),
+            queue.parked,
         )
 
     def stalled(self, timeout_s: float, now: float | None = None) -> bool:
@@ -219,7 +225,9 @@ class Engine(abc.ABC):
         if not seqs:
             return []
         newest = seqs[-1]
-        newest.fail(ErrorKind.OUT_OF_MEMORY, "the device ran out of memory during generation; the newest request gave way")
+        newest.fail(
+            ErrorKind.OUT_OF_MEMORY, "the device ran out of memory during generation; the newest request gave way"
+        )
         log.warning("out of memory in an engine step; the newest request gave way", extra={"rows_left": len(seqs) - 1})
         return [newest]
 

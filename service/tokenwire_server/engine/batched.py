@@ -83,7 +83,11 @@ class BatchedEngine(Engine):
     name = "batched"
 
     def __init__(
-        self, loaded: LoadedModel, limits: EngineLimits, observer: EngineObserver | None = None, options: EngineOptions | None = None
+        self,
+        loaded: LoadedModel,
+        limits: EngineLimits,
+        observer: EngineObserver | None = None,
+        options: EngineOptions | None = None,
     ) -> None:
         super().__init__(loaded, limits, observer)
         resolved = resolve(options or EngineOptions(), loaded)
@@ -103,7 +107,10 @@ class BatchedEngine(Engine):
         _, kv_heads, head_dim = attention_shape(config)
         placements = layer_placements(loaded.model, layers, loaded.device, loaded.model.dtype)
         self.pool = BlockPool(
-            kv_blocks(limits.kv_cache_tokens), BLOCK_SIZE, prefix_cache=options.prefix_cache, fresh_first=resolved.fresh_blocks_first
+            kv_blocks(limits.kv_cache_tokens),
+            BLOCK_SIZE,
+            prefix_cache=options.prefix_cache,
+            fresh_first=resolved.fresh_blocks_first,
         )
         self._cache = PagedCache(self.pool.num_blocks, BLOCK_SIZE, kv_heads, head_dim, placements)
         self.scheduler = Scheduler(

@@ -79,7 +79,9 @@ class Lease:
 class BlockPool:
     """``num_blocks`` blocks: held (counted per holder), cached and idle, or never used."""
 
-    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, prefix_cache: bool = True, fresh_first: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int = BLOCK_SIZE, prefix_cache: bool = True, fresh_first: bool = True
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a block pool needs at least one block of at least one token")
         self.num_blocks = num_blocks

@@ -81,7 +81,12 @@ def kv_cache_budget(
             how = f"{memory_fraction:g} of the device's memory"
             log.info(
                 "kv cache sized from device memory",
-                extra={"total_bytes": total, "in_use_bytes": in_use, "fraction": memory_fraction, "kv_cache_tokens": tokens},
+                extra={
+                    "total_bytes": total,
+                    "in_use_bytes": in_use,
+                    "fraction": memory_fraction,
+                    "kv_cache_tokens": tokens,
+                },
             )
         else:
             tokens, warning = fit_kv_budget(tokens, derived, bytes_per_token, free)
@@ -89,5 +94,7 @@ def kv_cache_budget(
         # A derived budget rounds up (it is at least one context); one given or read off
         # the device's memory rounds down (it must fit).
         up = derived and how.startswith("max_active") and not warning
-        tokens = max(BLOCK_SIZE, blocks_for(tokens, BLOCK_SIZE) * BLOCK_SIZE if up else tokens // BLOCK_SIZE * BLOCK_SIZE)
+        tokens = max(
+            BLOCK_SIZE, blocks_for(tokens, BLOCK_SIZE) * BLOCK_SIZE if up else tokens // BLOCK_SIZE * BLOCK_SIZE
+        )
     return KvBudget(tokens, how, warning)

@@ -113,7 +113,9 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_rows)
         self.max_width = max(1, max_width)
         self.capture = capture
-        self.step: Callable[..., torch.Tensor] = torch.compile(step, dynamic=False, fullgraph=True) if compile_step else step
+        self.step: Callable[..., torch.Tensor] = (
+            torch.compile(step, dynamic=False, fullgraph=True) if compile_step else step
+        )
         self.compiled = compile_step
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._pool: Any = None  # one memory pool for every graph: steps never run two at once
@@ -149,7 +151,9 @@ class DecodeGraphs:
         assert out is not None
         return out[:rows]
 
-    def _stage(self, entry: _Entry, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
+    def _stage(
+        self, entry: _Entry, ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]
+    ) -> None:
         """Write a step's inputs into the key's host buffer; rows past ``len(ids)`` are padding."""
         rows, width, block_size = entry.rows, entry.width, self.block_size
         arr = entry.host.numpy()
@@ -190,7 +194,13 @@ class DecodeGraphs:
         elapsed = time.monotonic() - started
         log.info(
             "decode step bucket ready",
-            extra={"rows": rows, "width_blocks": width, "mode": self.mode, "compiled": self.compiled, "seconds": round(elapsed, 3)},
+            extra={
+                "rows": rows,
+                "width_blocks": width,
+                "mode": self.mode,
+                "compiled": self.compiled,
+                "seconds": round(elapsed, 3),
+            },
         )
         return entry
 

@@ -45,7 +45,9 @@ def decoder_layers(model: Any) -> list[Any]:
     return []
 
 
-def layer_placements(model: Any, count: int, default_device: torch.device, default_dtype: torch.dtype) -> list[tuple[torch.device, torch.dtype]]:
+def layer_placements(
+    model: Any, count: int, default_device: torch.device, default_dtype: torch.dtype
+) -> list[tuple[torch.device, torch.dtype]]:
     """Device and dtype of each decoder layer's attention weights (where its KV cache must live).
 
     With ``device_map="auto"`` the layers are spread over several GPUs: each layer's
@@ -82,7 +84,9 @@ def table_tensor(tables: list[list[int]], scratch: int, blocks: int | None = Non
     return out
 
 
-def places(tables: list[list[int]], starts: list[int], counts: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def places(
+    tables: list[list[int]], starts: list[int], counts: list[int], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The block and the offset in it of every token of the step, in token order (segment
     ``i`` writes columns ``starts[i] .. starts[i] + counts[i]`` of table ``tables[i]``)."""
     blocks: list[int] = []
@@ -109,7 +113,9 @@ def write(keys: torch.Tensor, values: torch.Tensor, flat: torch.Tensor, k: torch
     values.view(-1, dim).index_copy_(0, flat, v.reshape(-1, dim).to(values.dtype))
 
 
-def gather(keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, columns: int, lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gather(
+    keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, columns: int, lengths: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows' first ``columns`` columns, ``[rows, kv_heads, columns, dim]`` each, copied out of
     their tables' blocks. With ``lengths`` (``[rows]``, on the buffers' device), each row's
     columns from its length on are zeroed in the copy (they are masked, but must be finite)."""
@@ -139,7 +145,14 @@ class CachePlan:
         self.columns = 0  # how many columns attention reads
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def set(self, tables: torch.Tensor, write_blocks: torch.Tensor, write_offsets: torch.Tensor, lengths: torch.Tensor, columns: int) -> None:
+    def set(
+        self,
+        tables: torch.Tensor,
+        write_blocks: torch.Tensor,
+        write_offsets: torch.Tensor,
+        lengths: torch.Tensor,
+        columns: int,
+    ) -> None:
         self.tables, self.write_blocks, self.write_offsets = tables, write_blocks, write_offsets
         self.lengths, self.columns = lengths, columns
         self._on = {}
@@ -172,7 +185,9 @@ class BlockLayer(CacheLayerMixin):  # type: ignore[misc]
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass  # allocated up front
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.keys is not None and self.values is not None
         _, heads, block_size, _ = self.keys.shape
         flat, tables, lengths = self._plan.on(self.keys.device, heads, block_size)

@@ -102,7 +102,11 @@ def unsupported_reason(model: Any) -> str | None:
 
 
 def onednn_available(device: torch.device) -> bool:
-    return device.type == "cpu" and bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")  # type: ignore[no-untyped-call]
+    return (
+        device.type == "cpu"
+        and bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 class Linear:
@@ -172,17 +176,26 @@ def _layer(packed: bool, batch_hint: int, *modules: Any) -> Linear | Int8Linear:
     return Linear(weight, bias, packed, batch_hint)
 
 
-def _fused_bias(parts: list[tuple[int, torch.Tensor | None]], device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+def _fused_bias(
+    parts: list[tuple[int, torch.Tensor | None]], device: torch.device, dtype: torch.dtype
+) -> torch.Tensor | None:
     """The biases of fused layers, ``(rows, bias)`` each, one after another; zeros for a layer
     without one; None when none has one."""
     if all(bias is None for _, bias in parts):
         return None
-    return torch.cat([torch.zeros(rows, dtype=dtype, device=device) if bias is None else bias.detach().to(dtype) for rows, bias in parts])
+    return torch.cat(
+        [
+            torch.zeros(rows, dtype=dtype, device=device) if bias is None else bias.detach().to(dtype)
+            for rows, bias in parts
+        ]
+    )
 
 
 def _fused(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)
-    return weight, _fused_bias([(linear.weight.shape[0], linear.bias) for linear in linears], weight.device, weight.dtype)
+    return weight, _fused_bias(
+        [(linear.weight.shape[0], linear.bias) for linear in linears], weight.device, weight.dtype
+    )
 
 
 @dataclasses.dataclass
@@ -199,7 +212,13 @@ class NativeForward:
     """The forward pass of a Llama-shaped model over a ``PagedCache``; weights taken from the loaded model."""
 
     def __init__(
-        self, model: Any, cache: PagedCache, batch_hint: int, release_weights: bool = False, kernel_choice: str = "auto", pack_weights: bool = True
+        self,
+        model: Any,
+        cache: PagedCache,
+        batch_hint: int,
+        release_weights: bool = False,
+        kernel_choice: str = "auto",
+        pack_weights: bool = True,
     ) -> None:
         if kernel_choice not in KERNEL_CHOICES:
             raise ValueError(f"unknown kernels {kernel_choice!r}; expected one of {', '.join(KERNEL_CHOICES)}")
@@ -253,7 +272,15 @@ class NativeForward:
                 # layer, so the peak memory holds one layer twice at most, never the model.
                 # (Unpacked o_proj and down share their storage with the pass: dropping the
                 # module's reference frees nothing, and costs nothing either.)
-                for module in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                for module in (
+                    attention.q_proj,
+                    attention.k_proj,
+                    attention.v_proj,
+                    attention.o_proj,
+                    mlp.gate_proj,
+                    mlp.up_proj,
+                    mlp.down_proj,
+                ):
                     self._drop(module, packed)
         if release and (isinstance(head, Int8Linear) or head.weight.data_ptr() != embed.data_ptr()):
             self._drop(head, packed)
@@ -267,7 +294,11 @@ class NativeForward:
         # The fixed-shape decode step (``decode_step``, what ``graphs`` captures) runs stock torch
         # ops on any device: the compiled CPU ops are not for a CUDA graph.
         self.static_ops = TorchOps(self.eps, heads, kv_heads, head_dim, intermediate)
-        self.ops: TorchOps = self.static_ops if library is None else CompiledOps(library, self.eps, heads, kv_heads, head_dim, intermediate)
+        self.ops: TorchOps = (
+            self.static_ops
+            if library is None
+            else CompiledOps(library, self.eps, heads, kv_heads, head_dim, intermediate)
+        )
         # Compiled ops this model is past the limits of, each with why: those run on stock
         # torch, checked here once rather than failing every step.
         self.ops_fallbacks: dict[str, str] = {}
@@ -320,7 +351,9 @@ class NativeForward:
             raise ValueError(f"--kernels compiled: {reason}")
         return None, reason
 
-    def _embed(self, ids: torch.Tensor, positions: torch.Tensor, ops: TorchOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _embed(
+        self, ids: torch.Tensor, positions: torch.Tensor, ops: TorchOps
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The tokens' embeddings ``[tokens, hidden]`` and their rotary tables, as ``ops.rope`` takes them."""
         hidden = F.embedding(ids, self.embed)
         if self.embed_scale != 1.0:
@@ -328,7 +361,9 @@ class NativeForward:
         cos, sin = ops.rope_tables(*self.rotary(hidden, positions.unsqueeze(0)))
         return hidden, cos, sin
 
-    def _layers(self, hidden: torch.Tensor, ops: TorchOps, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def _layers(
+        self, hidden: torch.Tensor, ops: TorchOps, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         """Every decoder layer over the step's tokens. ``attend(index, qkv, q, k, v)`` stores the
         layer's keys and values and returns its attention ``[tokens, heads, dim]``: the eager
         step (segments) and the fixed-shape one (``decode_step``) differ there alone."""
@@ -337,7 +372,9 @@ class NativeForward:
         for index, layer in enumerate(self.layers):
             normed = ops.rms_norm(hidden, layer.input_norm)
             qkv = layer.qkv(normed)
-            qk = ops.rope(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin)  # q and k at once
+            qk = ops.rope(
+                qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin
+            )  # q and k at once
             v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
             attended = attend(index, qkv, qk[:, :heads], qk[:, heads:], v)
             hidden = layer.out.plus(attended.reshape(tokens, heads * dim), hidden)
@@ -346,7 +383,9 @@ class NativeForward:
         return hidden
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment], emit: list[int]) -> torch.Tensor:
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment], emit: list[int]
+    ) -> torch.Tensor:
         """Run one step. ``ids``/``positions``: ``[tokens]`` (segment after segment, one-token
         segments first); ``emit``: the token indices whose next-token logits are returned
         (``[len(emit), vocab]``, fp32)."""
@@ -361,7 +400,9 @@ class NativeForward:
         chunks = [segment for segment in segments if segment.count > 1]
         assert segments[: len(singles)] == singles, "one-token segments come first"
         cache, block_size, scratch = self.cache, self.cache.block_size, self.cache.scratch
-        blocks, offsets = places([list(s.table) for s in segments], [s.start for s in segments], [s.count for s in segments], block_size)
+        blocks, offsets = places(
+            [list(s.table) for s in segments], [s.start for s in segments], [s.count for s in segments], block_size
+        )
         where = Places(blocks, offsets)
         single_plan = attention.plan(singles, block_size, scratch, device) if singles else None
         chunk_plans = chunk_plan(chunks, block_size, scratch, device)
@@ -374,16 +415,26 @@ class NativeForward:
                 attended.append(attention(q[: len(singles)], keys, values, single_plan))
             offset = len(singles)
             for segment, plan in zip(chunks, chunk_plans, strict=True):
-                attended.append(chunk_attention(q[offset : offset + segment.count], keys, values, segment, plan, self.scale))
+                attended.append(
+                    chunk_attention(q[offset : offset + segment.count], keys, values, segment, plan, self.scale)
+                )
                 offset += segment.count
             return attended[0] if len(attended) == 1 else torch.cat(attended)
 
         hidden = self._layers(hidden, ops, cos, sin, attend)
-        picked = hidden if emit == list(range(tokens)) else hidden.index_select(0, host_tensor(emit, torch.long, device))
+        picked = (
+            hidden if emit == list(range(tokens)) else hidden.index_select(0, host_tensor(emit, torch.long, device))
+        )
         return self.lm_head(ops.rms_norm(picked, self.norm)).float()
 
     def decode_step(
-        self, ids: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
     ) -> torch.Tensor:
         """One decode step in fixed shapes: ``rows`` one-token rows (``ids``, ``positions``,
         ``blocks``/``offsets`` where each writes, ``lengths`` = position + 1: ``[rows]``;

@@ -55,7 +55,13 @@ class TorchOps:
     name = "torch"
 
     def __init__(self, eps: float, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> None:
-        self.eps, self.heads, self.kv_heads, self.head_dim, self.intermediate = eps, heads, kv_heads, head_dim, intermediate
+        self.eps, self.heads, self.kv_heads, self.head_dim, self.intermediate = (
+            eps,
+            heads,
+            kv_heads,
+            head_dim,
+            intermediate,
+        )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Llama's RMSNorm, computed in float32 whatever the weights' dtype (as transformers does)."""
@@ -77,9 +83,19 @@ class TorchOps:
         swapped = qk.view(tokens, heads, 2, dim // 2).flip(-2).flatten(-2)
         return qk * cos + swapped * sin
 
-    def store_kv(self, qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, places: Places) -> None:
+    def store_kv(
+        self,
+        qkv: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        places: Places,
+    ) -> None:
         if places.flat is None:
-            places.flat = to_device(flat_index(places.blocks, places.offsets, self.kv_heads, keys.shape[2]), keys.device)
+            places.flat = to_device(
+                flat_index(places.blocks, places.offsets, self.kv_heads, keys.shape[2]), keys.device
+            )
         write(keys, values, places.flat, k, v)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -106,7 +122,15 @@ class CompiledOps(TorchOps):
         self.library.rope_(qk, cos, sin)  # in place
         return qk
 
-    def store_kv(self, qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, places: Places) -> None:
+    def store_kv(
+        self,
+        qkv: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        places: Places,
+    ) -> None:
         self.library.store_kv(qkv, keys, values, places.blocks, places.offsets, self.heads)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -150,7 +174,9 @@ class PagedDecodeAttention:
         self.library, self.heads, self.kv_heads, self.scale = library, heads, kv_heads, scale
 
     def plan(self, singles: list[Segment], block_size: int, scratch: int, device: torch.device) -> Any:
-        tables = table_tensor([list(s.table) for s in singles], scratch, blocks_for(max(s.start for s in singles) + 1, block_size))
+        tables = table_tensor(
+            [list(s.table) for s in singles], scratch, blocks_for(max(s.start for s in singles) + 1, block_size)
+        )
         lengths = torch.tensor([s.start + 1 for s in singles], dtype=torch.long)
         return tables, lengths
 
@@ -175,9 +201,13 @@ class GroupedAttention:
         for first, rows in single_groups(singles):
             group = singles[first : first + rows]
             columns = max(s.start for s in group) + 1
-            tables = to_device(table_tensor([list(s.table) for s in group], scratch, blocks_for(columns, block_size)), device)
+            tables = to_device(
+                table_tensor([list(s.table) for s in group], scratch, blocks_for(columns, block_size)), device
+            )
             starts = torch.tensor([s.start for s in group], dtype=torch.long)
-            mask = to_device((torch.arange(columns).view(1, columns) <= starts.view(-1, 1)).view(rows, 1, 1, columns), device)
+            mask = to_device(
+                (torch.arange(columns).view(1, columns) <= starts.view(-1, 1)).view(rows, 1, 1, columns), device
+            )
             groups.append((first, rows, tables, to_device(starts + 1, device), mask))
         return groups
 
@@ -193,7 +223,13 @@ class GroupedAttention:
 
 
 def static_decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, kv_heads: int, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    kv_heads: int,
+    scale: float,
 ) -> torch.Tensor:
     """One-token rows over their tables in fixed shapes (the compiled decode step, ``graphs``):
     every row reads ``tables``' full width, columns from its own length on masked (and zeroed
@@ -209,7 +245,9 @@ def static_decode_attention(
     return attended.reshape(rows, heads, dim)
 
 
-def chunk_plan(chunks: list[Segment], block_size: int, scratch: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def chunk_plan(
+    chunks: list[Segment], block_size: int, scratch: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each prompt chunk's table and causal mask ``[1, 1, count, start + count]``."""
     out = []
     for segment in chunks:
@@ -221,7 +259,14 @@ def chunk_plan(chunks: list[Segment], block_size: int, scratch: int, device: tor
     return out
 
 
-def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, segment: Segment, plan: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+def chunk_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    segment: Segment,
+    plan: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
     """One prompt chunk, causally, over its gathered blocks: ``[count, heads, dim]``."""
     table, mask = plan
     ck, cv = gather(keys, values, table, segment.start + segment.count)

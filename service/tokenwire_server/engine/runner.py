@@ -89,7 +89,9 @@ class ModelRunner:
     """Runs plans over one model and its cache; ``native`` is None for transformers' forward;
     ``graphs`` (native pass only) runs the steps of one-token rows in fixed-shape buckets."""
 
-    def __init__(self, loaded: LoadedModel, cache: PagedCache, native: NativeForward | None, graphs: DecodeGraphs | None = None) -> None:
+    def __init__(
+        self, loaded: LoadedModel, cache: PagedCache, native: NativeForward | None, graphs: DecodeGraphs | None = None
+    ) -> None:
         self.loaded = loaded
         self.cache = cache
         self.native = native
@@ -130,7 +132,9 @@ class ModelRunner:
         parts = plan.parts
         if self.graphs is None or not parts or not all(part.decodes for part in parts):
             return None
-        return self.graphs.run([part.row.last for part in parts], [part.start for part in parts], [part.row.table for part in parts])
+        return self.graphs.run(
+            [part.row.last for part in parts], [part.start for part in parts], [part.row.table for part in parts]
+        )
 
     def _native(self, plan: Plan) -> torch.Tensor:
         assert self.native is not None
@@ -144,7 +148,9 @@ class ModelRunner:
             positions.extend(range(part.start, part.start + part.count))
             if part.emits:
                 emit.append(len(ids) - 1)
-        return self.native(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), segments, emit)
+        return self.native(
+            torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), segments, emit
+        )
 
     # -- transformers' forward: prompt chunks, then decode rows ------------------------
 

@@ -218,7 +218,9 @@ class Sampler:
         noise = gumbel_noise(keys, vocab)
         if not any(0 < o.top_k < vocab or o.top_p < 1.0 for o in options):
             return torch.argmax(scaled + noise, dim=-1)
-        top_k = host_tensor([o.top_k if 0 < o.top_k < vocab else vocab for o in options], torch.long, device).unsqueeze(1)
+        top_k = host_tensor([o.top_k if 0 < o.top_k < vocab else vocab for o in options], torch.long, device).unsqueeze(
+            1
+        )
         top_p = host_tensor([o.top_p for o in options], torch.float32, device).unsqueeze(1)
         limited_p = host_tensor([o.top_p < 1.0 for o in options], torch.bool, device).unsqueeze(1)
         ordered, order = torch.sort(scaled, dim=-1, descending=True, stable=True)

@@ -202,7 +202,9 @@ class Scheduler:
             if not seq.preemptions:  # coming back, its prompt was read (or found) when first admitted
                 seq.cached_prompt_tokens = lease.cached_tokens
             shared = lease.cached_tokens // pool.block_size
-            urgent = preempted and not seq.preemptions and seq.context_len - lease.cached_tokens <= self.max_prefill_tokens
+            urgent = (
+                preempted and not seq.preemptions and seq.context_len - lease.cached_tokens <= self.max_prefill_tokens
+            )
             self.rows.append(Row(seq, lease, keys, length=lease.cached_tokens, published=shared, urgent=urgent))
         self._last_busy_rows = max(self._last_busy_rows, len(self.rows))
 
@@ -231,7 +233,9 @@ class Scheduler:
 
     def schedule(self) -> Plan | None:
         """The next step's plan (None: nothing to run); each part's blocks are taken from its promise."""
-        urgent = next((row for row in self.rows if row.urgent and not row.decoding and row.length < row.seq.context_len), None)
+        urgent = next(
+            (row for row in self.rows if row.urgent and not row.decoding and row.length < row.seq.context_len), None
+        )
         if urgent is not None:  # its whole prompt, alone (see Row.urgent)
             part = Part(urgent, urgent.length, urgent.seq.context_len - urgent.length, False)
             self.pool.grow(urgent.lease, part.start + part.count)
@@ -274,7 +278,11 @@ class Scheduler:
             if row.decoding:
                 row.length += 1
             row.decoding, row.last, row.urgent = True, token, False
-            if not row.seq.finished and not row.seq.handle.cancelled and not row.seq.take(token, logprob, top_alternatives):
+            if (
+                not row.seq.finished
+                and not row.seq.handle.cancelled
+                and not row.seq.take(token, logprob, top_alternatives)
+            ):
                 waiting.append(row)
         return waiting
 

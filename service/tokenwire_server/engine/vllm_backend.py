@@ -272,7 +272,10 @@ class VllmBackend(IntakeBackend):
     def extra_gauges(self) -> dict[str, tuple[str, Any]]:
         """vLLM's own KV-cache usage and prefix-cache hit ratio, exported as tokenwire gauges."""
         return {
-            "tokenwire_vllm_kv_cache_usage_ratio": ("Fraction of vLLM's KV-cache blocks in use", lambda: self._stats.kv_cache_usage),
+            "tokenwire_vllm_kv_cache_usage_ratio": (
+                "Fraction of vLLM's KV-cache blocks in use",
+                lambda: self._stats.kv_cache_usage,
+            ),
             "tokenwire_vllm_prefix_cache_hit_ratio": (
                 "Prompt tokens found in vLLM's prefix cache, of those looked up",
                 lambda: self._stats.prefix_hit_ratio,
@@ -322,7 +325,9 @@ class VllmBackend(IntakeBackend):
             # A resumed stream counts from its original start: what is left of both.
             max_tokens=request.max_new_tokens - len(request.resume_ids),
             # A constrained answer ends when its grammar is complete, as on the batched engine.
-            min_tokens=0 if constrained else max(0, min(request.min_new_tokens, request.max_new_tokens) - len(request.resume_ids)),
+            min_tokens=0
+            if constrained
+            else max(0, min(request.min_new_tokens, request.max_new_tokens) - len(request.resume_ids)),
             ignore_eos=request.ignore_eos and not constrained,
             logprobs=logprobs,
             detokenize=False,

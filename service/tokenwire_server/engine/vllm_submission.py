@@ -144,7 +144,9 @@ class VllmSubmission:
             return
         try:
             stream = backend.engine.generate(
-                TokensPrompt(prompt_token_ids=list(generation.context_ids)), backend.sampling_params(request), self._vllm_id
+                TokensPrompt(prompt_token_ids=list(generation.context_ids)),
+                backend.sampling_params(request),
+                self._vllm_id,
             )
             async with contextlib.aclosing(stream) as outputs:
                 while True:
@@ -166,7 +168,9 @@ class VllmSubmission:
                     completion = out.outputs[0]
                     positions = completion.logprobs or []
                     for i, token in enumerate(completion.token_ids):
-                        logprob, top = _logprobs(positions[i] if i < len(positions) else None, token, request, tokenizer)
+                        logprob, top = _logprobs(
+                            positions[i] if i < len(positions) else None, token, request, tokenizer
+                        )
                         if generation.add_token(int(token), logprob, top):
                             break
                     if getattr(out, "num_cached_tokens", None):

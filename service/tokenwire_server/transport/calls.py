@@ -183,7 +183,12 @@ class Calls:
         metrics.latency.labels(call.method).observe(elapsed)
         if code is grpc.StatusCode.CANCELLED and call.method == "Generate":
             metrics.cancelled.inc()
-        line = {"request_id": call.request_id, "method": call.method, "code": code.name, "duration_ms": round(elapsed * 1000, 1)}
+        line = {
+            "request_id": call.request_id,
+            "method": call.method,
+            "code": code.name,
+            "duration_ms": round(elapsed * 1000, 1),
+        }
         line.update(call.fields)
         log.info("request finished", extra=line)
         call.span.finish(call, code)

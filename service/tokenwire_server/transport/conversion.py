@@ -141,7 +141,11 @@ _PRIORITIES = {
     pb.PRIORITY_HIGH: Priority.HIGH,
     pb.PRIORITY_LOW: Priority.LOW,
 }
-PRIORITY_NAMES = {Priority.NORMAL: "PRIORITY_UNSPECIFIED (normal)", Priority.HIGH: "PRIORITY_HIGH", Priority.LOW: "PRIORITY_LOW"}
+PRIORITY_NAMES = {
+    Priority.NORMAL: "PRIORITY_UNSPECIFIED (normal)",
+    Priority.HIGH: "PRIORITY_HIGH",
+    Priority.LOW: "PRIORITY_LOW",
+}
 
 
 def priority_of(request: pb.GenerateRequest) -> Priority:
@@ -214,7 +218,11 @@ def max_new_tokens_asked(request: pb.GenerateRequest, limits: RequestLimits) -> 
 
 def reply_too_large(size: int, limit: int, request: pb.TokenizeRequest) -> str:
     """Why a Tokenize answer is not sent, and what makes it smaller."""
-    smaller = [name for name, on in (("return_tokens", request.return_tokens), ("return_offsets", request.return_offsets)) if on]
+    smaller = [
+        name
+        for name, on in (("return_tokens", request.return_tokens), ("return_offsets", request.return_offsets))
+        if on
+    ]
     how = f"ask without {' and '.join(smaller)}, or " if smaller else ""
     return (
         f"the answer would be {size} bytes, above the {limit} bytes this server sends in one message "

@@ -140,7 +140,14 @@ class TextGenerationServicer:
         if not policy.allows(priority):
             names = conversion.PRIORITY_NAMES
             raise invalid_argument(
-                [FieldViolation("priority", Rule.PRIORITY_ABOVE_CAP.error(value=names[priority], tenant=tenant, limit=names[policy.max_priority]))]
+                [
+                    FieldViolation(
+                        "priority",
+                        Rule.PRIORITY_ABOVE_CAP.error(
+                            value=names[priority], tenant=tenant, limit=names[policy.max_priority]
+                        ),
+                    )
+                ]
             )
         self._refused_for_tenant(self._quota.check, tenant)
         limits = description.limits
@@ -148,7 +155,9 @@ class TextGenerationServicer:
         encoding = await backend.encode(conversion.prompt_of(request), max_tokens=limits.max_request_tokens)
         if encoding.truncated:
             asked = conversion.max_new_tokens_asked(request, limits)
-            raise PromptTooLong(limits.max_request_tokens, asked, limits.max_request_tokens, at_least=True, chars=encoding.chars)
+            raise PromptTooLong(
+                limits.max_request_tokens, asked, limits.max_request_tokens, at_least=True, chars=encoding.chars
+            )
         fmt = conversion.response_format(request)
         if fmt is not None:
             compile_s = await backend.check_format(fmt, tenant)  # InvalidResponseFormat: before any chunk
@@ -225,7 +234,9 @@ class TextGenerationServicer:
                     call.fields.update(conversion.usage_fields(u, event.reason))
                     if output is not None:
                         call.fields["output"] = "".join(output)
-                    yield conversion.chunk(call.request_id, index, event.text, event.tokens, event.reason, u, chunk_seed)
+                    yield conversion.chunk(
+                        call.request_id, index, event.text, event.tokens, event.reason, u, chunk_seed
+                    )
                     return
                 generated += max(1, len(event.tokens))  # a chunk holds at least one token
                 yield conversion.chunk(call.request_id, index, event.text, event.tokens, seed=chunk_seed)
@@ -243,9 +254,7 @@ class TextGenerationServicer:
             self._metrics.tenant_refusals.labels(exc.tenant, exc.limit).inc()
             raise
 
-    async def _tokenize(
-        self, request: pb.TokenizeRequest, context: Context, call: Call
-    ) -> pb.TokenizeResponse:
+    async def _tokenize(self, request: pb.TokenizeRequest, context: Context, call: Call) -> pb.TokenizeResponse:
         check_decoded(request)
         backend, description = self._serving()
         violations = validate_tokenize_request(request, conversion.validation_limits(description))
@@ -263,9 +272,7 @@ class TextGenerationServicer:
             raise invalid_argument([FieldViolation(call.input_field, why)])
         return response
 
-    async def _model_info(
-        self, request: pb.GetModelInfoRequest, context: Context, call: Call
-    ) -> pb.ModelInfo:
+    async def _model_info(self, request: pb.GetModelInfoRequest, context: Context, call: Call) -> pb.ModelInfo:
         check_decoded(request)
         _, description = self._serving()
         return conversion.model_info(description)

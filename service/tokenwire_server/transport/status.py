@@ -139,7 +139,6 @@ def from_error(kind: ErrorKind, message: str, retry_after_s: float) -> RpcFailur
     return RpcFailure(ERROR_CODES[kind], message)
 
 
-
 DRAINING = "the server is draining; retry on another replica"
 HANDOFF = (
     "the server is shutting down and handed this stream off: resume it on another replica "

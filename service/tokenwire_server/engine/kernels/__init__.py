@@ -172,7 +172,12 @@ def build_key() -> str:
     """What the library depends on: the source, torch's version and ABI, the flags (not
     the compiler's version: a runtime image has the library but no compiler)."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), " ".join(FLAGS).encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        torch.__version__.encode(),
+        str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
+        " ".join(FLAGS).encode(),
+    ):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
@@ -195,7 +200,9 @@ def build(directory: Path | None = None) -> Built:
     warnings = []
     compatible, version = cpp_extension.get_compiler_abi_compatibility_and_version(cxx)
     if not compatible:
-        warnings.append(f"{cxx} {version} may not be ABI-compatible with torch {torch.__version__} (torch.utils.cpp_extension)")
+        warnings.append(
+            f"{cxx} {version} may not be ABI-compatible with torch {torch.__version__} (torch.utils.cpp_extension)"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     # Built beside the target under a temporary name, then renamed: a process that loads
@@ -227,7 +234,9 @@ def _load() -> Kernel:
     try:
         built = build()
         if built.warnings:
-            log.warning("compiled CPU ops: the compiler warned", extra={"path": str(built.path), "warnings": built.warnings})
+            log.warning(
+                "compiled CPU ops: the compiler warned", extra={"path": str(built.path), "warnings": built.warnings}
+            )
         torch.ops.load_library(str(built.path))  # type: ignore[no-untyped-call]
     except CannotBuild as exc:
         log.warning("compiled CPU ops unavailable", extra={"error": str(exc)})
