@@ -265,7 +265,10 @@ def serve(control: int) -> None:
     import importlib
 
     for name in PRELOAD:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another venv's transformers lays its modules out otherwise: the fork imports it
+            pass
     sock = socket.socket(fileno=control)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -284,7 +287,7 @@ def serve(control: int) -> None:
                 out, status = fds
                 pid = os.fork()
                 if pid == 0:
-                    _child(json.loads(message), out, (status, sock.fileno(), wake_r, wake_w))
+                    _child(json.loads(message), out, (status, sock.fileno(), wake_r, wake_w, *statuses.values()))
                 os.close(out)
                 statuses[pid] = status
                 sock.send(json.dumps({"pid": pid}).encode())
