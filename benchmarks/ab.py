@@ -29,8 +29,10 @@ from benchmarks.stats import spread
 
 OUT = None  # a quick check by default: nothing written
 FLAGS = {"old": {"required": True, "help": "a tree (folder) or a git revision"},
-         "new": (str(REPO), "a tree (folder) or a git revision"), "repeats": 3, "max_new_tokens": 128, "cases": "c1,c16,long",
-         "requests_per_stream": (2, "server cases: requests per stream"), "server_arg": ([], "server cases: extra flag (repeatable)"),
+         "new": (str(REPO), "a tree (folder) or a git revision"),
+         "repeats": 3, "max_new_tokens": 128, "cases": "c1,c16,long",
+         "requests_per_stream": (2, "server cases: requests per stream"),
+         "server_arg": ([], "server cases: extra flag (repeatable)"),
          "workdir": Path("/tmp/tokenwire-revisions"), "section": ("ab", "the section of --out the table replaces"),
          "label": ("old tree vs new tree", "what the two trees are, for the section")}  # fmt: skip
 DRY_RUN = {"repeats": 1, "cases": "c1,server-c2", "max_new_tokens": 4}

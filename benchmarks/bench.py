@@ -19,10 +19,12 @@ from benchmarks.stats import median, percentile
 
 CONCURRENCY = (1, 4, 16)
 FLAGS = {
-    "max_new_tokens": 64, "requests_per_stream": (2, "requests per concurrent stream in each run"), "engines": "simple,batched",
+    "max_new_tokens": 64, "requests_per_stream": (2, "requests per concurrent stream in each run"),
+    "engines": "simple,batched",
     "pairs": (12, "interleaved single-stream pairs (in-process, server)"),
     "cancels": (16, "streams cancelled inside a running batch of 8"),
-    "plot": ("docs/benchmarks.png", "where the figure goes ('' for none)"), "server_arg": ([], "extra server flag (repeatable)"),
+    "plot": ("docs/benchmarks.png", "where the figure goes ('' for none)"),
+    "server_arg": ([], "extra server flag (repeatable)"),
     "long_repeats": (3, "arrivals of a 1,500-token prompt among 8 decoding streams (0: skip)"),
 }  # fmt: skip
 DRY_RUN = {"max_new_tokens": 4, "requests_per_stream": 1, "pairs": 1, "cancels": 2, "long_repeats": 1, "plot": ""}
@@ -181,8 +183,11 @@ def long_prompt(
             arrivals: list[list[float]] = [[] for _ in range(streams)]
             failures: list[TokenwireError] = []
             calls = [
-                client.generate(messages=[{"role": "user", "content": DEFAULT_PROMPTS[(repeat * streams + i) % len(DEFAULT_PROMPTS)]}],
-                                max_new_tokens=stream_tokens, ignore_eos=True, token_ids=True)
+                client.generate(
+                    messages=[
+                        {"role": "user", "content": DEFAULT_PROMPTS[(repeat * streams + i) % len(DEFAULT_PROMPTS)]}
+                    ],
+                    max_new_tokens=stream_tokens, ignore_eos=True, token_ids=True)
                 for i in range(streams)
             ]  # fmt: skip
 
@@ -213,7 +218,8 @@ def long_prompt(
             p50, worst = stall([list(times) for times in arrivals], arrived, chunks[-1])
             runs.append(LongPromptRun(p50 * 1000, worst * 1000, chunks[0] - arrived, len(ids)))
             doc.log(
-                f"  long prompt {repeat}: largest gap {worst * 1e3:.0f} ms, ITL p50 {p50 * 1e3:.0f} ms ({worst / p50:.2f}x)"
+                f"  long prompt {repeat}: largest gap {worst * 1e3:.0f} ms, "
+                f"ITL p50 {p50 * 1e3:.0f} ms ({worst / p50:.2f}x)"
             )
     return runs
 
@@ -277,7 +283,8 @@ def targets(rows: list[Measure], ab: SingleStreamAB, long_runs: list[LongPromptR
         out.append(("c=16: batched ITL p99 <= 2.5x p50", measured, ratio <= 2.5))
     delta = ab.ttft_delta_ms
     out.append(("c=1: TTFT p50 <= in-process TTFT + 15 ms (interleaved pairs)",
-                f"{delta:+.1f} ms ({pairs}; {ab.server_ttft_ms:.1f} vs {ab.in_process_ttft_ms:.1f} ms)", delta <= 15))  # fmt: skip
+                f"{delta:+.1f} ms ({pairs}; {ab.server_ttft_ms:.1f} vs {ab.in_process_ttft_ms:.1f} ms)",
+                delta <= 15))  # fmt: skip
     if b16 and b16.rss_mb:
         out.append(("c=16: batched server peak RSS <= 1.5 GB", f"{b16.rss_mb:.0f} MB", b16.rss_mb <= 1536))
     if long_runs:
@@ -301,9 +308,12 @@ def render(args: argparse.Namespace, rows: list[Measure], ab: SingleStreamAB, lo
         "Every row ran in the same invocation on the same machine, one after another; the machine is shared and",
         "noisy, so compare the ratios, not the absolute figures.",
         "",
-        f"Work per request: a chat prompt from a fixed set of {prompts}, `max_new_tokens={args.max_new_tokens}`, `ignore_eos`",
-        "(every request generates exactly that many tokens), greedy. Concurrency *c* means *c* client streams kept busy",
-        "(closed loop) through gRPC on 127.0.0.1; for in-process `generate` it is the batch size (static batch: all rows",
+        f"Work per request: a chat prompt from a fixed set of {prompts}, "
+        f"`max_new_tokens={args.max_new_tokens}`, `ignore_eos`",
+        "(every request generates exactly that many tokens), greedy. "
+        "Concurrency *c* means *c* client streams kept busy",
+        "(closed loop) through gRPC on 127.0.0.1; "
+        "for in-process `generate` it is the batch size (static batch: all rows",
         "start and end together). Latencies are milliseconds, seen by the client. ITL = gap between streamed tokens.",
         "",
         "### Machine",
@@ -312,10 +322,12 @@ def render(args: argparse.Namespace, rows: list[Measure], ab: SingleStreamAB, lo
         "",
         "### Results",
         "",
-        *doc.table("engine | c | requests | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p50 | e2e p99 | peak RSS MB | errors",
-                   "lrrrrrrrrrrl", ([r.system, r.concurrency, r.requests, f"{r.tokens_per_s:.1f}", _fmt(r.ttft_p50), _fmt(r.ttft_p99),
-                                     _fmt(r.itl_p50), _fmt(r.itl_p99), _fmt(r.e2e_p50, 0), _fmt(r.e2e_p99, 0), _fmt(r.rss_mb, 0),
-                                     ", ".join(f"{k}: {v}" for k, v in r.errors.items()) or "0"] for r in rows)),
+        *doc.table("engine | c | requests | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p50 | e2e p99 | "
+                   "peak RSS MB | errors",
+                   "lrrrrrrrrrrl",
+                   ([r.system, r.concurrency, r.requests, f"{r.tokens_per_s:.1f}", _fmt(r.ttft_p50), _fmt(r.ttft_p99),
+                     _fmt(r.itl_p50), _fmt(r.itl_p99), _fmt(r.e2e_p50, 0), _fmt(r.e2e_p99, 0), _fmt(r.rss_mb, 0),
+                     ", ".join(f"{k}: {v}" for k, v in r.errors.items()) or "0"] for r in rows)),
         "",
         "### Ratios",
         "",
@@ -327,15 +339,18 @@ def render(args: argparse.Namespace, rows: list[Measure], ab: SingleStreamAB, lo
         "request each, same prompt, alternating), because two runs minutes apart on this shared machine differ by more",
         "than the margin being measured.",
         "",
-        *doc.table("target | measured | met", "lll", ((n, m, "yes" if ok else "NO") for n, m, ok in targets(rows, ab, long_runs))),
+        *doc.table("target | measured | met", "lll",
+                   ((n, m, "yes" if ok else "NO") for n, m, ok in targets(rows, ab, long_runs))),
     ]  # fmt: skip
     if long_runs:
         lines += [
             "",
             "### A long prompt among decoding streams",
             "",
-            "`server --engine batched`, over gRPC: 8 chat streams decode (greedy, `ignore_eos`); once each has 20 chunks, a",
-            f"{long_runs[0].prompt_tokens}-token prompt arrives (token ids, 4 new tokens). The streams' largest gap between chunks",
+            "`server --engine batched`, over gRPC: 8 chat streams decode (greedy, `ignore_eos`); "
+            "once each has 20 chunks, a",
+            f"{long_runs[0].prompt_tokens}-token prompt arrives (token ids, 4 new tokens). "
+            "The streams' largest gap between chunks",
             "while it is read (until its last chunk) against their ITL p50 before it came; "
             f"{len(long_runs)} arrivals on one server. min / median / max:",
             "",
@@ -347,7 +362,8 @@ def render(args: argparse.Namespace, rows: list[Measure], ab: SingleStreamAB, lo
                     ("long prompt's first chunk, s", [run.first_token_s for run in long_runs])))),
         ]  # fmt: skip
     lines += ["", "![throughput and inter-token latency against concurrency](benchmarks.png)", "", "### Notes", "",
-              f"- Cancellation inside a running batch of 8 (batched engine, in-process, {len(cancels)} cancels at random "
+              "- Cancellation inside a running batch of 8 "
+              f"(batched engine, in-process, {len(cancels)} cancels at random "
               f"moments): decode steps that still included the stream after its cancel: max {max(cancels)}, "
               f"median {median(cancels):g} (target: at most 2).", ""]  # fmt: skip
     return doc.section("bench", "In-process `generate` and the tokenwire engines (`make bench`)", args.command, *lines)

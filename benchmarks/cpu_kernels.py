@@ -189,7 +189,8 @@ def run(args: argparse.Namespace) -> doc.Section:
                                f"{read / statistics.median(kernel) * 1000:.1f}", f"{ratio:.2f}×"])  # fmt: skip
     return doc.section(
         "cpu-kernels", "CPU kernels: which GEMM reads the weights fastest; decode attention", args.command,
-        f"torch {m['torch']}, {m['torch threads']} threads, {torch.backends.cpu.get_cpu_capability()}, {platform.machine()}. "
+        f"torch {m['torch']}, {m['torch threads']} threads, "
+        f"{torch.backends.cpu.get_cpu_capability()}, {platform.machine()}. "
         "Every linear layer of the model once (q/k/v and gate/up fused, plus the vocabulary projection), ms per pass, "
         "min/median/max over the repeats; ratio: median of F.linear / median of the kernel.",
         "",
@@ -199,5 +200,6 @@ def run(args: argparse.Namespace) -> doc.Section:
         f"Decode attention, {SLOTS} rows at one context length, all {n_layers} layers: ms (min/median/max), "
         "the keys and values read per second at the median, and sdpa / kernel (median of the per-repeat ratios).",
         "",
-        *doc.table("context | sdpa ms | sdpa GB/s | kernel ms | kernel GB/s | kernel speed-up", "rrrrrr", attention_rows),
+        *doc.table("context | sdpa ms | sdpa GB/s | kernel ms | kernel GB/s | kernel speed-up", "rrrrrr",
+                   attention_rows),
     )  # fmt: skip

@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> doc.Section:
     info = doc.machine()
     return doc.section(
         "cpu-levers", "CPU levers: torch.compile and int8 weights (`make bench-levers`)", args.command,
-        f"The default model's decode step (transformers forward over a static KV cache, {info['torch threads']} torch threads,",
+        "The default model's decode step "
+        f"(transformers forward over a static KV cache, {info['torch threads']} torch threads,",
         f"{info['cpu']}, {info['cores']} cores), median over {args.steps - 5} steps; each cell median (min–max) over",
         f"{args.repeats} repeats that alternate the variants.",
         "",

@@ -15,8 +15,10 @@ from pathlib import Path
 HEADER = """# Benchmarks
 
 Written by the benchmarks, not by hand: each section below belongs to one command
-(`make bench`, `make bench-peers`, `make bench-quality`, `make bench-levers`, `make bench-kernels`, `make bench-neighbour`, `make bench-prefix`, `make bench-resume`,
-`make bench-structured`, `make bench-tenants`, `make bench-startup`, `python -m benchmarks ab --section`), which replaces only its own
+(`make bench`, `make bench-peers`, `make bench-quality`, `make bench-levers`, `make bench-kernels`, \
+`make bench-neighbour`, `make bench-prefix`, `make bench-resume`,
+`make bench-structured`, `make bench-tenants`, `make bench-startup`, \
+`python -m benchmarks ab --section`), which replaces only its own
 section and records its exact invocation. Every figure in a section comes from one run
 of that command on one machine; the machine is shared and noisy, so compare the rows
 and ratios inside a section, not absolute figures across sections.
@@ -83,7 +85,8 @@ def machine() -> dict[str, str]:
     with contextlib.suppress(OSError):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
-    return {"cpu": cpu, "instruction sets": ", ".join(cpu_instruction_sets()) or "none of note", "cores": str(os.cpu_count()),
+    return {"cpu": cpu, "instruction sets": ", ".join(cpu_instruction_sets()) or "none of note",
+            "cores": str(os.cpu_count()),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "torch threads": str(torch.get_num_threads())}  # fmt: skip

@@ -36,11 +36,16 @@ from benchmarks.launcher import serve
 
 def _shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, Any]:
     return {"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "tie_word_embeddings": True}  # fmt: skip
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+            "tie_word_embeddings": True}  # fmt: skip
 
 
 # SmolLM2-135M-Instruct; a Llama-3.2-1B-like shape (the issue's "1B shape"); a few layers, for tests.
-SHAPES = {"135m": _shape(576, 1536, 30, 9, 3, 64), "1b": _shape(2048, 8192, 16, 32, 8, 64), "tiny": _shape(64, 128, 2, 4, 2, 16)}  # fmt: skip
+SHAPES = {
+    "135m": _shape(576, 1536, 30, 9, 3, 64),
+    "1b": _shape(2048, 8192, 16, 32, 8, 64),
+    "tiny": _shape(64, 128, 2, 4, 2, 16),
+}
 PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10G": 600.0, "L4": 300.0}
 STEP_HISTOGRAMS = ("tokenwire_decode_step_seconds", "tokenwire_decode_step_host_seconds")
 # ``:sampled`` requests: the sampler's temperatures, rows and seed keys cross to the device every step.
@@ -56,7 +61,9 @@ FLAGS = {
     "step_graphs": ("auto", "the native pass's --step-graphs (auto: CUDA graphs on CUDA)"),
     "ceiling": {"default": "ends", "choices": ("ends", "all", "none"),
                 "help": "static-batch generate at the smallest and largest concurrency (ends), at each, or not"},
-    "prefill_budgets": ("", "comma-separated --max-prefill-tokens to measure at the last shape, last of all (empty: none)"),
+    "prefill_budgets": (
+        "", "comma-separated --max-prefill-tokens to measure at the last shape, last of all (empty: none)"
+    ),
     "prefill_streams": 16, "prefill_stream_tokens": 2000, "max_new_tokens": 128, "requests_per_stream": 2,
     "peak_gbs": {"type": float, "default": None, "help": "peak memory bandwidth, GB/s (default: from the GPU's name)"},
     "tokenizer": {"default": None, "help": "the default model's tokenizer files (default: $TOKENWIRE_TOKENIZER_DIR, "
@@ -250,7 +257,8 @@ def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
             reserved = reserved_bytes(server.metrics_port)
             results.append(Result(**vars(m), shape=shape, step_ms=step_s * 1000 if step_s else None,
                                   host_ms=None if host_s is None else host_s * 1000,
-                                  gpu_busy=sum(busy) / len(busy) if busy else None, mbu=mbu_of(shape, folder, args.device, c, step_s, peak, args.max_new_tokens),
+                                  gpu_busy=sum(busy) / len(busy) if busy else None,
+                                  mbu=mbu_of(shape, folder, args.device, c, step_s, peak, args.max_new_tokens),
                                   reserved_gib=None if reserved is None else reserved / 2**30))  # fmt: skip
             doc.log(f"  {shape} {path} c={c}: {m.tokens_per_s:.0f} tok/s, step {results[-1].step_ms} ms")
     return results
@@ -275,8 +283,9 @@ def run_ceiling(shape: str, args: argparse.Namespace, batches: list[int]) -> lis
     for batch in batches:
         torch.manual_seed(0)
         ids = torch.randint(10, model.config.vocab_size, (batch, 32), device=device)
-        kwargs: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static",
-                                      pad_token_id=model.config.eos_token_id, attention_mask=torch.ones_like(ids),
+        kwargs: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                      cache_implementation="static", pad_token_id=model.config.eos_token_id,
+                                      attention_mask=torch.ones_like(ids),
                                       **({} if cuda else {"disable_compile": True}))  # fmt: skip
         with torch.inference_mode():
             model.generate(ids, **kwargs)  # warm-up: the compile
@@ -289,9 +298,10 @@ def run_ceiling(shape: str, args: argparse.Namespace, batches: list[int]) -> lis
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - started
         step_s = elapsed / new
-        results.append(Result(label, batch, batch, batch * new, batch * new / elapsed, itl_p50=step_s * 1000, shape=shape,
-                              step_ms=step_s * 1000, mbu=mbu_of(shape, folder, args.device, batch, step_s, peak, new),
-                              reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None))  # fmt: skip
+        results.append(Result(
+            label, batch, batch, batch * new, batch * new / elapsed, itl_p50=step_s * 1000, shape=shape,
+            step_ms=step_s * 1000, mbu=mbu_of(shape, folder, args.device, batch, step_s, peak, new),
+            reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None))  # fmt: skip
         doc.log(f"  {shape} {label} batch={batch}: {results[-1].tokens_per_s:.0f} tok/s")
     del model
     if cuda:
@@ -327,16 +337,23 @@ def render(args: argparse.Namespace, results: list[Result], prefill: list[list[A
         return "-" if value is None else f"{value * scale:.{digits}f}"
 
     rows = [[r.shape, r.system, r.concurrency, f"{r.tokens_per_s:.0f}", f(r.ttft_p50), f(r.ttft_p99), f(r.itl_p50, 2),
-             f(r.itl_p99, 2), f(r.step_ms, 2), f(r.host_ms, 2), f(r.gpu_busy, 0), f(r.mbu, 1, 100), f(r.reserved_gib, 2)]
+             f(r.itl_p99, 2), f(r.step_ms, 2), f(r.host_ms, 2), f(r.gpu_busy, 0), f(r.mbu, 1, 100),
+             f(r.reserved_gib, 2)]
             for r in results]  # fmt: skip
     lines = [
         *([f"Still to run: {', '.join(not_yet)}."] if not_yet else []),
-        "Random weights in the named shape, the default model's tokenizer; greedy, `ignore_eos`; one run. tokenwire rows:",
-        "the server over gRPC (TTFT and ITL from the client; decode step: the server's mean). Ceiling rows: transformers",
-        "`generate` on a static batch with a static cache, in-process (ITL there is the mean step, prefill included). MBU:",
-        "bytes a decode step reads (weights + the batch's KV cache) ÷ step time ÷ peak bandwidth. Host ms/step: the server's",
-        "mean `tokenwire_decode_step_host_seconds`, a decode step's wall time (delivery included) less its compute (CPU) or",
-        "its wait on the device (CUDA): on a GPU, host work the device may idle through. Reserved: torch's device memory",
+        "Random weights in the named shape, the default model's tokenizer; greedy, `ignore_eos`; one run. "
+        "tokenwire rows:",
+        "the server over gRPC (TTFT and ITL from the client; decode step: the server's mean). "
+        "Ceiling rows: transformers",
+        "`generate` on a static batch with a static cache, in-process (ITL there is the mean step, prefill included). "
+        "MBU:",
+        "bytes a decode step reads (weights + the batch's KV cache) ÷ step time ÷ peak bandwidth. "
+        "Host ms/step: the server's",
+        "mean `tokenwire_decode_step_host_seconds`, a decode step's wall time (delivery included) "
+        "less its compute (CPU) or",
+        "its wait on the device (CUDA): on a GPU, host work the device may idle through. "
+        "Reserved: torch's device memory",
         "high-water mark.",
         "",
         *doc.table("shape | path | c | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | decode step ms "
@@ -345,8 +362,10 @@ def render(args: argparse.Namespace, results: list[Result], prefill: list[list[A
     if prefill:
         lines += [
             "",
-            "Prompt budget (`--max-prefill-tokens`, native pass): streams decode, a 1,500-token prompt arrives (two arrivals,",
-            "the worse shown); stall: the streams' largest gap while it is read ÷ their ITL p50 before; TTFT: the long prompt's own.",
+            "Prompt budget (`--max-prefill-tokens`, native pass): streams decode, "
+            "a 1,500-token prompt arrives (two arrivals,",
+            "the worse shown); stall: the streams' largest gap while it is read ÷ their ITL p50 before; "
+            "TTFT: the long prompt's own.",
             "",
             *doc.table(
                 "shape | budget | stall × | ITL p50 ms | largest gap ms | long prompt TTFT s", "lrrrrr", prefill

@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         return 1
     wheels = sorted(p.name for p in (args.bundle / "wheels").glob("*.whl"))
-    print(f"gpu bundle {args.bundle}: {len(wheels)} wheels for CPython {args.python}, {size_mib(args.bundle / 'wheels'):.1f} MiB "
+    print(f"gpu bundle {args.bundle}: {len(wheels)} wheels for CPython {args.python}, "
+          f"{size_mib(args.bundle / 'wheels'):.1f} MiB "
           f"(limit {args.limit_mib}); tokenizer {size_mib(args.bundle / 'tokenizer'):.1f} MiB")  # fmt: skip
     for name in wheels:
         print(f"  {name}")

@@ -57,7 +57,8 @@ def grpc_load(
     import tokenwire.bench
 
     r = tokenwire.bench.run_bench(target, concurrency=concurrency, requests=requests, max_new_tokens=max_new,
-                                  prompts=prompts or tokenwire.bench.DEFAULT_PROMPTS, timeout=3600, **options)  # fmt: skip
+                                  prompts=prompts or tokenwire.bench.DEFAULT_PROMPTS, timeout=3600,
+                                  **options)  # fmt: skip
     return Measure(system, concurrency, r.requests, r.output_tokens, r.output_tokens_per_s, r.ttft_ms.p50,
                    r.ttft_ms.p99, r.itl_ms.p50, r.itl_ms.p99, r.e2e_ms.p50, r.e2e_ms.p99, r.errors, repeat)  # fmt: skip
 

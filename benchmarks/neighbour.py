@@ -68,9 +68,12 @@ def run(args: argparse.Namespace) -> doc.Section:
              f"{median(lat[(name, neighbour, c)]):.2f} / {p99(lat[(name, neighbour, c)]):.2f}"]
             for c in levels for neighbour in (False, True) for name in SETTINGS]  # fmt: skip
     default, own = SETTINGS
-    notes = [f"- c={c}, neighbour {busy[neighbour]}: spin 1000 vs OpenMP's own, tokens/s ratio "
-             f"{spread([a / b for a, b in zip(tps[(default, neighbour, c)], tps[(own, neighbour, c)], strict=True)], 2)}×"
-             for c in levels for neighbour in (False, True)]  # fmt: skip
+    notes = [
+        f"- c={c}, neighbour {busy[neighbour]}: spin 1000 vs OpenMP's own, tokens/s ratio "
+        f"{spread([a / b for a, b in zip(tps[(default, neighbour, c)], tps[(own, neighbour, c)], strict=True)], 2)}×"
+        for c in levels
+        for neighbour in (False, True)
+    ]
     notes += [f"- {name}, c={c}: pace kept beside the neighbour (busy ÷ quiet tokens/s) "
               f"{spread([b / a for a, b in zip(tps[(name, False, c)], tps[(name, True, c)], strict=True)], 2)}"
               for name in SETTINGS for c in levels]  # fmt: skip
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> doc.Section:
         f"{args.repeats} repeats alternating the settings. The neighbour is one `while True: pass` process. "
         "Tokens/s: median (min–max) over repeats; latency: median and p99 over every stream of the cell.",
         "",
-        *doc.table("--omp-spin-count | neighbour | streams | tokens/s | stream latency median / p99 (s)", "llrrr", rows),
+        *doc.table("--omp-spin-count | neighbour | streams | tokens/s | stream latency median / p99 (s)", "llrrr",
+                   rows),
         "",
         *notes,
     )  # fmt: skip

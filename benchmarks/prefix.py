@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> doc.Section:
             prompt_tokens += [s.usage.prompt_tokens for s in shared]
             texts.setdefault(setting, [s.text for s in shared])
             doc.log(f"repeat {repeat} prefix-cache {setting}: TTFT p50 alone {median(alone) * 1000:.0f} ms, "
-                    f"shared {median(s.ttft for s in shared) * 1000:.0f} ms, cached min {min(cached[setting])}")  # fmt: skip
+                    f"shared {median(s.ttft for s in shared) * 1000:.0f} ms, "
+                    f"cached min {min(cached[setting])}")  # fmt: skip
     rows = []
     for setting in SETTINGS:
         for kind, prompt in (("alone", "question alone"), ("shared", "shared system prompt")):
@@ -80,7 +81,8 @@ def run(args: argparse.Namespace) -> doc.Section:
         "question), after one that filled the cache. Time to first token at the client: median (min–max) over "
         f"{args.repeats} repeats of each repeat's median, and the p99 over every request.",
         "",
-        *doc.table("--prefix-cache | prompt | TTFT p50 (ms) | TTFT p99 (ms) | cached prompt tokens (min–max)", "llrrr", rows),
+        *doc.table("--prefix-cache | prompt | TTFT p50 (ms) | TTFT p99 (ms) | cached prompt tokens (min–max)", "llrrr",
+                   rows),
         "",
         *(f"- prefix cache {s}: TTFT p50 shared ÷ question alone {spread(ratios[s], 2)}×" for s in SETTINGS),
         f"- answers identical with the cache on and off: {same} of {len(texts['on'])} (first repeat)",

@@ -83,9 +83,10 @@ def meets(result: dict[str, Any]) -> bool:
     return bool(result["kl"] <= BAR["kl"] and result["identical"] >= BAR["identical"])
 
 
-FLAGS = {"modes": "int8,bfloat16", "kl_prompts": BAR["kl_prompts"], "kl_tokens": BAR["kl_tokens"], "greedy_prompts": BAR["of"],
-         "greedy_tokens": BAR["greedy_tokens"],
-         "quality_file": (str(QUALITY_FILE), "where the server's start-up gate reads the result ('' to skip)")}  # fmt: skip
+FLAGS = {"modes": "int8,bfloat16", "kl_prompts": BAR["kl_prompts"], "kl_tokens": BAR["kl_tokens"],
+         "greedy_prompts": BAR["of"], "greedy_tokens": BAR["greedy_tokens"],
+         "quality_file": (str(QUALITY_FILE),
+                          "where the server's start-up gate reads the result ('' to skip)")}  # fmt: skip
 DRY_RUN = {"quality_file": "", "kl_prompts": 2, "kl_tokens": 4, "greedy_prompts": 2, "greedy_tokens": 4}
 
 

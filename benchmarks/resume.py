@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> doc.Section:
             result = one_repeat(args, engine, seed=repeat)
             results.setdefault(engine, []).append(result)
             counts = {kind: f"{sum(v)}/{len(v)}" for kind, v in result["exact"].items()}
-            doc.log(f"repeat {repeat} {engine}: exact {counts}, resumed TTFT / uncut TTFT p50 {result['ttft_ratio_p50']:.2f} "
+            doc.log(f"repeat {repeat} {engine}: exact {counts}, "
+                    f"resumed TTFT / uncut TTFT p50 {result['ttft_ratio_p50']:.2f} "
                     f"max {result['ttft_ratio_max']:.2f}")  # fmt: skip
     rows = [[engine, *(f"{sum(v)}/{len(v)}" for v in ([x for r in runs for x in r["exact"][kind]] for kind in KINDS)),
              spread([r["ttft_ratio_p50"] for r in runs], 2), spread([r["ttft_ratio_max"] for r in runs], 2)]
@@ -97,6 +98,6 @@ def run(args: argparse.Namespace) -> doc.Section:
         "the first chunk of the resumed call ÷ of the uncut call, median (and largest) over the 20, median (min–max) "
         "over the repeats.",
         "",
-        *doc.table("engine | greedy exact | seeded top-p exact | seeded top-k + penalty exact | resumed ÷ uncut TTFT, median "
-                   "| largest", "lrrrrr", rows),
+        *doc.table("engine | greedy exact | seeded top-p exact | seeded top-k + penalty exact | "
+                   "resumed ÷ uncut TTFT, median | largest", "lrrrrr", rows),
     )  # fmt: skip

@@ -45,7 +45,8 @@ FLAGS = {
     "tenants": (True, "start the server with three tenants and bearer tokens, and mix in the tenants' kinds of call"),
     "minutes": (10.0, "how long to send traffic"), "rate": (1.5, "calls started per second"),
     "concurrency": (48, "most calls this client runs at once"),
-    "burst_every": (60.0, "seconds between bursts past admission"), "burst_tokens": (4, "max_new_tokens of each call of a burst"),
+    "burst_every": (60.0, "seconds between bursts past admission"),
+    "burst_tokens": (4, "max_new_tokens of each call of a burst"),
     "short_tokens": (16, "max_new_tokens of short generations"),
     "long_tokens": (64, "max_new_tokens of long, structured and resumed generations"),
     "cancel_storm": (1000, "streams cancelled one by one after the mix"),
@@ -55,8 +56,9 @@ FLAGS = {
 }  # fmt: skip
 DRY_RUN = {"minutes": 0.05, "rate": 10.0, "concurrency": 8, "burst_every": 1.0, "short_tokens": 2, "long_tokens": 4,
            "burst_tokens": 2, "cancel_storm": 3, "cancel_storm_seconds": 5.0}  # fmt: skip
-PROMPTS = ("Write a haiku about the sea.", "Explain what a hash table is in two sentences.", "List three uses of copper.",
-           "Translate 'good morning' into French, German and Spanish.", "What is the capital of Japan? Answer briefly.",
+PROMPTS = ("Write a haiku about the sea.", "Explain what a hash table is in two sentences.",
+           "List three uses of copper.", "Translate 'good morning' into French, German and Spanish.",
+           "What is the capital of Japan? Answer briefly.",
            "Tell me a short story about a robot who learns to paint.")  # fmt: skip
 MALFORMED = (
     pb.GenerateRequest(), pb.GenerateRequest(prompt=""),
@@ -78,7 +80,8 @@ FORMATS = (
     ("short", pb.ResponseFormat(json_schema=json.dumps(SCHEMAS["short"])), QUESTIONS["short"][0]),
     ("json_object", pb.ResponseFormat(json_object=True), "Describe a cat as a JSON object."),
     ("regex", pb.ResponseFormat(regex=REGEX), "Where and when were you born? City, Country Year."),
-    ("choice", pb.ResponseFormat(choice=pb.Choice(options=CHOICES)), "Is this review positive? 'It broke after two days.'"),
+    ("choice", pb.ResponseFormat(choice=pb.Choice(options=CHOICES)),
+     "Is this review positive? 'It broke after two days.'"),
 )  # fmt: skip
 BAD_CODES = ("UNKNOWN", "INTERNAL")
 # The tenants of the server the soak starts (--tenants): who sends the ordinary calls, by
@@ -332,7 +335,9 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         return _drive(args, target, pid, server, tokens)
 
 
-def _drive(args: argparse.Namespace, target: str, pid: int | None, server: Any, tokens: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+def _drive(
+    args: argparse.Namespace, target: str, pid: int | None, server: Any, tokens: dict[str, str]
+) -> dict[str, Any]:
     channel = grpc.insecure_channel(target)
     stub = load.stub(channel)
     traffic = Traffic(stub, args, random.Random(args.seed), tokens)
@@ -348,13 +353,17 @@ def _drive(args: argparse.Namespace, target: str, pid: int | None, server: Any, 
     for _ in range(4):
         traffic.run_one(Call("warm-up", traffic._generation(args.short_tokens), 120, metadata=auth))
     for name, fmt, question in FORMATS:
-        request = pb.GenerateRequest(prompt=question, stopping=pb.StoppingCriteria(max_new_tokens=2), response_format=fmt)  # fmt: skip
+        request = pb.GenerateRequest(
+            prompt=question, stopping=pb.StoppingCriteria(max_new_tokens=2), response_format=fmt
+        )
         traffic.run_one(Call("warm-up", request, 120, metadata=auth, detail=name))
     traffic.outcomes.clear()
     warm_lines = len(server.find("request finished")) if server is not None else 0
     start_status = process_status(pid) if pid else {}
-    doc.log(f"soak: {args.minutes:g} min at {args.rate:g} calls/s against {target} ({info.name}, {info.engine}, admission "
-            f"{info.max_active_streams}+{info.max_queued_requests}, bursts of {burst_size} every {args.burst_every:g} s, "
+    doc.log(f"soak: {args.minutes:g} min at {args.rate:g} calls/s against {target} "
+            f"({info.name}, {info.engine}, admission "
+            f"{info.max_active_streams}+{info.max_queued_requests}, "
+            f"bursts of {burst_size} every {args.burst_every:g} s, "
             f"tenants {sorted(tokens) or 'off'})")  # fmt: skip
     started = time.monotonic()
     end = started + args.minutes * 60
@@ -391,8 +400,10 @@ def _drive(args: argparse.Namespace, target: str, pid: int | None, server: Any, 
     server_codes = dict(collections.Counter(r.get("code", "?") for r in finished))
     server_ttfts = [r["ttft_ms"] / 1000 for r in finished if r.get("code") == "OK" and "ttft_ms" in r]
     # What a call that ended INTERNAL logged (its traceback), so that a failed soak says why.
-    server_errors = [{"msg": r.get("msg"), "request_id": r.get("request_id"), "exception": str(r.get("exception", ""))[-2000:]}
-                     for r in (server.records if server is not None else []) if r.get("level") == "error"][:10]  # fmt: skip
+    server_errors = [{"msg": r.get("msg"), "request_id": r.get("request_id"),
+                      "exception": str(r.get("exception", ""))[-2000:]}
+                     for r in (server.records if server is not None else [])
+                     if r.get("level") == "error"][:10]  # fmt: skip
     channel.close()
     outcomes = list(traffic.outcomes)
     by_code = collections.Counter(o.code for o in outcomes)
@@ -400,7 +411,8 @@ def _drive(args: argparse.Namespace, target: str, pid: int | None, server: Any, 
     tokens_generated = sum(int(r.get("completion_tokens", 0)) for r in finished) if server is not None else None
     return {
         "date": datetime.date.today().isoformat(),
-        "host": f"{platform.machine()}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 0} CPUs",
+        "host": f"{platform.machine()}, "
+                f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 0} CPUs",
         "model": info.name, "engine": info.engine, "device": info.device,
         "admission": f"{info.max_active_streams} active + {info.max_queued_requests} queued",
         "tenants": sorted(tokens), "minutes": round(elapsed / 60, 2), "rate_per_s": args.rate, "calls": len(outcomes),
@@ -486,8 +498,8 @@ def render_doc(report: dict[str, Any], command: str = "python -m benchmarks soak
         ("TTFT p99 (server, finished calls)", f"{report['server_ttft_p99_ms']} ms"),
         ("Server RSS start → end (peak)", f"{mib(s, 'rss_kib')} → {mib(e, 'rss_kib')} ({mib(e, 'peak_rss_kib')})"),
         ("Server threads start → end", f"{s.get('threads', 'n/a')} → {e.get('threads', 'n/a')}"),
-        ("Cancel storm (after the mix)", "{cancelled} streams cancelled after their first chunk in {seconds} s; threads "
-         "{threads_before} → {threads_after}".format(**storm) if storm else "not run"),
+        ("Cancel storm (after the mix)", "{cancelled} streams cancelled after their first chunk in {seconds} s; "
+         "threads {threads_before} → {threads_after}".format(**storm) if storm else "not run"),
         ("Result", "pass" if passed(report) else "FAIL"),
     ]  # fmt: skip
     return doc.section(

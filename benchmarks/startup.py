@@ -56,5 +56,6 @@ def run(args: argparse.Namespace) -> doc.Section:
         *doc.table("what | seconds", "lr", [["**exec → readiness SERVING**", f"**{spread(totals, 2)}**"],
                                            *([name, spread(values, 2)] for name, values in phases.items())]),
         "",
-        f"- median {median(totals):.2f} s; the phases' medians add up to {sum(median(v) for v in phases.values()):.2f} s",
+        f"- median {median(totals):.2f} s; "
+        f"the phases' medians add up to {sum(median(v) for v in phases.values()):.2f} s",
     )  # fmt: skip

@@ -59,7 +59,8 @@ ORDER = _obj(
     items={"type": "array", "minItems": 1, "maxItems": 3, "items": _obj(
         sku={"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"}, quantity=_int(1, 9), size=_enum("S", "M", "L", "XL"))},
 )  # fmt: skip
-REVIEW = {"title": "ProductReview", "description": "A customer's review of a product, as a review site stores it."} | _obj(
+REVIEW = {"title": "ProductReview",
+          "description": "A customer's review of a product, as a review site stores it."} | _obj(
     product=_obj("What was reviewed.", name=_str(40, "The product's name as sold."), brand=_str(30, "The maker."),
                  category=_enum("electronics", "kitchen", "garden", "toys", "books", "clothing", "sports"),
                  price=_obj(amount=_int(0, 10000), currency=_enum("EUR", "USD", "GBP", "JPY"))),
@@ -70,15 +71,16 @@ REVIEW = {"title": "ProductReview", "description": "A customer's review of a pro
     pros=_list(_str(40, "One good point."), 3, 1),
     cons=_list(_str(40, "One bad point."), 3),
     would_recommend={"type": "boolean"},
-    usage=_obj(duration=_enum("days", "weeks", "months", "years"), frequency=_enum("daily", "weekly", "monthly", "rarely")),
+    usage=_obj(duration=_enum("days", "weeks", "months", "years"),
+               frequency=_enum("daily", "weekly", "monthly", "rarely")),
     sentiment=_enum("positive", "mixed", "negative"),
 )  # fmt: skip
 SCHEMAS = {"short": SHORT, "person": PERSON, "order": ORDER, "page-long review": REVIEW}
 REGEX = r"[A-Z][a-z]{2,9}, [A-Z][a-z]{2,9} [0-9]{4}"
 CHOICES = ["positive", "negative", "neutral"]
 QUESTIONS = {
-    "short": ["Is water wet? Answer in JSON.", "Is the Earth flat? Answer in JSON.", "Do cats like fish? Answer in JSON.",
-              "Is Python a snake? Answer in JSON."],
+    "short": ["Is water wet? Answer in JSON.", "Is the Earth flat? Answer in JSON.",
+              "Do cats like fish? Answer in JSON.", "Is Python a snake? Answer in JSON."],
     "person": ["Describe a famous scientist as JSON.", "Invent a character for a novel, as JSON.",
                "Describe your best friend as JSON.", "Describe a chef as JSON."],
     "order": ["Create an order for two t-shirts as JSON.", "Make a sample shop order as JSON.",
@@ -92,14 +94,21 @@ def requests(max_new_tokens: int) -> list[tuple[str, Any]]:
     """(what it is, request): 16 per schema, 8 regex, 8 choice; greedy and seeded top-p in turn."""
 
     def request(kind: str, i: int, question: str, fmt: Any) -> tuple[str, Any]:
-        sampling = pb.SamplingParams(temperature=0.0) if i % 2 == 0 else pb.SamplingParams(temperature=0.7, top_p=0.9, seed=1000 + i)  # fmt: skip
-        return kind, pb.GenerateRequest(request_id=f"{kind}-{i}", chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=question)]),
-                                        sampling=sampling, stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens), response_format=fmt)  # fmt: skip
+        sampling = (
+            pb.SamplingParams(temperature=0.0)
+            if i % 2 == 0
+            else pb.SamplingParams(temperature=0.7, top_p=0.9, seed=1000 + i)
+        )
+        return kind, pb.GenerateRequest(request_id=f"{kind}-{i}",
+                                        chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=question)]),
+                                        sampling=sampling, stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens),
+                                        response_format=fmt)  # fmt: skip
 
     out = [request(name, i, QUESTIONS[name][i % 4], pb.ResponseFormat(json_schema=json.dumps(schema)))
            for name, schema in SCHEMAS.items() for i in range(16)]  # fmt: skip
     for i in range(8):
-        out.append(request("regex", i, "Where and when were you born? City, Country Year.", pb.ResponseFormat(regex=REGEX)))  # fmt: skip
+        out.append(request("regex", i, "Where and when were you born? City, Country Year.",
+                           pb.ResponseFormat(regex=REGEX)))  # fmt: skip
         out.append(request("choice", i, f"Is this review positive? 'It broke after {i + 1} days.'",
                            pb.ResponseFormat(choice=pb.Choice(options=CHOICES))))  # fmt: skip
     return out
@@ -249,11 +258,14 @@ def run(args: argparse.Namespace) -> doc.Section:
             row |= {f"ttft_{which}": median(s.ttft for s in got) * 1000 for which, got in results.items()}
             row["ratio"] = row["constrained_tps"] / row["free_tps"]
             rows.append(row)
-            doc.log(f"repeat {repeat}: constrained {row['constrained_tps']:.1f} tok/s ({tokens['constrained']} tokens), "
-                    f"unconstrained {row['free_tps']:.1f} tok/s ({tokens['free']} tokens), ratio {row['ratio']:.3f}")  # fmt: skip
+            doc.log(f"repeat {repeat}: "
+                    f"constrained {row['constrained_tps']:.1f} tok/s ({tokens['constrained']} tokens), "
+                    f"unconstrained {row['free_tps']:.1f} tok/s ({tokens['free']} tokens), "
+                    f"ratio {row['ratio']:.3f}")  # fmt: skip
     formats = []
     for kind in [*SCHEMAS, "regex", "choice"]:
-        cells = [f"{n}/{of}" for greedy in (True, False) for whole, valid, total in [ended.get((kind, greedy), [0, 0, 0])]
+        cells = [f"{n}/{of}" for greedy in (True, False)
+                 for whole, valid, total in [ended.get((kind, greedy), [0, 0, 0])]
                  for n, of in ((whole, total), (valid, whole))]  # fmt: skip
         formats.append([kind, *cells, f"{compiled_ms[kind]:.1f}"])
     col = lambda key, digits=1: spread([r[key] for r in rows], digits)  # noqa: E731
@@ -270,12 +282,14 @@ def run(args: argparse.Namespace) -> doc.Section:
         f"({args.max_new_tokens}); valid: of those, parsed and valid against the schema (`jsonschema`), or matching "
         "the regex or the choice. All repeats together.",
         "",
-        *doc.table("format | greedy: ended | greedy: valid | seeded top-p: ended | seeded top-p: valid | compile, cold (ms)",
+        *doc.table("format | greedy: ended | greedy: valid | seeded top-p: ended | seeded top-p: valid | "
+                   "compile, cold (ms)",
                    "lrrrrr", formats),
         "",
         *doc.table("pass | tokens/s at c=16 | TTFT p50 (ms)", "lrr", [
             ["all rows constrained", col("constrained_tps"), col("ttft_constrained", 0)],
-            ["unconstrained twins", col("free_tps"), col("ttft_free", 0)], ["constrained ÷ unconstrained", col("ratio", 3), ""]]),
+            ["unconstrained twins", col("free_tps"), col("ttft_free", 0)],
+            ["constrained ÷ unconstrained", col("ratio", 3), ""]]),
         "",
         f"The sampler alone, in process, per step of {CONCURRENCY} rows (the only work a constrained step adds: "
         "each row's bitmask filled and applied): "

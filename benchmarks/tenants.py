@@ -167,7 +167,8 @@ def weights(stub: Any, args: argparse.Namespace) -> dict[str, float]:
 def run(args: argparse.Namespace) -> doc.Section:
     fair: dict[str, list[dict[str, float]]] = {"fair": [], "fcfs": []}
     weighted: list[dict[str, float]] = []
-    servers = (("fair", TOKENS, "[tenants.a]\nweight = 1\n[tenants.b]\nweight = 1\n"), ("fcfs", ONE_TENANT_TOKENS, None),
+    servers = (("fair", TOKENS, "[tenants.a]\nweight = 1\n[tenants.b]\nweight = 1\n"),
+               ("fcfs", ONE_TENANT_TOKENS, None),
                ("weights 3:1", TOKENS, "[tenants.a]\nweight = 3\n[tenants.b]\nweight = 1\n"))  # fmt: skip
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
@@ -183,30 +184,37 @@ def run(args: argparse.Namespace) -> doc.Section:
     rows = [[title, f"{col(mode, 'idle_p50', 1000)} / {col(mode, 'idle_p99', 1000)}",
              f"{col(mode, 'loaded_p50', 1000)} / {col(mode, 'loaded_p99', 1000)}", col(mode, "queue_p99", 1000),
              col(mode, "misses"), col(mode, "a_alone", 1, 1), col(mode, "a_beside", 1, 1)]
-            for mode, title in (("fair", "tenants, weights 1:1"), ("fcfs", "one tenant (first come, first served)"))]  # fmt: skip
+            for mode, title in (("fair", "tenants, weights 1:1"),
+                                ("fcfs", "one tenant (first come, first served)"))]  # fmt: skip
     ttft_ratio = [r["loaded_p99"] / r["idle_p99"] for r in fair["fair"]]
     a_share = [r["a_beside"] / r["a_alone"] for r in fair["fair"]]
     fcfs_ratio = [r["loaded_p99"] / r["idle_p99"] for r in fair["fcfs"]]
     ratios = [r["ratio"] for r in weighted]
     return doc.section(
         "tenants", "Tenants: fair share, and weights (`make bench-tenants`)", args.command,
-        f"The default model over gRPC, batched engine, `--max-active {args.max_active}`, {doc.host()}. Tenant A keeps {args.max_active + args.backlog} "
-        f"streams of {args.a_tokens} tokens open ({args.backlog} waiting); tenant B sends one {args.b_tokens}-token stream "
-        f"every {args.b_every:g} s, {args.b_calls} in all. Median (min–max) over {args.repeats} repeats of each repeat's figure; "
+        f"The default model over gRPC, batched engine, `--max-active {args.max_active}`, {doc.host()}. "
+        f"Tenant A keeps {args.max_active + args.backlog} "
+        f"streams of {args.a_tokens} tokens open ({args.backlog} waiting); "
+        f"tenant B sends one {args.b_tokens}-token stream "
+        f"every {args.b_every:g} s, {args.b_calls} in all. "
+        f"Median (min–max) over {args.repeats} repeats of each repeat's figure; "
         f"a B stream that had not started after {args.b_timeout:.0f} s counts as that long.",
         "",
-        *doc.table("admission | B TTFT idle p50 / p99 (ms) | B TTFT beside A's backlog p50 / p99 (ms) | B server queue p99 (ms) "
-                   "| B misses | A tok/s alone | A tok/s beside B", "lllrrrr", rows),
+        *doc.table("admission | B TTFT idle p50 / p99 (ms) | B TTFT beside A's backlog p50 / p99 (ms) | "
+                   "B server queue p99 (ms) | B misses | A tok/s alone | A tok/s beside B", "lllrrrr", rows),
         "",
         f"- B's TTFT p99 beside A's backlog ÷ on an idle server: tenants {spread(ttft_ratio, 2)}× (target ≤ 2×: "
         f"{'met' if median(ttft_ratio) <= 2 else 'missed'}); first come, first served {spread(fcfs_ratio, 1)}×",
-        f"- A's throughput beside B ÷ alone: {spread(a_share, 2)} (target ≥ 0.5: {'met' if median(a_share) >= 0.5 else 'missed'})",
+        f"- A's throughput beside B ÷ alone: {spread(a_share, 2)} "
+        f"(target ≥ 0.5: {'met' if median(a_share) >= 0.5 else 'missed'})",
         "",
         f"Weights 3:1, both tenants saturating ({(args.max_active + args.backlog + 16) // 2} streams each; refused: "
-        f"{sum(r['refused'] for r in weighted):.0f}), tokens over {args.window:.0f} s after {args.warmup:.0f} s of warm-up:",
+        f"{sum(r['refused'] for r in weighted):.0f}), "
+        f"tokens over {args.window:.0f} s after {args.warmup:.0f} s of warm-up:",
         "",
         *doc.table("tenant | tok/s", "lr", [["A (weight 3)", spread([r["a"] for r in weighted], 1)],
                                            ["B (weight 1)", spread([r["b"] for r in weighted], 1)]]),
         "",
-        f"- A ÷ B: {spread(ratios, 2)} (target 3 ± 15 %, 2.55–3.45: {'met' if 2.55 <= median(ratios) <= 3.45 else 'missed'})",
+        f"- A ÷ B: {spread(ratios, 2)} "
+        f"(target 3 ± 15 %, 2.55–3.45: {'met' if 2.55 <= median(ratios) <= 3.45 else 'missed'})",
     )  # fmt: skip

@@ -142,7 +142,8 @@ def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(
     assert [(r[1], int(r[2])) for r in rows] == [
         ("tokenwire native +static graphs", 1), ("tokenwire native +static graphs", 2),
         ("tokenwire native +static graphs -overlap", 1), ("tokenwire native +static graphs -overlap", 2),
-        ("tokenwire native +static graphs -overlap sampled", 1), ("tokenwire native +static graphs -overlap sampled", 2),
+        ("tokenwire native +static graphs -overlap sampled", 1),
+        ("tokenwire native +static graphs -overlap sampled", 2),
         ("tokenwire native +static graphs sampled", 1), ("tokenwire native +static graphs sampled", 2),
         ("tokenwire transformers", 1), ("tokenwire transformers", 2),
         ("ceiling: static generate (eager)", 1), ("ceiling: static generate (eager)", 2),

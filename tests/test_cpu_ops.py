@@ -3,8 +3,9 @@
 - ``decode_attention``: each one-token row attends over the first ``length`` columns of
   its own block table (blocks scattered over the pool, in any order): the same numbers
   as ``scaled_dot_product_attention`` over those columns (grouped query heads, ragged
-  lengths on both sides of the 8-column steps and the 16-token blocks). A row's output does not depend on the other rows of the call, nor on what
-  lies past its length (NaN there changes nothing): batch invariance by construction.
+  lengths on both sides of the 8-column steps and the 16-token blocks). A row's output
+  does not depend on the other rows of the call, nor on what lies past its length (NaN
+  there changes nothing): batch invariance by construction.
 - ``rms_norm``, ``silu_mul``, ``rope_``: transformers' Llama RMSNorm, SiLU(gate)*up and
   ``apply_rotary_pos_emb``, to float32 rounding, on sizes with and without a tail past
   the 8-lane vectors; each row alone gives the same bits as among others.

@@ -271,7 +271,8 @@ class _ClockedTime:
 
 
 class SlowSink(Recorder):
-    """Delivery that takes ``SLOW`` an event on the engine's clock: host work inside the step, after its forward pass."""
+    """Delivery that takes ``SLOW`` an event on the engine's clock: host work inside the step, after its forward
+    pass."""
 
     def __init__(self, clock: EngineClock) -> None:
         super().__init__()

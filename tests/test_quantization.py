@@ -225,7 +225,8 @@ def test_a_prequantized_checkpoint_stops_the_server_with_status_2_and_the_reason
 ) -> None:
     folder = _prequantized_folder(tmp_path, tiny_model_dir, "gptq")
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenwire_server", "--model", str(folder), "--device", "cpu", "--port", "0", "--no-warmup"],
+        [sys.executable, "-m", "tokenwire_server", "--model", str(folder), "--device", "cpu", "--port", "0",
+         "--no-warmup"],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -234,7 +235,8 @@ def test_a_prequantized_checkpoint_stops_the_server_with_status_2_and_the_reason
 
 def test_int4_on_a_cpu_stops_the_server_with_status_2_before_loading(tiny_model_dir: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenwire_server", "--model", str(tiny_model_dir), "--quantization", "int4", "--port", "0", "--device", "cpu"],
+        [sys.executable, "-m", "tokenwire_server", "--model", str(tiny_model_dir), "--quantization", "int4",
+         "--port", "0", "--device", "cpu"],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]

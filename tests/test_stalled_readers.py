@@ -344,8 +344,10 @@ def test_the_flags_have_their_environment_fallbacks_and_bounds(
     config = parse_config([])
     assert (config.stream_backlog_chunks, config.stalled_reader_timeout) == (64, 0.0)
     assert parse_config(["--stream-backlog-chunks", "16"]).stream_backlog_chunks == 16
-    for bad, message in ((["--stream-backlog-chunks", "0"], "--stream-backlog-chunks must be at least 1"),
-                         (["--stalled-reader-timeout", "-1"], "--stalled-reader-timeout must not be negative")):  # fmt: skip
+    for bad, message in (
+        (["--stream-backlog-chunks", "0"], "--stream-backlog-chunks must be at least 1"),
+        (["--stalled-reader-timeout", "-1"], "--stalled-reader-timeout must not be negative"),
+    ):
         with pytest.raises(SystemExit):
             parse_config(bad)
         assert message in capsys.readouterr().err

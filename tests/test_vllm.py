@@ -154,8 +154,8 @@ def test_a_kv_budget_below_one_context_is_refused_before_vllm_starts(tiny_model_
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-m", "tokenwire_server", "--engine", "vllm", "--enforce-eager", "--model", str(tiny_model_dir),
-         "--kv-cache-tokens", "1000", "--port", "0"],
+        [sys.executable, "-m", "tokenwire_server", "--engine", "vllm", "--enforce-eager",
+         "--model", str(tiny_model_dir), "--kv-cache-tokens", "1000", "--port", "0"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]

@@ -104,18 +104,20 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     ),
     "device": ("where the model runs", ("auto", "cpu", "cuda")),
     "dtype": (
-        "weights' dtype; auto: bfloat16 on a GPU that computes it natively, float16 on an older one; float32 on a CPU (the log says why, from the host's instruction sets)",
+        "weights' dtype; auto: bfloat16 on a GPU that computes it natively, float16 on an older one; float32 on a CPU "
+        "(the log says why, from the host's instruction sets)",
         ("auto", "float32", "bfloat16", "float16"),
     ),
     "quantization": (
-        "batched and simple engines: weight-only quantization at start-up. int8: per-channel int8 weights (CPU and CUDA; "
-        "the native pass runs them); int4, fp8: CUDA only (torchao, transformers' forward). A checkpoint that is "
+        "batched and simple engines: weight-only quantization at start-up. int8: per-channel int8 weights (CPU and "
+        "CUDA; the native pass runs them); int4, fp8: CUDA only (torchao, transformers' forward). A checkpoint that is "
         "already quantized (GPTQ, AWQ, bitsandbytes) loads as it is, on CUDA",
         ("none", "int8", "int4", "fp8"),
     ),
     "allow_unmet_quality_bar": (
-        "serve a --quantization mode whose measured quality on this device kind misses the bar (make bench-quality: "
-        "KL <= 0.02 nats/token and >= 14/16 greedy answers unchanged); without it such a mode refuses to start, saying why",
+        "serve a --quantization mode whose measured quality on this device kind misses "
+        "the bar (make bench-quality: KL <= 0.02 nats/token and >= 14/16 greedy "
+        "answers unchanged); without it such a mode refuses to start, saying why",
         None,
     ),
     "engine": (
@@ -135,37 +137,47 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "max_active": ("batched engine: most streams decoded together in one batch", None),
     "max_queue": ("requests that may wait for a slot; past active + queued, RESOURCE_EXHAUSTED", None),
     "kv_cache_tokens": (
-        "KV-cache budget in tokens over all active streams, committed at start-up as blocks of 16 tokens (0: on a GPU, what --kv-cache-memory-fraction leaves; elsewhere max_active x min(context, 2048), and at least one context); an explicit budget that does not fit the GPU refuses to start",
+        "KV-cache budget in tokens over all active streams, committed at start-up as blocks of 16 tokens (0: on a GPU, "
+        "what --kv-cache-memory-fraction leaves; elsewhere max_active x min(context, 2048), and at least one context); "
+        "an explicit budget that does not fit the GPU refuses to start",
         None,
     ),
     "kv_cache_memory_fraction": (
-        "batched engine on a GPU with --kv-cache-tokens 0: the fraction of the device's memory the server may use; the KV cache gets what is left of it after the weights and a warm-up step's peak (as vLLM's gpu_memory_utilization)",
+        "batched engine on a GPU with --kv-cache-tokens 0: the fraction of the "
+        "device's memory the server may use; the KV cache gets what is left of it "
+        "after the weights and a warm-up step's peak (as vLLM's gpu_memory_utilization)",
         None,
     ),
     "prefix_cache": (
-        "batched and vllm engines: automatic prefix caching: a prompt's full 16-token blocks already in the KV cache (same tokens, same prefix) are reused, not read again; answers are the same either way",
+        "batched and vllm engines: automatic prefix caching: a prompt's full 16-token blocks already in the KV cache "
+        "(same tokens, same prefix) are reused, not read again; answers are the same either way",
         ("on", "off"),
     ),
     "max_prefill_tokens": (
-        "batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new arrival causes them; a token deep into a long prompt counts more, for its attention)",
+        "batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new "
+        "arrival causes them; a token deep into a long prompt counts more, for its attention)",
         None,
     ),
     "batch_window_ms": (
-        "batched engine: under concurrent load, how long a batch starting from empty waits for requests still arriving, so they share one prefill (0: never wait)",
+        "batched engine: under concurrent load, how long a batch starting from empty waits for requests still "
+        "arriving, so they share one prefill (0: never wait)",
         None,
     ),
     "torch_threads": (
-        "batched and simple engines: threads torch computes with (0: torch's default, one per core); on a small machine one fewer leaves a core to the gRPC loop",
+        "batched and simple engines: threads torch computes with (0: torch's default, one per core); on a small "
+        "machine one fewer leaves a core to the gRPC loop",
         None,
     ),
     "omp_spin_count": (
-        "batched and simple engines: how long an idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT, set before torch loads; a GOMP_SPINCOUNT already in the environment wins). Short spins keep a shared or CPU-limited host from stalling every step on a thread that waits for a core; 0: OpenMP's own default",
+        "batched and simple engines: how long an idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT, set before "
+        "torch loads; a GOMP_SPINCOUNT already in the environment wins). Short spins keep a shared or CPU-limited host "
+        "from stalling every step on a thread that waits for a core; 0: OpenMP's own default",
         None,
     ),
     "forward": (
         "batched engine: auto: on a CPU, its own forward pass for Llama-shaped models (prompt chunks and decode rows "
-        "in one pass, oneDNN-prepacked fp32 weights), else transformers' forward; native: insist on it (also on a GPU); "
-        "transformers: always the model's own forward",
+        "in one pass, oneDNN-prepacked fp32 weights), else transformers' forward; native: insist on it (also on a "
+        "GPU); transformers: always the model's own forward",
         FORWARDS,
     ),
     "kernels": (
@@ -198,20 +210,24 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "max_chat_messages": ("most messages in one chat", None),
     "max_message_bytes": ("largest request message the server receives, in bytes", None),
     "format_compile_timeout_s": (
-        "longest a response format may take to compile (RequestLimits.max_format_compile_ms); past it the call is "
-        "INVALID_ARGUMENT 'too complex' and the same format is refused at once after; a tenant compiles one format at a time",
+        "longest a response format may take to compile (RequestLimits.max_format_compile_ms); "
+        "past it the call is INVALID_ARGUMENT 'too complex' and the same format is refused at "
+        "once after; a tenant compiles one format at a time",
         None,
     ),
     "keepalive_time_s": (
-        "seconds between the server's HTTP/2 keepalive pings on a connection, also while a stream waits in the queue or a prompt is read: keeps load balancers from cutting a silent stream as idle",
+        "seconds between the server's HTTP/2 keepalive pings on a connection, also while a stream waits in the queue "
+        "or a prompt is read: keeps load balancers from cutting a silent stream as idle",
         None,
     ),
     "keepalive_timeout_s": (
-        "seconds to wait for a keepalive ping's answer before the connection counts as dead and its streams are cancelled",
+        "seconds to wait for a keepalive ping's answer before the "
+        "connection counts as dead and its streams are cancelled",
         None,
     ),
     "min_client_ping_interval_s": (
-        "shortest interval at which clients may send keepalive pings without being disconnected (GOAWAY too_many_pings)",
+        "shortest interval at which clients may send keepalive "
+        "pings without being disconnected (GOAWAY too_many_pings)",
         None,
     ),
     "grace_period": ("seconds that streams in flight may run on after SIGTERM/SIGINT", None),

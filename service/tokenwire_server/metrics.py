@@ -192,7 +192,8 @@ class Metrics:
         # Per tenant: label values are the configured tenants (--tenant-config, --auth-token-file).
         self.tenant_refusals = Counter(
             "tokenwire_tenant_refusals",
-            "Calls refused RESOURCE_EXHAUSTED for a tenant's own limit, by limit (max_active, max_queued, tokens_per_minute)",
+            "Calls refused RESOURCE_EXHAUSTED for a tenant's own limit, "
+            "by limit (max_active, max_queued, tokens_per_minute)",
             ["tenant", "limit"],
             registry=r,
         )
@@ -204,7 +205,8 @@ class Metrics:
         )
         self.tenant_preemptions = Counter(
             "tokenwire_tenant_preemptions",
-            "Running streams that gave their slot to a more urgent or fairer one and were queued again (batched engine)",
+            "Running streams that gave their slot to a more urgent or fairer one "
+            "and were queued again (batched engine)",
             ["tenant"],
             registry=r,
         )

@@ -145,7 +145,10 @@ def cpu_precision(capabilities: dict[str, Any] | None = None) -> tuple[torch.dty
             f"on such a host yet; --dtype bfloat16 takes it"
         )
     else:
-        why = f"float32: this CPU has no native bf16 ({', '.join(isa) or 'no AVX2'}), so oneDNN would emulate it, slower than float32"
+        why = (
+            f"float32: this CPU has no native bf16 ({', '.join(isa) or 'no AVX2'}), "
+            "so oneDNN would emulate it, slower than float32"
+        )
     return torch.float32, why
 
 
@@ -223,7 +226,8 @@ def fit_kv_budget(
     free_gib = free_bytes / 2**30
     if not derived:
         raise ModelLoadError(
-            f"--kv-cache-tokens {tokens} needs {need_gib:.1f} GiB of KV cache, but only {free_gib:.1f} GiB of GPU memory "
+            f"--kv-cache-tokens {tokens} needs {need_gib:.1f} GiB of KV cache, "
+            f"but only {free_gib:.1f} GiB of GPU memory "
             f"is free after loading the model: lower it to at most {fits}, or lower --max-active"
         )
     return fits, (
@@ -243,7 +247,8 @@ def kv_budget_for_device(total_bytes: int, in_use_bytes: int, fraction: float, b
         raise ModelLoadError(
             f"no room for a KV cache: {fraction:.2f} of the device's {total_bytes / 2**30:.1f} GiB is "
             f"{total_bytes * fraction / 2**30:.1f} GiB, and the weights and a warm-up step already take "
-            f"{in_use_bytes / 2**30:.1f} GiB; raise --kv-cache-memory-fraction, or use a smaller model or a larger device"
+            f"{in_use_bytes / 2**30:.1f} GiB; raise --kv-cache-memory-fraction, "
+            "or use a smaller model or a larger device"
         )
     return tokens
 

@@ -66,7 +66,8 @@ def quality_verdict(mode: str, device_type: str, path: Path | None = None) -> tu
     if not entry:
         return None, f"{mode} is not measured on {device_type} yet (make bench-quality)"
     figures = (
-        f"{mode} on {device_type} ({entry.get('host', '?')}, {entry.get('measured', '?')}): KL {entry['kl']:.4f} nats/token, "
+        f"{mode} on {device_type} ({entry.get('host', '?')}, {entry.get('measured', '?')}): "
+        f"KL {entry['kl']:.4f} nats/token, "
         f"{entry['identical']}/{entry['of']} greedy answers identical over {bar.get('greedy_tokens', '?')} tokens; "
         f"the bar is KL <= {bar.get('kl')} and >= {bar.get('identical')}/{bar.get('of')}"
     )
@@ -89,7 +90,10 @@ def offered(mode: str, device: torch.device, capability: tuple[int, int] | None 
                 "int4 is not offered on a CPU: PyTorch's int4 CPU kernel computes at a third of float32's speed "
                 "(make bench-kernels); use --quantization int8 (per-channel int8 weights)"
             )
-        return "fp8 needs a CUDA device of compute capability 8.9 or newer (no CPU computes in fp8); use --quantization int8"
+        return (
+            "fp8 needs a CUDA device of compute capability 8.9 or newer (no CPU computes in fp8); "
+            "use --quantization int8"
+        )
     if mode == "fp8" and (capability is None or capability < (8, 9)):
         return f"fp8 needs compute capability 8.9 or newer (Ada, Hopper); this GPU is {capability}; use int8 or int4"
     return None
@@ -114,7 +118,8 @@ def prequantized_refusal(method: str, device: str) -> str | None:
         return None
     return (
         f"the checkpoint is already quantized ({method}); its kernels need a CUDA device. On a CPU tokenwire serves "
-        f"full-precision checkpoints (float32, bfloat16, float16 or GGUF), quantized at start-up with --quantization int8. "
+        f"full-precision checkpoints (float32, bfloat16, float16 or GGUF), "
+        f"quantized at start-up with --quantization int8. "
         f"Pre-quantized checkpoints load on CUDA: {', '.join(PREQUANTIZED_ON_CUDA)}"
     )
 

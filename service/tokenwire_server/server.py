@@ -274,11 +274,12 @@ class TokenwireServer:
             },
         )
         loaded = load_model(
-            config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir, quantization=config.quantization,
-            allow_unmet_quality_bar=config.allow_unmet_quality_bar, phases=phases,
+            config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir,
+            quantization=config.quantization, allow_unmet_quality_bar=config.allow_unmet_quality_bar, phases=phases,
         )  # fmt: skip
         budget = kv_cache_budget(
-            config.kv_cache_tokens, config.max_active, loaded.context_length, kv_bytes_per_token(loaded.model.config, loaded.dtype),
+            config.kv_cache_tokens, config.max_active, loaded.context_length,
+            kv_bytes_per_token(loaded.model.config, loaded.dtype),
             loaded=loaded, memory_fraction=config.kv_cache_memory_fraction, blocks=config.engine == "batched",
         )  # fmt: skip
         if budget.warning:
@@ -356,7 +357,8 @@ class TokenwireServer:
             per_token = kv_bytes_per_token(model_config, dtype)
             if 0 < config.kv_cache_tokens < context + VLLM_RESERVED_TOKENS:
                 raise ModelLoadError(
-                    f"--kv-cache-tokens {config.kv_cache_tokens} is too small for --engine vllm: it starts only when its pool "
+                    f"--kv-cache-tokens {config.kv_cache_tokens} is too small for --engine vllm: "
+                    "it starts only when its pool "
                     f"holds one full context ({context} tokens) beside the block it keeps for itself; give at least "
                     f"{context + VLLM_RESERVED_TOKENS}, or 0 to derive it"
                 )

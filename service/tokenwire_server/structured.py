@@ -61,7 +61,10 @@ def is_lark(grammar: str) -> bool:
 DEAD_END = (
     "no token of this model's vocabulary can begin an answer in this format (does it need a character no token holds?)"
 )
-STUCK = "the answer reached a point that no token of this model's vocabulary can continue in this format (does it need a character no token holds?)"
+STUCK = (
+    "the answer reached a point that no token of this model's vocabulary can continue in this format "
+    "(does it need a character no token holds?)"
+)
 
 
 def choice_grammar(options: Sequence[str]) -> str:

@@ -107,7 +107,8 @@ def tenants_from_mapping(data: Mapping[str, object], source: str = "tenant confi
         where = f"{source}: [tenants.{name}]"
         if not name or not name.isprintable() or len(name) > 128:
             raise TenantConfigError(
-                f"{where}: a tenant name is 1-128 printable characters (a certificate's common name may hold spaces: quote it)"
+                f"{where}: a tenant name is 1-128 printable characters "
+                "(a certificate's common name may hold spaces: quote it)"
             )
         if not isinstance(table, dict):
             raise TenantConfigError(f"{where}: must be a table")

@@ -26,8 +26,9 @@ from tokenwire import FinishReason, HealthStatus, RetryPolicy
 pytestmark = pytest.mark.timeout(120)
 
 HOG = 8000
-REPLICA_ARGS = ["--max-active", "2", "--max-queue", "0", "--retry-after-ms", "50", "--grace-period", "30", "--handoff-after-s", "0",
-                "--max-new-tokens-limit", str(HOG), "--kv-cache-tokens", str(2 * 8192)]  # fmt: skip
+REPLICA_ARGS = ["--max-active", "2", "--max-queue", "0", "--retry-after-ms", "50", "--grace-period", "30",
+                "--handoff-after-s", "0", "--max-new-tokens-limit", str(HOG),
+                "--kv-cache-tokens", str(2 * 8192)]  # fmt: skip
 SHORT = {"max_new_tokens": 2, "ignore_eos": True}
 IN_FLIGHT = 200  # 100x a SHORT call's steps: in flight when the signal follows its first chunk
 # Retries enough to ride out refusals from full or draining replicas, each well under a second.
@@ -219,7 +220,8 @@ def test_a_replica_stopped_mid_run_drains_and_callers_see_no_error(replicas):
     assert victim.find("draining") and victim.find("stopped")
     # Order, from the victim's own log: the drain began while the stream was in flight.
     order = [r.get("msg") for r in victim.records
-             if r.get("msg") == "draining" or (r.get("msg") == "request finished" and r.get("request_id") == in_flight_id)]  # fmt: skip
+             if r.get("msg") == "draining"
+             or (r.get("msg") == "request finished" and r.get("request_id") == in_flight_id)]  # fmt: skip
     assert order == ["draining", "request finished"], order
 
     wait_logged(replicas, served)

@@ -172,11 +172,17 @@ def test_dashboard_shows_traffic_load_and_resources(dashboard: dict[str, Any]) -
 
 # Each alert the kit must have: a part of its expression and its `for`.
 EXPECTED_ALERTS = {
-    "TokenwireServerErrorRatioHigh": (['code=~"INTERNAL|UNKNOWN', "/sumby(namespace)(rate(tokenwire_requests_total[5m]))"], None),
-    "TokenwireTimeToFirstTokenHigh": (["histogram_quantile(0.99,", "tokenwire_time_to_first_token_seconds_bucket", ">2"], None),
+    "TokenwireServerErrorRatioHigh": (
+        ['code=~"INTERNAL|UNKNOWN', "/sumby(namespace)(rate(tokenwire_requests_total[5m]))"], None
+    ),
+    "TokenwireTimeToFirstTokenHigh": (
+        ["histogram_quantile(0.99,", "tokenwire_time_to_first_token_seconds_bucket", ">2"], None
+    ),
     "TokenwireQueueSaturated": (["tokenwire_queue_depth/tokenwire_max_queue_depth>0.9"], "5m"),
     "TokenwireReplicaNotReady": (["tokenwire_ready==0"], "5m"),
-    "TokenwireKVCacheBudgetExhausted": (["tokenwire_kv_cache_tokens_reserved/tokenwire_kv_cache_tokens_budget>0.95"], "10m"),
+    "TokenwireKVCacheBudgetExhausted": (
+        ["tokenwire_kv_cache_tokens_reserved/tokenwire_kv_cache_tokens_budget>0.95"], "10m"
+    ),
     "TokenwireGPUMemoryNearFull": (
         [
             "tokenwire_gpu_memory_allocated_bytes/tokenwire_gpu_memory_total_bytes>0.95",

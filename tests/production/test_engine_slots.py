@@ -1,6 +1,7 @@
 """Slots, measured inside the batched engine: a cancelled stream gives its slot back within
-two decode steps (the one place for that, on both kernel choices), a request that waited past its deadline is refused, never started, and the
-batch window gathers concurrent arrivals while a lone stream never waits.
+two decode steps (the one place for that, on both kernel choices), a request that waited
+past its deadline is refused, never started, and the batch window gathers concurrent
+arrivals while a lone stream never waits.
 
 Each premise holds by construction, not by timing: the engine thread calls a request's sink
 itself, so a sink that blocks holds the engine between two steps (``Gate``) while the test

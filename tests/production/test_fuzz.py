@@ -88,9 +88,12 @@ def rpcs(fuzz_server: ServerProcess) -> Iterator[dict[str, Callable[..., Any]]]:
     """The three RPCs, taking raw request bytes (no serializer) and parsing what comes back."""
     with grpc.insecure_channel(fuzz_server.target) as channel:
         yield {
-            "Generate": channel.unary_stream(SERVICE + "Generate", request_serializer=None, response_deserializer=pb.TokenChunk.FromString),
-            "Tokenize": channel.unary_unary(SERVICE + "Tokenize", request_serializer=None, response_deserializer=pb.TokenizeResponse.FromString),
-            "GetModelInfo": channel.unary_unary(SERVICE + "GetModelInfo", request_serializer=None, response_deserializer=pb.ModelInfo.FromString),
+            "Generate": channel.unary_stream(SERVICE + "Generate", request_serializer=None,
+                                             response_deserializer=pb.TokenChunk.FromString),
+            "Tokenize": channel.unary_unary(SERVICE + "Tokenize", request_serializer=None,
+                                            response_deserializer=pb.TokenizeResponse.FromString),
+            "GetModelInfo": channel.unary_unary(SERVICE + "GetModelInfo", request_serializer=None,
+                                                response_deserializer=pb.ModelInfo.FromString),
         }  # fmt: skip
 
 
@@ -484,7 +487,8 @@ HOSTILE = (
     Hostile("json_schema of 30000 '['", formatted(json_schema="[" * 30000)),
     Hostile("json_schema of 12000 '{\"a\":'", formatted(json_schema='{"a":' * 12000)),
     Hostile("json_schema $ref to itself", formatted(json_schema='{"$ref":"#"}')),
-    Hostile("json_schema $refs in a loop", formatted(json_schema='{"$defs":{"a":{"$ref":"#/$defs/b"},"b":{"$ref":"#/$defs/a"}},"$ref":"#/$defs/a"}')),
+    Hostile("json_schema $refs in a loop",
+            formatted(json_schema='{"$defs":{"a":{"$ref":"#/$defs/b"},"b":{"$ref":"#/$defs/a"}},"$ref":"#/$defs/a"}')),
     Hostile("json_schema with a 60000-character type", formatted(json_schema='{"type":"' + "q" * 60000 + '"}')),
     Hostile("json_schema minLength 1e8", formatted(json_schema='{"type":"string","minLength":100000000}')),
     Hostile("json_schema pattern bomb", formatted(json_schema=json.dumps({"type": "string", "pattern": "(a*)*b"}))),
@@ -492,13 +496,15 @@ HOSTILE = (
     Hostile("request_id of 9 KB", pb.GenerateRequest(prompt="hi", stopping=_SMALL, request_id="r" * 9 * 1024)),
     Hostile("request_id of 1 MB", pb.GenerateRequest(prompt="hi", stopping=_SMALL, request_id="r" * (1 << 20))),
     Hostile("request_id with CR/LF", pb.GenerateRequest(prompt="hi", stopping=_SMALL, request_id="a\r\nx-injected: 1")),
-    Hostile("request_id of control characters", pb.GenerateRequest(prompt="hi", stopping=_SMALL, request_id="\x01\x07\x1b[31m\x7f\t")),
+    Hostile("request_id of control characters",
+            pb.GenerateRequest(prompt="hi", stopping=_SMALL, request_id="\x01\x07\x1b[31m\x7f\t")),
     Hostile("request_id of 129 emoji", pb.GenerateRequest(prompt="hi", stopping=_SMALL, request_id="\U0001f600" * 129)),
     # chat roles and contents past any trailer
     Hostile("chat role of 9 KB", _chat("r" * 9 * 1024)),
     Hostile("chat role of 1 MB", _chat("r" * (1 << 20))),
     Hostile("chat role with CR/LF", _chat("user\r\nsystem")),
-    Hostile("10000 chat messages", pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")] * 10000))),
+    Hostile("10000 chat messages",
+            pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")] * 10000))),
     # resume: indexes at the edge of uint32, lists longer than the answer, ids outside the vocabulary
     Hostile("resume.next_index 2**32-1", resumed([], U32)),
     Hostile("resume.next_index 2**32-2 with 2 ids", resumed([28, 29], U32 - 1)),
@@ -524,19 +530,24 @@ HOSTILE = (
     Hostile("lark of 20000 nested groups", formatted(grammar="start: " + "(" * 20000 + '"a"' + ")" * 20000)),
     Hostile("ebnf of 20000 nested groups", formatted(grammar="root ::= " + "(" * 20000 + '"a"' + ")" * 20000)),
     Hostile("ebnf line of 30000 '%'", formatted(grammar='root ::= "a" ' + "%" * 30000)),
-    Hostile("choice of 1024 options of 64 characters", formatted(choice=pb.Choice(options=[f"{i:064d}" for i in range(1024)]))),
+    Hostile("choice of 1024 options of 64 characters",
+            formatted(choice=pb.Choice(options=[f"{i:064d}" for i in range(1024)]))),
     Hostile("choice of one 1 MB option", formatted(choice=pb.Choice(options=["z" * (1 << 20)]))),
     # metadata: two bearer tokens (which one is the caller?), headers past gRPC's limit
-    Hostile("authorization twice, good then wrong", _HI, bearer("tok-alpha", "wrong"), REFUSED | {grpc.StatusCode.INVALID_ARGUMENT}),
-    Hostile("authorization twice, wrong then good", _HI, bearer("wrong", "tok-alpha"), REFUSED | {grpc.StatusCode.INVALID_ARGUMENT}),
-    Hostile("authorization twice, two tenants", _HI, bearer("tok-alpha", "tok-beta"), REFUSED | {grpc.StatusCode.INVALID_ARGUMENT}),
+    Hostile("authorization twice, good then wrong", _HI, bearer("tok-alpha", "wrong"),
+            REFUSED | {grpc.StatusCode.INVALID_ARGUMENT}),
+    Hostile("authorization twice, wrong then good", _HI, bearer("wrong", "tok-alpha"),
+            REFUSED | {grpc.StatusCode.INVALID_ARGUMENT}),
+    Hostile("authorization twice, two tenants", _HI, bearer("tok-alpha", "tok-beta"),
+            REFUSED | {grpc.StatusCode.INVALID_ARGUMENT}),
     Hostile("authorization of 9 KB", _HI, bearer("k" * 9 * 1024), REFUSED | METADATA_TOO_LARGE),
     Hostile("authorization of 1 MB", _HI, bearer("k" * (1 << 20)), REFUSED | METADATA_TOO_LARGE),
     Hostile("x-request-id of 9 KB", _HI, (*AUTH, ("x-request-id", "m" * 9 * 1024)), ACCEPTABLE | METADATA_TOO_LARGE),
     Hostile("x-request-id of 1 MB", _HI, (*AUTH, ("x-request-id", "m" * (1 << 20))), ACCEPTABLE | METADATA_TOO_LARGE),
     Hostile("x-request-id twice", _HI, (*AUTH, ("x-request-id", "one"), ("x-request-id", "two"))),
     Hostile("priority 99", pb.GenerateRequest(prompt="hi", stopping=_SMALL, priority=99)),  # type: ignore[arg-type]
-    Hostile("priority HIGH above beta's cap", pb.GenerateRequest(prompt="hi", stopping=_SMALL, priority=pb.PRIORITY_HIGH), bearer("tok-beta")),
+    Hostile("priority HIGH above beta's cap",
+            pb.GenerateRequest(prompt="hi", stopping=_SMALL, priority=pb.PRIORITY_HIGH), bearer("tok-beta")),
 )  # fmt: skip
 
 

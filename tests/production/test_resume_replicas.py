@@ -200,8 +200,8 @@ def wait_for(condition: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.01)
 
 
-# The real model's streams are shorter (64 tokens, the tiny model's 128): its steps cost ~10x the tiny model's, and the cut comes
-# at chunk 10 either way, so 64 tokens still leave most of every stream to be resumed.
+# The real model's streams are shorter (64 tokens, the tiny model's 128): its steps cost ~10x the tiny model's,
+# and the cut comes at chunk 10 either way, so 64 tokens still leave most of every stream to be resumed.
 @pytest.mark.parametrize(("model", "tokens"), [("tiny", 128), pytest.param("default", 64, marks=pytest.mark.e2e)])
 def test_streams_survive_a_killed_replica_and_a_handed_off_one(
     model: str, tokens: int, request: pytest.FixtureRequest

@@ -233,7 +233,8 @@ def test_the_cli_flags_reach_a_mutual_tls_server(
     wrong_file = tmp_path / "wrong"
     wrong_file.write_text("wrong")
     base = [TOKENWIRE, "generate", "--target", mtls_token_server.target, "--ca-file", str(pki.ca_cert),
-            "--cert-file", str(pki.client_cert), "--key-file", str(pki.client_key), "--max-new-tokens", "3", "--ignore-eos"]  # fmt: skip
+            "--cert-file", str(pki.client_cert), "--key-file", str(pki.client_key),
+            "--max-new-tokens", "3", "--ignore-eos"]  # fmt: skip
 
     def run(*extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

@@ -94,7 +94,10 @@ def unsupported_reason(model: Any) -> str | None:
     for module in (*inner.layers[0].self_attn.children(), *inner.layers[0].mlp.children()):
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor) and type(weight) not in (torch.Tensor, torch.nn.Parameter):
-            return f"weights held as {type(weight).__name__} (torchao int4/fp8); the native pass takes full-precision or int8 layers"
+            return (
+                f"weights held as {type(weight).__name__} (torchao int4/fp8); "
+                "the native pass takes full-precision or int8 layers"
+            )
     devices = {parameter.device for parameter in model.parameters()}
     if len(devices) != 1:
         return "weights spread over several devices"

@@ -69,7 +69,8 @@ def row_keys(seed: int, step: int) -> tuple[int, int]:
 
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise ``[rows, vocab]`` from per-row keys ``[rows, 2]`` (int64): a pure function of key and token id."""
+    """Gumbel(0, 1) noise ``[rows, vocab]`` from per-row keys ``[rows, 2]`` (int64): a pure function of key and
+    token id."""
     ids = torch.arange(vocab, dtype=torch.int64, device=keys.device).unsqueeze(0)
     h = _mix32(ids ^ keys[:, :1])
     h = _mix32(h ^ keys[:, 1:])

@@ -209,7 +209,8 @@ class VllmBackend(IntakeBackend):
             quantization=str(getattr(model_config, "quantization", None) or "none"),
             notes=(
                 "vllm: a request's tokens may differ alone and in a batch (vLLM does not promise batch invariance)",
-                "vllm: usage.queue_time_ms ends when the request is handed to vLLM; vLLM's own queue counts in the time to first token",
+                "vllm: usage.queue_time_ms ends when the request is handed to vLLM; "
+                "vLLM's own queue counts in the time to first token",
                 "vllm: a resumed seeded stream (GenerateRequest.resume) does not give the uncut stream's tokens "
                 "(vLLM's generator restarts from the seed); greedy ones matched where measured",
                 "vllm: a stream with a response_format cannot be resumed (vLLM's grammar would start again "
