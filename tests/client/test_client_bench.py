@@ -66,49 +66,17 @@ def test_progress_bar_draws_on_a_terminal():
     assert quiet.getvalue() == ""
 
 
+def tokenwire_bench(cli_env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m tokenwire bench ARGS`, as a user runs it."""
+    command = [sys.executable, "-m", "tokenwire", "bench", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=30, env=cli_env)
+
+
 def test_bench_command(fake, cli_env):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tokenwire",
-            "bench",
-            "--target",
-            fake.address,
-            "--requests",
-            "2",
-            "--concurrency",
-            "2",
-            "--max-new-tokens",
-            "4",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=cli_env,
-    )
+    args = ["--target", fake.address, "--requests", "2", "--concurrency", "2", "--max-new-tokens", "4", "--json"]
+    result = tokenwire_bench(cli_env, *args)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["requests"] == 2 and report["output_tokens"] == 8 and report["errors"] == {}
-    text = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tokenwire",
-            "bench",
-            "--target",
-            fake.address,
-            "-n",
-            "2",
-            "-c",
-            "1",
-            "--max-new-tokens",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=cli_env,
-    )
+    text = tokenwire_bench(cli_env, "--target", fake.address, "-n", "2", "-c", "1", "--max-new-tokens", "4")
     assert text.returncode == 0 and "TTFT" in text.stdout and "inter-token" in text.stdout
