@@ -60,13 +60,26 @@ PRELOAD = (
 )
 
 
+# What the server sets itself before torch and transformers load, where unset: ``__main__``
+# (GOMP_SPINCOUNT, from --omp-spin-count) and ``model.quiet_transformers``.
+SERVER_DEFAULTS = {"GOMP_SPINCOUNT": DEFAULT_OMP_SPIN_COUNT, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
 def zygote_environment() -> dict[str, str]:
-    """The zygote's environment: the test process's, with what the server itself sets before
-    torch and transformers load (``__main__``: GOMP_SPINCOUNT; ``model.quiet_transformers``)."""
-    env = dict(os.environ)
-    env.setdefault("GOMP_SPINCOUNT", DEFAULT_OMP_SPIN_COUNT)
-    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    return env
+    """The zygote's environment: the test process's, with what the server sets by default."""
+    return {**SERVER_DEFAULTS, **os.environ}
+
+
+def server_setting(args: Sequence[str], env: dict[str, str], flag: str, default: str) -> str:
+    """A server flag's value as the server reads it: ``--flag V`` or ``--flag=V``, else its
+    ``TOKENWIRE_*`` variable, else ``default``."""
+    value = env.get("TOKENWIRE_" + flag.removeprefix("--").replace("-", "_").upper(), default)
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 class Forked:
@@ -148,17 +161,15 @@ class Zygote:
         if os.environ.get("TOKENWIRE_TEST_EXEC") == "1":
             return "TOKENWIRE_TEST_EXEC=1"
         args = list(cmd[3:])
-        if "vllm" in args or "--engine=vllm" in args:
+        if server_setting(args, env, "--engine", "batched") == "vllm":
             return "the vllm engine (it starts processes of its own)"
-        for i, arg in enumerate(args):
-            value = args[i + 1] if arg == "--omp-spin-count" and i + 1 < len(args) else None
-            if arg.startswith("--omp-spin-count="):
-                value = arg.split("=", 1)[1]
-            if value is not None and value != DEFAULT_OMP_SPIN_COUNT:
-                return "--omp-spin-count"
         base = self._env or zygote_environment()
-        # What the server's environment is once it has set its own defaults, before torch loads.
-        effective = {"GOMP_SPINCOUNT": DEFAULT_OMP_SPIN_COUNT, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **env}
+        # The server's environment once it has set its own defaults, before torch loads.
+        spin = server_setting(args, env, "--omp-spin-count", DEFAULT_OMP_SPIN_COUNT)
+        defaults = {**SERVER_DEFAULTS, "GOMP_SPINCOUNT": spin}
+        if spin == "0":  # the server leaves OpenMP its own default
+            del defaults["GOMP_SPINCOUNT"]
+        effective = {**defaults, **env}
         changed = sorted(
             k
             for k in set(base) | set(effective)
