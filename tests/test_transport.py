@@ -552,6 +552,51 @@ def test_tokenize_and_model_info_go_through_the_same_wrapper(harness: Harness, l
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
 
 
+class RecordingContext:
+    """A servicer context that notes what the metrics said when the status went out."""
+
+    def __init__(self, metrics: Metrics, calls: Any) -> None:
+        self.metrics, self.calls = metrics, calls
+        self.seen_at_abort: tuple[float, int] | None = None
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        pass
+
+    def time_remaining(self) -> None:
+        return None
+
+    async def abort(self, code: grpc.StatusCode, message: str, trailing_metadata: Any = ()) -> None:
+        counted = self.metrics.registry.get_sample_value(
+            "tokenwire_requests_total", {"method": "Tokenize", "code": code.name}
+        )
+        self.seen_at_abort = (counted or 0.0, self.calls.in_flight)
+        raise grpc.aio.AbortError()
+
+
+def test_a_failed_call_is_counted_before_its_status_goes_out() -> None:
+    """A client that scrapes /metrics right after its call failed finds the failure counted
+    (the status is sent by ``abort``, before the wrapper's ``finally``), and once only."""
+    from tokenwire_server.transport.calls import Calls
+
+    metrics = Metrics()
+    calls = Calls(metrics)
+
+    async def refuse(request: Any, context: Any, call: Any) -> None:
+        raise EmptyPrompt("text")
+
+    context = RecordingContext(metrics, calls)
+    with pytest.raises(grpc.aio.AbortError):
+        asyncio.run(calls.unary("Tokenize", refuse)(pb.TokenizeRequest(), context))  # type: ignore[arg-type]
+    assert context.seen_at_abort == (1.0, 0)  # counted, and no longer in flight, when the status went out
+    counted = metrics.registry.get_sample_value(
+        "tokenwire_requests_total", {"method": "Tokenize", "code": "INVALID_ARGUMENT"}
+    )
+    assert counted == 1.0 and calls.in_flight == 0
+
+
 def test_undecodable_bytes_are_invalid_argument(harness: Harness) -> None:
     raw = harness.channel.unary_stream(
         "/tokenwire.v1.TextGeneration/Generate", request_serializer=lambda b: b, response_deserializer=lambda b: b

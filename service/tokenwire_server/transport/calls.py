@@ -74,6 +74,7 @@ class Call:
     input_field: str = "input"  # the request field that holds the prompt, for error details
     code: grpc.StatusCode = grpc.StatusCode.OK
     completed: bool = False
+    closed: bool = False  # counted and logged (before its error status went out, for a failure)
     fields: dict[str, Any] = dataclasses.field(default_factory=dict)
     # What the handler learns of the call, for its trace span.
     tenant: str = "default"
@@ -164,9 +165,15 @@ class Calls:
             self._metrics.deadline_refusals.inc()
         call.code = failure.code
         trailers = (*failure.trailing_metadata(), *self._id_trailer(call))
+        # Counted before the status goes out: a client that reads the metrics once its call
+        # has failed finds the failure there.
+        self._close(call, context)
         await context.abort(failure.code, failure.message, trailing_metadata=trailers)
 
     def _close(self, call: Call, context: Context) -> None:
+        if call.closed:
+            return
+        call.closed = True
         self.in_flight -= 1
         code = call.code
         if code is grpc.StatusCode.OK and not call.completed:  # closed early: the client went away
