@@ -51,24 +51,40 @@ def short_request(tokens: int = 4, **fields: Any) -> pb.GenerateRequest:
     return pb.GenerateRequest(prompt="hello", stopping=pb.StoppingCriteria(max_new_tokens=tokens), **fields)
 
 
-def scrape(server: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+class Samples(dict):
+    """A scrape: every sample by (name, sorted labels), and the metric families the server
+    declares (a labelled family no call has moved yet has no sample, only its HELP/TYPE)."""
+
+    def __init__(self, text: str) -> None:
+        families = list(text_string_to_metric_families(text))
+        super().__init__(
+            ((s.name, tuple(sorted(s.labels.items()))), s.value) for family in families for s in family.samples
+        )
+        self.families = {family.name for family in families}
+
+
+def scrape(server: Any) -> Samples:
     """Every sample of a server's /metrics (its --metrics-port), by name and sorted labels."""
     with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+        return Samples(response.read().decode())
 
 
-def value(samples: dict, name: str, **labels: str) -> float:
-    """A sample's value, 0.0 where it is absent (a counter no call has moved yet); ``sample``
-    where absence itself must fail."""
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """A sample's value, 0.0 where a declared counter has no sample with these labels yet (no
+    call moved it); ``sample`` where absence itself must fail. A metric the server does not
+    declare, or labels other than the ones its samples carry, fail here: a misspelt or removed
+    metric must not read as zero."""
+    key = (name, tuple(sorted(labels.items())))
+    if key in samples:
+        return float(samples[key])
+    declared = {f for f in samples.families if name == f or name.startswith(f + "_")}
+    assert declared, f"the server declares no metric {name}"
+    label_sets = {frozenset(k for k, _ in labelled) for n, labelled in samples if n == name}
+    assert not label_sets or label_sets == {frozenset(labels)}, f"{name} is labelled {label_sets}, not {set(labels)}"
+    return 0.0
 
 
-def sample(samples: dict, name: str, **labels: str) -> float:
+def sample(samples: Samples, name: str, **labels: str) -> float:
     """A sample that must be there: its value, or an AssertionError naming it."""
     key = (name, tuple(sorted(labels.items())))
     assert key in samples, f"no sample {name}{labels} in the scrape"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from production_support import generation_stub, long_request, scrape, short_request, value, wait_until
+from production_support import Samples, generation_stub, long_request, scrape, short_request, value, wait_until
 from servers import ServerProcess
 from tokenwire.v1 import generation_pb2 as pb
 
@@ -24,6 +24,23 @@ def metered_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
     with ServerProcess(["--model", str(tiny_model_dir), "--metrics-port", "-1", "--max-active", "1"]) as server:
         assert server.metrics_port > 0
         yield server
+
+
+def test_a_metric_read_as_zero_must_be_declared_with_those_labels() -> None:
+    """The tests' ``value`` reads an unmoved counter as 0, never a missing or misspelt one."""
+    exposition = (
+        "# HELP tokenwire_requests_total Finished calls\n# TYPE tokenwire_requests_total counter\n"
+        'tokenwire_requests_total{method="Generate",code="OK"} 3.0\n'
+        "# HELP tokenwire_tenant_preemptions_total Preemptions\n# TYPE tokenwire_tenant_preemptions_total counter\n"
+    )
+    samples = Samples(exposition)
+    assert value(samples, "tokenwire_requests_total", method="Generate", code="OK") == 3
+    assert value(samples, "tokenwire_requests_total", method="Tokenize", code="OK") == 0  # not moved yet
+    assert value(samples, "tokenwire_tenant_preemptions_total", tenant="a") == 0  # declared, no sample yet
+    with pytest.raises(AssertionError, match="declares no metric"):
+        value(samples, "tokenwire_request_total", method="Generate", code="OK")
+    with pytest.raises(AssertionError, match="labelled"):
+        value(samples, "tokenwire_requests_total", method="Generate", status="OK")
 
 
 def test_metrics_move_with_traffic(metered_server: ServerProcess) -> None:

@@ -17,9 +17,8 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 from grpc_status import rpc_status
-from production_support import Pki, generation_stub, long_request, sample, short_request, value, wait_until
+from production_support import Pki, Samples, generation_stub, long_request, sample, short_request, value, wait_until
 from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 from tokenwire.v1 import generation_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,14 +44,9 @@ def tenant_files(tmp_path: Path) -> dict[str, str]:
     return {"tenant_config": str(tmp_path / "tenants.toml"), "auth_token_file": str(tmp_path / "tokens")}
 
 
-def scrape(server: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(server: Any) -> Samples:
     """Every sample of an in-process server's metrics registry, by name and sorted labels."""
-    text = generate_latest(server.server.metrics.registry).decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+    return Samples(generate_latest(server.server.metrics.registry).decode())
 
 
 def auth(token: str) -> tuple[tuple[str, str], ...]:
