@@ -156,7 +156,13 @@ def test_generate_span_continues_the_callers_trace(traced: InProcess, receiver: 
         sampling=pb.SamplingParams(temperature=0.0),
         stopping=pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True),
     )  # fmt: skip
-    chunks = list(traced.stub.Generate(request, metadata=[("traceparent", TRACEPARENT)], timeout=60))
+    # The client's own clock (the server runs in this process, on the same clock): the spans
+    # must sit inside the call as the client saw it, not only agree with the usage they came from.
+    sent_ns = time.time_ns()
+    chunks, arrived_ns = [], []
+    for chunk in traced.stub.Generate(request, metadata=[("traceparent", TRACEPARENT)], timeout=60):
+        chunks.append(chunk)
+        arrived_ns.append(time.time_ns())
     usage = chunks[-1].usage
     assert usage.completion_tokens == 4
 
@@ -192,6 +198,12 @@ def test_generate_span_continues_the_callers_trace(traced: InProcess, receiver: 
     assert prefill.end_time_unix_nano == decode.start_time_unix_nano
     assert abs((prefill.end_time_unix_nano - queue.start_time_unix_nano) / 1e6 - usage.time_to_first_token_ms) <= 0.01
     assert abs((decode.end_time_unix_nano - queue.start_time_unix_nano) / 1e6 - usage.total_time_ms) <= 0.01
+    slack_ns = 2_000_000  # the spans' wall times come from a monotonic clock and one offset
+    assert sent_ns - slack_ns <= server.start_time_unix_nano <= queue.start_time_unix_nano
+    first_text = next(i for i, c in enumerate(chunks) if c.text)
+    assert prefill.end_time_unix_nano <= arrived_ns[first_text] + slack_ns  # the first token, before it came
+    assert decode.end_time_unix_nano <= arrived_ns[-1] + slack_ns
+    assert prefill.end_time_unix_nano - queue.start_time_unix_nano > 0 and decode.end_time_unix_nano > sent_ns
 
     (resource,) = {tuple(sorted(r.items())) for r, span in receiver.spans() if span.trace_id.hex() == TRACE_ID}
     assert dict(resource)["service.name"] == "tokenwire"
@@ -214,9 +226,12 @@ def test_failed_call_span_has_error_status_and_code(traced: InProcess, receiver:
     assert "tokenwire.completion_tokens" not in attrs
 
 
-def test_tracing_off_sends_nothing(receiver: Receiver, no_otel_env: None) -> None:
+def test_tracing_off_sends_nothing(receiver: Receiver, no_otel_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The receiver's endpoint is given, and OTEL_SDK_DISABLED turns tracing off all the same.
     # No model: the call is refused (UNAVAILABLE, still loading) but goes through the same wrapper.
-    server = InProcess(ServerConfig(host="127.0.0.1", port=0, grace_period=0.5), load=False)
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    config = ServerConfig(host="127.0.0.1", port=0, grace_period=0.5, otlp_endpoint=receiver.endpoint)
+    server = InProcess(config, load=False)
     try:
         assert server.server.tracing is tracing.NO_TRACING
         assert server.server._servicer.calls.tracing is tracing.NO_TRACING
