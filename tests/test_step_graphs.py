@@ -163,6 +163,21 @@ def generate(
         "batched", loaded, EngineLimits(max_active, 8, 8 * 1024, max_prefill_tokens=16), workers=1,
         kernels="torch", step_graphs=step_graphs, compile_step=compile_step,
     )  # fmt: skip
+    runner = engine.runner  # type: ignore[attr-defined]
+    engine.graph_log = []  # type: ignore[attr-defined]  # per step: (prompt tokens, decode rows, through a bucket)
+    if runner.graphs is not None:
+        launch, run = runner.launch, runner.graphs.run
+
+        def logged_launch(plan: Any) -> Any:
+            engine.graph_log.append([plan.prompt_tokens, plan.decodes, False])  # type: ignore[attr-defined]
+            return launch(plan)
+
+        def logged_run(*args: Any) -> Any:
+            out = run(*args)
+            engine.graph_log[-1][2] = out is not None  # type: ignore[attr-defined]
+            return out
+
+        runner.launch, runner.graphs.run = logged_launch, logged_run
     engine.start()
     try:
         recorders = run_all(engine, requests_for(loaded, sampled=True), timeout=300)
@@ -172,16 +187,25 @@ def generate(
 
 
 def test_the_engine_gives_the_same_tokens_through_the_buckets_as_eagerly(tiny_model_dir: Path) -> None:
-    eager, plain = generate(tiny_model_dir, "off")
+    # Two slots for five requests: the later prompts are read while the others decode, in
+    # 16-token chunks (the prefill budget while anyone decodes), in steps with decode rows.
+    eager, plain = generate(tiny_model_dir, "off", max_active=2)
     assert plain.runner.graphs is None  # type: ignore[attr-defined]
-    static, engine = generate(tiny_model_dir, "static")
+    static, engine = generate(tiny_model_dir, "static", max_active=2)
     assert static == eager
     graphs = engine.runner.graphs  # type: ignore[attr-defined]
     assert engine.step_graphs == "static" and graphs is not None  # type: ignore[attr-defined]
-    # Steps of decode rows alone went through a bucket; those that read a prompt chunk (the
-    # 16-token prefill budget splits every prompt) did not.
-    assert 0 < graphs.replays < engine.steps + engine.prefill_steps  # type: ignore[attr-defined]
-    assert {rows for rows, _ in graphs.keys()} <= {1, 2, 4, 8}
+    # Every step of decode rows alone went through a bucket (2 rows at most: all fit the
+    # largest, and every table the widest); no step that read a prompt chunk did, those with
+    # decode rows beside the chunk included.
+    log = engine.graph_log  # type: ignore[attr-defined]
+    assert len(log) == engine.steps + engine.prefill_steps - sum(1 for p, d, _ in log if p and d)  # type: ignore[attr-defined]
+    decode_only = [bucketed for prompt, decodes, bucketed in log if decodes and not prompt]
+    with_prompt = [bucketed for prompt, _, bucketed in log if prompt]
+    assert sum(1 for prompt, decodes, _ in log if prompt and decodes) >= 3 and not any(with_prompt)
+    assert decode_only and all(decode_only)
+    assert graphs.replays == len(decode_only)
+    assert {rows for rows, _ in graphs.keys()} <= set(graphs.buckets)
     assert graphs.captures == len(graphs.keys())
 
 
