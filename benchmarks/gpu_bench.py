@@ -233,7 +233,7 @@ def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
         "--model", str(folder), "--device", args.device, "--max-active", str(max(concurrency)),
         "--max-queue", str(2 * max(concurrency)), "--metrics-port", "-1", "--forward", forward,
         *(["--step-graphs", args.step_graphs] if forward == "native" else []),
-        *(["--overlap", "off"] if "no-overlap" in variants else []), *args.server_arg,
+        *args.server_arg, *(["--overlap", "off"] if "no-overlap" in variants else []),  # the variant wins
     ]  # fmt: skip
     results: list[Result] = []
     with serve(args.dry_run, flags, "batched") as server:
@@ -325,7 +325,7 @@ def run_prefill(shape: str, args: argparse.Namespace) -> list[list[Any]]:
         worst = max(runs, key=lambda run: run.ratio)  # the worse of two arrivals
         first = max(run.first_token_s for run in runs)
         out.append(
-            [shape, budget, f"{worst.ratio:.1f}", f"{worst.itl_p50_ms:.1f}", f"{worst.max_gap_ms:.1f}", f"{first:.2f}"]
+            [shape, budget, f"{worst.ratio:.1f}", f"{worst.itl_p50_ms:.2f}", f"{worst.max_gap_ms:.1f}", f"{first:.2f}"]
         )
         doc.log(f"  {shape} prompt budget {budget}: stall {worst.ratio:.1f}x, long prompt TTFT {first:.2f} s")
     return out
