@@ -1,10 +1,12 @@
 """Resuming a cut stream on the engines: the rest is exactly what the uncut stream gave.
 
-Each request runs uncut once. Then it is cut at a random token N and resumed on a fresh
-engine with the N token ids the caller had received (``GenerationRequest.resume_ids``):
-the resumed run must give the uncut run's tokens from N on, and text that continues the
-text the caller had exactly (nothing repeated, nothing lost, a stop sequence that spans
-the cut still found). Greedy, seeded top-p and seeded top-k with a repetition penalty;
+Each request runs uncut once. Then it is cut at a random token N (a stream that its stop
+sequence ended: inside the stop, where the stop spans tokens) and resumed with the N token
+ids the caller had received (``GenerationRequest.resume_ids``), on a fresh engine as on
+another replica, or on the engine that ran it uncut, starting on the prompt blocks that run
+published to the prefix cache: the resumed run must give the uncut run's tokens from N on,
+and text that continues the text the caller had exactly (nothing repeated, nothing lost, a
+stop sequence that spans the cut still found). Greedy, seeded top-p and seeded top-k with a repetition penalty;
 with and without stop sequences; on the batched engine (each kernel set, with and
 without the prefix cache) and the simple one; on the tiny model and the real one.
 
@@ -15,6 +17,7 @@ resume across replicas and the drain's hand-off): tests/production/test_resume_r
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from engine_support import Recorder, kernel_unbuildable, run_all
 from tokenwire_server.domain import FinishEvent, FinishReason, GenerationRequest, SamplingOptions
 from tokenwire_server.engine import create_engine
 from tokenwire_server.engine.base import EngineLimits
+from tokenwire_server.engine.blocks import BLOCK_SIZE
 from tokenwire_server.model import load_model
 
 from benchmarks.resume import QUESTIONS
@@ -44,7 +48,12 @@ def engine_for(loaded: Any, kind: str, **options: Any) -> Any:
     return create_engine("batched", loaded, limits, workers=1, **options)
 
 
-def run(loaded: Any, kind: str, requests: list[GenerationRequest], **options: Any) -> list[Recorder]:
+def run(
+    loaded: Any, kind: str, requests: list[GenerationRequest], engine: Any = None, **options: Any
+) -> list[Recorder]:
+    """The requests on ``engine`` (left running), or on a fresh engine of ``kind``."""
+    if engine is not None:
+        return run_all(engine, requests, 300)
     engine = engine_for(loaded, kind, **options)
     engine.start()
     try:
@@ -74,29 +83,68 @@ def build_requests(prompts: list[list[int]], new: int, stops: list[tuple[str, ..
     ]
 
 
-def check_resume(loaded: Any, kind: str, prompts: list[list[int]], new: int, seed: int, **options: Any) -> int:
-    """Run uncut, pick stops from the texts, run again, cut each at a random token, resume; compare.
-    Returns how many streams were resumed mid-way."""
+def stop_across_a_token_boundary(rec: Recorder) -> tuple[str, ...]:
+    """Three characters of the answer that two tokens share, near its middle: a stop
+    sequence that takes more than one token to match, so a cut can fall inside it."""
+    ends = [len(text) for text in itertools.accumulate(emitted_per_token(rec))]
+    text = rec.text
+    boundaries = [end for end in ends if 2 <= end <= len(text) - 1]
+    if len(text) <= 8 or not boundaries:
+        return ()
+    middle = min(boundaries, key=lambda end: abs(end - len(text) // 2))
+    return (text[middle - 2 : middle + 1],)
+
+
+def cut_inside_the_stop(tokenizer: Any, rec: Recorder) -> int | None:
+    """A cut that leaves the caller holding part of the stop sequence that ended ``rec``,
+    but not all of it (None: the stop came in one token)."""
+    if rec.last.reason is not FinishReason.STOP_SEQUENCE:
+        return None
+    ids, kept = rec.token_ids, len(rec.text)  # the stream's text ends where its stop began
+    for cut in range(len(ids) - 1, 0, -1):
+        if len(tokenizer.decode(ids[:cut])) > kept:
+            return cut
+    return None
+
+
+def check_resume(
+    loaded: Any, kind: str, prompts: list[list[int]], new: int, seed: int, same_engine: bool = False, **options: Any
+) -> tuple[int, int]:
+    """Run uncut, pick stops from the texts, run again, cut each at a random token (a stream
+    ended by its stop sequence: inside the stop where it spans tokens), resume; compare.
+
+    ``same_engine``: the resumed requests run on the engine that ran them uncut, so each
+    starts on the prompt blocks its uncut run published to the prefix cache (checked in
+    its usage); otherwise on a fresh engine, as on another replica. Returns how many streams
+    were resumed mid-way, and how many of those with a stop sequence half-matched."""
     plain = run(loaded, kind, build_requests(prompts, new, [()] * len(prompts)), **options)
-    # A stop sequence taken from the middle of an answer (every other request), so that it
-    # matches; the cut falls before it, often inside it.
-    stops: list[tuple[str, ...]] = []
-    for i, rec in enumerate(plain):
-        text = rec.text
-        stops.append((text[len(text) // 2 : len(text) // 2 + 3],) if i % 2 and len(text) > 8 else ())
+    # A stop sequence taken from the middle of an answer (every other request), so that it matches.
+    stops = [stop_across_a_token_boundary(rec) if i % 2 else () for i, rec in enumerate(plain)]
     requests = build_requests(prompts, new, stops)
-    uncut = run(loaded, kind, requests, **options)
-    rng = random.Random(seed)
-    resumed_requests = []
-    cuts = []
-    for req, rec in zip(requests, uncut, strict=True):
-        ids = rec.token_ids
-        cut = rng.randrange(1, len(ids)) if len(ids) > 1 else 0
-        cuts.append(cut)
-        resumed_requests.append(
-            dataclasses.replace(req, request_id=req.request_id + "-resumed", resume_ids=tuple(ids[:cut]))
-        )
-    resumed = run(loaded, kind, resumed_requests, **options)
+    engine = None
+    if same_engine:
+        engine = engine_for(loaded, kind, **options)
+        engine.start()
+    try:
+        uncut = run(loaded, kind, requests, engine, **options)
+        rng = random.Random(seed)
+        resumed_requests = []
+        cuts = []
+        spanning = 0
+        for req, rec in zip(requests, uncut, strict=True):
+            ids = rec.token_ids
+            cut = rng.randrange(1, len(ids)) if len(ids) > 1 else 0
+            inside = cut_inside_the_stop(loaded.tokenizer, rec)
+            if inside is not None:
+                cut, spanning = inside, spanning + 1
+            cuts.append(cut)
+            resumed_requests.append(
+                dataclasses.replace(req, request_id=req.request_id + "-resumed", resume_ids=tuple(ids[:cut]))
+            )
+        resumed = run(loaded, kind, resumed_requests, engine, **options)
+    finally:
+        if engine is not None:
+            engine.close()
     mid_way = 0
     for req, before, after, cut in zip(requests, uncut, resumed, cuts, strict=True):
         assert isinstance(before.last, FinishEvent) and isinstance(after.last, FinishEvent), (before.last, after.last)
@@ -107,7 +155,13 @@ def check_resume(loaded: Any, kind: str, prompts: list[list[int]], new: int, see
         assert after.last.usage.completion_tokens == before.last.usage.completion_tokens
         assert after.last.usage.prompt_tokens == before.last.usage.prompt_tokens
         mid_way += 0 < cut < len(before.token_ids)
-    return mid_way
+        if same_engine and cut:
+            prompt_len, cached = len(req.prompt_ids), after.last.usage.cached_prompt_tokens
+            if options.get("prefix_cache", True):  # every full block of its prompt, published by the uncut run
+                assert prompt_len // BLOCK_SIZE * BLOCK_SIZE <= cached <= prompt_len, (req.request_id, cached)
+            else:
+                assert cached == 0
+    return mid_way, spanning
 
 
 def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
@@ -125,33 +179,41 @@ def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "options"),
+    ("kind", "options", "same_engine"),
     [
         pytest.param(
             "batched",
             {"kernels": "compiled"},
-            id="batched-compiled",
+            True,
+            id="batched-compiled-cached",
             marks=pytest.mark.skipif(
                 kernel_unbuildable() is not None, reason=f"compiled CPU ops: {kernel_unbuildable()}"
             ),
         ),
-        pytest.param("batched", {"kernels": "torch"}, id="batched-torch"),
-        pytest.param("batched", {"prefix_cache": False}, id="batched-no-prefix-cache"),
-        pytest.param("batched", {"forward": "transformers"}, id="batched-transformers"),
-        pytest.param("simple", {}, id="simple"),
+        pytest.param("batched", {"kernels": "torch"}, False, id="batched-torch-fresh"),
+        pytest.param("batched", {"prefix_cache": False}, True, id="batched-no-prefix-cache"),
+        pytest.param("batched", {"forward": "transformers"}, True, id="batched-transformers-cached"),
+        pytest.param("simple", {}, False, id="simple"),
     ],
 )
 def test_a_cut_stream_resumes_exactly_on_the_tiny_model(
-    tiny_model_dir: Path, kind: str, options: dict[str, Any]
+    tiny_model_dir: Path, kind: str, options: dict[str, Any], same_engine: bool
 ) -> None:
     loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
-    assert check_resume(loaded, kind, chat_prompts(loaded.tokenizer, 9), 40, seed=7, **options) >= 6
+    mid_way, spanning = check_resume(
+        loaded, kind, chat_prompts(loaded.tokenizer, 9), 40, seed=7, same_engine=same_engine, **options
+    )
+    assert mid_way >= 6 and spanning >= 1
 
 
 @pytest.mark.e2e
 def test_twenty_cut_streams_resume_exactly_on_the_default_model(default_model_dir: Path) -> None:
+    """On the engine that ran them uncut: each resumed stream starts on its prompt's cached blocks."""
     loaded = load_model(str(default_model_dir), device="cpu", dtype="float32")
-    assert check_resume(loaded, "batched", chat_prompts(loaded.tokenizer, 20), 48, seed=11) >= 15
+    mid_way, spanning = check_resume(
+        loaded, "batched", chat_prompts(loaded.tokenizer, 20), 48, seed=11, same_engine=True
+    )
+    assert mid_way >= 15 and spanning >= 2
 
 
 def test_a_resume_whose_tokens_already_ended_the_stream_finishes_at_once(tiny_model_dir: Path) -> None:

@@ -190,11 +190,24 @@ def test_a_high_call_preempts_a_low_stream_which_resumes_with_the_same_tokens(
     """One slot, held by a sampled LOW stream; a HIGH call takes the slot at once (no cancel),
     and the LOW stream, read again from its prompt and tokens, ends exactly as it would have.
     With ``--overlap on`` the LOW stream is preempted with its next step in flight: that pick
-    is dropped, and the token is drawn again when it is read back."""
+    is dropped, and the token is drawn again when it is read back. Its prompt and the tokens
+    before the preemption fill several blocks: coming back, it starts on the blocks it
+    published when set aside, generated tokens' included, and reads only its last partial one."""
     server = in_process_server(max_active=1, overlap=overlap, **tenant_files)
+    pool = server.backend.engine.scheduler.pool
+    leases: list[tuple[int, int]] = []  # (tokens to read, of them found in the prefix cache), per admission
+    lease = pool.lease
+
+    def recorded(budget: int, keys: Any, context_len: int) -> Any:
+        taken = lease(budget, keys, context_len)
+        if taken is not None:
+            leases.append((context_len, taken.cached_tokens))
+        return taken
+
+    pool.lease = recorded
     stub = generation_stub(server.target)
     low = pb.GenerateRequest(
-        prompt="hello",
+        prompt="hello there, " * 8,
         stopping=pb.StoppingCriteria(max_new_tokens=300, ignore_eos=True),
         sampling=pb.SamplingParams(temperature=0.9, seed=1234),
         output=pb.OutputOptions(token_ids=True),
@@ -206,7 +219,8 @@ def test_a_high_call_preempts_a_low_stream_which_resumes_with_the_same_tokens(
 
     reference = ids(finished(stub.Generate(low, metadata=auth("tok-search"), timeout=60)))
     stream = stub.Generate(low, metadata=auth("tok-search"), timeout=60)
-    got = [next(stream) for _ in range(10)]  # well under way
+    got = [next(stream) for _ in range(40)]  # well under way: 40 tokens, past two more blocks
+    del leases[:]
     high = stub.Generate(short_request(4, priority=pb.PRIORITY_HIGH), metadata=auth("tok-plain"), timeout=60)
     high_chunks = finished(high)  # served while the LOW stream still has most of its tokens to go
     got += list(stream)
@@ -214,3 +228,7 @@ def test_a_high_call_preempts_a_low_stream_which_resumes_with_the_same_tokens(
     assert got[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert ids(got) == reference
     assert value(scrape(server), "tokenwire_tenant_preemptions_total", tenant="search") == 1
+    # After the 40 chunks: the HIGH call's admission, then the LOW stream's return.
+    assert len(leases) == 2, leases
+    context, cached = leases[1]
+    assert context > 16 * 4 and (context - 2) // 16 * 16 <= cached < context, leases
