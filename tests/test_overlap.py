@@ -8,7 +8,9 @@ the batched-overlap engine; constrained rows: test_structured.py.)"""
 
 from __future__ import annotations
 
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from tokenwire_server.domain import (
     FinishReason,
     GenerationRequest,
     RequestHandle,
+    ResponseFormat,
     SamplingOptions,
 )
 from tokenwire_server.engine import create_engine
@@ -221,31 +224,100 @@ def test_auto_overlaps_on_cuda_only(loaded: Any) -> None:
 class Transfers(TorchFunctionMode):
     """Host -> device transfers made under it. A CPU build of torch cannot pin memory, so
     ``pin_memory`` stands in: it marks the tensor, and only a marked tensor copied with
-    ``non_blocking=True`` counts as queued; anything else that crosses is blocking."""
+    ``non_blocking=True`` counts as queued; anything else that crosses is blocking, the
+    implicit copies included: a device tensor indexed with a host tensor or a list, or any
+    op given a device tensor and a host tensor (one with dimensions: a 0-d host tensor is a
+    number the host reads)."""
+
+    INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.index_put)
 
     def __init__(self) -> None:
         super().__init__()
         self.blocking: list[str] = []
         self.queued = 0
+        self.queued_by: list[str] = []  # where each queued copy was made (caller)
         self._pinned: set[int] = set()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
         if func is torch.Tensor.pin_memory:
             self._pinned.add(id(args[0]))
             return args[0]
         if func in (torch.tensor, torch.as_tensor) and on_device(kwargs.get("device")):
-            self.blocking.append(f"torch.{func.__name__}(..., device={kwargs['device']})")
+            self.blocking.append(f"torch.{name}(..., device={kwargs['device']})")
         elif func is torch.Tensor.to and args[0].device.type == "cpu":
             target = next((a for a in (*args[1:], kwargs.get("device")) if isinstance(a, (str, torch.device))), None)
             if on_device(target):
-                if kwargs.get("non_blocking") and id(args[0]) in self._pinned:
-                    self.queued += 1
-                else:
-                    self.blocking.append(f"Tensor.to({target}, non_blocking={kwargs.get('non_blocking', False)})")
+                self._cross(args[0], kwargs, f"Tensor.to({target}, non_blocking={kwargs.get('non_blocking', False)})")
         elif func is torch.Tensor.copy_ and on_device(args[0].device) and args[1].device.type == "cpu":
-            self.blocking.append("Tensor.copy_ from the host")
+            self._cross(args[1], kwargs, "Tensor.copy_ from the host")
+        else:
+            operands = list(flatten((args, kwargs)))
+            if any(isinstance(t, torch.Tensor) and on_device(t.device) for t in operands):
+                if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() > 0 for t in operands):
+                    self.blocking.append(f"{name} with a host tensor")
+                elif func in self.INDEXING and any(isinstance(i, list) for i in flatten(args[1:2], lists=False)):
+                    self.blocking.append(f"{name} with a list index")
         return func(*args, **kwargs)
+
+    def _cross(self, tensor: torch.Tensor, kwargs: dict[str, Any], what: str) -> None:
+        if kwargs.get("non_blocking") and id(tensor) in self._pinned:
+            self.queued += 1
+            self.queued_by.append(caller())
+        else:
+            self.blocking.append(what)
+
+
+def caller() -> str:
+    """``file:function`` of the product code that made a transfer (past transfer.py and torch)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "tokenwire_server" in path and not path.endswith("transfer.py"):
+            return f"{Path(path).stem}:{frame.f_code.co_name}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "?"
+
+
+def flatten(value: Any, lists: bool = True) -> Iterator[Any]:
+    """Every leaf of nested tuples, dicts (values) and (``lists``) lists."""
+    if isinstance(value, tuple) or (lists and isinstance(value, list)):
+        for item in value:
+            yield from flatten(item, lists)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from flatten(item, lists)
+    else:
+        yield value
+
+
+def test_the_recorder_sees_the_implicit_copies() -> None:
+    """What the checks below rest on: each way a host value reaches the device is seen."""
+    device = torch.empty(4, 8, device="meta")
+    pinned = torch.tensor([0, 1]).pin_memory() if torch.cuda.is_available() else torch.tensor([0, 1])
+    with Transfers() as transfers:
+        device[torch.tensor([0, 1])]
+        device[[0, 1]]
+        device[torch.tensor([0, 1]), torch.tensor([2, 3])] = 1.0
+        device.index_select(0, torch.tensor([1]))
+        torch.tensor([1], device="meta")
+        torch.tensor([1]).to("meta")
+        device.copy_(torch.zeros(4, 8))
+        device[0], device[1:3], device[torch.tensor(2)]  # a number and slices: nothing crosses
+        device * torch.tensor(2.0)
+        index = pinned.pin_memory().to("meta", non_blocking=True)
+        device[index]
+    assert transfers.blocking == [
+        "__getitem__ with a host tensor",
+        "__getitem__ with a list index",
+        "__setitem__ with a host tensor",
+        "index_select with a host tensor",
+        "torch.tensor(..., device=meta)",
+        "Tensor.to(meta, non_blocking=False)",
+        "Tensor.copy_ from the host",
+    ]
+    assert transfers.queued == 1
 
 
 def on_device(device: Any) -> bool:
@@ -281,9 +353,9 @@ def test_the_sampler_launch_queues_its_parameters_without_waiting(meta_as_cuda: 
         drawn = Sampler([2]).launch(torch.empty(4, 500, device="meta"), rows)
     assert drawn.values.device.type == "meta" and drawn.values.shape == (4, 1 + 1 + 2 * 3)
     assert transfers.blocking == []
-    assert (
-        transfers.queued >= 10
-    )  # penalty (3), EOS block (2); rows drawn, temperatures, keys, top-k, top-p, top-p flags (6)
+    # The penalty's rows, columns and factors (3), the EOS block's rows and ids (2), the rows
+    # drawn, their temperatures, keys, top-k, top-p and top-p flags (6): each once, queued.
+    assert transfers.queued == 11
 
 
 def test_an_eager_native_step_queues_its_inputs_without_waiting(tiny_model_dir: Path, meta_as_cuda: None) -> None:
@@ -310,7 +382,64 @@ def test_an_eager_native_step_queues_its_inputs_without_waiting(tiny_model_dir: 
         )
     assert logits.device.type == "meta" and logits.shape[0] == 3
     assert transfers.blocking == []
-    assert transfers.queued >= 7  # ids, positions, decode tables/lengths/mask, chunk table/mask, write index, kept rows
+    assert transfers.queued == 9  # ids, positions, decode tables/lengths/mask, chunk table/mask, write index, kept rows
+
+
+def test_transformers_forward_and_the_grammar_mask_queue_their_inputs_without_waiting(
+    tiny_model_dir: Path, meta_as_cuda: None
+) -> None:
+    """CUDA's default forward (transformers' model over the block cache) and a constrained
+    row's token mask, in two steps of a real engine on ``meta``: three prompts read whole
+    (a JSON row, a penalised sampled row, a greedy row with EOS blocked), then their decode
+    rows beside a chunk of a longer prompt that does not emit yet. Nothing crosses but by
+    queued copies."""
+    import collections
+    import dataclasses
+
+    loaded = load_model(str(tiny_model_dir))  # its own copy: the module's model stays on the CPU
+    meta = dataclasses.replace(loaded, model=loaded.model.to("meta"), device=torch.device("meta"))
+    (brace,) = loaded.tokenizer("{")["input_ids"]
+    engine = create_engine(
+        "batched", meta, EngineLimits(4, 8, 1024, max_prefill_tokens=16), workers=1, forward="transformers"
+    )
+    tok = loaded.tokenizer
+
+    def submit(rid: str, text: str, sampling: SamplingOptions, **more: Any) -> None:
+        engine.submit(GenerationRequest(rid, tok(text)["input_ids"], sampling, 8, **more), lambda event: None)
+
+    submit("json", "Give JSON", SamplingOptions(temperature=0.7, seed=3), response_format=ResponseFormat("json_object"))
+    submit("penalised", "The weather", SamplingOptions(temperature=1.0, repetition_penalty=1.3, seed=4))
+    submit("greedy", "Hello there", SamplingOptions(temperature=0.0), min_new_tokens=3)
+    scheduler = engine.scheduler
+    scheduler.admit(wait=False)
+    steps = []
+    for _ in range(2):
+        plan = scheduler.schedule()
+        with Transfers() as transfers:
+            launched = engine.runner.launch(plan)
+        assert launched.drawn is not None and launched.drawn.values.device.type == "meta"
+        steps.append((plan, transfers))
+        # What collect would read back, made up (meta holds no values): each emitting row's
+        # token, one its format allows for the JSON row.
+        picks = [(brace if row.seq.request.request_id == "json" else 17, None, ()) for row in plan.emitters]
+        scheduler.postprocess(plan, picks)
+        submit("long", "once upon a time " * 8, SamplingOptions(temperature=0.0))
+        scheduler.admit(wait=False)
+    (first, one), (second, two) = steps
+    assert [p.decodes for p in first.parts] == [False] * 3 and len(first.emitters) == 3
+    assert [p.decodes for p in second.parts] == [True] * 3 + [False] and len(second.emitters) == 3
+    assert one.blocking == [] and two.blocking == []
+    # Each pass: ids, positions, mask and last columns (4), the cache's write index, tables
+    # and lengths (3); the sampler: the penalty (3), the EOS block (2), the rows drawn (1),
+    # two of _draw's parameters, the grammar's mask and rows (2).
+    expected = {
+        "runner:_pass": 3, "runner:_mask": 1, "kv:on": 3, "sampling:launch": 6, "sampling:_draw": 2,
+        "structured:apply_constraints": 2,
+    }  # fmt: skip
+    assert collections.Counter(one.queued_by) == expected
+    # The second step: two passes (decode rows, then the chunk; its logits dropped, not picked
+    # out, as it does not emit), so the pass's transfers twice.
+    assert collections.Counter(two.queued_by) == {**expected, "runner:_pass": 6, "runner:_mask": 2, "kv:on": 6}
 
 
 def test_out_of_memory_where_a_step_is_collected_fails_only_the_newest_row(

@@ -202,6 +202,28 @@ def test_a_choice_takes_exactly_its_options_whatever_they_hold(grammars: structu
 # -- the engines ---------------------------------------------------------------------------
 
 
+def test_the_device_mask_sets_exactly_what_xgrammar_sets() -> None:
+    """``apply_bitmask`` (torch ops, used off the CPU, where xgrammar's own path compiles a
+    Triton kernel at run time) against xgrammar's CPU kernel: random packed masks, the sign
+    bit included, some rows constrained, logits wider than the vocabulary."""
+    import torch
+    import xgrammar as xgr
+
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows = 1000, [1, 3, 4, 6, 0]
+    mask = torch.randint(-(2**31), 2**31 - 1, (len(rows), (vocab + 31) // 32), dtype=torch.int32, generator=generator)
+    logits = torch.randn(7, vocab + 24, generator=generator)
+    full = torch.full((7, mask.shape[1]), -1, dtype=torch.int32)  # xgrammar's: a row per logits row
+    full[rows] = mask
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, full, vocab_size=vocab, indices=rows)
+    got = logits.clone()
+    structured.apply_bitmask(got, mask, torch.tensor(rows), vocab)
+    assert torch.equal(got, expected)
+    assert 0 < int((got == float("-inf")).sum()) < len(rows) * vocab  # some masked, not all
+    assert torch.equal(got[[2, 5]], logits[[2, 5]]) and torch.equal(got[:, vocab:], logits[:, vocab:])
+
+
 @pytest.mark.parametrize("kind", ["batched", "simple"])
 def test_every_answer_that_ends_follows_its_format(tiny: Any, kind: str) -> None:
     """Each format, greedy and seeded, in one batch: an answer that ends EOS follows it."""

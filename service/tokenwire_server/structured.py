@@ -15,7 +15,9 @@ vLLM's xgrammar backend).
 - ``Constraint`` is one request's matcher: it writes the allowed tokens into its row
   of a step's bitmask and advances with each token the request takes.
 - ``apply_constraints`` masks the constrained rows of a step's logits (xgrammar's own
-  kernel); the other rows are not touched.
+  kernel on a CPU; on a device, ``apply_bitmask``'s plain torch ops, since xgrammar's
+  CUDA kernel is built by Triton at run time, with a C compiler); the other rows are
+  not touched.
 
 JSON is generated compact (no whitespace between tokens: separators ``,`` and ``:``),
 and a schema's objects hold the properties it names and no others (xgrammar's strict
@@ -183,15 +185,37 @@ def apply_constraints(logits: Any, rows: Sequence[tuple[int, Constraint]], vocab
     """Set to -inf, in place, every token a constrained row's grammar does not allow next.
 
     The bitmask is made for each call (a few KB a row): the simple engine's workers share
-    one sampler, and a shared buffer would mix their rows.
+    one sampler, and a shared buffer would mix their rows. On a CPU xgrammar applies it;
+    on a device (``apply_bitmask``) torch ops do, where xgrammar's CUDA path is a Triton
+    kernel built at run time with a C compiler the serving image does not have.
     """
+    import torch
     import xgrammar as xgr
 
-    from .transfer import to_device
+    from .transfer import host_tensor, to_device
 
-    mask = xgr.allocate_token_bitmask(int(logits.shape[0]), vocab_size)
-    for row, constraint in rows:
-        constraint.fill(mask, row)
-    if logits.device.type != "cpu":
-        mask = to_device(mask, logits.device)  # pinned, queued: the host does not wait for the forward pass
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size, indices=[row for row, _ in rows])
+    if logits.device.type == "cpu":
+        mask = xgr.allocate_token_bitmask(int(logits.shape[0]), vocab_size)
+        for row, constraint in rows:
+            constraint.fill(mask, row)
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size, indices=[row for row, _ in rows])
+        return
+    mask = xgr.allocate_token_bitmask(len(rows), vocab_size)
+    for k, (_, constraint) in enumerate(rows):
+        constraint.fill(mask, k)
+    # Both pinned and queued: the host does not wait for the forward pass.
+    index = host_tensor([row for row, _ in rows], torch.long, logits.device)
+    apply_bitmask(logits, to_device(mask, logits.device), index, vocab_size)
+
+
+def apply_bitmask(logits: Any, mask: Any, index: Any, vocab_size: int) -> None:
+    """``logits[index[k], t] = -inf`` wherever bit ``t`` of row ``k`` of ``mask`` (xgrammar's
+    packed int32 bitmask, bit ``t % 32`` of word ``t // 32``) is 0, for ``t < vocab_size``.
+    Plain tensor ops on the logits' device: no kernel is compiled, nothing is read back."""
+    import torch
+
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((mask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
+    rows = logits.index_select(0, index)
+    rows[:, :vocab_size].masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, index, rows)

@@ -3,7 +3,8 @@ device, the dtype and CUDA's own failure modes. Skipped without a GPU. Each forw
 ``transformers`` (the model's own) and ``native`` (the engine's pass, decode steps replayed
 as CUDA graphs per batch bucket, ``--step-graphs auto``).
 
-- the stream's shape and text == decode(ids), on the tiny model in bf16 on cuda:0;
+- the stream's shape and text == decode(ids), on the tiny model in bf16 on cuda:0, and a
+  constrained answer (the grammar's mask applied by torch ops on the device);
 - in fp32, greedy and seeded requests give the same tokens alone and in a concurrent batch;
 - in bf16, cuBLAS may round a row differently by the batch's shape (and a graph's bucket is
   that shape): greedy tokens alone and batched are equal up to the first step whose two
@@ -90,6 +91,15 @@ def test_the_contract_on_cuda_in_bf16(cuda_server: ServerProcess, tiny_model_dir
     assert "".join(c.text for c in chunks) == tokenizer.decode(
         ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
     )
+    # A constrained call: its token mask applied on the device by torch ops (no kernel is
+    # compiled at run time: the runtime image has no C compiler for Triton's launcher).
+    for temperature in (0.0, 0.8):
+        constrained = pb.GenerateRequest(
+            prompt="Answer:", response_format=pb.ResponseFormat(choice=pb.Choice(options=["yes", "no"])),
+            sampling=pb.SamplingParams(temperature=temperature, seed=5), stopping=pb.StoppingCriteria(max_new_tokens=8),
+        )  # fmt: skip
+        answer = list(stub.Generate(constrained, timeout=60))
+        assert "".join(c.text for c in answer) in ("yes", "no")
 
 
 def story_requests(samplings: list[pb.SamplingParams], top_logprobs: int = 0) -> list[pb.GenerateRequest]:
