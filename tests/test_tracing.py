@@ -1,7 +1,10 @@
 """OpenTelemetry tracing: a call's server span reaches an OTLP/gRPC collector (one run in
 this test, on 127.0.0.1), continues the caller's trace from its ``traceparent``, carries the
-call's attributes and, for Generate, its queue/prefill/decode phases; with tracing off
-nothing is sent and ``opentelemetry`` is not even imported."""
+call's attributes (the ``gen_ai.usage.*`` ones too) and, for Generate, its queue/prefill/decode
+phases; a cancelled or timed-out call's span is in error with its code; the drain sends the
+spans still batched and waits a bounded time for a collector that is gone; ``https://`` is TLS
+and ``http://`` plaintext; with tracing off nothing is sent and ``opentelemetry`` is not even
+imported."""
 
 from __future__ import annotations
 
@@ -43,12 +46,17 @@ WAIT_S = 15.0
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     """An OTLP/gRPC trace collector on 127.0.0.1 that keeps what it is sent."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: Any = None) -> None:
+        """``tls``: a ``Pki`` whose server certificate it presents (then it speaks only TLS)."""
         self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
         self.lock = threading.Lock()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        if tls is None:
+            self.port = self.server.add_insecure_port("127.0.0.1:0")
+        else:
+            pair = (tls.server_key.read_bytes(), tls.server_cert.read_bytes())
+            self.port = self.server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([pair]))
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def Export(self, request: Any, context: Any) -> trace_service_pb2.ExportTraceServiceResponse:  # noqa: N802
@@ -183,6 +191,7 @@ def test_generate_span_continues_the_callers_trace(traced: InProcess, receiver: 
     assert attrs["tokenwire.prompt_tokens"] == usage.prompt_tokens > 0
     assert attrs["tokenwire.completion_tokens"] == 4
     assert attrs["tokenwire.cached_prompt_tokens"] == usage.cached_prompt_tokens
+    assert (attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"]) == (usage.prompt_tokens, 4)
     assert attrs["tokenwire.finish_reason"] == "length"
     assert attrs["rpc.grpc.status_code"] == 0
     assert attrs["tokenwire.status"] == "OK"
@@ -329,6 +338,90 @@ def test_shutdown_is_bounded_when_the_collector_is_gone(no_otel_env: None) -> No
         tracer.shutdown(timeout_s=1.0)
         assert time.monotonic() - started < 3.0
         tracer.shutdown()  # twice is fine
+
+
+def test_a_cancelled_and_a_timed_out_call_end_their_spans_in_error_by_their_code(
+    traced: InProcess, receiver: Receiver
+) -> None:
+    long = pb.GenerateRequest(prompt="hello", stopping=pb.StoppingCriteria(max_new_tokens=1000, ignore_eos=True))
+    stream = traced.stub.Generate(long, metadata=[("traceparent", TRACEPARENT)], timeout=60)
+    next(stream)
+    stream.cancel()  # the client leaves mid-stream
+    with pytest.raises(grpc.RpcError) as late:
+        list(traced.stub.Generate(long, metadata=[("traceparent", TRACEPARENT)], timeout=0.5))
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+    spans = wait_for_spans(traced.server.tracing, receiver, lambda s: len(by_status(s)) >= 2)
+    statuses = by_status(spans)
+    assert sorted(statuses) == ["CANCELLED", "DEADLINE_EXCEEDED"]
+    for name, span in statuses.items():
+        assert span.status.code == trace_pb2.Status.STATUS_CODE_ERROR and span.status.message == name
+        assert attributes(span.attributes)["rpc.grpc.status_code"] == getattr(grpc.StatusCode, name).value[0]
+
+
+def by_status(spans: list[trace_pb2.Span]) -> dict[str, trace_pb2.Span]:
+    """The Generate server spans, by their tokenwire.status."""
+    return {
+        attributes(span.attributes)["tokenwire.status"]: span
+        for span in spans
+        if span.name == "tokenwire.v1.TextGeneration/Generate"
+    }
+
+
+def test_the_drain_sends_the_spans_still_batched(
+    tiny_model_dir: Path, receiver: Receiver, no_otel_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch processor would wait a minute; the drain's flush sends the span at once."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")
+    config = ServerConfig(host="127.0.0.1", port=0, grace_period=0.5, otlp_endpoint=receiver.endpoint)
+    server = InProcess(config, load=False)
+    try:
+        with pytest.raises(grpc.RpcError):  # no model: UNAVAILABLE, through the same wrapper and span
+            server.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=[("traceparent", TRACEPARENT)], timeout=10)
+        time.sleep(0.5)
+        assert receiver.spans() == []  # still in the batch
+    finally:
+        server.close()
+    assert [span.name for _, span in receiver.spans()] == ["tokenwire.v1.TextGeneration/GetModelInfo"]
+
+
+def test_the_drain_waits_a_bounded_time_for_a_collector_that_is_gone(no_otel_env: None) -> None:
+    with socket_closed_port() as port:
+        config = ServerConfig(host="127.0.0.1", port=0, grace_period=0.5, otlp_endpoint=f"http://127.0.0.1:{port}")
+        server = InProcess(config, load=False)
+        with pytest.raises(grpc.RpcError):
+            server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        started = time.monotonic()
+        server.close()
+    # The flush waits at most 5 s (docs/operations.md), the grace 0.5 s: not the exporter's own retries.
+    assert time.monotonic() - started < 5 + 0.5 + 3
+
+
+def test_https_means_tls_and_http_means_plaintext(tmp_path: Path, no_otel_env: None) -> None:
+    """A collector that speaks only TLS: an https:// endpoint (its CA trusted through the
+    standard variable) reaches it; the same collector as http:// gets nothing."""
+    if str(REPO / "tests" / "production") not in sys.path:  # its test CA (as tests/gpu/conftest.py)
+        sys.path.insert(0, str(REPO / "tests" / "production"))
+    from production_support import make_pki
+
+    pki = make_pki(tmp_path)
+    collector = Receiver(tls=pki)
+    collector.server.start()
+    try:
+        for scheme in ("http", "https"):
+            os.environ["OTEL_EXPORTER_OTLP_CERTIFICATE"] = str(pki.ca_cert)
+            tracer = tracing.create_tracing(f"{scheme}://localhost:{collector.port}")
+            try:
+                tracer.start_call("Tokenize", (("traceparent", TRACEPARENT),), scheme).finish(
+                    Call("Tokenize", scheme, 0.0)
+                )
+                sent = tracer.force_flush(5.0 if scheme == "https" else 1.0)
+            finally:
+                tracer.shutdown(timeout_s=2.0)
+                del os.environ["OTEL_EXPORTER_OTLP_CERTIFICATE"]
+            ids = {attributes(span.attributes)["tokenwire.request_id"] for _, span in collector.spans()}
+            assert (scheme in ids) is (scheme == "https"), (scheme, sent, ids)
+    finally:
+        collector.server.stop(grace=None)
 
 
 class socket_closed_port:  # noqa: N801 (a context manager used like a function)
