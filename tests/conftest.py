@@ -215,6 +215,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 
 
 @pytest.fixture(scope="session")
+def tiny_wide_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """The tiny model 256 wide (every projection's inputs a multiple of int4's 128-wide
+    groups): for the int4 and fp8 modes on a GPU (tests/gpu)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-wide"), tokenizer_dir, head_dim=64)
+
+
+@pytest.fixture(scope="session")
 def tiny_long_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     """The tiny model (weights redrawn) with an 8192-token context: streams long enough to
     outlast a deadline set from this machine's own pace (tests/client)."""

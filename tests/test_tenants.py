@@ -190,6 +190,19 @@ def test_within_a_priority_a_tenant_is_served_in_arrival_order() -> None:
     assert names == [f"r{i}" for i in range(5)]
 
 
+def test_a_request_that_does_not_fit_yet_is_not_overtaken_by_a_smaller_one_behind_it() -> None:
+    """docs/architecture.md: within its tenant and priority nobody behind it overtakes it.
+    The pool cannot promise the first request its blocks yet; the small one queued after it
+    (same tenant and priority) would fit, and still waits: a large request is not starved by
+    a stream of small ones. Once it fits, it goes first."""
+    q = queue(max_active=4)
+    for s in (seq(prompt=1000, name="large"), seq(name="small")):
+        q.put(s)
+    assert q.dequeue(lambda s: s.request.request_id != "large", block=False, max_count=4) == []
+    taken = q.dequeue(lambda s: True, block=False, max_count=4)
+    assert [s.request.request_id for s in taken] == ["large", "small"]
+
+
 def test_a_tenant_may_be_capped_below_high() -> None:
     normal = TenantPolicy("batch", max_priority=Priority.NORMAL)
     assert normal.allows(Priority.NORMAL) and normal.allows(Priority.LOW)

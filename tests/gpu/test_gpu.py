@@ -5,7 +5,8 @@ as CUDA graphs per batch bucket, ``--step-graphs auto``).
 
 - the stream's shape and text == decode(ids), on the tiny model in bf16 on cuda:0, and a
   constrained answer (the grammar's mask applied by torch ops on the device);
-- in fp32, greedy and seeded requests give the same tokens alone and in a concurrent batch;
+- in fp32, greedy and seeded requests give the same tokens alone and in a concurrent batch,
+  and (native) the same with the overlapped loop off and with the CUDA graphs off;
 - in bf16, cuBLAS may round a row differently by the batch's shape (and a graph's bucket is
   that shape): greedy tokens alone and batched are equal up to the first step whose two
   likeliest tokens were within ``NEAR_TIE`` nats alone (docs/architecture.md);
@@ -18,7 +19,9 @@ as CUDA graphs per batch bucket, ``--step-graphs auto``).
 - a server capped to a 24 GiB card (``set_per_process_memory_fraction``) sizes its KV cache
   from the cap, starts and serves;
 - an eager native step and the sampler's launch make no synchronisation (sync debug mode
-  ``error``): the host is free while the device computes, which ``--overlap`` relies on.
+  ``error``): the host is free while the device computes, which ``--overlap`` relies on;
+- ``--quantization int4`` and ``fp8`` (fp8 from compute capability 8.9) quantize every
+  decoder projection with torchao and serve (the CPU tests only record the quantizer call).
 """
 
 from __future__ import annotations
@@ -148,6 +151,13 @@ def test_alone_equals_batched_on_cuda_in_fp32(forward: str, tiny_model_dir: Path
         with ServerProcess([*args, "--overlap", "off"]) as server:
             _, plain = alone_and_together(server.target, story_requests(samplings))
         assert [[t.id for t in row] for row in plain] == [[t.id for t in row] for row in together]
+        # The CUDA graphs give the eager step's tokens: on a CPU the graphs are faked
+        # (FakeGraph re-runs the step), so a step unsafe to capture shows only here.
+        with ServerProcess([*args, "--step-graphs", "off"]) as server:
+            [engine] = server.find("batched engine forward pass")
+            assert engine["step_graphs"] == "off"
+            _, eager = alone_and_together(server.target, story_requests(samplings))
+        assert [[t.id for t in row] for row in eager] == [[t.id for t in row] for row in together]
 
 
 def test_alone_and_batched_in_bf16_differ_only_past_a_near_tie(cuda_server: ServerProcess) -> None:
@@ -341,3 +351,27 @@ def test_a_launch_does_not_synchronise_with_the_device(tiny_model_dir: Path) -> 
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(sampler.collect(drawn)) == 4
+
+
+@pytest.mark.parametrize("mode", ["int4", "fp8"])
+def test_int4_and_fp8_quantize_every_projection_and_serve_on_cuda(mode: str, tiny_wide_model_dir: Path) -> None:
+    """The CPU tests replace torchao's ``quantize_`` with a recorder: here the real one runs.
+    Every decoder projection's weight becomes torchao's quantized tensor (a subclass, where
+    bf16's is a plain Parameter), and a server in that mode serves and says so."""
+    pytest.importorskip("torchao")
+    if mode == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9 or newer")
+    from tokenwire_server.model import load_model
+
+    model = load_model(str(tiny_wide_model_dir), device="cuda", dtype="bfloat16", quantization=mode).model
+    projections = [
+        m for name, m in model.named_modules() if name.startswith("model.layers.") and isinstance(m, torch.nn.Linear)
+    ]
+    assert projections and all(type(m.weight) is not torch.nn.Parameter for m in projections)
+    args = ["--model", str(tiny_wide_model_dir), *CUDA, "--quantization", mode, "--allow-unmet-quality-bar"]
+    with ServerProcess(args) as server:
+        request = pb.GenerateRequest(prompt="Hello", stopping=pb.StoppingCriteria(max_new_tokens=16, ignore_eos=True))
+        chunks = list(generation_stub(server.target).Generate(request, timeout=120))
+        assert chunks[-1].usage.completion_tokens == 16
+        info = generation_stub(server.target).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        assert info.quantization == mode

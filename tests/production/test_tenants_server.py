@@ -8,6 +8,7 @@ first chunks arrive is the order of admission."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -34,13 +35,16 @@ max_priority = "normal"
 
 [tenants."tokenwire test client"]
 weight = 1
+
+[tenants.queued]
+max_queued = 1
 """
 
 
 @pytest.fixture
 def tenant_files(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "tenants.toml").write_text(TENANTS)
-    (tmp_path / "tokens").write_text("tok-search search\ntok-batch batch\ntok-plain\n")
+    (tmp_path / "tokens").write_text("tok-search search\ntok-batch batch\ntok-plain\ntok-queued queued\n")
     return {"tenant_config": str(tmp_path / "tenants.toml"), "auth_token_file": str(tmp_path / "tokens")}
 
 
@@ -96,6 +100,44 @@ def test_a_tenant_over_its_quota_gets_quota_failure_and_another_is_served(
     # the per-tenant gauges exist for the tenants that called, with every priority
     assert ("tokenwire_tenant_active_streams", (("priority", "high"), ("tenant", "search"))) in samples
     assert sample(samples, "tokenwire_tenant_queue_depth", tenant="batch", priority="low") == 0
+
+
+def test_a_tenant_past_its_max_queued_is_refused_over_grpc_with_quota_failure_and_a_pushback(
+    in_process_server: Any, tenant_files: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """One slot, held; tenant ``queued`` may have one call waiting: its second is refused
+    RESOURCE_EXHAUSTED with QuotaFailure (tenant:queued, max_queued), RetryInfo and the
+    grpc-retry-pushback-ms trailer, and its "request finished" line names tenant and priority."""
+    caplog.set_level(logging.INFO, logger="tokenwire.requests")
+    server = in_process_server(max_active=1, max_queue=8, **tenant_files)
+    stub = generation_stub(server.target)
+    engine = server.backend.engine
+    busy = stub.Generate(long_request(), metadata=auth("tok-search"))
+    next(busy)
+    waiting = stub.Generate(short_request(4, priority=pb.PRIORITY_LOW), metadata=auth("tok-queued"))
+    assert wait_until(lambda: engine.queue.queued == 1, 10)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.Generate(short_request(4, request_id="second"), metadata=auth("tok-queued"), timeout=30))
+    refused = caught.value
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = rpc_status.from_call(refused)
+    assert status is not None
+    quota, retry = error_details_pb2.QuotaFailure(), error_details_pb2.RetryInfo()
+    assert sorted(d.type_url.rsplit("/", 1)[-1] for d in status.details) == [
+        "google.rpc.QuotaFailure", "google.rpc.RetryInfo"
+    ]  # fmt: skip
+    for detail in status.details:
+        detail.Unpack(quota) or detail.Unpack(retry)
+    assert [(v.subject, v.description.split(":")[0]) for v in quota.violations] == [("tenant:queued", "max_queued")]
+    pushback = dict(refused.trailing_metadata())["grpc-retry-pushback-ms"]
+    assert int(pushback) == retry.retry_delay.ToMilliseconds() > 0
+    busy.cancel()
+    assert finished(waiting)[-1].usage.completion_tokens == 4  # the one waiting is served
+    assert sample(scrape(server), "tokenwire_tenant_refusals_total", tenant="queued", limit="max_queued") == 1
+    lines = [r.__dict__ for r in caplog.records if r.getMessage() == "request finished"]
+    (second,) = [line for line in lines if line["request_id"] == "second"]
+    assert (second["code"], second["tenant"], second["priority"]) == ("RESOURCE_EXHAUSTED", "queued", "normal")
+    assert any(line["tenant"] == "queued" and line["priority"] == "low" and line["code"] == "OK" for line in lines)
 
 
 def test_a_priority_above_the_tenants_cap_or_unknown_is_invalid_argument(
@@ -157,6 +199,47 @@ def test_a_high_call_is_admitted_before_every_queued_low_one(
     busy.cancel()
     assert set(first_chunk) == {"high", "low0", "low1", "low2", "low3"}
     assert min(first_chunk, key=first_chunk.__getitem__) == "high"
+
+
+def test_the_simple_engine_orders_admissions_the_same_way_and_never_preempts(
+    in_process_server: Any, tenant_files: dict[str, str]
+) -> None:
+    """docs/operations.md: the simple engine orders admissions as the batched one does, but
+    runs each call to its end: the HIGH call waits for the one worker, then goes before
+    every LOW call queued ahead of it."""
+    server = in_process_server(engine="simple", workers=1, max_queue=8, **tenant_files)
+    stub = generation_stub(server.target)
+    engine = server.backend.engine
+    busy = stub.Generate(long_request(priority=pb.PRIORITY_LOW), metadata=auth("tok-search"))
+    next(busy)  # the one worker is taken
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def run(name: str, token: str, priority: int) -> None:
+        for _ in stub.Generate(short_request(4, priority=priority), metadata=auth(token)):
+            with lock:
+                if name not in order:
+                    order.append(name)
+
+    threads = []
+    for i, (name, token, priority) in enumerate(
+        [
+            ("low0", "tok-search", pb.PRIORITY_LOW),
+            ("low1", "tok-batch", pb.PRIORITY_LOW),
+            ("high", "tok-plain", pb.PRIORITY_HIGH),
+        ]  # fmt: skip
+    ):
+        threads.append(threading.Thread(target=run, args=(name, token, priority)))
+        threads[-1].start()
+        assert wait_until(lambda n=i + 1: engine.queue.queued == n, 10)
+    for _ in range(20):  # the LOW stream keeps its worker: not preempted
+        assert next(busy).text is not None
+    assert order == [] and engine.queue.queued == 3
+    busy.cancel()
+    for thread in threads:
+        thread.join(60)
+    assert order[0] == "high" and sorted(order) == ["high", "low0", "low1"]
+    assert value(scrape(server), "tokenwire_tenant_preemptions_total", tenant="search") == 0
 
 
 def test_a_client_certificates_common_name_names_its_tenant(
