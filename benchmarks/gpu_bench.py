@@ -24,8 +24,9 @@ import re
 import sys
 import threading
 import time
+import traceback
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -280,7 +281,7 @@ def run_ceiling(shape: str, args: argparse.Namespace, batches: list[int]) -> lis
     label = "ceiling: static generate" + (" (compiled)" if cuda else " (eager)")
     results = []
     new = args.max_new_tokens
-    for batch in batches:
+    for batch in sorted(batches, reverse=True):  # the largest batch first: the figure the target needs
         torch.manual_seed(0)
         ids = torch.randint(10, model.config.vocab_size, (batch, 32), device=device)
         kwargs: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
@@ -332,7 +333,7 @@ def run_prefill(shape: str, args: argparse.Namespace) -> list[list[Any]]:
 
 
 def render(args: argparse.Namespace, results: list[Result], prefill: list[list[Any]], skipped: list[str],
-           not_yet: list[str]) -> doc.Section:  # fmt: skip
+           not_yet: list[str], failed: Sequence[str] = ()) -> doc.Section:  # fmt: skip
     def f(value: float | None, digits: int = 1, scale: float = 1.0) -> str:
         return "-" if value is None else f"{value * scale:.{digits}f}"
 
@@ -373,6 +374,8 @@ def render(args: argparse.Namespace, results: list[Result], prefill: list[list[A
         ]
     if skipped:
         lines += ["", "Not run (the time budget was spent): " + "; ".join(skipped) + "."]
+    if failed:
+        lines += ["", "Failed (the phase raised; the log has its traceback): " + "; ".join(failed) + "."]
     return doc.section("gpu", f"The batched engine with random weights on {args.device}", args.command, *lines)
 
 
@@ -381,27 +384,37 @@ def run(args: argparse.Namespace) -> doc.Section:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     batches = {"ends": sorted({min(concurrency), max(concurrency)}), "all": concurrency, "none": []}[args.ceiling]
     forwards = [f for f in args.forwards.split(",") if f]
-    # The first forward (the one under test) and the ceiling for every shape, then the rest.
-    phases: list[tuple[str, str]] = [(shape, forwards[0]) for shape in shapes] if forwards else []
-    phases += [(shape, "ceiling") for shape in shapes if batches]
-    phases += [(shape, forward) for forward in forwards[1:] for shape in shapes]
+    # The comparison the target needs first: the last (largest) shape's first forward (the one
+    # under test) and its ceiling, then each smaller shape's; then the other forwards; then the
+    # prompt budget. A lease cut short still has the figures that matter most.
+    phases: list[tuple[str, str]] = []
+    for shape in reversed(shapes):
+        phases += [(shape, forwards[0])] if forwards else []
+        phases += [(shape, "ceiling")] if batches else []
+    phases += [(shape, forward) for forward in forwards[1:] for shape in reversed(shapes)]
     if args.prefill_budgets:
         phases.append((shapes[-1], "prefill"))
     started = time.monotonic()
     results: list[Result] = []
     skipped: list[str] = []
+    failed: list[str] = []
     prefill: list[list[Any]] = []
     order = {shape: i for i, shape in enumerate(shapes)}
     section = render(args, results, prefill, skipped, [f"{s} {w}" for s, w in phases])
     for index, (shape, what) in enumerate(phases):
         if args.budget_s and time.monotonic() - started > args.budget_s:
             skipped.append(f"{shape} {what}")
-        elif what == "prefill":
-            prefill += run_prefill(shape, args)
         else:
-            results += run_ceiling(shape, args, batches) if what == "ceiling" else run_shape(shape, what, args)
+            try:  # a phase that raises is a row of the report, not the end of it
+                if what == "prefill":
+                    prefill += run_prefill(shape, args)
+                else:
+                    results += run_ceiling(shape, args, batches) if what == "ceiling" else run_shape(shape, what, args)
+            except Exception as exc:
+                doc.log(f"  {shape} {what} failed:\n{traceback.format_exc()}")
+                failed.append(f"{shape} {what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         results.sort(key=lambda r: (order[r.shape], r.system.startswith("ceiling"), r.system, r.concurrency))
-        section = render(args, results, prefill, skipped, [f"{s} {w}" for s, w in phases[index + 1 :]])
+        section = render(args, results, prefill, skipped, [f"{s} {w}" for s, w in phases[index + 1 :]], failed)
         if args.out:  # after every phase: a run cut short still leaves what it measured
             doc.replace_section(args.out, section.name, section.text, HEADER)
     return section

@@ -178,6 +178,57 @@ def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(
         assert (gap - 0.05) / (itl + 0.005) - 0.05 <= stall <= (gap + 0.05) / (itl - 0.005) + 0.05, (stall, gap, itl)
 
 
+def test_the_gpu_bench_runs_the_largest_shapes_comparison_first_and_a_failed_phase_is_a_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a short lease must get first: the largest shape's forward under test and its
+    ceiling; a phase that raises (a crash on the device) is said in the table, the phases
+    after it still run, and the file holds it all after every phase."""
+    from benchmarks import gpu_bench
+    from benchmarks.__main__ import parser_for
+
+    ran: list[str] = []
+
+    def row(shape: str, system: str) -> gpu_bench.Result:
+        return gpu_bench.Result(system, 1, 1, 8, 100.0, shape=shape, step_ms=1.0, mbu=0.5)
+
+    def run_shape(shape: str, spec: str, args: Any) -> list[gpu_bench.Result]:
+        ran.append(f"{shape} {spec}")
+        if (shape, spec) == ("1b", "native"):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+        return [row(shape, f"tokenwire {spec}")]
+
+    def run_ceiling(shape: str, args: Any, batches: list[int]) -> list[gpu_bench.Result]:
+        ran.append(f"{shape} ceiling")
+        return [row(shape, "ceiling: static generate")]
+
+    monkeypatch.setattr(gpu_bench, "run_shape", run_shape)
+    monkeypatch.setattr(gpu_bench, "run_ceiling", run_ceiling)
+    monkeypatch.setattr(gpu_bench, "run_prefill", lambda shape, args: ran.append(f"{shape} prefill") or [])
+    out = tmp_path / "cuda.md"
+    args = parser_for("gpu").parse_args(
+        [
+            "--random-weights",
+            "135m,1b",
+            "--forwards",
+            "native,transformers",
+            "--prefill-budgets",
+            "64",
+            "--out",
+            str(out),
+        ]
+    )
+    text = gpu_bench.run(args).text
+    assert ran == [
+        "1b native", "1b ceiling", "135m native", "135m ceiling", "1b transformers", "135m transformers", "1b prefill"
+    ]  # fmt: skip
+    assert (
+        "Failed (the phase raised; the log has its traceback): 1b native: RuntimeError: CUDA error: an illegal" in text
+    )
+    assert "| 1b | ceiling: static generate |" in text and "| 135m | tokenwire native |" in text
+    assert "Failed (the phase raised" in out.read_text() and "Still to run" not in out.read_text()
+
+
 def test_the_long_prompt_stall_is_the_largest_gap_while_it_is_read_against_the_gaps_before() -> None:
     from benchmarks.bench import LongPromptRun, stall
 

@@ -368,3 +368,37 @@ def test_both_forwards_give_the_same_greedy_tokens_with_a_long_prompt_read_along
         finally:
             engine.close()
     assert results["native"] == results["transformers"]
+
+
+@pytest.mark.parametrize("per_row", [True, False], ids=["logits_to_keep-per-row", "all-positions"])
+def test_transformers_forward_picks_each_rows_last_logits_with_or_without_per_row_logits_to_keep(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, per_row: bool
+) -> None:
+    """transformers without ``slice_logits_to_keep`` (5.17, the GPU machine's) returns every
+    position's logits and the runner picks each row's last real one: prompts of different
+    lengths read in one pass give the native forward's greedy tokens either way."""
+    from tokenwire_server.engine import runner
+
+    monkeypatch.setattr(runner, "PER_ROW_LOGITS", per_row)
+    loaded = load_model(str(tiny_model_dir))
+    prompts = [loaded.tokenizer(text)["input_ids"] for text in ("Hi", "The weather today is", "Once upon a time, far")]
+    assert len({len(p) for p in prompts}) == 3
+    results = {}
+    for forward in ("native", "transformers"):
+        engine = create_engine("batched", loaded, EngineLimits(4, 8, 4096), workers=1, forward=forward)
+        engine.start()
+        try:
+            recorders = run_all(
+                engine,
+                [
+                    GenerationRequest(
+                        f"r{i}", p, SamplingOptions(temperature=0.0), 12, ignore_eos=True, want_tokens=True
+                    )
+                    for i, p in enumerate(prompts)
+                ],  # fmt: skip
+                120,
+            )
+        finally:
+            engine.close()
+        results[forward] = [rec.token_ids for rec in recorders]
+    assert results["transformers"] == results["native"]

@@ -305,13 +305,17 @@ def test_the_capture_warms_up_on_a_side_stream_records_once_per_key_and_replays_
     engine.start()
     try:
         recorders = run_all(engine, requests_for(loaded, sampled=True), timeout=300)
+        pool, entries = graphs._pool, dict(graphs._entries)
     finally:
         engine.close()
     assert [r.token_ids for r in recorders] == eager
     keys = graphs.keys()
-    assert len(keys) >= 2 and graphs.captures == len(keys)
+    assert len(keys) >= 2 and graphs.captures == len(keys) == len(entries)
     assert calls == {"warm-up": 2 * len(keys), "capture": len(keys)}  # WARMUP_RUNS each, then one recording
-    assert pools[0] is None and graphs._pool is not None
-    assert set(pools[1:]) <= {graphs._pool}  # every later graph in the first one's pool
-    assert sum(entry.graph.replays for entry in graphs._entries.values()) == graphs.replays
+    assert pools[0] is None and pool is not None
+    assert set(pools[1:]) <= {pool}  # every later graph in the first one's pool
+    assert sum(entry.graph.replays for entry in entries.values()) == graphs.replays
     assert current.waited  # the capture waited for the side stream's warm-up
+    # Closed, the engine holds no graph, no pool and no KV memory any more.
+    assert graphs._entries == {} and graphs._pool is None
+    assert all(layer.keys.untyped_storage().nbytes() == 0 for layer in engine._cache.layers)

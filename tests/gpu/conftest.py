@@ -34,8 +34,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture
 def in_process_server(tiny_model_dir: Path) -> Iterator[Callable[..., Any]]:
-    """The production tests' factory of in-process servers (production_support.py)."""
+    """The production tests' factory of in-process servers (production_support.py), each with
+    a KV budget of its own: sized from the card (a whole H200's ~125 GB), the first would
+    leave no room for the servers after it in this process."""
     from production_support import in_process_servers
 
     with in_process_servers(tiny_model_dir) as start:
-        yield start
+        yield lambda **overrides: start(**{"kv_cache_tokens": KV_CACHE_TOKENS, **overrides})
+
+
+KV_CACHE_TOKENS = 1 << 16  # every GPU test server's (--kv-cache-tokens): a few MB on the tiny model

@@ -54,7 +54,10 @@ from transformers import AutoTokenizer
 from benchmarks.gpu_bench import reserved_bytes
 
 pytestmark = pytest.mark.timeout(300)
-CUDA = ["--device", "cuda", "--dtype", "auto"]
+CUDA_DEVICE = ["--device", "cuda", "--dtype", "auto"]
+# A KV budget of its own for every server (conftest.KV_CACHE_TOKENS); the one test of sizing
+# from the card's memory uses CUDA_DEVICE alone.
+CUDA = [*CUDA_DEVICE, "--kv-cache-tokens", str(1 << 16)]
 
 
 FORWARDS = ("transformers", "native")
@@ -143,6 +146,8 @@ def test_alone_equals_batched_on_cuda_in_fp32(forward: str, tiny_model_dir: Path
         "16",
         "--forward",
         forward,
+        "--kv-cache-tokens",
+        str(1 << 16),
     ]
     with ServerProcess(args) as server:
         alone, together = alone_and_together(server.target, story_requests(samplings))
@@ -235,7 +240,10 @@ def test_out_of_memory_is_resource_exhausted_frees_the_cache_and_the_server_goes
     # the failed pass left cached handed back (torch.cuda.empty_cache ran).
     if device == "cuda":
         torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() == allocated
+        # Back to where it was, give or take the few KB of the last step's plan tensors (the
+        # cache keeps the latest step's tables and indexes: the failed step's now, not the
+        # warm-up's); the failed pass's 256 MiB is nowhere.
+        assert abs(torch.cuda.memory_allocated() - allocated) <= 64 << 10
         assert torch.cuda.memory_reserved() <= reserved
     else:
         assert emptied
@@ -258,13 +266,17 @@ def test_drain_on_cuda(tiny_model_dir: Path) -> None:
         assert server.proc.wait(60) == 0
 
 
-def test_a_device_side_assert_ends_the_stream_and_turns_liveness_off(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_a_device_side_assert_ends_the_stream_and_turns_liveness_off(
+    overlap: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     trigger = tmp_path / "fault-now"
     env = {
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "site"), os.environ.get("PYTHONPATH", "")]),
         "TOKENWIRE_TEST_DEVICE_ASSERT_FILE": str(trigger),
     }
-    with ServerProcess(["--model", str(tiny_model_dir), *CUDA, "--forward", "native"], env=env) as server:
+    args = ["--model", str(tiny_model_dir), *CUDA, "--forward", "native", "--overlap", overlap]
+    with ServerProcess(args, env=env) as server:
         stub = generation_stub(server.target)
         assert health_status(server.target, LIVENESS) != NOT_SERVING
         stream = stub.Generate(long_request(1000), timeout=120)
@@ -285,7 +297,7 @@ def test_a_24_gib_card_on_a_larger_one_starts_with_its_kv_cache_sized_from_the_c
         "TOKENWIRE_TEST_MEMORY_CAP_GIB": str(cap),
     }
     with ServerProcess(
-        ["--model", str(tiny_model_dir), *CUDA, "--forward", "native", "--metrics-port", "-1"], env=env
+        ["--model", str(tiny_model_dir), *CUDA_DEVICE, "--forward", "native", "--metrics-port", "-1"], env=env
     ) as server:
         [sized] = server.find("kv cache sized from device memory")
         assert abs(sized["total_bytes"] - cap * 2**30) < 2**20  # the cap, not the device's 141 GB

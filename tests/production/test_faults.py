@@ -247,6 +247,20 @@ def test_wedged_engine_loop_turns_liveness_not_serving(
     assert_still_serving(server)
 
 
+def test_an_allocation_failure_is_out_of_memory_and_a_faulted_context_a_device_fault() -> None:
+    from tokenwire_server.engine.faults import Fault, classify
+
+    assert [classify(e) for e in OUT_OF_MEMORY_AS.values()] == [Fault.OUT_OF_MEMORY] * 3
+    assert classify(RuntimeError("CUDNN_STATUS_ALLOC_FAILED")) is Fault.OUT_OF_MEMORY
+    for sticky in (
+        torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),
+        RuntimeError("CUDA error: device-side assert triggered"),
+        RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling cublasSgemm"),
+    ):
+        assert classify(sticky) is Fault.DEVICE, sticky
+    assert classify(ValueError("a bug")) is Fault.STEP
+
+
 CUDA_FAULT = "CUDA error: an illegal memory access was encountered"
 
 
@@ -357,9 +371,22 @@ def rows_request(i: int) -> pb.GenerateRequest:
     )
 
 
+# An allocation failure in each of the forms a device reports it: torch's own, CUDA's error
+# code as an accelerator error (a graph that could not be instantiated for want of memory
+# says the same), and cuBLAS's. None of them faults the device.
+OUT_OF_MEMORY_AS = {
+    "batched-torch": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (simulated)"),
+    "batched-compiled": torch.AcceleratorError("CUDA error: out of memory (simulated)"),
+    "batched-overlap": RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+}
+
+
 @pytest.mark.parametrize("engine", ENGINES[:-1])
 def test_out_of_memory_in_a_step_fails_only_the_newest_rows(
-    engine: dict, in_process_server: Callable[..., InProcessServer], monkeypatch: pytest.MonkeyPatch
+    engine: dict,
+    in_process_server: Callable[..., InProcessServer],
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     """Row 0 decodes; rows 1-3 arrive in that order while the engine is held, and join it in
     one step. Any step of more than two rows runs out of memory (faked). Rows 3 and then 2,
@@ -380,7 +407,7 @@ def test_out_of_memory_in_a_step_fails_only_the_newest_rows(
             rest.append(stub.Generate(rows_request(i), timeout=60))
             assert wait_until(lambda i=i: engine_.queue.queued == i, 10)
         if oom:
-            too_many = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (simulated)")
+            too_many = OUT_OF_MEMORY_AS[request.node.callspec.id]  # each engine one of the three forms
             fault.arm(too_many, at=0, when=lambda ids, positions, segments, emit: len(segments) > 2)
         fault.held.clear()
         fault.gate.set()

@@ -177,6 +177,18 @@ class BatchedEngine(Engine):
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._fail_waiting()
+        if self._thread is None or not self._thread.is_alive():  # no step can touch the pool any more
+            self._release_memory()
+
+    def _release_memory(self) -> None:
+        """The KV pool and the decode graphs back to the device. The server's ``gc.freeze``
+        keeps the engine's reference cycles alive after it stops, so a server started after
+        it in the same process (the GPU tests' in-process servers) would find the card full."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.release()
+        self._cache.release()
+        if self.loaded.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @property
     def _rows(self) -> list[Any]:

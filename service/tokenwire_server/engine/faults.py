@@ -1,6 +1,9 @@
 """What a failed engine step means: which errors end the process, which end only some rows.
 
-- ``out_of_memory``: ``torch.OutOfMemoryError`` (CUDA's, or another accelerator's). The
+- ``out_of_memory``: ``torch.OutOfMemoryError`` (CUDA's, or another accelerator's), and an
+  accelerator error that is an allocation failure in another library's words: CUDA's
+  "out of memory" (``cudaErrorMemoryAllocation``, a graph that could not be instantiated
+  for want of memory), ``CUBLAS_STATUS_ALLOC_FAILED``, ``CUDNN_STATUS_ALLOC_FAILED``. The
   device is fine; this step asked for too much. The engine fails the rows admitted last,
   newest first, and runs the step again without them until it fits (``BatchedEngine``).
 - ``device``: any other accelerator error (``torch.AcceleratorError``; on a torch without
@@ -34,9 +37,15 @@ class Fault(str, enum.Enum):
     STEP = "step"
 
 
+# An accelerator error whose message says an allocation failed: the context is not faulted.
+_ALLOCATION_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
 def classify(exc: BaseException) -> Fault:
     if isinstance(exc, torch.OutOfMemoryError):
         return Fault.OUT_OF_MEMORY
+    if isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _ALLOCATION_MARKERS):
+        return Fault.OUT_OF_MEMORY  # torch.AcceleratorError is a RuntimeError too
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(exc, accelerator_error):
         return Fault.DEVICE

@@ -118,9 +118,15 @@ class DecodeGraphs:
         )
         self.compiled = compile_step
         self._entries: dict[tuple[int, int], _Entry] = {}
+        self._keys: set[tuple[int, int]] = set()
         self._pool: Any = None  # one memory pool for every graph: steps never run two at once
         self.captures = 0  # keys set up (a graph captured, or buffers made for ``static``)
         self.replays = 0  # steps run through a bucket
+
+    def release(self) -> None:
+        """Drop every key's buffers and graph, and the graphs' memory pool (an engine that stopped)."""
+        self._entries.clear()
+        self._pool = None
 
     @property
     def mode(self) -> str:
@@ -190,6 +196,7 @@ class DecodeGraphs:
         elif self.compiled:
             self.step(*entry.views())  # compile now, on padding: the first real step is not the one that waits
         self._entries[(rows, width)] = entry
+        self._keys.add((rows, width))
         self.captures += 1
         elapsed = time.monotonic() - started
         log.info(
@@ -221,7 +228,8 @@ class DecodeGraphs:
         entry.graph = graph
 
     def keys(self) -> list[tuple[int, int]]:
-        return sorted(self._entries)
+        """Every (bucket, width) set up, released ones included."""
+        return sorted(self._keys)
 
 
 def resolve_mode(mode: str, native: bool, device: torch.device, compile_step: bool = False) -> tuple[str, str | None]:

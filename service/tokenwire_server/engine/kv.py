@@ -236,5 +236,13 @@ class PagedCache(Cache):  # type: ignore[misc]
         """Bytes committed for keys and values over all layers (the scratch block included)."""
         return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)
 
+    def release(self) -> None:
+        """Give every layer's keys and values back to the allocator, through every view of them
+        (their storage shrinks to nothing): for an engine that has stopped. What still refers
+        to the tensors (a frozen reference cycle, a graph's capture) holds no memory any more."""
+        for layer in self.layers:
+            for tensor in (layer.keys, layer.values):
+                tensor.untyped_storage().resize_(0)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.plan.columns

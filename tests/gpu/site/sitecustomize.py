@@ -28,13 +28,15 @@ if _trigger:
     import torch
     from tokenwire_server.engine import runner as _runner
 
-    _run = _runner.ModelRunner.run
+    # ``launch``: what both loops call (the plain loop's ``run`` is launch + collect; the
+    # overlapped loop, CUDA's default, calls launch and collect itself).
+    _launch = _runner.ModelRunner.launch
 
     def _faulting(self: Any, plan: Any) -> Any:
         if os.path.exists(_trigger):
             x = torch.zeros(4, device=self.loaded.device)
             x[torch.tensor([1 << 20], device=x.device)] = 1.0  # out of bounds: a device-side assert
             torch.cuda.synchronize(x.device)
-        return _run(self, plan)
+        return _launch(self, plan)
 
-    _runner.ModelRunner.run = _faulting  # type: ignore[method-assign]
+    _runner.ModelRunner.launch = _faulting  # type: ignore[method-assign]
