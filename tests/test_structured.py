@@ -30,6 +30,8 @@ import pytest
 from engine_support import kernel_choices, run_all
 from tokenwire_server import structured
 from tokenwire_server.domain import (
+    ErrorEvent,
+    ErrorKind,
     FinishEvent,
     FinishReason,
     GenerationRequest,
@@ -251,6 +253,43 @@ def test_every_answer_that_ends_follows_its_format(tiny: Any, kind: str) -> None
             assert last.reason is FinishReason.LENGTH and len(rec.token_ids) == req.max_new_tokens
     # The formats with nothing open-ended (SHORT, the regex, the choice, the grammars) always end.
     assert ended >= 10
+
+
+@pytest.mark.parametrize("kind", ["batched", "overlap"])
+def test_a_grammar_that_fails_ends_its_own_row_and_not_the_batch(
+    tiny: Any, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library raising for one row's grammar (faked: its matcher's fill) fails that row
+    INTERNAL, naming the grammar, with nothing sent; the constrained and unconstrained rows
+    beside it finish with the tokens they give without it."""
+    bad = ResponseFormat("regex", "[0-9]{3}")
+    fill, constraint = structured.Constraint.fill, structured.Grammars.constraint
+
+    def failing(self: Any, bitmask: Any, row: int) -> None:
+        if getattr(self, "bad", False):
+            raise RuntimeError("matcher state is corrupt (simulated)")
+        fill(self, bitmask, row)
+
+    def marked(self: Any, fmt: ResponseFormat) -> Any:
+        made = constraint(self, fmt)
+        made.bad = fmt == bad
+        return made
+
+    monkeypatch.setattr(structured.Constraint, "fill", failing)
+    monkeypatch.setattr(structured.Grammars, "constraint", marked)
+    base = prompts(tiny, 3)
+    sampled = SamplingOptions(temperature=0.9, top_p=0.95, seed=5)
+    others = [
+        request(1, ResponseFormat("json_object"), base[0], sampled, new=48),
+        request(2, None, base[1], SamplingOptions(temperature=0.0), new=24),
+    ]
+    alone = run(tiny, others, kind)
+    together = run(tiny, [request(0, bad, base[2], sampled), *others], kind)
+    assert isinstance(together[0].last, ErrorEvent) and together[0].last.kind is ErrorKind.INTERNAL
+    assert "grammar failed" in together[0].last.message and "simulated" in together[0].last.message
+    assert together[0].text == "" and together[0].token_ids == []
+    assert [r.token_ids for r in together[1:]] == [r.token_ids for r in alone]
+    assert all(isinstance(r.last, FinishEvent) for r in together[1:])
 
 
 def test_unconstrained_rows_are_untouched_by_constrained_neighbours(tiny: Any) -> None:

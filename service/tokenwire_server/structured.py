@@ -181,8 +181,12 @@ class Grammars:
         raise InvalidResponseFormat("response_format", f"unknown format {kind!r}")
 
 
-def apply_constraints(logits: Any, rows: Sequence[tuple[int, Constraint]], vocab_size: int) -> None:
-    """Set to -inf, in place, every token a constrained row's grammar does not allow next.
+def apply_constraints(
+    logits: Any, rows: Sequence[tuple[int, Constraint]], vocab_size: int
+) -> list[tuple[int, BaseException]]:
+    """Set to -inf, in place, every token a constrained row's grammar does not allow next;
+    return the rows whose grammar failed to say (a library error), each with its error: those
+    rows are left unmasked, for the caller to fail alone, not the step's other rows.
 
     The bitmask is made for each call (a few KB a row): the simple engine's workers share
     one sampler, and a shared buffer would mix their rows. On a CPU xgrammar applies it;
@@ -194,18 +198,28 @@ def apply_constraints(logits: Any, rows: Sequence[tuple[int, Constraint]], vocab
 
     from .transfer import host_tensor, to_device
 
-    if logits.device.type == "cpu":
-        mask = xgr.allocate_token_bitmask(int(logits.shape[0]), vocab_size)
-        for row, constraint in rows:
-            constraint.fill(mask, row)
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size, indices=[row for row, _ in rows])
-        return
-    mask = xgr.allocate_token_bitmask(len(rows), vocab_size)
-    for k, (_, constraint) in enumerate(rows):
-        constraint.fill(mask, k)
-    # Both pinned and queued: the host does not wait for the forward pass.
-    index = host_tensor([row for row, _ in rows], torch.long, logits.device)
-    apply_bitmask(logits, to_device(mask, logits.device), index, vocab_size)
+    on_cpu = logits.device.type == "cpu"
+    mask = xgr.allocate_token_bitmask(int(logits.shape[0]) if on_cpu else len(rows), vocab_size)
+    failed: list[tuple[int, BaseException]] = []
+    masked: list[int] = []
+    for k, (row, constraint) in enumerate(rows):
+        at = row if on_cpu else k
+        try:
+            constraint.fill(mask, at)
+        except Exception as exc:  # the library's error: this row's, not the step's
+            failed.append((row, exc))
+            mask[at] = -1  # every token allowed: the row is failed before its pick is used
+        else:
+            masked.append(row)
+    if not masked:
+        return failed
+    if on_cpu:
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size, indices=masked)
+    else:
+        # Both pinned and queued: the host does not wait for the forward pass.
+        index = host_tensor([row for row, _ in rows], torch.long, logits.device)
+        apply_bitmask(logits, to_device(mask, logits.device), index, vocab_size)
+    return failed
 
 
 def apply_bitmask(logits: Any, mask: Any, index: Any, vocab_size: int) -> None:

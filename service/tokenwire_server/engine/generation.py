@@ -193,6 +193,8 @@ class Generation:
             self.first_token_at = time.monotonic()
         self.generated.append(token_id)
         self._taken.append((token_id, logprob, top))
+        if self._broken is not None:  # the grammar failed while this token was drawn (grammar_failed)
+            return self.deliver()
         if self.constraint is not None and not self.constraint.accept(token_id):
             if not self.constraint.can_continue():
                 self._stuck = True  # every token was masked out: the caller's format cannot go on
@@ -200,6 +202,12 @@ class Generation:
         else:
             self._ending = self._ends_after(token_id)
         return self.deliver() if self._ending is not None or self._broken is not None else False
+
+    def grammar_failed(self, error: BaseException) -> None:
+        """The response format's grammar could not give this row's next tokens (a library
+        error): the row ends INTERNAL with the token being drawn, unmasked, which is never
+        sent; the step's other rows are not touched."""
+        self._broken = f"the response format's grammar failed: {type(error).__name__}: {error}"
 
     def deliver(self) -> bool:
         """Send what the tokens taken since the last delivery release: text through the detokenizer

@@ -163,7 +163,8 @@ class Sampler:
             processed[b_idx, e_idx] = NEG_INF
         if constrained:
             # Tokens that cannot continue a valid answer drop out before temperature, top_k and top_p.
-            apply_constraints(processed, constrained, vocab)
+            for i, error in apply_constraints(processed, constrained, vocab):
+                seqs[i].grammar_failed(error)  # that row ends INTERNAL on this pick; the others go on
 
         chosen = torch.argmax(processed, dim=-1)  # greedy rows keep this, exactly
         sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy]
