@@ -63,6 +63,7 @@ TEST_S=210
 
 # 1. The bundle: every wheel for this Python, under 60 MiB, the tokenizer there.
 "$PY" -m benchmarks.gpu_bundle check "$BUNDLE" --python "$PYVER"
+BUNDLE=$(cd "$BUNDLE" && pwd)  # absolute: the tests and the bench run from other folders
 plan() {
   echo "plan ($DEVICE, Python $PYVER, budget ${BUDGET_S}s):"
   echo "  $PY -m pip install --no-index --no-deps --target $SITE $BUNDLE/wheels/*.whl"
@@ -83,7 +84,7 @@ fi
 rm -rf "$SITE"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$BUNDLE"/wheels/*.whl
 export PYTHONPATH="$SITE:$PWD/service:$PWD/client:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export TOKENWIRE_TOKENIZER_DIR="$PWD/$BUNDLE/tokenizer" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export TOKENWIRE_TOKENIZER_DIR="$BUNDLE/tokenizer" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 # xgrammar's tvm-ffi would JIT-build its torch add-on (about a minute) on first import.
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
 if [ "$DEVICE" = cuda ]; then

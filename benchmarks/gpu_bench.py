@@ -401,6 +401,8 @@ def run(args: argparse.Namespace) -> doc.Section:
     prefill: list[list[Any]] = []
     order = {shape: i for i, shape in enumerate(shapes)}
     section = render(args, results, prefill, skipped, [f"{s} {w}" for s, w in phases])
+    if args.out:  # before the first phase too: a run killed at once still says what it was to run
+        doc.replace_section(args.out, section.name, section.text, HEADER)
     for index, (shape, what) in enumerate(phases):
         if args.budget_s and time.monotonic() - started > args.budget_s:
             skipped.append(f"{shape} {what}")

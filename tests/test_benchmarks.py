@@ -193,6 +193,8 @@ def test_the_gpu_bench_runs_the_largest_shapes_comparison_first_and_a_failed_pha
         return gpu_bench.Result(system, 1, 1, 8, 100.0, shape=shape, step_ms=1.0, mbu=0.5)
 
     def run_shape(shape: str, spec: str, args: Any) -> list[gpu_bench.Result]:
+        if not ran:  # the file says what is to run before the first phase ends
+            assert "Still to run: 1b native, 1b ceiling, 135m native" in out.read_text()
         ran.append(f"{shape} {spec}")
         if (shape, spec) == ("1b", "native"):
             raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
