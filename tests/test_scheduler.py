@@ -168,6 +168,35 @@ def test_blocks_are_taken_as_a_row_grows_never_past_its_promise() -> None:
         s.pool.grow(row.lease, 100 * BLOCK_SIZE)
 
 
+def test_the_pools_held_count_is_kept_not_summed_and_always_equals_the_holders() -> None:
+    """``held`` (read by every /metrics scrape) is a counter: after random leases, growth,
+    publishing, shared prefixes and give-backs it equals the blocks with a holder."""
+    import random
+
+    rng = random.Random(3)
+    pool = BlockPool(64, BLOCK_SIZE)
+    leases = []
+    prompts = [list(range(1, 1 + 16 * n)) for n in (1, 2, 3)]
+    for _ in range(400):
+        if leases and rng.random() < 0.4:
+            pool.give_back(leases.pop(rng.randrange(len(leases))))
+        else:
+            prompt = rng.choice(prompts)
+            keys = prefix_keys(prompt, BLOCK_SIZE)
+            lease = pool.lease(len(prompt) + 16, keys, len(prompt))
+            if lease is None:
+                continue
+            pool.grow(lease, len(prompt) + rng.randrange(17))
+            for index in range(min(len(keys), len(lease.blocks))):
+                pool.publish(lease, index, keys[index])
+            leases.append(lease)
+        assert pool.held == sum(1 for count in pool._holders if count)
+    assert pool.held > 0
+    for lease in leases:
+        pool.give_back(lease)
+    assert pool.held == 0 and pool.tokens_committed() == 0
+
+
 def test_a_request_past_the_whole_pool_fails_at_once_and_the_others_go_on() -> None:
     s = scheduler(blocks=4)
     big, small = FakeSeq(prompt(60), 10), FakeSeq(prompt(10), 5)

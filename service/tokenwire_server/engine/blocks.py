@@ -91,6 +91,7 @@ class BlockPool:
         self._fresh = list(range(num_blocks - 1, -1, -1))  # never used; taken from the end (block 0 first)
         self._free: list[int] = []  # used, given back uncached; taken from the end (warmest first)
         self._holders = [0] * num_blocks
+        self._held = 0  # blocks with at least one holder (kept, not summed: the metrics read it per scrape)
         self._key_of: dict[int, bytes] = {}  # cached block -> its key
         self._block_of: dict[bytes, int] = {}  # key -> cached block
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, held by nobody; LRU first
@@ -107,7 +108,7 @@ class BlockPool:
     @property
     def held(self) -> int:
         """Blocks held by at least one request."""
-        return sum(1 for count in self._holders if count)
+        return self._held
 
     @property
     def cached(self) -> int:
@@ -161,6 +162,7 @@ class BlockPool:
             self._promised -= 1
             block = self._take()
             self._holders[block] = 1
+            self._held += 1
             lease.blocks.append(block)
 
     def publish(self, lease: Lease, index: int, key: bytes) -> None:
@@ -180,6 +182,7 @@ class BlockPool:
             self._holders[block] -= 1
             if self._holders[block] > 0:
                 continue
+            self._held -= 1
             if block in self._key_of:
                 self._idle[block] = None
                 self._idle.move_to_end(block)
@@ -194,6 +197,7 @@ class BlockPool:
     def _hold(self, block: int) -> None:
         if self._holders[block] == 0:
             self._idle.pop(block, None)
+            self._held += 1
         self._holders[block] += 1
 
     def _take(self) -> int:
