@@ -182,14 +182,9 @@ def long_prompt(
         for repeat in range(repeats):
             arrivals: list[list[float]] = [[] for _ in range(streams)]
             failures: list[TokenwireError] = []
-            calls = [
-                client.generate(
-                    messages=[
-                        {"role": "user", "content": DEFAULT_PROMPTS[(repeat * streams + i) % len(DEFAULT_PROMPTS)]}
-                    ],
-                    max_new_tokens=stream_tokens, ignore_eos=True, token_ids=True)
-                for i in range(streams)
-            ]  # fmt: skip
+            asks = [DEFAULT_PROMPTS[(repeat * streams + i) % len(DEFAULT_PROMPTS)] for i in range(streams)]
+            calls = [client.generate(messages=[{"role": "user", "content": ask}], max_new_tokens=stream_tokens,
+                                     ignore_eos=True, token_ids=True) for ask in asks]  # fmt: skip
 
             def read(call: Any, times: list[float], failures: list[TokenwireError] = failures) -> None:
                 try:
