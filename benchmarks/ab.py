@@ -25,7 +25,7 @@ from typing import Any
 
 from benchmarks import doc, load
 from benchmarks.launcher import REPO, serve
-from benchmarks.stats import spread
+from benchmarks.stats import ratios, spread
 
 OUT = None  # a quick check by default: nothing written
 FLAGS = {"old": {"required": True, "help": "a tree (folder) or a git revision"},
@@ -151,21 +151,12 @@ def run(args: argparse.Namespace) -> doc.Section:
     for case in cases:
         old, new = results[(case, "old")], results[(case, "new")]
         for metric in old[0]:
-            ratios = [n[metric] / o[metric] for o, n in zip(old, new, strict=True)]
-            rows.append(
-                [case, metric, spread([r[metric] for r in old]), spread([r[metric] for r in new]), spread(ratios, 2)]
-            )
+            before, after = [r[metric] for r in old], [r[metric] for r in new]
+            rows.append([case, metric, spread(before), spread(after), spread(ratios(after, before), 2)])
         if case == "long":
             for label, runs in (("old", old), ("new", new)):
-                rows.append(
-                    [
-                        "long",
-                        f"stall ({label})",
-                        "",
-                        "",
-                        f"{spread([r['max_gap_ms'] / r['itl_p50_ms'] for r in runs], 2)}×",
-                    ]
-                )
+                stall = spread([r["max_gap_ms"] / r["itl_p50_ms"] for r in runs], 2)
+                rows.append(["long", f"stall ({label})", "", "", f"{stall}×"])
     return doc.section(
         args.section, f"Two trees side by side: {args.label}", args.command,
         f"{doc.host()}. Each repeat runs every case once on each tree, alternating, each in a fresh process; "

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from benchmarks import doc
-from benchmarks.stats import spread
+from benchmarks.stats import median, ratios, spread
 
 KERNELS = ("F.linear", "onednn", "int8", "int4")
 SLOTS, CAPACITY = 16, 2049  # decode rows, and each row's cache capacity in the engine
@@ -177,16 +176,15 @@ def run(args: argparse.Namespace) -> doc.Section:
     for kernel in KERNELS:
         cells = [kernel]
         for rows in rows_list:
-            values, base = results[(kernel, rows)], statistics.median(results[("F.linear", rows)])
-            cells += [spread(values), f"{base / statistics.median(values):.2f}×"]
+            values, base = results[(kernel, rows)], median(results[("F.linear", rows)])
+            cells += [spread(values), f"{base / median(values):.2f}×"]
         kernels.append(cells)
     attention_rows = []
     for context in contexts:
         read = n_layers * 2 * SLOTS * kv_heads * context * head_dim * 4 / 1e9  # GB
-        sdpa, kernel = results[("sdpa", context)], results[("kernel", context)]
-        ratio = statistics.median(a / b for a, b in zip(sdpa, kernel, strict=True))
-        attention_rows.append([context, spread(sdpa), f"{read / statistics.median(sdpa) * 1000:.1f}", spread(kernel),
-                               f"{read / statistics.median(kernel) * 1000:.1f}", f"{ratio:.2f}×"])  # fmt: skip
+        sdpa, op = results[("sdpa", context)], results[("kernel", context)]
+        attention_rows.append([context, spread(sdpa), f"{read / median(sdpa) * 1000:.1f}", spread(op),
+                               f"{read / median(op) * 1000:.1f}", f"{median(ratios(sdpa, op)):.2f}×"])  # fmt: skip
     return doc.section(
         "cpu-kernels", "CPU kernels: which GEMM reads the weights fastest; decode attention", args.command,
         f"torch {m['torch']}, {m['torch threads']} threads, "

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import time
 from typing import Any
 
 from benchmarks import doc, quality
 from benchmarks.load import chat_ids
-from benchmarks.stats import spread
+from benchmarks.stats import median, ratios, spread
 
 VARIANTS = ("eager", "compile", "int8")
 FLAGS = {"repeats": 3, "steps": 40, "batches": "1,16", "variants": (",".join(VARIANTS), f"from {', '.join(VARIANTS)}"),
@@ -74,7 +73,7 @@ def run(args: argparse.Namespace) -> doc.Section:
                         compile_s[batch] = time.perf_counter() - began
                     forward = compiled[batch]
                 times = step_times(forward, owner, prompt, batch, args.steps)[5:]
-                steps.setdefault((name, batch), []).append(statistics.median(times) * 1000)
+                steps.setdefault((name, batch), []).append(median(times) * 1000)
                 doc.log(f"  repeat {r + 1} batch {batch:>2} {name:>7}: {steps[(name, batch)][-1]:7.1f} ms/step")
     doc.log("  int8 quality ...")
     new, count = args.quality_tokens, len(DEFAULT_PROMPTS)
@@ -83,7 +82,7 @@ def run(args: argparse.Namespace) -> doc.Section:
     for batch in batches:
         for name in variants:
             ms = steps[(name, batch)]
-            ratio = statistics.median(e / m for e, m in zip(steps[("eager", batch)], ms, strict=True))
+            ratio = median(ratios(steps[("eager", batch)], ms))
             rows.append([name, batch, spread(ms), spread([batch * 1000 / m for m in ms]), f"{ratio:.2f}×"])
     info = doc.machine()
     return doc.section(

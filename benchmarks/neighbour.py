@@ -19,7 +19,7 @@ from tokenwire.v1 import generation_pb2 as pb
 
 from benchmarks import doc, load
 from benchmarks.launcher import serve
-from benchmarks.stats import median, p99, spread
+from benchmarks.stats import median, p99, ratios, spread
 
 SETTINGS = {"1000 (default)": "1000", "OpenMP's own (0)": "0"}
 PROMPT = "Tell me a story about a cat who learns to sail."
@@ -70,12 +70,12 @@ def run(args: argparse.Namespace) -> doc.Section:
     default, own = SETTINGS
     notes = [
         f"- c={c}, neighbour {busy[neighbour]}: spin 1000 vs OpenMP's own, tokens/s ratio "
-        f"{spread([a / b for a, b in zip(tps[(default, neighbour, c)], tps[(own, neighbour, c)], strict=True)], 2)}×"
+        f"{spread(ratios(tps[(default, neighbour, c)], tps[(own, neighbour, c)]), 2)}×"
         for c in levels
         for neighbour in (False, True)
     ]
     notes += [f"- {name}, c={c}: pace kept beside the neighbour (busy ÷ quiet tokens/s) "
-              f"{spread([b / a for a, b in zip(tps[(name, False, c)], tps[(name, True, c)], strict=True)], 2)}"
+              f"{spread(ratios(tps[(name, True, c)], tps[(name, False, c)]), 2)}"
               for name in SETTINGS for c in levels]  # fmt: skip
     return doc.section(
         "neighbour", "Beside a busy neighbour: OpenMP's spin (`make bench-neighbour`)", args.command,

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -26,7 +25,7 @@ from benchmarks import doc, load
 from benchmarks.bench import LOADED, in_process
 from benchmarks.launcher import serve, serve_openai, tree_cpu_seconds, tree_rss_mb, venv_python
 from benchmarks.load import Measure
-from benchmarks.stats import spread
+from benchmarks.stats import median, spread
 
 LABELS = {
     "generate": "in-process `generate`", "batched": "tokenwire batched (gRPC)",
@@ -115,8 +114,9 @@ def targets(rows: list[Measure]) -> list[tuple[str, list[float], bool | None]]:
     """(target, per-repeat values, met by the median; None where it did not run)."""
 
     def met(values: list[float], sense: str, bound: float) -> bool | None:
-        median = statistics.median(values) if values else None
-        return None if median is None else median >= bound if sense == ">=" else median <= bound
+        if not values:
+            return None
+        return median(values) >= bound if sense == ">=" else median(values) <= bound
 
     out = []
     for name, a, b, c, field, how, sense, bound in TARGETS:
@@ -142,7 +142,7 @@ def render(args: argparse.Namespace, rows: list[Measure], requests: dict[int, in
                 cells.append([LABELS[system], c, col(lambda m: m.tokens_per_s), col(lambda m: m.ttft_p50),
                               col(lambda m: m.ttft_p99), col(lambda m: m.itl_p50), col(lambda m: m.itl_p99),
                               col(lambda m: m.rss_mb, 0), cpu, sum(sum(m.errors.values()) for m in ms)])  # fmt: skip
-    met = [(name, ", ".join(f"{v:.2f}" for v in values) or "-", f"{statistics.median(values):.2f}" if values else "-",
+    met = [(name, ", ".join(f"{v:.2f}" for v in values) or "-", f"{median(values):.2f}" if values else "-",
             "yes" if ok else "NO") for name, values, ok in targets(rows) if ok is not None]  # fmt: skip
     lines = [
         f"{args.repeats} repeats; in each, every system ran c=1 then c=16, one after another, "

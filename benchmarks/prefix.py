@@ -59,16 +59,9 @@ def run(args: argparse.Namespace) -> doc.Section:
     for setting in SETTINGS:
         for kind, prompt in (("alone", "question alone"), ("shared", "shared system prompt")):
             runs = ttft[(setting, kind)]
+            p50s, every = [median(r) * 1000 for r in runs], [t * 1000 for run in runs for t in run]
             hits = f"{min(cached[setting])}–{max(cached[setting])}" if kind == "shared" else "-"
-            rows.append(
-                [
-                    setting,
-                    prompt,
-                    spread([median(r) * 1000 for r in runs], 0),
-                    f"{p99([t * 1000 for run in runs for t in run]):.0f}",
-                    hits,
-                ]
-            )
+            rows.append([setting, prompt, spread(p50s, 0), f"{p99(every):.0f}", hits])
     ratios = {
         s: [median(a) / median(b) for a, b in zip(ttft[(s, "shared")], ttft[(s, "alone")], strict=True)]
         for s in SETTINGS

@@ -199,9 +199,8 @@ class Traffic:
         if kind == "malformed":
             return Call(kind, self._rng.choice(MALFORMED), 10.0, tenant, auth)
         if kind in ("cancelled", "long", "resume", "short-deadline"):
-            return Call(
-                kind, self._generation(a.long_tokens, tenant), 0.2 if kind == "short-deadline" else 120.0, tenant, auth
-            )
+            timeout = 0.2 if kind == "short-deadline" else 120.0
+            return Call(kind, self._generation(a.long_tokens, tenant), timeout, tenant, auth)
         if kind == "structured":
             name, fmt, question = self._rng.choice(FORMATS)
             request = pb.GenerateRequest(
@@ -212,9 +211,8 @@ class Traffic:
             )
             return Call(kind, request, 120.0, tenant, auth, detail=name)
         if kind == "unauthenticated":
-            return Call(
-                kind, self._generation(a.short_tokens), 10.0, "wrong-token", (("authorization", "Bearer not-a-token"),)
-            )
+            wrong = (("authorization", "Bearer not-a-token"),)
+            return Call(kind, self._generation(a.short_tokens), 10.0, "wrong-token", wrong)
         if kind == "priority-above-cap":  # batch may ask for normal priority at most
             request = self._generation(a.short_tokens)
             request.priority = pb.PRIORITY_HIGH

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from tokenwire.bench import percentile
 
-__all__ = ["median", "ms", "p99", "percentile", "spread"]
+__all__ = ["median", "ms", "p99", "percentile", "ratios", "spread"]
 
 median = statistics.median
 
@@ -25,6 +25,11 @@ def ms(seconds: Sequence[float], q: float) -> float | None:
     """The q-th percentile of ``seconds``, in milliseconds; None for none."""
     value = percentile(seconds, q)
     return None if value is None else value * 1000
+
+
+def ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
+    """``a / b`` for each repeat: a ratio taken inside a repeat, where the machine's noise cancels."""
+    return [a / b for a, b in zip(numerators, denominators, strict=True)]
 
 
 def spread(values: Sequence[float], digits: int = 1) -> str:
