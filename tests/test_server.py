@@ -349,6 +349,13 @@ def test_the_objects_alive_at_readiness_are_out_of_the_collectors_reach(tiny_ser
     assert ready["gc_frozen_objects"] > 50_000
 
 
+def test_the_prefill_budget_on_this_cpu_is_logged_with_its_reason(tiny_server):
+    if TEST_ENGINE == "vllm":
+        pytest.skip("vLLM schedules its own prefill")
+    [budget] = tiny_server.find("prefill budget")
+    assert (budget["max_prefill_tokens"], budget["from"]) == (20, "auto: 20 on cpu")
+
+
 def test_the_ready_line_says_what_each_start_up_phase_took(tiny_server):
     """Each phase between exec and readiness, in seconds, so that a slow start says where
     its time went; together they are the start (the gaps between them are log lines)."""

@@ -84,6 +84,20 @@ def test_the_flags_parse() -> None:
         parse_config(["--step-graphs", "sometimes"])
 
 
+def test_the_prefill_budget_is_the_devices_unless_given() -> None:
+    """``--max-prefill-tokens 0`` (the default): 20 on a CPU, 512 on a GPU, where a chunk that
+    small only lengthens the time to first token; a number given is kept; a negative refused."""
+    from tokenwire_server.engine.options import prefill_budget
+
+    assert parse_config([]).max_prefill_tokens == 0
+    assert prefill_budget(0, CPU) == (20, "auto: 20 on cpu")
+    assert prefill_budget(0, CUDA) == (512, "auto: 512 on cuda")
+    assert prefill_budget(64, CUDA) == (64, "--max-prefill-tokens")
+    assert parse_config(["--max-prefill-tokens", "64"]).max_prefill_tokens == 64
+    with pytest.raises(SystemExit):
+        parse_config(["--max-prefill-tokens", "-1"])
+
+
 def test_the_fixed_shape_step_matches_the_eager_pass_and_writes_only_its_rows_and_scratch(tiny_model_dir: Path) -> None:
     loaded = load_model(str(tiny_model_dir))
     cache = fresh_cache(loaded.model, poisoned=True)  # unused memory is NaN: any stray read shows

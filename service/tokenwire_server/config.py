@@ -38,7 +38,7 @@ class ServerConfig:
     kv_cache_tokens: int = 0
     kv_cache_memory_fraction: float = 0.9
     prefix_cache: str = "on"
-    max_prefill_tokens: int = 20
+    max_prefill_tokens: int = 0  # 0: by device (engine/options.prefill_budget)
     batch_window_ms: float = 10.0
     torch_threads: int = 0
     omp_spin_count: int = 1000
@@ -155,7 +155,8 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     ),
     "max_prefill_tokens": (
         "batched engine: most prompt tokens read in one step while other streams decode (bounds the stall a new "
-        "arrival causes them; a token deep into a long prompt counts more, for its attention)",
+        "arrival causes them; a token deep into a long prompt counts more, for its attention); 0: by device, "
+        "20 on a CPU, 512 on a GPU",
         None,
     ),
     "batch_window_ms": (
@@ -353,13 +354,14 @@ def validate_config(config: ServerConfig) -> list[str]:
         "tensor_parallel_size",
         "pipeline_parallel_size",
         "max_active",
-        "max_prefill_tokens",
         "default_max_new_tokens",
         "max_new_tokens_limit",
         "max_message_bytes",
     ):
         if getattr(config, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be at least 1")
+    if config.max_prefill_tokens < 0:
+        errors.append("--max-prefill-tokens must not be negative (0: by device)")
     if config.torch_threads < 0:
         errors.append("--torch-threads must not be negative")
     if config.omp_spin_count < 0:

@@ -247,6 +247,7 @@ class TokenwireServer:
             from .engine.base import EngineLimits
             from .engine.budget import kv_cache_budget
             from .engine.local import LocalBackend
+            from .engine.options import prefill_budget
             from .model import gpu_memory_probe, gpu_report, kv_bytes_per_token, load_model
 
         config = self.config
@@ -286,12 +287,14 @@ class TokenwireServer:
             log.warning(budget.warning)
         log.info("kv cache budget", extra={"kv_cache_tokens": budget.tokens, "from": budget.how})
         kv_tokens = budget.tokens
+        max_prefill, why_prefill = prefill_budget(config.max_prefill_tokens, loaded.device)
+        log.info("prefill budget", extra={"max_prefill_tokens": max_prefill, "from": why_prefill})
         limits = EngineLimits(
             max_active=config.max_active,
             max_queue=config.max_queue,
             kv_cache_tokens=kv_tokens,
             retry_after_s=config.retry_after_ms / 1000,
-            max_prefill_tokens=config.max_prefill_tokens,
+            max_prefill_tokens=max_prefill,
             batch_window_s=config.batch_window_ms / 1000,
             stream_backlog=config.stream_backlog_chunks,
             stalled_reader_timeout_s=config.stalled_reader_timeout,

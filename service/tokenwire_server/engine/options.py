@@ -122,3 +122,17 @@ def resolve(options: EngineOptions, loaded: LoadedModel) -> Resolved:
         fresh_blocks_first=device.type != "cpu",
         pack_weights=not options.compile_step,
     )
+
+
+# ``--max-prefill-tokens 0``: a CPU computes each prompt token itself, so a small chunk keeps
+# the other streams' pace (docs/benchmarks.md, the prompt budget); a GPU reads a 512-token
+# chunk in about the time of a decode step, and a smaller one only lengthens time to first token.
+PREFILL_TOKENS = {"cpu": 20, "cuda": 512}
+
+
+def prefill_budget(requested: int, device: torch.device) -> tuple[int, str]:
+    """``--max-prefill-tokens`` on ``device``, and why: as given, or (0) the device's."""
+    if requested > 0:
+        return requested, "--max-prefill-tokens"
+    kind = "cpu" if device.type == "cpu" else "cuda"
+    return PREFILL_TOKENS[kind], f"auto: {PREFILL_TOKENS[kind]} on {device.type}"
