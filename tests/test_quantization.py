@@ -310,6 +310,20 @@ def test_the_server_applies_the_measured_verdict_that_ships_with_it(tiny_model_d
     assert "misses the quality bar on cpu" in proc.stderr and "--allow-unmet-quality-bar" in proc.stderr
 
 
+def test_a_gpu_torch_cannot_use_is_said_at_start_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host with an NVIDIA device node and a CPU-only torch (an image built without
+    HAS_GPU=1) would serve on its CPU in silence: the start-up log says why instead."""
+    from tokenwire_server.model import gpu_without_cuda
+
+    assert gpu_without_cuda(str(tmp_path / "nvidia[0-9]*")) is None  # no GPU: nothing to say
+    (tmp_path / "nvidia0").touch()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    said = gpu_without_cuda(str(tmp_path / "nvidia[0-9]*"))
+    assert said is not None and "nvidia0 is present" in said and "sees no CUDA device" in said
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert gpu_without_cuda(str(tmp_path / "nvidia[0-9]*")) is None  # torch sees it: all is well
+
+
 def test_dtype_auto_on_a_cpu_is_float32_and_names_the_instruction_sets_why() -> None:
     dtype, why = cpu_precision({"avx2": True, "fma3": True})
     assert dtype == torch.float32 and "no native bf16" in why and "avx2" in why

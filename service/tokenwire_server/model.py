@@ -163,6 +163,23 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+def gpu_without_cuda(devices: str = "/dev/nvidia[0-9]*") -> str | None:
+    """Why this host would serve on its CPU with a GPU in it: an NVIDIA device node is there
+    but this torch has no CUDA (a CPU wheel, e.g. an image built without HAS_GPU=1); None
+    when that is not the case."""
+    import glob
+
+    found = sorted(glob.glob(devices))
+    if not found or torch.cuda.is_available():
+        return None
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    return (
+        f"{found[0]} is present but torch {torch.__version__} ({build}) sees no CUDA device: serving on the CPU. "
+        "Install torch's CUDA build (make setup on the GPU host, or the image built with HAS_GPU=1), "
+        "or check the driver and the device's visibility to this process"
+    )
+
+
 def gpu_report() -> list[dict[str, Any]]:
     """What an operator needs to know of each visible GPU, for the start-up log."""
     if not torch.cuda.is_available():

@@ -248,11 +248,14 @@ class TokenwireServer:
             from .engine.budget import kv_cache_budget
             from .engine.local import LocalBackend
             from .engine.options import prefill_budget
-            from .model import gpu_memory_probe, gpu_report, kv_bytes_per_token, load_model
+            from .model import gpu_memory_probe, gpu_report, gpu_without_cuda, kv_bytes_per_token, load_model
 
         config = self.config
         for gpu in gpu_report():
             log.info("gpu", extra=gpu)
+        stranded = gpu_without_cuda()
+        if stranded:
+            log.warning("a GPU this torch cannot use", extra={"reason": stranded})
         if config.engine == "vllm":
             if len(self.tenants) > 1:
                 log.warning(
