@@ -77,8 +77,11 @@ def test_the_modes_graph_on_cuda_by_default_and_refuse_what_cannot_run() -> None
 
 
 def test_the_flags_parse() -> None:
-    config = parse_config(["--step-graphs", "static", "--compile-step", "on"])
-    assert (config.step_graphs, config.compile_step) == ("static", "on")
+    config = parse_config(["--step-graphs", "static", "--compile-step", "on", "--step-graphs-context", "0"])
+    assert (config.step_graphs, config.compile_step, config.step_graphs_context) == ("static", "on", 0)
+    assert parse_config([]).step_graphs_context == 4096
+    with pytest.raises(SystemExit):
+        parse_config(["--step-graphs-context", "-1"])
     assert (parse_config([]).step_graphs, parse_config([]).compile_step) == ("auto", "off")
     with pytest.raises(SystemExit):
         parse_config(["--step-graphs", "sometimes"])
@@ -152,6 +155,18 @@ def test_more_rows_than_the_largest_bucket_or_a_wider_table_fall_back_to_the_eag
         assert graphs.run([1], [40], tables[:1]) is None  # 41 columns: 3 blocks, wider than 2
         assert graphs.run([1, 2], [0, 20], tables[:2]) is not None
     assert graphs.keys() == [(2, 2)] and graphs.replays == 1
+
+
+def test_prepare_sets_up_every_bucket_at_every_width_up_to_the_context_once() -> None:
+    calls: list[tuple[int, int]] = []
+    graphs = DecodeGraphs(lambda *inputs: torch.zeros(len(inputs[0]), 3), CPU, 16, 99, 5, 512, 0, capture=False)
+    real = graphs._set_up
+    graphs._set_up = lambda rows, width: calls.append((rows, width)) or real(rows, width)  # type: ignore[method-assign]
+    assert graphs.prepare(0) == 0 and calls == []  # 0: each key when first needed
+    assert graphs.prepare(1000) == 4 * 7  # buckets 1, 2, 4 and 8 (the first past --max-active 5); widths 1..64
+    assert sorted({w for _, w in calls}) == [1, 2, 4, 8, 16, 32, 64] and {r for r, _ in calls} == {1, 2, 4, 8}
+    assert graphs.prepare(1000) == 0  # set up already
+    assert graphs.prepare(100_000) == 4 * 3  # up to the row's most, 512 blocks: 128, 256, 512 more
 
 
 def requests_for(loaded: object, sampled: bool) -> list[GenerationRequest]:
@@ -317,6 +332,10 @@ def test_the_capture_warms_up_on_a_side_stream_records_once_per_key_and_replays_
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", capture)
     engine.start()
+    # At start, every bucket (1, 2, 4, 8) at every width (1 ... 64 blocks: the tiny model's
+    # 1,024-token context, under --step-graphs-context's 4,096) is captured before any step.
+    prepared = graphs.captures
+    assert prepared == 4 * 7 and calls["capture"] == prepared
     try:
         recorders = run_all(engine, requests_for(loaded, sampled=True), timeout=300)
         pool, entries = graphs._pool, dict(graphs._entries)
@@ -324,6 +343,7 @@ def test_the_capture_warms_up_on_a_side_stream_records_once_per_key_and_replays_
         engine.close()
     assert [r.token_ids for r in recorders] == eager
     keys = graphs.keys()
+    assert graphs.captures == prepared  # no capture while serving
     assert len(keys) >= 2 and graphs.captures == len(keys) == len(entries)
     assert calls == {"warm-up": 2 * len(keys), "capture": len(keys)}  # WARMUP_RUNS each, then one recording
     assert pools[0] is None and pool is not None

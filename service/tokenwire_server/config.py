@@ -45,6 +45,7 @@ class ServerConfig:
     forward: str = "auto"
     kernels: str = "auto"
     step_graphs: str = "auto"
+    step_graphs_context: int = 4096
     compile_step: str = "off"
     overlap: str = "auto"
     default_max_new_tokens: int = 256
@@ -192,6 +193,12 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         "graph per bucket; prompt chunks run eagerly. auto: on CUDA; cuda: insist; static: the same fixed-shape step "
         "without a graph (any device, for checking); off: the eager step",
         STEP_GRAPH_MODES,
+    ),
+    "step_graphs_context": (
+        "CUDA graphs: at start, capture every batch bucket at every table width up to this many tokens of context, "
+        "so that no capture (a synchronisation each) falls inside serving; wider tables are captured when first "
+        "needed (0: every key when first needed)",
+        None,
     ),
     "compile_step": (
         "native pass: compile the fixed-shape decode step with torch.compile (inductor) once per bucket, before it is "
@@ -360,6 +367,8 @@ def validate_config(config: ServerConfig) -> list[str]:
     ):
         if getattr(config, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be at least 1")
+    if config.step_graphs_context < 0:
+        errors.append("--step-graphs-context must not be negative (0: capture each key when first needed)")
     if config.max_prefill_tokens < 0:
         errors.append("--max-prefill-tokens must not be negative (0: by device)")
     if config.torch_threads < 0:

@@ -319,6 +319,7 @@ class TokenwireServer:
             kernels=config.kernels,
             prefix_cache=config.prefix_cache == "on",
             step_graphs=config.step_graphs,
+            step_graphs_context=config.step_graphs_context,
             compile_step=config.compile_step == "on",
             overlap=config.overlap,
             own_weights=True,

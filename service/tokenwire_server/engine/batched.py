@@ -146,6 +146,7 @@ class BatchedEngine(Engine):
                 compile_step=options.compile_step,
             )
         self.runner = ModelRunner(loaded, self._cache, native, graphs)
+        self._graph_context = options.step_graphs_context
         self.step_graphs = resolved.step_graphs
         self.forward = resolved.forward
         # What the native pass runs around its GEMMs (None: transformers' forward).
@@ -168,6 +169,12 @@ class BatchedEngine(Engine):
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
+        graphs = self.runner.graphs
+        if graphs is not None and graphs.capture:
+            # Every CUDA graph a context up to --step-graphs-context needs, before serving:
+            # a capture synchronises the device and empties the allocator's cache, which
+            # mid-run would stall every stream (and land inside a benchmark's measure).
+            graphs.prepare(min(self._graph_context, self.loaded.context_length))
         self._thread = threading.Thread(target=self._run, name="tokenwire-batched", daemon=True)
         self._thread.start()
 

@@ -123,6 +123,32 @@ class DecodeGraphs:
         self.captures = 0  # keys set up (a graph captured, or buffers made for ``static``)
         self.replays = 0  # steps run through a bucket
 
+    def prepare(self, context_tokens: int) -> int:
+        """Set up (capture, on CUDA) every batch bucket at every table width up to
+        ``context_tokens`` of context, now rather than in the first step that needs each; return
+        how many keys were set up. A wider table later is set up when first needed."""
+        if context_tokens <= 0:
+            return 0
+        started = time.monotonic()
+        widest = width_for(blocks_for(context_tokens, self.block_size), self.max_width)
+        widths = [w for w in (2**i for i in range(widest.bit_length())) if w <= widest]
+        before = self.captures
+        for rows in self.buckets:
+            for width in widths:
+                if (rows, width) not in self._entries:
+                    self._set_up(rows, width)
+        log.info(
+            "decode step buckets prepared",
+            extra={
+                "keys": self.captures - before,
+                "context_tokens": context_tokens,
+                "widest_blocks": widest,
+                "mode": self.mode,
+                "seconds": round(time.monotonic() - started, 3),
+            },
+        )
+        return self.captures - before
+
     def release(self) -> None:
         """Drop every key's buffers and graph, and the graphs' memory pool (an engine that stopped)."""
         self._entries.clear()

@@ -38,6 +38,7 @@ class EngineOptions:
     kernels: str = "auto"
     prefix_cache: bool = True
     step_graphs: str = "auto"
+    step_graphs_context: int = 4096  # CUDA graphs captured at start up to this context (0: none)
     compile_step: bool = False
     overlap: str = "auto"
     # The engine may drop the model's plain weights where it keeps its own (packed) copy;
