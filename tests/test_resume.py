@@ -84,15 +84,19 @@ def build_requests(prompts: list[list[int]], new: int, stops: list[tuple[str, ..
 
 
 def stop_across_a_token_boundary(rec: Recorder) -> tuple[str, ...]:
-    """Three characters of the answer that two tokens share, near its middle: a stop
-    sequence that takes more than one token to match, so a cut can fall inside it."""
+    """Three characters of the answer that two tokens share, near its middle, and found
+    nowhere earlier in it: a stop sequence that matches there first and takes more than
+    one token to match, so a cut can fall inside it."""
     ends = [len(text) for text in itertools.accumulate(emitted_per_token(rec))]
     text = rec.text
-    boundaries = [end for end in ends if 2 <= end <= len(text) - 1]
-    if len(text) <= 8 or not boundaries:
+    boundaries = sorted((end for end in ends if 2 <= end <= len(text) - 1), key=lambda end: abs(end - len(text) // 2))
+    if len(text) <= 8:
         return ()
-    middle = min(boundaries, key=lambda end: abs(end - len(text) // 2))
-    return (text[middle - 2 : middle + 1],)
+    for end in boundaries:
+        stop = text[end - 2 : end + 1]
+        if text.find(stop) == end - 2:
+            return (stop,)
+    return ()
 
 
 def cut_inside_the_stop(tokenizer: Any, rec: Recorder) -> int | None:
@@ -203,7 +207,8 @@ def test_a_cut_stream_resumes_exactly_on_the_tiny_model(
     mid_way, spanning = check_resume(
         loaded, kind, chat_prompts(loaded.tokenizer, 9), 40, seed=7, same_engine=same_engine, **options
     )
-    assert mid_way >= 6 and spanning >= 1
+
+    assert mid_way >= 6 and spanning >= 3  # 4 of the 4 streams with a stop here
 
 
 @pytest.mark.e2e
@@ -213,7 +218,7 @@ def test_twenty_cut_streams_resume_exactly_on_the_default_model(default_model_di
     mid_way, spanning = check_resume(
         loaded, "batched", chat_prompts(loaded.tokenizer, 20), 48, seed=11, same_engine=True
     )
-    assert mid_way >= 15 and spanning >= 2
+    assert mid_way >= 15 and spanning >= 6  # 8 here
 
 
 def test_a_resume_whose_tokens_already_ended_the_stream_finishes_at_once(tiny_model_dir: Path) -> None:
