@@ -167,6 +167,9 @@ def test_prepare_sets_up_every_bucket_at_every_width_up_to_the_context_once() ->
     assert sorted({w for _, w in calls}) == [1, 2, 4, 8, 16, 32, 64] and {r for r, _ in calls} == {1, 2, 4, 8}
     assert graphs.prepare(1000) == 0  # set up already
     assert graphs.prepare(100_000) == 4 * 3  # up to the row's most, 512 blocks: 128, 256, 512 more
+    # A row's most that is no power of two (a small pool) is itself the widest width, as width_for gives it.
+    capped = DecodeGraphs(lambda *inputs: torch.zeros(len(inputs[0]), 3), CPU, 16, 99, 1, 100, 0, capture=False)
+    assert capped.prepare(100_000) == 8 and capped.keys()[-1] == (1, 100) and width_for(65, 100) == 100
 
 
 def requests_for(loaded: object, sampled: bool) -> list[GenerationRequest]:

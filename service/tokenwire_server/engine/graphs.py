@@ -120,7 +120,6 @@ class DecodeGraphs:
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._keys: set[tuple[int, int]] = set()
         self._pool: Any = None  # one memory pool for every graph: steps never run two at once
-        self.captures = 0  # keys set up (a graph captured, or buffers made for ``static``)
         self.replays = 0  # steps run through a bucket
 
     def prepare(self, context_tokens: int) -> int:
@@ -131,7 +130,9 @@ class DecodeGraphs:
             return 0
         started = time.monotonic()
         widest = width_for(blocks_for(context_tokens, self.block_size), self.max_width)
-        widths = [w for w in (2**i for i in range(widest.bit_length())) if w <= widest]
+        widths = [width_for(1, self.max_width)]
+        while widths[-1] < widest:  # the widths width_for hands out: powers of two, capped at max_width
+            widths.append(width_for(widths[-1] * 2, self.max_width))
         before = self.captures
         for rows in self.buckets:
             for width in widths:
@@ -223,7 +224,6 @@ class DecodeGraphs:
             self.step(*entry.views())  # compile now, on padding: the first real step is not the one that waits
         self._entries[(rows, width)] = entry
         self._keys.add((rows, width))
-        self.captures += 1
         elapsed = time.monotonic() - started
         log.info(
             "decode step bucket ready",
@@ -252,6 +252,11 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = graph.pool()
         entry.graph = graph
+
+    @property
+    def captures(self) -> int:
+        """Keys set up (a graph captured, or buffers made for ``static``), released ones included."""
+        return len(self._keys)
 
     def keys(self) -> list[tuple[int, int]]:
         """Every (bucket, width) set up, released ones included."""
