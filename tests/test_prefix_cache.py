@@ -111,3 +111,38 @@ def test_six_chats_share_a_1000_token_system_prompt_on_the_default_model(default
     off = answers(loaded, prompts, 8, prefix_cache=False)
     assert [ids for ids, _ in on] == [ids for ids, _ in off]
     assert on[0][1] == 0 and all(cached >= 960 for _, cached in on[1:]), [cached for _, cached in on]
+
+
+def test_a_shared_system_prompt_stays_cached_across_a_pass_of_unrelated_chats(tiny_model_dir: Path) -> None:
+    """#38's sequence: 8 chats that share a ~1,000-token system prompt, then 8 short unrelated
+    chats, then the first 8 again (each pass admitted together). Every chat of the third pass
+    finds the system prompt (>= 960 tokens). Before, a CPU pool reused idle cached blocks from
+    the first request on and gave tables back head first, so the second pass evicted part of
+    the shared chain and the third pass read it again."""
+    loaded = load_model(str(tiny_model_dir))
+    rules = " ".join(f"Rule {i}: answer politely, briefly and only about topic number {i}." for i in range(60))
+
+    def chat(question: str, system: bool = True) -> list[int]:
+        messages = [{"role": "system", "content": rules}] if system else []
+        messages.append({"role": "user", "content": question})
+        ids: list[int] = loaded.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return ids
+
+    shared = [chat(f"Question {i}: what is {i} plus {2 * i}?") for i in range(8)]
+    unrelated = [chat(f"Tell me a short fact about the number {i}.", system=False) for i in range(8)]
+    assert all(len(p) >= 980 for p in shared) and all(len(p) < 80 for p in unrelated)
+    # The CPU defaults: the budget a 135M model gets there, the resident limit by device.
+    limits = EngineLimits(max_active=8, max_queue=16, kv_cache_tokens=32 * 1024, max_prefill_tokens=20)
+    eng = create_engine("batched", loaded, limits, workers=1)
+    eng.start()
+    try:
+        passes = [
+            run_all(eng, requests(prompts, 32, f"pass{n}"), 300)
+            for n, prompts in enumerate((shared, unrelated, shared))
+        ]
+    finally:
+        eng.close()
+    cached = [[rec.last.usage.cached_prompt_tokens for rec in recs] for recs in passes]
+    assert all(hit >= 960 for hit in cached[2]), cached  # the old pool: 640 each (its chains lost their tails)

@@ -145,7 +145,15 @@ def check_resume(
             resumed_requests.append(
                 dataclasses.replace(req, request_id=req.request_id + "-resumed", resume_ids=tuple(ids[:cut]))
             )
+        hits_before = engine.pool.hit_tokens if engine is not None else 0
         resumed = run(loaded, kind, resumed_requests, engine, **options)
+        if engine is not None and options.get("prefix_cache", True):
+            # Every full block the uncut run wrote, generated tokens' included, was published: a
+            # resume here reads only the last partial block of its prompt + tokens so far.
+            expected = sum(
+                (len(req.prompt_ids) + len(req.resume_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE for req in resumed_requests
+            )
+            assert engine.pool.hit_tokens - hits_before == expected, (engine.pool.hit_tokens - hits_before, expected)
     finally:
         if engine is not None:
             engine.close()

@@ -108,10 +108,10 @@ class FakeSeq:
 
 
 def scheduler(
-    blocks: int, prefix_cache: bool = True, max_active: int = 16, prefill: int = 20, fresh_first: bool = True
+    blocks: int, prefix_cache: bool = True, max_active: int = 16, prefill: int = 20, fresh_limit: int | None = None
 ) -> Scheduler:
     limits = EngineLimits(max_active=max_active, max_queue=64, kv_cache_tokens=blocks * BLOCK_SIZE)
-    pool = BlockPool(blocks, BLOCK_SIZE, prefix_cache=prefix_cache, fresh_first=fresh_first)
+    pool = BlockPool(blocks, BLOCK_SIZE, prefix_cache=prefix_cache, fresh_limit=fresh_limit)
     return Scheduler(AdmissionQueue(limits), pool, max_active, prefill, span_columns=1e9, batch_window_s=0.0)
 
 
@@ -328,39 +328,83 @@ def test_idle_cached_blocks_are_evicted_least_recently_used_first() -> None:
         s.admit()
         run_to_end(s)
     assert s.pool.cached == 4 and s.pool.available == 8
-    big = FakeSeq(prompt(40, 9000), 56)  # 6 blocks: the 4 never used, then the 2 oldest idle ones
+    big = FakeSeq(prompt(40, 9000), 56)  # 6 blocks: the free one, the 3 never used, then the 2 oldest idle ones
     submit(s, big)
     s.admit()
     run_to_end(s)
-    for seq, hit in ((FakeSeq(prompt(33, 100), 1), 0), (FakeSeq(prompt(33, 500), 1), 32)):
+    assert s.pool.cached == 2 + 5  # recent's, and big's 5 full blocks (its answer's too)
+    # recent's blocks are idle longer than big's now: the next eviction would take them, so look them up first
+    for seq, hit in ((FakeSeq(prompt(33, 500), 1), 32), (FakeSeq(prompt(33, 100), 1), 0)):
         submit(s, seq)
         s.admit()
         assert seq.cached_prompt_tokens == hit
         run_to_end(s)
 
 
-def test_on_a_cpu_the_blocks_touched_stay_at_the_most_ever_held_at_once() -> None:
-    """``fresh_first=False`` (a CPU): distinct prompts one after another reuse the blocks
-    already touched (the idle cached ones, least recently used first) instead of touching
-    new ones, so the resident KV stays at one request's worth; the latest prompt is still
-    cached. With ``fresh_first`` (a GPU) the same traffic spreads over the pool and keeps
-    every prompt cached."""
-    for fresh_first, touched, hits in (
-        (False, 4, [0, 0, 0, 0, 0, 0, 0, 0, 32]),
-        (True, 18, [0, 0, 0, 0, 0, 0, 0, 0, 32]),
-    ):
-        s = scheduler(blocks=64, fresh_first=fresh_first)
+def test_idle_cached_blocks_are_reused_only_once_the_resident_limit_is_touched() -> None:
+    """``fresh_limit`` (``--kv-resident-tokens``): distinct prompts one after another touch
+    never-used blocks until that many are touched, then reuse the idle cached ones (least
+    recently used first), so the resident KV stays at the limit (a CPU's). With no limit
+    (a GPU's committed pool) the same traffic spreads over the pool and keeps every prompt
+    cached; with a limit of 0 the resident KV stays at one request's worth."""
+    for fresh_limit, touched, first_kept in ((0, 4, False), (12, 12, False), (None, 26, True)):
+        s = scheduler(blocks=64, fresh_limit=fresh_limit)
         for i in range(9):
             seq = FakeSeq(prompt(40, 1000 * i) if i < 8 else prompt(40, 7000), 24)  # 4 blocks; the last repeats the 8th
             submit(s, seq)
             s.admit()
-            assert seq.cached_prompt_tokens == hits[i]
+            assert seq.cached_prompt_tokens == (32 if i == 8 else 0), (fresh_limit, i)
             run_to_end(s)
-        assert s.pool.touched == touched, fresh_first
-    first_again = FakeSeq(prompt(40, 0), 24)
-    submit(s, first_again)
+        # Each request wrote 63 columns: 3 full blocks published (2 of prompt, 1 shared with its answer), and
+        # its 4th given back uncached, which the next one takes first.
+        assert s.pool.touched == touched, fresh_limit
+        first_again = FakeSeq(prompt(40, 0), 24)
+        submit(s, first_again)
+        s.admit()
+        assert first_again.cached_prompt_tokens == (32 if first_kept else 0), fresh_limit
+        run_to_end(s)
+
+
+def test_a_table_is_given_back_tail_first_so_a_chain_keeps_its_head() -> None:
+    """Eviction takes the least recently idle block first. A table given back head first
+    made a chain's head the first to go, and a lookup walks from the head: the whole chain
+    was lost for one evicted block. Given back tail first, evicting two blocks costs the
+    chain its last two blocks only."""
+    s = scheduler(blocks=8, fresh_limit=0)
+    long = FakeSeq(prompt(81, 100), 1)  # 6 blocks, 5 full ones published
+    submit(s, long)
     s.admit()
-    assert first_again.cached_prompt_tokens == 32  # a GPU pool still holds the first prompt
+    run_to_end(s)
+    assert s.pool.cached == 5
+    other = FakeSeq(prompt(20, 5000), 12)  # 2 blocks: the uncached one given back, then one idle block evicted
+    submit(s, other)
+    s.admit()
+    run_to_end(s)
+    again = FakeSeq(prompt(81, 100), 1)
+    submit(s, again)
+    s.admit()
+    assert again.cached_prompt_tokens == 64  # 4 of its 5 blocks: only the tail went
+
+
+def test_full_blocks_of_generated_tokens_are_published_as_they_fill() -> None:
+    """A stream resumed on the same replica (its prompt + the tokens it had) finds every
+    full block its first run wrote, generated ones included, and reads only the last
+    partial block, as vLLM does; before, only the prompt's blocks were cached."""
+    s = scheduler(blocks=64)
+    first = FakeSeq(prompt(20, 300), 40)  # writes 20 + 39 columns: 3 full blocks, 2 of them generated tokens
+    submit(s, first)
+    s.admit()
+    run_to_end(s, token=7)
+    assert first.generated == [7] * 40 and s.pool.cached == 3
+    resumed = FakeSeq(prompt(20, 300) + [7] * 36, 4)  # its prompt + 36 of the 40 tokens
+    submit(s, resumed)
+    s.admit()
+    assert resumed.cached_prompt_tokens == 48 and s.rows[0].length == 48
+    run_to_end(s, token=7)
+    different = FakeSeq(prompt(20, 300) + [8] * 36, 4)  # the same prompt, other tokens after it
+    submit(s, different)
+    s.admit()
+    assert different.cached_prompt_tokens == 16
 
 
 def test_a_block_held_by_a_running_request_is_never_evicted() -> None:
@@ -544,15 +588,18 @@ def test_each_auto_is_decided_once_per_device_with_its_reason() -> None:
 
     loaded = meta_model(SHAPES["smollm2-135m"])
     cpu = resolve(EngineOptions(), _on("cpu", loaded))
-    assert (cpu.forward, cpu.step_graphs, cpu.overlap, cpu.fresh_blocks_first) == ("native", "off", False, False)
+    assert (cpu.forward, cpu.step_graphs, cpu.overlap, cpu.resident_kv_tokens) == ("native", "off", False, 8192)
     assert cpu.why_not_native is None and "CUDA" in (cpu.why_no_step_graphs or "") and "cpu" in cpu.why_overlap
     cuda = resolve(EngineOptions(), _on("cuda", loaded))
-    assert (cuda.forward, cuda.step_graphs, cuda.overlap, cuda.fresh_blocks_first) == (
+    assert (cuda.forward, cuda.step_graphs, cuda.overlap, cuda.resident_kv_tokens) == (
         "transformers",
         "off",
         True,
-        True,
+        None,
     )
+    assert "cpu" in cpu.why_resident_kv and "whole pool" in cuda.why_resident_kv
+    given = resolve(EngineOptions(kv_resident_tokens=1000), _on("cuda", loaded))
+    assert (given.resident_kv_tokens, given.why_resident_kv) == (1000, "--kv-resident-tokens")
     assert "CPU only" in (cuda.why_not_native or "")
     native = resolve(EngineOptions(forward="native"), _on("cuda", loaded))
     assert (native.forward, native.step_graphs, native.overlap) == ("native", "cuda", True)

@@ -38,6 +38,7 @@ class ServerConfig:
     kv_cache_tokens: int = 0
     kv_cache_memory_fraction: float = 0.9
     prefix_cache: str = "on"
+    kv_resident_tokens: int = 0  # 0: by device (engine/options.resident_kv)
     max_prefill_tokens: int = 0  # 0: by device (engine/options.prefill_budget)
     batch_window_ms: float = 10.0
     torch_threads: int = 0
@@ -187,6 +188,13 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         "(built once with the host's C++ compiler, cached; float32 on an AVX2+FMA CPU) where they build, else stock "
         "torch ops; compiled: insist on them; torch: never",
         KERNEL_CHOICES,
+    ),
+    "kv_resident_tokens": (
+        "batched engine: KV tokens' worth of blocks the pool touches before it reuses idle cached blocks for new "
+        "tokens. On a CPU an untouched block is memory not yet resident, so this bounds the resident KV while the "
+        "prefix cache keeps what fits in it (0: auto, 8192 on a CPU and the whole budget on a GPU, whose pool is "
+        "committed at start)",
+        None,
     ),
     "step_graphs": (
         "native pass: decode steps padded to batch buckets (1, 2, 4 ... up to --max-active) and replayed as one CUDA "
@@ -369,6 +377,8 @@ def validate_config(config: ServerConfig) -> list[str]:
             errors.append(f"--{name.replace('_', '-')} must be at least 1")
     if config.step_graphs_context < 0:
         errors.append("--step-graphs-context must not be negative (0: capture each key when first needed)")
+    if config.kv_resident_tokens < 0:
+        errors.append("--kv-resident-tokens must not be negative (0: by device)")
     if config.max_prefill_tokens < 0:
         errors.append("--max-prefill-tokens must not be negative (0: by device)")
     if config.torch_threads < 0:

@@ -318,6 +318,7 @@ class TokenwireServer:
             forward=config.forward,
             kernels=config.kernels,
             prefix_cache=config.prefix_cache == "on",
+            kv_resident_tokens=config.kv_resident_tokens,
             step_graphs=config.step_graphs,
             step_graphs_context=config.step_graphs_context,
             compile_step=config.compile_step == "on",

@@ -110,7 +110,7 @@ class BatchedEngine(Engine):
             kv_blocks(limits.kv_cache_tokens),
             BLOCK_SIZE,
             prefix_cache=options.prefix_cache,
-            fresh_first=resolved.fresh_blocks_first,
+            fresh_limit=None if resolved.resident_kv_tokens is None else blocks_for(resolved.resident_kv_tokens),
         )
         self._cache = PagedCache(self.pool.num_blocks, BLOCK_SIZE, kv_heads, head_dim, placements)
         self.scheduler = Scheduler(

@@ -17,24 +17,28 @@ its blocks early only when a more urgent tenant's request preempts it or its rea
 stops reading (it is parked); coming back, it reads its context again, from the prefix
 cache where its blocks are still there.
 
-**Automatic prefix caching.** A block all of whose tokens are prompt tokens is, once
-its keys and values are written, *published* under a key: a hash of its tokens and of
+**Automatic prefix caching.** A full block is, once its keys and values are written,
+*published* under a key: a hash of its tokens and of
 the key of the block before it (so a key names the whole prefix up to the block's
 end). A new request looks its prompt's full blocks up key by key and shares the
 longest run that is cached: those tokens are not read again (``cached_tokens``).
-At least the prompt's last token is always read, so that its logits exist. A request
-set aside to be read again later (preempted, or parked while its reader catches up)
-publishes its generated tokens' full blocks too, so that coming back it reads little.
+At least the prompt's last token is always read, so that its logits exist.
 
 A block nobody holds any more stays cached (``idle``) until its memory is needed, and
-then the least recently used idle block goes first (its key is dropped). Which block a
-request takes for new tokens: a block that was used and given back uncached (most
-recently given back first, its pages still warm), then either a never-used block or an
-idle cached one. On a GPU the pool is committed memory from the start, so a never-used
-block comes first and the cache keeps all it can (``fresh_first``). On a CPU a never-used
-block is memory not yet resident, so the least recently used idle block goes first: the
-resident set stays at the most blocks ever held at once, and the cache keeps what fits
-in it, instead of growing to the whole budget as distinct prompts come and go.
+then the least recently used idle block goes first (its key is dropped). A table is given
+back tail first, so a chain's head outlives its tail. Which block a request takes for new
+tokens: a block that was used and given back uncached (most recently given back first,
+its pages still warm), then a never-used block while fewer than ``fresh_limit`` blocks
+have been touched, then the least recently used idle cached block. On a GPU the pool is
+committed memory from the start, so the limit is the whole pool and the cache keeps all
+it can. On a CPU a never-used block is memory not yet resident, so the limit is the
+resident KV the operator allows (``--kv-resident-tokens``): the cache keeps what fits in
+it, instead of growing to the whole budget as distinct prompts come and go, and instead
+of evicting from the first request on.
+
+Every full block a request writes is published, its generated tokens' as well as its
+prompt's (as vLLM does): a stream resumed on the same replica, or a preempted or parked
+row coming back, finds all it had written and reads only its last partial block.
 Cached blocks are never written: a request writes only past its shared prefix, in
 blocks of its own.
 """
@@ -55,14 +59,18 @@ def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-max(tokens, 0) // block_size)
 
 
+def next_key(previous: bytes, block: Sequence[int]) -> bytes:
+    """The key of a full block of tokens after the block keyed ``previous`` (``b""``: the first)."""
+    return hashlib.blake2b(previous + array.array("q", block).tobytes(), digest_size=16).digest()
+
+
 def prefix_keys(tokens: Sequence[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
     """The key of every full block of ``tokens``: each hashes the block's tokens and the
     key before it (BLAKE2b, 128 bits), so equal keys mean equal prefixes."""
     keys: list[bytes] = []
     key = b""
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        chunk = array.array("q", tokens[start : start + block_size]).tobytes()
-        key = hashlib.blake2b(key + chunk, digest_size=16).digest()
+        key = next_key(key, tokens[start : start + block_size])
         keys.append(key)
     return keys
 
@@ -80,14 +88,16 @@ class BlockPool:
     """``num_blocks`` blocks: held (counted per holder), cached and idle, or never used."""
 
     def __init__(
-        self, num_blocks: int, block_size: int = BLOCK_SIZE, prefix_cache: bool = True, fresh_first: bool = True
+        self, num_blocks: int, block_size: int = BLOCK_SIZE, prefix_cache: bool = True, fresh_limit: int | None = None
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a block pool needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_cache = prefix_cache
-        self.fresh_first = fresh_first
+        # Blocks that may be touched before an idle cached block is reused for new tokens
+        # (None: all of them, a GPU's committed pool; on a CPU, the resident KV allowed).
+        self.fresh_limit = num_blocks if fresh_limit is None else max(0, min(fresh_limit, num_blocks))
         self._fresh = list(range(num_blocks - 1, -1, -1))  # never used; taken from the end (block 0 first)
         self._free: list[int] = []  # used, given back uncached; taken from the end (warmest first)
         self._holders = [0] * num_blocks
@@ -177,8 +187,12 @@ class BlockPool:
         self._key_of[block] = key
 
     def give_back(self, lease: Lease) -> None:
-        """The request has left: its blocks go idle (cached) or unused, its promise is void."""
-        for block in lease.blocks:
+        """The request has left: its blocks go idle (cached) or unused, its promise is void.
+
+        NOTE: tail first, so a chain's head is the most recently idle of its blocks and is
+        evicted last: a lookup walks a chain from its head, and losing the head would lose the
+        whole chain (vLLM frees a table in reverse for the same reason)."""
+        for block in reversed(lease.blocks):
             self._holders[block] -= 1
             if self._holders[block] > 0:
                 continue
@@ -201,11 +215,11 @@ class BlockPool:
         self._holders[block] += 1
 
     def _take(self) -> int:
-        """A block for new tokens: a warm free one, then a never-used one or the least recently
-        used idle one (``fresh_first`` says which comes first)."""
+        """A block for new tokens: a warm free one, then a never-used one while fewer than
+        ``fresh_limit`` blocks have been touched, then the least recently used idle one."""
         if self._free:
             return self._free.pop()
-        if self._fresh and (self.fresh_first or not self._idle):
+        if self._fresh and (self.touched < self.fresh_limit or not self._idle):
             return self._fresh.pop()
         block, _ = self._idle.popitem(last=False)
         del self._block_of[self._key_of.pop(block)]

@@ -1,7 +1,7 @@
 """What the batched engine is asked to do, and what every ``auto`` comes to, decided once.
 
 ``EngineOptions`` holds the flags as given (``--forward``, ``--kernels``, ``--step-graphs``,
-``--compile-step``, ``--overlap``, ``--prefix-cache``) and whether the engine may drop the
+``--compile-step``, ``--overlap``, ``--prefix-cache``, ``--kv-resident-tokens``) and whether the engine may drop the
 model's plain weights. ``resolve`` reads them against the loaded model and its device and
 returns ``Resolved``: the forward pass, the step graphs, the overlap and the block order,
 each with the reason where ``auto`` chose against it. The engine builds what ``Resolved``
@@ -37,6 +37,7 @@ class EngineOptions:
     forward: str = "auto"
     kernels: str = "auto"
     prefix_cache: bool = True
+    kv_resident_tokens: int = 0  # blocks touched before idle cached ones are reused (0: by device)
     step_graphs: str = "auto"
     step_graphs_context: int = 4096  # CUDA graphs captured at start up to this context (0: none)
     compile_step: bool = False
@@ -66,7 +67,9 @@ class Resolved:
     why_no_step_graphs: str | None
     overlap: bool  # deliver step N while step N+1 runs
     why_overlap: str
-    fresh_blocks_first: bool  # the block pool hands out untouched blocks before reused ones
+    # KV tokens' worth of blocks the pool touches before it reuses idle cached ones (None: all).
+    resident_kv_tokens: int | None
+    why_resident_kv: str
     # Whether the native pass packs its weights for oneDNN: a compiled step takes plain
     # weights (oneDNN's packed GEMM has no fake kernel for torch.compile to trace).
     pack_weights: bool
@@ -85,7 +88,8 @@ class Resolved:
             "overlap": self.overlap,
             "why_overlap": self.why_overlap,
             "prefix_cache": self.options.prefix_cache,
-            "fresh_blocks_first": self.fresh_blocks_first,
+            "resident_kv_tokens": self.resident_kv_tokens,
+            "why_resident_kv": self.why_resident_kv,
         }
 
 
@@ -111,6 +115,7 @@ def resolve(options: EngineOptions, loaded: LoadedModel) -> Resolved:
         why_overlap = f"auto: {'on' if overlap else 'off'} on {device.type}"
     else:
         overlap, why_overlap = options.overlap == "on", f"--overlap {options.overlap}"
+    resident, why_resident = resident_kv(options.kv_resident_tokens, device)
     return Resolved(
         options=options,
         native=native,
@@ -119,10 +124,25 @@ def resolve(options: EngineOptions, loaded: LoadedModel) -> Resolved:
         why_no_step_graphs=why_no_graphs,
         overlap=overlap,
         why_overlap=why_overlap,
-        # On a CPU untouched blocks are memory not yet resident: reuse before touching more (blocks.py).
-        fresh_blocks_first=device.type != "cpu",
+        resident_kv_tokens=resident,
+        why_resident_kv=why_resident,
         pack_weights=not options.compile_step,
     )
+
+
+# ``--kv-resident-tokens 0`` on a CPU: an untouched KV block is memory not yet resident, so the
+# pool reuses idle cached blocks once this many tokens' worth are touched (377 MiB of fp32 KV on
+# the default model), rather than from the first request on or only at the whole budget.
+RESIDENT_KV_TOKENS_CPU = 8192
+
+
+def resident_kv(requested: int, device: torch.device) -> tuple[int | None, str]:
+    """``--kv-resident-tokens`` on ``device`` (None: the whole pool), and why."""
+    if requested > 0:
+        return requested, "--kv-resident-tokens"
+    if device.type == "cpu":
+        return RESIDENT_KV_TOKENS_CPU, f"auto: {RESIDENT_KV_TOKENS_CPU} on cpu (untouched KV is not resident)"
+    return None, f"auto: the whole pool on {device.type} (committed at start)"
 
 
 # ``--max-prefill-tokens 0``: a CPU computes each prompt token itself, so a small chunk keeps

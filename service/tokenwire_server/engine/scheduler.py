@@ -13,8 +13,8 @@ One step of the engine is ``schedule()`` → the runner's ``run(plan)`` → ``po
   (``Row.urgent``) has its short prompt read alone first. Each part gets the blocks it writes to.
   Nothing about a row changes until ``postprocess``: a plan that fails (out of memory)
   is planned again without its newest row, and the others get the same tokens.
-- ``postprocess`` commits the plan: lengths move, full prompt blocks are published to
-  the prefix cache, and every picked token goes to its request, here and nowhere else.
+- ``postprocess`` commits the plan: lengths move, full blocks (prompt and generated) are
+  published to the prefix cache, and every picked token goes to its request, here and nowhere else.
 - ``retire`` drops finished, cancelled and (between steps) expired rows; their blocks
   go back to the pool at once. A row whose reader has fallen behind is parked: it gives its
   slot and blocks up (as a preempted row does) and waits, outside the queue, for its reader
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..domain import ErrorKind, FinishReason
-from .blocks import BlockPool, Lease, prefix_keys
+from .blocks import BlockPool, Lease, next_key, prefix_keys
 
 if TYPE_CHECKING:
     from .admission import AdmissionQueue
@@ -47,7 +47,9 @@ class Row:
 
     seq: Generation
     lease: Lease
-    keys: list[bytes]  # the prompt's full blocks' prefix keys (empty with the prefix cache off)
+    # Prefix keys of its full blocks: the context's at admission, then each generated block's as it
+    # fills (empty with the prefix cache off).
+    keys: list[bytes]
     length: int = 0  # tokens whose keys/values are written
     decoding: bool = False  # the prompt is read; the next token is ``last``
     last: int = 0
@@ -262,21 +264,18 @@ class Scheduler:
         """Commit a step's lengths, prefix-cache blocks and picked tokens (``Generation.take``)
         without delivering their text; the rows whose token waits for ``deliver`` come back.
         Rows that left since the step was launched commit nothing (their pick is dropped)."""
-        block_size = self.pool.block_size
         for part in plan.parts:
             row = part.row
             if not part.decodes and not row.left:
                 row.length += part.count
-                full = min(row.length, row.seq.context_len, len(row.keys) * block_size) // block_size
-                while row.published < full:
-                    self.pool.publish(row.lease, row.published, row.keys[row.published])
-                    row.published += 1
+                self._publish_written(row)
         waiting: list[Row] = []
         for row, (token, logprob, top_alternatives) in zip(plan.emitters, picks, strict=True):
             if row.left:
                 continue
             if row.decoding:
                 row.length += 1
+                self._publish_written(row)
             row.decoding, row.last, row.urgent = True, token, False
             if (
                 not row.seq.finished
@@ -285,6 +284,29 @@ class Scheduler:
             ):
                 waiting.append(row)
         return waiting
+
+    def _publish_written(self, row: Row) -> None:
+        """Publish every full block of ``row`` whose keys and values are written: prompt blocks,
+        and generated ones too (keyed as they fill), so that a stream resumed here, or the row
+        itself coming back after a preemption or a park, reads only its last partial block.
+
+        NOTE: column ``c`` of a row holds token ``c`` of its prompt + generated tokens, and no
+        step writes into a full block again (a step writes column ``row.length``), so a key
+        names exactly what its block holds. It costs one BLAKE2b of 16 ids per 16 tokens."""
+        pool = self.pool
+        full = row.length // pool.block_size
+        if not pool.prefix_cache or full <= row.published:
+            return
+        if len(row.keys) < full:
+            size, first = pool.block_size, len(row.keys)
+            prompt, generated = row.seq.request.prompt_ids, row.seq.generated
+            start, end = first * size, full * size
+            tokens = prompt[start:end] + generated[max(0, start - len(prompt)) : max(0, end - len(prompt))]
+            for i in range(full - first):
+                row.keys.append(next_key(row.keys[-1] if row.keys else b"", tokens[i * size : (i + 1) * size]))
+        while row.published < full:
+            pool.publish(row.lease, row.published, row.keys[row.published])
+            row.published += 1
 
     def deliver(self, rows: list[Row]) -> None:
         """Deliver the tokens ``take`` committed for ``rows`` (text, stop sequences, events)."""
@@ -330,25 +352,13 @@ class Scheduler:
         self._on_park(row.seq)
 
     def _set_aside(self, row: Row) -> None:
-        """Take ``row`` out of the batch to be read again later (preempted or parked): publish every
-        full block it has written, generated tokens' included, so that when it comes back it finds
-        them in the prefix cache (unless evicted meanwhile) and reads only its last partial block,
-        then give its blocks back.
-
-        NOTE: no step in flight writes into those blocks: a step writes a row's next column
-        (``row.length``), past its last full block. The keys chain over prompt + generated tokens,
-        the ids of those columns, so another request sharing them shares that exact prefix."""
+        """Take ``row`` out of the batch to be read again later (preempted or parked) and give its
+        blocks back. Every full block it wrote is in the prefix cache already (``_publish_written``),
+        so when it comes back it finds them (unless evicted meanwhile) and reads only its last
+        partial block."""
         self.rows.remove(row)
         row.left = True
-        pool = self.pool
-        full = row.length // pool.block_size
-        if pool.prefix_cache and full > row.published:
-            seq = row.seq
-            tokens = (seq.request.prompt_ids + seq.generated)[: full * pool.block_size]
-            for index, key in enumerate(prefix_keys(tokens, pool.block_size)[row.published :], start=row.published):
-                pool.publish(row.lease, index, key)
-            row.published = full
-        pool.give_back(row.lease)
+        self.pool.give_back(row.lease)
 
     def preempt(self) -> Row | None:
         """Every slot is taken and a waiting request deserves one more than a running request
