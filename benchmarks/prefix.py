@@ -3,7 +3,9 @@
 `--prefix-cache on` and `off`, one chat after another (time to first token is the prompt's own
 cost): questions alone, then, after one that fills the cache, chats sharing a ~1,000-token
 system prompt; cached prompt tokens from each answer's usage, and the answers compared between
-the settings. Replaces the "prefix" section.
+the settings. Then, cache on, #38's sequence: 8 chats sharing the system prompt together, 8
+short unrelated chats together, the first 8 again; how many of the third pass find >= 960 tokens.
+Replaces the "prefix" section.
 """
 
 from __future__ import annotations
@@ -28,10 +30,23 @@ def question(i: int) -> str:
 
 
 def ask(stub: Any, system: str | None, text: str, tokens: int) -> load.Stream:
+    return load.stream(stub, request(system, text, tokens), timeout=600)
+
+
+def request(system: str | None, text: str, tokens: int) -> Any:
     messages = [pb.ChatMessage(role="system", content=system)] if system else []
     messages.append(pb.ChatMessage(role="user", content=text))
-    request = pb.GenerateRequest(chat=pb.Chat(messages=messages), stopping=pb.StoppingCriteria(max_new_tokens=tokens))
-    return load.stream(stub, request, timeout=600)
+    return pb.GenerateRequest(chat=pb.Chat(messages=messages), stopping=pb.StoppingCriteria(max_new_tokens=tokens))
+
+
+def three_passes(stub: Any, count: int, tokens: int) -> list[int]:
+    """Cached prompt tokens of each chat of the third pass: shared, unrelated, shared again."""
+    shared = [request(RULES, question(i), tokens) for i in range(count)]
+    unrelated = [request(None, f"Tell me a short fact about the number {i}.", tokens * 4) for i in range(count)]
+    for batch in (shared, unrelated):
+        load.streams(stub, batch, concurrency=count, timeout=600)
+    _, again = load.streams(stub, shared, concurrency=count, timeout=600)
+    return [s.usage.cached_prompt_tokens for s in again]
 
 
 def run(args: argparse.Namespace) -> doc.Section:
@@ -39,6 +54,7 @@ def run(args: argparse.Namespace) -> doc.Section:
     cached: dict[str, list[int]] = {setting: [] for setting in SETTINGS}
     prompt_tokens: list[int] = []
     texts: dict[str, list[str]] = {}
+    third: list[list[int]] = []  # per repeat: the third pass's cached prompt tokens
     for repeat in range(args.repeats):
         for setting in SETTINGS:
             with serve(args.dry_run, ["--model", args.model, "--prefix-cache", setting]) as server:
@@ -47,6 +63,8 @@ def run(args: argparse.Namespace) -> doc.Section:
                 alone = [ask(stub, None, question(i), args.tokens).ttft for i in range(args.requests)]
                 ask(stub, RULES, question(999), args.tokens)  # the first: fills the cache
                 shared = [ask(stub, RULES, question(i), args.tokens) for i in range(args.requests)]
+                if setting == "on":
+                    third.append(three_passes(stub, min(8, args.requests), args.tokens))
             ttft.setdefault((setting, "alone"), []).append(alone)
             ttft.setdefault((setting, "shared"), []).append([s.ttft for s in shared])
             cached[setting] += [s.usage.cached_prompt_tokens for s in shared]
@@ -79,4 +97,7 @@ def run(args: argparse.Namespace) -> doc.Section:
         "",
         *(f"- prefix cache {s}: TTFT p50 shared ÷ question alone {spread(ratios[s], 2)}×" for s in SETTINGS),
         f"- answers identical with the cache on and off: {same} of {len(texts['on'])} (first repeat)",
+        f"- three passes (cache on; {len(third[0])} chats sharing the system prompt at once, {len(third[0])} short "
+        f"unrelated ones, the first again): chats of the third pass finding >= 960 tokens, per repeat: "
+        f"{', '.join(f'{sum(h >= 960 for h in hits)}/{len(hits)} (min {min(hits)})' for hits in third)}",
     )  # fmt: skip

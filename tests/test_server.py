@@ -30,6 +30,10 @@ def text_of(chunks):
     return "".join(c.text for c in chunks)
 
 
+def ids_of(chunks):
+    return [t.id for c in chunks for t in c.tokens]
+
+
 def greedy(**stopping):
     return pb.SamplingParams(temperature=0.0), pb.StoppingCriteria(**stopping)
 
@@ -163,9 +167,46 @@ def test_stop_sequence_cuts_the_text(stub):
     chunks = collect(stub, pb.GenerateRequest(prompt="Count:", sampling=sampling, stopping=stopping))
     assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
     assert text_of(chunks) == full[:cut]
+    assert chunks[-1].WhichOneof("matched_stop") == "stop_sequence" and chunks[-1].stop_sequence == stop
     stopping.include_stop_sequence = True
     chunks = collect(stub, pb.GenerateRequest(prompt="Count:", sampling=sampling, stopping=stopping))
     assert text_of(chunks) == full[: cut + len(stop)]
+
+
+def test_a_stop_token_id_ends_the_stream_and_is_reported(stub):
+    """A stop token id ends the stream at its first occurrence (FINISH_REASON_STOP_TOKEN); the
+    last chunk names it; its text is left out unless include_stop_sequence; ignore_eos does not
+    turn it off; bad ids are INVALID_ARGUMENT naming the field, before any chunk."""
+    sampling, stopping = greedy(max_new_tokens=24, ignore_eos=True)
+    output = pb.OutputOptions(token_ids=True)
+    full = collect(stub, pb.GenerateRequest(prompt="Count:", sampling=sampling, stopping=stopping, output=output))
+    ids = ids_of(full)
+    at = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])  # a token's first occurrence
+    stopping.stop_token_ids.extend([ids[at], 49151])
+    chunks = collect(stub, pb.GenerateRequest(prompt="Count:", sampling=sampling, stopping=stopping, output=output))
+    assert ids_of(chunks) == ids[: at + 1] and chunks[-1].usage.completion_tokens == at + 1
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP_TOKEN
+    assert (chunks[-1].WhichOneof("matched_stop"), chunks[-1].stop_token_id) == ("stop_token_id", ids[at])
+    assert text_of(full).startswith(text_of(chunks))
+    kept = collect(
+        stub,
+        pb.GenerateRequest(
+            prompt="Count:", sampling=sampling, output=output,
+            stopping=pb.StoppingCriteria(
+                max_new_tokens=24, ignore_eos=True, stop_token_ids=[ids[at]], include_stop_sequence=True
+            ),
+        ),
+    )  # fmt: skip
+    assert ids_of(kept) == ids[: at + 1]
+    assert len(text_of(kept)) > len(text_of(chunks)) and text_of(kept).startswith(text_of(chunks))
+    vocab = stub.GetModelInfo(pb.GetModelInfoRequest()).limits.vocab_size
+    for bad, field in (
+        (pb.StoppingCriteria(stop_token_ids=[5, vocab]), "stopping.stop_token_ids[1]"),
+        (pb.StoppingCriteria(stop_token_ids=list(range(17))), "stopping.stop_token_ids"),
+    ):
+        with pytest.raises(grpc.RpcError) as caught:
+            collect(stub, pb.GenerateRequest(prompt="Count:", stopping=bad))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in caught.value.details()
 
 
 def test_logprobs_and_top_logprobs(stub):

@@ -341,6 +341,7 @@ def test_generation_request_maps_every_field() -> None:
             max_new_tokens=5,
             min_new_tokens=2,
             stop_sequences=["x", "y"],
+            stop_token_ids=[7, 3, 7],
             include_stop_sequence=True,
             ignore_eos=True,
             time_limit_ms=1500,
@@ -356,6 +357,7 @@ def test_generation_request_maps_every_field() -> None:
         max_new_tokens=5,
         min_new_tokens=2,
         stop_sequences=("x", "y"),
+        stop_token_ids=frozenset({3, 7}),
         include_stop_sequence=True,
         ignore_eos=True,
         time_limit_s=1.5,
@@ -397,6 +399,13 @@ def test_prompts_requests_ids_and_chunks() -> None:
     assert last.usage.total_time_ms == pytest.approx(3.0)
     middle = conversion.chunk("r", 0, "a", ())
     assert middle.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not middle.HasField("usage")
+    assert last.WhichOneof("matched_stop") is None and middle.WhichOneof("matched_stop") is None
+    # The stop that ended a stream: the sequence that matched, or the stop (or EOS) token.
+    by_sequence = conversion.chunk("r", 4, "", (), FinishReason.STOP_SEQUENCE, USAGE, matched="END")
+    assert (by_sequence.WhichOneof("matched_stop"), by_sequence.stop_sequence) == ("stop_sequence", "END")
+    by_token = conversion.chunk("r", 4, "", (), FinishReason.STOP_TOKEN, USAGE, matched=0)
+    assert by_token.finish_reason == pb.FINISH_REASON_STOP_TOKEN
+    assert (by_token.WhichOneof("matched_stop"), by_token.stop_token_id) == ("stop_token_id", 0)
 
 
 def test_model_info_publishes_every_limit_and_the_default_sampling() -> None:
@@ -405,6 +414,7 @@ def test_model_info_publishes_every_limit_and_the_default_sampling() -> None:
     assert (limits.max_new_tokens_limit, limits.default_max_new_tokens, limits.max_stop_sequences) == (48, 16, 3)
     assert (limits.max_stop_sequence_chars, limits.max_chat_messages, limits.max_top_logprobs) == (10, 4, 5)
     assert (limits.max_message_bytes, limits.context_length, limits.vocab_size) == (1 << 20, 64, 1000)
+    assert limits.max_stop_token_ids == 16
     assert info.default_sampling.top_k == 40 and info.default_sampling.temperature == pytest.approx(0.7)
     assert (info.max_new_tokens_limit, info.context_length, info.max_active_streams, info.max_queued_requests) == (
         48,

@@ -435,3 +435,24 @@ def test_the_default_model_answers_in_a_json_schema_on_vllm(default_model_dir: P
     answer = json.loads("".join(c.text for c in chunks))
     jsonschema.validate(answer, schema)
     assert answer["city"] == "Paris"
+
+
+def test_a_stop_token_id_ends_a_stream_on_vllm(small_server: ServerProcess) -> None:
+    """``stop_token_ids`` reach vLLM's SamplingParams: the stream ends at the token's first
+    occurrence with FINISH_REASON_STOP_TOKEN, and the last chunk names it."""
+    with grpc.insecure_channel(small_server.target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+
+        def ids(stopping: pb.StoppingCriteria) -> tuple[list[int], pb.TokenChunk]:
+            request = pb.GenerateRequest(
+                prompt="Count:", sampling=pb.SamplingParams(temperature=0.0), stopping=stopping,
+                output=pb.OutputOptions(token_ids=True),
+            )  # fmt: skip
+            chunks = list(stub.Generate(request, timeout=120))
+            return [t.id for c in chunks for t in c.tokens], chunks[-1]
+
+        full, _ = ids(pb.StoppingCriteria(max_new_tokens=16, ignore_eos=True))
+        at = next(i for i in range(3, len(full)) if full[i] not in full[:i])
+        cut, last = ids(pb.StoppingCriteria(max_new_tokens=16, ignore_eos=True, stop_token_ids=[full[at]]))
+    assert cut == full[: at + 1]
+    assert last.finish_reason == pb.FINISH_REASON_STOP_TOKEN and last.stop_token_id == full[at]

@@ -124,6 +124,10 @@ def _generation_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-new-tokens", type=int)
     group.add_argument("--min-new-tokens", type=int)
     group.add_argument("--stop", action="append", metavar="TEXT", help="stop sequence (repeatable)")
+    group.add_argument(
+        "--stop-token-id", action="append", type=int, metavar="ID", dest="stop_token_ids",
+        help="token id that ends the answer when generated (repeatable; see `tokenwire tokenize` for ids)",
+    )  # fmt: skip
     group.add_argument("--include-stop-sequence", action="store_true")
     group.add_argument("--ignore-eos", action="store_true")
     group.add_argument("--time-limit-ms", type=int)
@@ -319,6 +323,8 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
             options[name] = True  # type: ignore[literal-required]
     if args.stop:
         options["stop"] = list(args.stop)
+    if getattr(args, "stop_token_ids", None):
+        options["stop_token_ids"] = list(args.stop_token_ids)
     if getattr(args, "priority", None):
         options["priority"] = args.priority
     fmt = _response_format(args)
@@ -437,7 +443,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             _hint_chat(client, last.usage.completion_tokens)
         if args.usage and last is not None:
             usage = last.usage
-            print(f"finish_reason: {last.finish_reason}", file=sys.stderr)
+            matched = "" if last.matched_stop is None else f" matched_stop={last.matched_stop!r}"
+            print(f"finish_reason: {last.finish_reason}{matched}", file=sys.stderr)
             if usage is not None:
                 print(
                     f"usage: prompt_tokens={usage.prompt_tokens} cached_prompt_tokens={usage.cached_prompt_tokens} "

@@ -36,6 +36,7 @@ class GenerateOptions(TypedDict, total=False):
     max_new_tokens: int
     min_new_tokens: int
     stop: Sequence[str]
+    stop_token_ids: Sequence[int]
     include_stop_sequence: bool
     ignore_eos: bool
     time_limit_ms: int
@@ -56,7 +57,9 @@ class GenerateOptions(TypedDict, total=False):
 _SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
 _STOPPING = ("max_new_tokens", "min_new_tokens", "include_stop_sequence", "ignore_eos", "time_limit_ms")
 _OUTPUT = ("token_ids", "logprobs", "top_logprobs")
-_KNOWN = frozenset((*_SAMPLING, *_STOPPING, *_OUTPUT, "stop", "request_id", "response_format", "priority"))
+_KNOWN = frozenset(
+    (*_SAMPLING, *_STOPPING, *_OUTPUT, "stop", "stop_token_ids", "request_id", "response_format", "priority")
+)
 PriorityLike = Literal["high", "normal", "low"] | int
 PRIORITIES = {"high": pb.PRIORITY_HIGH, "normal": pb.PRIORITY_UNSPECIFIED, "low": pb.PRIORITY_LOW}
 
@@ -122,6 +125,8 @@ def build_generate_request(
     if "stop" in options:
         stop = options["stop"]
         request.stopping.stop_sequences.extend([stop] if isinstance(stop, str) else stop)
+    if "stop_token_ids" in options:
+        request.stopping.stop_token_ids.extend(options["stop_token_ids"])
     for name in _OUTPUT:
         if name in options:
             setattr(request.output, name, options[name])  # type: ignore[literal-required]

@@ -37,6 +37,7 @@ class FinishReason(str, Enum):
     EOS = "eos"
     STOP_SEQUENCE = "stop_sequence"
     TIME_LIMIT = "time_limit"
+    STOP_TOKEN = "stop_token"
 
     @classmethod
     def from_proto(cls, value: int) -> FinishReason | None:
@@ -52,7 +53,17 @@ _FINISH_REASONS: dict[int, FinishReason] = {
     pb.FINISH_REASON_EOS: FinishReason.EOS,
     pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
     pb.FINISH_REASON_TIME_LIMIT: FinishReason.TIME_LIMIT,
+    pb.FINISH_REASON_STOP_TOKEN: FinishReason.STOP_TOKEN,
 }
+
+
+def _matched_stop(chunk: pb.TokenChunk) -> str | int | None:
+    kind = chunk.WhichOneof("matched_stop")
+    if kind == "stop_sequence":
+        return chunk.stop_sequence
+    if kind == "stop_token_id":
+        return int(chunk.stop_token_id)
+    return None
 
 
 class HealthStatus(str, Enum):
@@ -140,7 +151,9 @@ class Token:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """One step of a streamed completion. ``finish_reason`` and ``usage`` are set on the last."""
+    """One step of a streamed completion. ``finish_reason``, ``usage`` and ``matched_stop`` are
+    set on the last: ``matched_stop`` is the stop sequence that matched (a str), or the stop
+    token id or end-of-sequence token that ended it (an int); None where no stop did."""
 
     text: str
     index: int
@@ -148,6 +161,7 @@ class Chunk:
     tokens: tuple[Token, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    matched_stop: str | int | None = None
 
     @classmethod
     def from_proto(cls, chunk: pb.TokenChunk) -> Chunk:
@@ -158,6 +172,7 @@ class Chunk:
             tokens=tuple(Token.from_proto(t) for t in chunk.tokens),
             finish_reason=FinishReason.from_proto(chunk.finish_reason),
             usage=Usage.from_proto(chunk.usage) if chunk.HasField("usage") else None,
+            matched_stop=_matched_stop(chunk),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,6 +190,7 @@ class Completion:
     usage: Usage | None
     tokens: tuple[Token, ...] = ()
     chunks: int = 0
+    matched_stop: str | int | None = None  # as on the last Chunk
 
     @classmethod
     def from_chunks(cls, chunks: Sequence[Chunk], request_id: str = "") -> Completion:
@@ -186,6 +202,7 @@ class Completion:
             usage=last.usage if last is not None else None,
             tokens=tuple(t for c in chunks for t in c.tokens),
             chunks=len(chunks),
+            matched_stop=last.matched_stop if last is not None else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -246,6 +263,7 @@ class ModelInfo:
     default_sampling: dict[str, float] = dataclasses.field(default_factory=dict)
     max_stop_sequences: int | None = None
     max_stop_sequence_chars: int | None = None
+    max_stop_token_ids: int | None = None
     max_chat_messages: int | None = None
     max_top_logprobs: int | None = None
     max_message_bytes: int | None = None
@@ -297,6 +315,7 @@ class ModelInfo:
             ),
             max_stop_sequences=published.max_stop_sequences if published else None,
             max_stop_sequence_chars=published.max_stop_sequence_chars if published else None,
+            max_stop_token_ids=published.max_stop_token_ids if published else None,
             max_chat_messages=published.max_chat_messages if published else None,
             max_top_logprobs=published.max_top_logprobs if published else None,
             max_message_bytes=published.max_message_bytes if published else None,

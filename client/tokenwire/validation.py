@@ -58,6 +58,7 @@ class Rule(str, Enum):
     TOO_MANY_STOPS = "holds {count} stop sequences; at most {limit} are allowed"
     EMPTY_STOP = "stop sequence {index} is empty"
     STOP_TOO_LONG = "stop sequence {index} has {count} characters; at most {limit} are allowed"
+    TOO_MANY_STOP_TOKENS = "holds {count} stop token ids; at most {limit} are allowed"
     TOP_LOGPROBS = "must be between 0 and " + str(MAX_TOP_LOGPROBS) + ", got {value}"
     PROMPT_TOO_LONG = (
         "the prompt is {count} tokens; with max_new_tokens={value} it needs {total}, "
@@ -117,6 +118,7 @@ class Limits:
     max_stop_sequence_chars: int | None = None
     max_chat_messages: int | None = None
     vocab_size: int | None = None
+    max_stop_token_ids: int | None = None
 
     @classmethod
     def from_model_info(cls, info: pb.ModelInfo) -> Limits:
@@ -130,6 +132,7 @@ class Limits:
             max_stop_sequence_chars=limits.max_stop_sequence_chars,
             max_chat_messages=limits.max_chat_messages,
             vocab_size=limits.vocab_size,
+            max_stop_token_ids=limits.max_stop_token_ids,
         )
 
 
@@ -278,6 +281,15 @@ def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> li
                 bad(field, Rule.STOP_TOO_LONG, index=i, count=len(stop), limit=limits.max_stop_sequence_chars)
             elif _bad_text(stop):
                 bad(field, Rule.INVALID_UTF8)
+
+    stop_ids = stopping.stop_token_ids
+    if limits.max_stop_token_ids is not None and len(stop_ids) > limits.max_stop_token_ids:
+        bad("stopping.stop_token_ids", Rule.TOO_MANY_STOP_TOKENS, count=len(stop_ids), limit=limits.max_stop_token_ids)
+    elif limits.vocab_size is not None:
+        for i, value in enumerate(stop_ids):
+            if value >= limits.vocab_size:
+                bad(f"stopping.stop_token_ids[{i}]", Rule.TOKEN_OUT_OF_VOCAB, value=value, limit=limits.vocab_size)
+                break
 
     if request.output.top_logprobs > MAX_TOP_LOGPROBS:
         bad("output.top_logprobs", Rule.TOP_LOGPROBS, value=request.output.top_logprobs)

@@ -20,6 +20,7 @@ class FinishReason(str, enum.Enum):
     EOS = "eos"
     STOP_SEQUENCE = "stop_sequence"
     TIME_LIMIT = "time_limit"
+    STOP_TOKEN = "stop_token"
 
 
 class ErrorKind(str, enum.Enum):
@@ -84,6 +85,7 @@ class RequestLimits:
     max_chat_messages: int
     max_message_bytes: int
     max_top_logprobs: int = MAX_TOP_LOGPROBS
+    max_stop_token_ids: int = 16
     # Longest prompt text, in characters, that could fit ``max_request_tokens`` (this tokenizer's
     # longest token times that); longer ones are refused before they are tokenized. 0: no bound
     # is known for this tokenizer (they are tokenized, cut one past the limit).
@@ -255,6 +257,8 @@ class GenerationRequest:
     max_new_tokens: int  # already fitted to the context (``fit_to_context``)
     min_new_tokens: int = 0
     stop_sequences: tuple[str, ...] = ()
+    # Token ids that end the request (after min_new_tokens, whatever ignore_eos says).
+    stop_token_ids: frozenset[int] = frozenset()
     include_stop_sequence: bool = False
     ignore_eos: bool = False
     time_limit_s: float | None = None
@@ -316,6 +320,8 @@ class FinishEvent:
     tokens: tuple[TokenInfo, ...]
     reason: FinishReason
     usage: Usage
+    # What stopped it: the stop sequence that matched, or the stop (or end-of-sequence) token id.
+    matched: str | int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

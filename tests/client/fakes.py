@@ -218,6 +218,7 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
             sent_text, words, index = "".join(words[:skip]), words[skip:], request.resume.next_index
             fail_after = None
         started = time.monotonic()
+        matched: dict[str, object] = {}
         for word in words:
             if fail_after is not None and index == fail_after:
                 fail(grpc.StatusCode.UNAVAILABLE, "scripted failure mid-stream")
@@ -229,7 +230,12 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
                 if request.output.logprobs or request.output.top_logprobs:
                     token.logprob = -0.5
             stop_hit = next((s for s in request.stopping.stop_sequences if s in sent_text + word), None)
-            if stop_hit is not None:
+            if index % VOCAB_SIZE in request.stopping.stop_token_ids:  # its text left out, as the server does
+                chunk.text = word if request.stopping.include_stop_sequence else ""
+                finish, matched = pb.FINISH_REASON_STOP_TOKEN, {"stop_token_id": index % VOCAB_SIZE}
+                stop_hit = ""
+            elif stop_hit is not None:
+                matched = {"stop_sequence": stop_hit}
                 cut = (sent_text + word).index(stop_hit)
                 keep = len(stop_hit) if request.stopping.include_stop_sequence else 0
                 chunk.text = (sent_text + word)[len(sent_text) : cut + keep]
@@ -250,6 +256,7 @@ class FakeTextGeneration(pb_grpc.TextGenerationServicer):
             index=index,
             text="",
             finish_reason=finish,
+            **matched,  # type: ignore[arg-type]
             usage=pb.Usage(
                 prompt_tokens=len(_words(text)),
                 completion_tokens=index,

@@ -53,6 +53,16 @@ def test_generate_chat_with_system_and_stdin(tw, fake):
     assert list(fake.servicer.requests[-1].stopping.stop_sequences) == ["zz"]
 
 
+def test_generate_stops_at_a_stop_token_id_and_says_which_stop_matched(tw, fake):
+    result = tw("generate", "a b c d", "--stop-token-id", "2", "--stop-token-id", "9", "--usage")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "a b"  # the stop token's " c" is left out
+    assert "finish_reason: stop_token matched_stop=2" in result.stderr
+    assert list(fake.servicer.requests[-1].stopping.stop_token_ids) == [2, 9]
+    by_sequence = tw("generate", "a b c d", "--stop", "c", "--usage")
+    assert by_sequence.stdout == "a b " and "finish_reason: stop_sequence matched_stop='c'" in by_sequence.stderr
+
+
 def test_invalid_argument_exits_2_with_the_rule(tw, fake):
     result = tw("generate", "x", "--top-p", "1.5")
     assert result.returncode == 2

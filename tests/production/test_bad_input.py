@@ -101,6 +101,14 @@ BAD_REQUESTS = {
         pb.GenerateRequest(prompt=P, stopping=stopping(stop_sequences=["x" * 17])),
         "stopping.stop_sequences[0]",
     ),
+    "too many stop token ids": (
+        pb.GenerateRequest(prompt=P, stopping=stopping(stop_token_ids=list(range(17)))),
+        "stopping.stop_token_ids",
+    ),
+    "stop token id outside the vocabulary": (
+        pb.GenerateRequest(prompt=P, stopping=stopping(stop_token_ids=[2, 49152])),
+        "stopping.stop_token_ids[1]",
+    ),
     "top_logprobs above five": (
         pb.GenerateRequest(prompt=P, output=pb.OutputOptions(top_logprobs=6)),
         "output.top_logprobs",

@@ -68,6 +68,8 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """A stop sequence matched."""
     FINISH_REASON_TIME_LIMIT: _FinishReason.ValueType  # 4
     """time_limit_ms passed."""
+    FINISH_REASON_STOP_TOKEN: _FinishReason.ValueType  # 5
+    """One of StoppingCriteria.stop_token_ids was generated."""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why a stream ended."""
@@ -82,6 +84,8 @@ FINISH_REASON_STOP_SEQUENCE: FinishReason.ValueType  # 3
 """A stop sequence matched."""
 FINISH_REASON_TIME_LIMIT: FinishReason.ValueType  # 4
 """time_limit_ms passed."""
+FINISH_REASON_STOP_TOKEN: FinishReason.ValueType  # 5
+"""One of StoppingCriteria.stop_token_ids was generated."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
@@ -451,6 +455,7 @@ class StoppingCriteria(_message.Message):
     INCLUDE_STOP_SEQUENCE_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     TIME_LIMIT_MS_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Most tokens to generate. Unset: the server's default, shortened to what fits
     the context beside the prompt. Above the server's cap
@@ -476,6 +481,15 @@ class StoppingCriteria(_message.Message):
         stop string is left out of the text unless include_stop_sequence is set.
         """
 
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids that end generation when one is generated (FINISH_REASON_STOP_TOKEN),
+        each below ModelInfo.limits.vocab_size, at most ModelInfo.limits.max_stop_token_ids
+        of them. Like end-of-sequence they wait for min_new_tokens; unlike it, ignore_eos
+        does not turn them off. The stop token counts in usage and is listed in tokens;
+        its text is left out of the completion unless include_stop_sequence is set.
+        """
+
     def __init__(
         self,
         *,
@@ -485,10 +499,11 @@ class StoppingCriteria(_message.Message):
         include_stop_sequence: _builtins.bool = ...,
         ignore_eos: _builtins.bool = ...,
         time_limit_ms: _builtins.int | None = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_time_limit_ms", b"_time_limit_ms", "max_new_tokens", b"max_new_tokens", "time_limit_ms", b"time_limit_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_time_limit_ms", b"_time_limit_ms", "ignore_eos", b"ignore_eos", "include_stop_sequence", b"include_stop_sequence", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "stop_sequences", b"stop_sequences", "time_limit_ms", b"time_limit_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_time_limit_ms", b"_time_limit_ms", "ignore_eos", b"ignore_eos", "include_stop_sequence", b"include_stop_sequence", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "stop_sequences", b"stop_sequences", "stop_token_ids", b"stop_token_ids", "time_limit_ms", b"time_limit_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
@@ -544,6 +559,8 @@ class TokenChunk(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    STOP_SEQUENCE_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id (the caller's or the server's)."""
     index: _builtins.int
@@ -561,6 +578,13 @@ class TokenChunk(_message.Message):
     """The sampling seed in force, on the first chunk of a call that samples (the
     caller's, or the one the server chose when the caller set none). A resumed call
     that passes it back in SamplingParams.seed continues with the same tokens.
+    """
+    stop_sequence: _builtins.str
+    """The stop sequence that matched (FINISH_REASON_STOP_SEQUENCE)."""
+    stop_token_id: _builtins.int
+    """The token that ended it: one of StoppingCriteria.stop_token_ids
+    (FINISH_REASON_STOP_TOKEN), or the model's end-of-sequence token
+    (FINISH_REASON_EOS).
     """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___Token]:
@@ -582,14 +606,21 @@ class TokenChunk(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
         seed: _builtins.int | None = ...,
+        stop_sequence: _builtins.str = ...,
+        stop_token_id: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "matched_stop", b"matched_stop", "seed", b"seed", "stop_sequence", b"stop_sequence", "stop_token_id", b"stop_token_id", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "finish_reason", b"finish_reason", "index", b"index", "request_id", b"request_id", "seed", b"seed", "text", b"text", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "finish_reason", b"finish_reason", "index", b"index", "matched_stop", b"matched_stop", "request_id", b"request_id", "seed", b"seed", "stop_sequence", b"stop_sequence", "stop_token_id", b"stop_token_id", "text", b"text", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType_matched_stop: _TypeAlias = _typing.Literal["stop_sequence", "stop_token_id"]  # noqa: Y015
+    _WhichOneofArgType_matched_stop: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_matched_stop) -> _WhichOneofReturnType_matched_stop | None: ...
 
 Global___TokenChunk: _TypeAlias = TokenChunk  # noqa: Y015
 
@@ -958,6 +989,7 @@ class RequestLimits(_message.Message):
     MAX_PROMPT_CHARS_FIELD_NUMBER: _builtins.int
     MAX_FORMAT_COMPILE_MS_FIELD_NUMBER: _builtins.int
     MAX_ERROR_TRAILER_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     max_new_tokens_limit: _builtins.int
     """Cap on StoppingCriteria.max_new_tokens."""
     default_max_new_tokens: _builtins.int
@@ -1013,6 +1045,8 @@ class RequestLimits(_message.Message):
     """Every error reply's trailing metadata (status message, details, x-request-id)
     stays under this many bytes.
     """
+    max_stop_token_ids: _builtins.int
+    """Most entries in StoppingCriteria.stop_token_ids."""
     def __init__(
         self,
         *,
@@ -1033,10 +1067,11 @@ class RequestLimits(_message.Message):
         max_prompt_chars: _builtins.int = ...,
         max_format_compile_ms: _builtins.int = ...,
         max_error_trailer_bytes: _builtins.int = ...,
+        max_stop_token_ids: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "max_chat_messages", b"max_chat_messages", "max_error_trailer_bytes", b"max_error_trailer_bytes", "max_format_chars", b"max_format_chars", "max_format_compile_ms", b"max_format_compile_ms", "max_json_schema_depth", b"max_json_schema_depth", "max_message_bytes", b"max_message_bytes", "max_new_tokens_limit", b"max_new_tokens_limit", "max_prompt_chars", b"max_prompt_chars", "max_quoted_chars", b"max_quoted_chars", "max_request_id_chars", b"max_request_id_chars", "max_request_tokens", b"max_request_tokens", "max_stop_sequence_chars", b"max_stop_sequence_chars", "max_stop_sequences", b"max_stop_sequences", "max_top_logprobs", b"max_top_logprobs", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "max_chat_messages", b"max_chat_messages", "max_error_trailer_bytes", b"max_error_trailer_bytes", "max_format_chars", b"max_format_chars", "max_format_compile_ms", b"max_format_compile_ms", "max_json_schema_depth", b"max_json_schema_depth", "max_message_bytes", b"max_message_bytes", "max_new_tokens_limit", b"max_new_tokens_limit", "max_prompt_chars", b"max_prompt_chars", "max_quoted_chars", b"max_quoted_chars", "max_request_id_chars", b"max_request_id_chars", "max_request_tokens", b"max_request_tokens", "max_stop_sequence_chars", b"max_stop_sequence_chars", "max_stop_sequences", b"max_stop_sequences", "max_stop_token_ids", b"max_stop_token_ids", "max_top_logprobs", b"max_top_logprobs", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

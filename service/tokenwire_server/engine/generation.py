@@ -66,6 +66,7 @@ class Generation:
         self._ending: FinishReason | None = None
         self._broken: str | None = None
         self._stuck = False  # ``_broken`` because no token could continue the format (the caller's)
+        self._released = False  # a resume cut just after its quiet stop token: all its text was sent
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.finished = False
@@ -100,6 +101,11 @@ class Generation:
                     "these are not the tokens this request generated"
                 )
             self.generated.append(token_id)
+            if i == len(ids) - 1 and self._quiet_stop(token_id):
+                # The stream ended on this stop token: its text was never sent, and its finish
+                # released all the text held before it. A resume there sends nothing more.
+                self._released = True
+                break
             _, stopped = self.text.push(token_id)
             if stopped:
                 return FinishReason.STOP_SEQUENCE
@@ -113,6 +119,8 @@ class Generation:
             return FinishReason.EOS
         if last is None:
             return None
+        if last in self.request.stop_token_ids and self.eos_allowed:
+            return FinishReason.STOP_TOKEN
         if last in self._eos and not self.request.ignore_eos and self.eos_allowed:
             return FinishReason.EOS
         if len(self.generated) >= self.request.max_new_tokens:
@@ -218,9 +226,12 @@ class Generation:
         request = self.request
         want_tokens = request.want_tokens or request.want_logprobs or request.top_logprobs
         text = ""
-        for token_id, logprob, top in taken:
+        quiet = self._ending is FinishReason.STOP_TOKEN and self._quiet_stop(taken[-1][0])
+        for n, (token_id, logprob, top) in enumerate(taken, start=1):
             if want_tokens:
                 self._pending_tokens.append(TokenInfo(token_id, self.token_text(token_id), logprob, top))
+            if quiet and n == len(taken):
+                break
             piece, stopped = self.text.push(token_id)
             text += piece
             if stopped:
@@ -243,13 +254,19 @@ class Generation:
             self._sink(TextEvent(text, tokens))
         return False
 
+    def _quiet_stop(self, token_id: int) -> bool:
+        """Whether ``token_id``, just taken, ends the request as a stop token whose text is left
+        out (as a stop sequence's is, unless the caller keeps stops)."""
+        request = self.request
+        return token_id in request.stop_token_ids and self.eos_allowed and not request.include_stop_sequence
+
     def token_text(self, token_id: int) -> str:
         return str(self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def finish(self, reason: FinishReason, text: str = "") -> None:
         if self.finished:
             return
-        tail, stopped = self.text.finish()
+        tail, stopped = ("", False) if self._released else self.text.finish()
         if stopped and reason is not FinishReason.STOP_SEQUENCE:
             reason = FinishReason.STOP_SEQUENCE
         self.finished = True
@@ -266,7 +283,12 @@ class Generation:
             cached_prompt_tokens=min(self.cached_prompt_tokens, self.prompt_len),
         )
         tokens, self._pending_tokens = tuple(self._pending_tokens), []
-        self._sink(FinishEvent(text + tail, tokens, reason, usage))
+        matched: str | int | None = None
+        if reason is FinishReason.STOP_SEQUENCE:
+            matched = self.text.stops.matched
+        elif reason in (FinishReason.STOP_TOKEN, FinishReason.EOS) and self.generated:
+            matched = self.generated[-1]
+        self._sink(FinishEvent(text + tail, tokens, reason, usage, matched))
         self.handle.done.set()
 
     def fail(self, kind: ErrorKind, message: str) -> None:

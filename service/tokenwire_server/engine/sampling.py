@@ -135,13 +135,15 @@ class Sampler:
         processed = logits
         penalised = [i for i, r in enumerate(requests) if r.sampling.repetition_penalty != 1.0]
         # A constrained row's grammar decides when its answer ends: min_new_tokens does not block EOS there.
-        blocked = [
-            i
+        # Before min_new_tokens, a row cannot draw EOS (unless it ignores EOS) nor its stop token ids.
+        blocked: list[tuple[int, int]] = [
+            (i, token)
             for i, (s, r) in enumerate(zip(seqs, requests, strict=True))
-            if not s.eos_allowed and not r.ignore_eos and s.constraint is None
+            if not s.eos_allowed and s.constraint is None
+            for token in ({*r.stop_token_ids} | (set() if r.ignore_eos else set(self._eos)))
         ]
         constrained = [(i, s.constraint) for i, s in enumerate(seqs) if s.constraint is not None]
-        if penalised or (blocked and self._eos) or constrained:
+        if penalised or blocked or constrained:
             processed = logits.clone()
         if penalised:
             row_index: list[int] = []
@@ -157,9 +159,9 @@ class Sampler:
             factor = host_tensor(factors, torch.float32, device)
             values = processed[r_idx, c_idx]
             processed[r_idx, c_idx] = torch.where(values > 0, values / factor, values * factor)
-        if blocked and self._eos:
-            b_idx = host_tensor(blocked, torch.long, device).unsqueeze(1)
-            e_idx = host_tensor(self._eos, torch.long, device).unsqueeze(0)
+        if blocked:
+            b_idx = host_tensor([i for i, _ in blocked], torch.long, device)
+            e_idx = host_tensor([token for _, token in blocked], torch.long, device)
             processed[b_idx, e_idx] = NEG_INF
         if constrained:
             # Tokens that cannot continue a valid answer drop out before temperature, top_k and top_p.

@@ -330,6 +330,8 @@ class VllmBackend(IntakeBackend):
             if constrained
             else max(0, min(request.min_new_tokens, request.max_new_tokens) - len(request.resume_ids)),
             ignore_eos=request.ignore_eos and not constrained,
+            # vLLM stops there too (after min_tokens, whatever ignore_eos says), as tokenwire does.
+            stop_token_ids=sorted(request.stop_token_ids),
             logprobs=logprobs,
             detokenize=False,
             skip_special_tokens=False,

@@ -50,6 +50,7 @@ FINISH_REASONS = {
     FinishReason.EOS: pb.FINISH_REASON_EOS,
     FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
     FinishReason.TIME_LIMIT: pb.FINISH_REASON_TIME_LIMIT,
+    FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
 }
 
 
@@ -89,6 +90,7 @@ def validation_limits(description: ModelDescription) -> Limits:
         max_stop_sequence_chars=limits.max_stop_sequence_chars,
         max_chat_messages=limits.max_chat_messages,
         vocab_size=limits.vocab_size,
+        max_stop_token_ids=limits.max_stop_token_ids,
     )
 
 
@@ -195,6 +197,7 @@ def generation_request(
         max_new_tokens=max_new,
         min_new_tokens=stopping.min_new_tokens,
         stop_sequences=tuple(stopping.stop_sequences),
+        stop_token_ids=frozenset(int(t) for t in stopping.stop_token_ids),
         include_stop_sequence=stopping.include_stop_sequence,
         ignore_eos=stopping.ignore_eos,
         time_limit_s=stopping.time_limit_ms / 1000 if stopping.time_limit_ms else None,
@@ -260,9 +263,10 @@ def chunk(
     reason: FinishReason | None = None,
     final_usage: Usage | None = None,
     seed: int | None = None,
+    matched: str | int | None = None,
 ) -> pb.TokenChunk:
-    """One TokenChunk; the last one of a stream carries the finish reason and usage, the
-    first the seed of a request that samples."""
+    """One TokenChunk; the last one of a stream carries the finish reason, usage and the stop
+    that ended it (``matched``), the first the seed of a request that samples."""
     out = pb.TokenChunk(request_id=request_id, index=index, text=text, tokens=tokens(infos))
     if seed is not None:
         out.seed = seed
@@ -270,6 +274,10 @@ def chunk(
         out.finish_reason = FINISH_REASONS[reason]
     if final_usage is not None:
         out.usage.CopyFrom(usage(final_usage))
+    if isinstance(matched, str):
+        out.stop_sequence = matched
+    elif matched is not None:
+        out.stop_token_id = matched
     return out
 
 
@@ -342,6 +350,7 @@ def model_info(description: ModelDescription) -> pb.ModelInfo:
             max_prompt_chars=limits.max_prompt_chars,
             max_format_compile_ms=round(limits.format_compile_timeout_s * 1000),
             max_error_trailer_bytes=TRAILER_BYTES,
+            max_stop_token_ids=limits.max_stop_token_ids,
         ),
         default_sampling=sampling_params(description.default_sampling),
     )

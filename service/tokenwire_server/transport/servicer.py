@@ -235,7 +235,7 @@ class TextGenerationServicer:
                     if output is not None:
                         call.fields["output"] = "".join(output)
                     yield conversion.chunk(
-                        call.request_id, index, event.text, event.tokens, event.reason, u, chunk_seed
+                        call.request_id, index, event.text, event.tokens, event.reason, u, chunk_seed, event.matched
                     )
                     return
                 generated += max(1, len(event.tokens))  # a chunk holds at least one token
