@@ -6,7 +6,8 @@
 (checked out once under ``--workdir``). Every repeat runs every case once on each tree,
 alternating which goes first, each from a fresh process that imports that tree first.
 ``c1``/``c16``/``long``: the batched engine in process (``long``: 8 streams decode while a
-~1,500-token prompt is read); ``server-cN``: a server from that tree, N streams over gRPC.
+~1,500-token prompt is read); ``c1-sampled``/``c16-sampled``: c1/c16 drawn at temperature 0.8,
+top_p 0.95, a seed per stream; ``server-cN``: a server from that tree, N streams over gRPC.
 With ``--out docs/benchmarks.md`` the table replaces section ``--section`` there.
 """
 
@@ -80,11 +81,12 @@ def child(model: str, case: str, max_new: int) -> dict[str, Any]:
     prompts = [load.chat_ids(loaded.tokenizer, p) for p in DEFAULT_PROMPTS]
     engine.start()
 
+    greedy = SamplingOptions(temperature=0.0)
+
     class Sink:
-        def __init__(self, rid: str, ids: list[int], new: int) -> None:
+        def __init__(self, rid: str, ids: list[int], new: int, sampling: SamplingOptions = greedy) -> None:
             self.times: list[float] = []
             self.done = threading.Event()
-            sampling = SamplingOptions(temperature=0.0)
             request = GenerationRequest(rid, list(ids), sampling, new, ignore_eos=True, want_tokens=True)
             self.handle = engine.submit(request, self)
 
@@ -96,10 +98,14 @@ def child(model: str, case: str, max_new: int) -> dict[str, Any]:
 
     try:
         Sink("warm", prompts[0], 8).done.wait(120)
-        if case in ("c1", "c16"):
-            n = int(case[1:])
+        if case.removesuffix("-sampled") in ("c1", "c16"):
+            n = int(case.removesuffix("-sampled")[1:])
             started = time.perf_counter()
-            for s in [Sink(f"r{i}", prompts[i % len(prompts)], max_new) for i in range(n)]:
+            options = [
+                SamplingOptions(temperature=0.8, top_p=0.95, seed=1000 + i) if case.endswith("-sampled") else greedy
+                for i in range(n)
+            ]
+            for s in [Sink(f"r{i}", prompts[i % len(prompts)], max_new, options[i]) for i in range(n)]:
                 s.done.wait(600)
             return {"tok_s": n * max_new / (time.perf_counter() - started)}
         sinks = [Sink(f"d{i}", prompts[i % len(prompts)], 400) for i in range(8)]
@@ -161,9 +167,9 @@ def run(args: argparse.Namespace) -> doc.Section:
         args.section, f"Two trees side by side: {args.label}", args.command,
         f"{doc.host()}. Each repeat runs every case once on each tree, alternating, each in a fresh process; "
         f"c1/c16: tokens/s of 1 or 16 greedy streams of {args.max_new_tokens} tokens on the batched engine in "
-        "process; long: 8 streams decode while a ~1,500-token prompt is read (their largest gap ÷ their ITL p50 "
-        "before it: the stall); server-cN: tokens/s of N streams over gRPC. Cells: median (min–max) over the "
-        "repeats; ratios: new ÷ old per repeat.",
+        "process (-sampled: temperature 0.8, top_p 0.95, a seed per stream); long: 8 streams decode while a "
+        "~1,500-token prompt is read (their largest gap ÷ their ITL p50 before it: the stall); server-cN: tokens/s of "
+        "N streams over gRPC. Cells: median (min–max) over the repeats; ratios: new ÷ old per repeat.",
         "",
         *doc.table("case | metric | old | new | new ÷ old", "llrrr", rows),
     )  # fmt: skip
