@@ -456,3 +456,29 @@ def test_a_stop_token_id_ends_a_stream_on_vllm(small_server: ServerProcess) -> N
         cut, last = ids(pb.StoppingCriteria(max_new_tokens=16, ignore_eos=True, stop_token_ids=[full[at]]))
     assert cut == full[: at + 1]
     assert last.finish_reason == pb.FINISH_REASON_STOP_TOKEN and last.stop_token_id == full[at]
+
+
+def test_logit_bias_penalties_and_min_p_reach_vllm(small_server: ServerProcess) -> None:
+    """The sampling controls map to vLLM's SamplingParams: a -100 bias on the greedy first token
+    changes it (vLLM adds it; ModelInfo.notes says so), and a call with every control set ends OK."""
+    with grpc.insecure_channel(small_server.target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        notes = " ".join(stub.GetModelInfo(pb.GetModelInfoRequest()).notes)
+        assert "logit_bias of -100" in notes
+
+        def first_ids(sampling: pb.SamplingParams) -> list[int]:
+            request = pb.GenerateRequest(
+                prompt="Count:", sampling=sampling, output=pb.OutputOptions(token_ids=True),
+                stopping=pb.StoppingCriteria(max_new_tokens=6, ignore_eos=True),
+            )  # fmt: skip
+            return [t.id for c in stub.Generate(request, timeout=120) for t in c.tokens]
+
+        plain = first_ids(pb.SamplingParams(temperature=0.0))
+        banned = first_ids(pb.SamplingParams(temperature=0.0, logit_bias={plain[0]: -100.0}))
+        assert banned[0] != plain[0]
+        every = first_ids(
+            pb.SamplingParams(
+                temperature=0.8, seed=3, presence_penalty=0.5, frequency_penalty=0.5, min_p=0.05, logit_bias={5: 2.0}
+            )
+        )
+        assert len(every) == 6

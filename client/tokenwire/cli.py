@@ -121,6 +121,13 @@ def _generation_parser() -> argparse.ArgumentParser:
     group.add_argument("--top-p", type=float)
     group.add_argument("--repetition-penalty", type=float)
     group.add_argument("--seed", type=int)
+    group.add_argument("--presence-penalty", type=float, help="OpenAI's presence penalty, in [-2, 2]")
+    group.add_argument("--frequency-penalty", type=float, help="OpenAI's frequency penalty, in [-2, 2]")
+    group.add_argument("--min-p", type=float, help="keep tokens at least this fraction as likely as the best one")
+    group.add_argument(
+        "--logit-bias", action="append", type=_bias, metavar="ID=BIAS",
+        help="add BIAS (in [-100, 100]; -100 bans) to token ID's logit (repeatable)",
+    )  # fmt: skip
     group.add_argument("--max-new-tokens", type=int)
     group.add_argument("--min-new-tokens", type=int)
     group.add_argument("--stop", action="append", metavar="TEXT", help="stop sequence (repeatable)")
@@ -301,6 +308,17 @@ def _client(args: argparse.Namespace) -> Client:
     )
 
 
+def _bias(text: str) -> tuple[int, float]:
+    """``--logit-bias ID=BIAS``."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError(text)
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (a token id and a number), got {text!r}") from None
+
+
 def _options(args: argparse.Namespace) -> GenerateOptions:
     options: GenerateOptions = {}
     for name in (
@@ -309,6 +327,9 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
         "top_p",
         "repetition_penalty",
         "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_p",
         "max_new_tokens",
         "min_new_tokens",
         "time_limit_ms",
@@ -323,6 +344,8 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
             options[name] = True  # type: ignore[literal-required]
     if args.stop:
         options["stop"] = list(args.stop)
+    if getattr(args, "logit_bias", None):
+        options["logit_bias"] = dict(args.logit_bias)
     if getattr(args, "stop_token_ids", None):
         options["stop_token_ids"] = list(args.stop_token_ids)
     if getattr(args, "priority", None):

@@ -8,7 +8,7 @@ round trip.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, TypedDict
 
 from tokenwire.errors import InvalidArgument
@@ -32,6 +32,11 @@ class GenerateOptions(TypedDict, total=False):
     top_p: float
     repetition_penalty: float
     seed: int
+    presence_penalty: float
+    frequency_penalty: float
+    min_p: float
+    # token id -> bias in [-100, 100] (-100 bans the token)
+    logit_bias: Mapping[int, float]
     # StoppingCriteria
     max_new_tokens: int
     min_new_tokens: int
@@ -54,11 +59,23 @@ class GenerateOptions(TypedDict, total=False):
     priority: PriorityLike
 
 
-_SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
+_SAMPLING = (
+    "temperature", "top_k", "top_p", "repetition_penalty", "seed", "presence_penalty", "frequency_penalty", "min_p",
+)  # fmt: skip
 _STOPPING = ("max_new_tokens", "min_new_tokens", "include_stop_sequence", "ignore_eos", "time_limit_ms")
 _OUTPUT = ("token_ids", "logprobs", "top_logprobs")
 _KNOWN = frozenset(
-    (*_SAMPLING, *_STOPPING, *_OUTPUT, "stop", "stop_token_ids", "request_id", "response_format", "priority")
+    (
+        *_SAMPLING,
+        *_STOPPING,
+        *_OUTPUT,
+        "stop",
+        "stop_token_ids",
+        "logit_bias",
+        "request_id",
+        "response_format",
+        "priority",
+    )
 )
 PriorityLike = Literal["high", "normal", "low"] | int
 PRIORITIES = {"high": pb.PRIORITY_HIGH, "normal": pb.PRIORITY_UNSPECIFIED, "low": pb.PRIORITY_LOW}
@@ -125,6 +142,8 @@ def build_generate_request(
     if "stop" in options:
         stop = options["stop"]
         request.stopping.stop_sequences.extend([stop] if isinstance(stop, str) else stop)
+    if "logit_bias" in options:
+        request.sampling.logit_bias.update({int(k): float(v) for k, v in options["logit_bias"].items()})
     if "stop_token_ids" in options:
         request.stopping.stop_token_ids.extend(options["stop_token_ids"])
     for name in _OUTPUT:

@@ -17,6 +17,9 @@ from tokenwire.v1 import generation_pb2 as pb
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_TOP_LOGPROBS = 5
+# OpenAI's bounds: presence and frequency penalties, and a logit bias (whose floor bans the token).
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 MAX_REQUEST_ID_CHARS = 128
 # Longest schema, regex or grammar (characters), and most options of a choice.
 MAX_FORMAT_CHARS = 64 * 1024
@@ -52,6 +55,10 @@ class Rule(str, Enum):
     TEMPERATURE = "must be a finite number >= 0 (0 is greedy), got {value}"
     TOP_P = "must be in (0, 1], got {value}"
     REPETITION_PENALTY = "must be a finite number > 0, got {value}"
+    PENALTY = "must be a finite number in [-2, 2], got {value}"
+    MIN_P = "must be in [0, 1], got {value}"
+    LOGIT_BIAS = "must be a finite number in [-100, 100] (-100 bans the token), got {value}"
+    TOO_MANY_LOGIT_BIAS = "holds {count} entries; at most {limit} are allowed"
     MAX_NEW_TOKENS_ZERO = "must be at least 1"
     MAX_NEW_TOKENS_CAP = "is {value}, above this server's cap of {limit}"
     MIN_OVER_MAX = "is {value}, above max_new_tokens ({limit})"
@@ -119,6 +126,7 @@ class Limits:
     max_chat_messages: int | None = None
     vocab_size: int | None = None
     max_stop_token_ids: int | None = None
+    max_logit_bias: int | None = None
 
     @classmethod
     def from_model_info(cls, info: pb.ModelInfo) -> Limits:
@@ -133,6 +141,7 @@ class Limits:
             max_chat_messages=limits.max_chat_messages,
             vocab_size=limits.vocab_size,
             max_stop_token_ids=limits.max_stop_token_ids,
+            max_logit_bias=limits.max_logit_bias,
         )
 
 
@@ -252,6 +261,24 @@ def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> li
         r = sampling.repetition_penalty
         if not (math.isfinite(r) and r > 0):
             bad("sampling.repetition_penalty", Rule.REPETITION_PENALTY, value=r)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, name)
+        if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+            bad(f"sampling.{name}", Rule.PENALTY, value=value)
+    if not (math.isfinite(sampling.min_p) and 0 <= sampling.min_p <= 1):
+        bad("sampling.min_p", Rule.MIN_P, value=sampling.min_p)
+    biases = sampling.logit_bias
+    if limits.max_logit_bias is not None and len(biases) > limits.max_logit_bias:
+        bad("sampling.logit_bias", Rule.TOO_MANY_LOGIT_BIAS, count=len(biases), limit=limits.max_logit_bias)
+    else:
+        for token in sorted(biases):  # a map's order is not the caller's: the first bad id, by value
+            bias = biases[token]
+            if limits.vocab_size is not None and token >= limits.vocab_size:
+                bad(f"sampling.logit_bias[{token}]", Rule.TOKEN_OUT_OF_VOCAB, value=token, limit=limits.vocab_size)
+                break
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                bad(f"sampling.logit_bias[{token}]", Rule.LOGIT_BIAS, value=bias)
+                break
 
     stopping = request.stopping
     if stopping.HasField("max_new_tokens"):

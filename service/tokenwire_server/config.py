@@ -54,6 +54,7 @@ class ServerConfig:
     max_stop_sequences: int = 16
     max_stop_sequence_chars: int = 256
     max_stop_token_ids: int = 16
+    max_logit_bias: int = 300
     max_chat_messages: int = 256
     max_message_bytes: int = 4 * 1024 * 1024
     format_compile_timeout_s: float = 5.0
@@ -90,6 +91,7 @@ class ServerConfig:
             max_stop_sequences=self.max_stop_sequences,
             max_stop_sequence_chars=self.max_stop_sequence_chars,
             max_stop_token_ids=self.max_stop_token_ids,
+            max_logit_bias=self.max_logit_bias,
             max_chat_messages=self.max_chat_messages,
             max_message_bytes=self.max_message_bytes,
             format_compile_timeout_s=self.format_compile_timeout_s,
@@ -226,6 +228,7 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "max_stop_sequences": ("most stop sequences per request", None),
     "max_stop_sequence_chars": ("longest stop sequence, in characters", None),
     "max_stop_token_ids": ("most stop token ids in one request (StoppingCriteria.stop_token_ids)", None),
+    "max_logit_bias": ("most entries in one request's SamplingParams.logit_bias", None),
     "max_chat_messages": ("most messages in one chat", None),
     "max_message_bytes": ("largest request message the server receives, in bytes", None),
     "format_compile_timeout_s": (
@@ -384,8 +387,9 @@ def validate_config(config: ServerConfig) -> list[str]:
         errors.append("--kv-resident-tokens must not be negative (0: by device)")
     if config.max_prefill_tokens < 0:
         errors.append("--max-prefill-tokens must not be negative (0: by device)")
-    if config.max_stop_token_ids < 0:
-        errors.append("--max-stop-token-ids must not be negative")
+    for name in ("max_stop_token_ids", "max_logit_bias"):
+        if getattr(config, name) < 0:
+            errors.append(f"--{name.replace('_', '-')} must not be negative")
     if config.torch_threads < 0:
         errors.append("--torch-threads must not be negative")
     if config.omp_spin_count < 0:

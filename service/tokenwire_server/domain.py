@@ -66,6 +66,12 @@ class SamplingOptions:
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # OpenAI's penalties over the tokens generated so far, and min_p (0: none).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    # (token id, bias) pairs, ids ascending, added to the logits first; BAN_BIAS bans the token.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +92,7 @@ class RequestLimits:
     max_message_bytes: int
     max_top_logprobs: int = MAX_TOP_LOGPROBS
     max_stop_token_ids: int = 16
+    max_logit_bias: int = 300
     # Longest prompt text, in characters, that could fit ``max_request_tokens`` (this tokenizer's
     # longest token times that); longer ones are refused before they are tokenized. 0: no bound
     # is known for this tokenizer (they are tokenized, cut one past the limit).

@@ -63,6 +63,21 @@ def test_generate_stops_at_a_stop_token_id_and_says_which_stop_matched(tw, fake)
     assert by_sequence.stdout == "a b " and "finish_reason: stop_sequence matched_stop='c'" in by_sequence.stderr
 
 
+def test_generate_passes_penalties_min_p_and_logit_bias(tw, fake):
+    result = tw(
+        "generate", "a b", "--presence-penalty", "0.5", "--frequency-penalty", "-1", "--min-p", "0.05",
+        "--logit-bias", "12=-100", "--logit-bias", "7=2.5",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    sampling = fake.servicer.requests[-1].sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
+    assert sampling.min_p == pytest.approx(0.05) and dict(sampling.logit_bias) == {12: -100.0, 7: 2.5}
+    bad = tw("generate", "a b", "--logit-bias", "12")
+    assert bad.returncode == 2 and "ID=BIAS" in bad.stderr
+    refused = tw("generate", "a b", "--min-p", "2")
+    assert refused.returncode == 2 and "sampling.min_p" in refused.stderr
+
+
 def test_invalid_argument_exits_2_with_the_rule(tw, fake):
     result = tw("generate", "x", "--top-p", "1.5")
     assert result.returncode == 2

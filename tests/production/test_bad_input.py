@@ -72,6 +72,32 @@ BAD_REQUESTS = {
         pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(repetition_penalty=0)),
         "sampling.repetition_penalty",
     ),
+    "presence penalty above two": (
+        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(presence_penalty=2.5)),
+        "sampling.presence_penalty",
+    ),
+    "NaN frequency penalty": (
+        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(frequency_penalty=float("nan"))),
+        "sampling.frequency_penalty",
+    ),
+    "min_p above one": (pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(min_p=1.5)), "sampling.min_p"),
+    "negative min_p": (pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(min_p=-0.1)), "sampling.min_p"),
+    "logit bias outside the vocabulary": (
+        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(logit_bias={5: 1.0, 50000: 2.0})),
+        "sampling.logit_bias[50000]",
+    ),
+    "logit bias below -100": (
+        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(logit_bias={7: -101.0})),
+        "sampling.logit_bias[7]",
+    ),
+    "infinite logit bias": (
+        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(logit_bias={7: float("inf")})),
+        "sampling.logit_bias[7]",
+    ),
+    "too many logit biases": (
+        pb.GenerateRequest(prompt=P, sampling=pb.SamplingParams(logit_bias={i: 1.0 for i in range(301)})),
+        "sampling.logit_bias",
+    ),
     "max_new_tokens zero": (
         pb.GenerateRequest(prompt=P, stopping=stopping(max_new_tokens=0)),
         "stopping.max_new_tokens",

@@ -8,6 +8,7 @@ caller's sink. The engines only decide *how* tokens are computed.
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,8 @@ class Generation:
         self._broken: str | None = None
         self._stuck = False  # ``_broken`` because no token could continue the format (the caller's)
         self._released = False  # a resume cut just after its quiet stop token: all its text was sent
+        self._counts: collections.Counter[int] = collections.Counter()  # generated_counts
+        self._counted = 0
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.finished = False
@@ -152,6 +155,15 @@ class Generation:
 
     def seen_ids(self) -> list[int]:
         return self.request.prompt_ids + self.generated
+
+    def generated_counts(self) -> collections.Counter[int]:
+        """How many times each token was generated so far (the frequency and presence penalties'
+        input), kept up to date as tokens come rather than counted again every step."""
+        if len(self.generated) < self._counted:  # the tokens were replaced (tests): count again
+            self._counts, self._counted = collections.Counter(), 0
+        self._counts.update(self.generated[self._counted :])
+        self._counted = len(self.generated)
+        return self._counts
 
     def mark_admitted(self, now: float | None = None) -> None:
         """Admitted into a slot; after a preemption, the first admission still counts (queue

@@ -407,6 +407,16 @@ class NativeForward:
             [list(s.table) for s in segments], [s.start for s in segments], [s.count for s in segments], block_size
         )
         where = Places(blocks, offsets)
+        if isinstance(attention, PagedDecodeAttention) and chunks:
+            # NOTE: with the compiled ops every token attends row by row, a prompt chunk's tokens
+            # as one-token rows over their own columns (the same kernel and sums as decoding):
+            # a token's keys and values then do not depend on how its prompt was cut into chunks,
+            # what came from the prefix cache, or which rows shared the step, so a row gives the
+            # same tokens alone and in any batch, with int8's bf16 rounding too (SDPA over a chunk
+            # sums in an order that follows the chunk). Its cost: a long prompt's attention runs
+            # as that many rows rather than one SDPA call.
+            singles = singles + [Segment(c.table, c.start + j, 1) for c in chunks for j in range(c.count)]
+            chunks = []
         single_plan = attention.plan(singles, block_size, scratch, device) if singles else None
         chunk_plans = chunk_plan(chunks, block_size, scratch, device)
 

@@ -1,9 +1,13 @@
 """Choosing the next token for every row of a batch at once, each row with its own parameters.
 
-All rows are handled as tensors: repetition penalty, EOS blocking (min_new_tokens),
-the grammar mask of constrained rows (``structured``), temperature, top_k, top_p, the
-draw and the log-probabilities; the results come back to the host in one transfer per
-step. Greedy rows take the exact argmax.
+All rows are handled as tensors, in this order: the logit bias (-100 bans the token),
+the repetition penalty (over the prompt and the tokens so far), the frequency and
+presence penalties (over the tokens so far: OpenAI's), EOS and stop-token blocking
+(min_new_tokens), the grammar mask of constrained rows (``structured``); greedy rows
+take the exact argmax of that; sampled rows then take temperature, min_p, top_k, top_p
+and the draw. Each of those is one indexed op over the step's rows. The log-probabilities
+are the model's (before all of it); the results come back to the host in one transfer
+per step.
 
 Sampled rows draw with the Gumbel-max trick: ``argmax(logits / T + G)`` where the
 noise ``G`` of each (row, token) comes from a counter-based hash of (seed, step,
@@ -44,6 +48,8 @@ from ..transfer import host_tensor
 from .generation import Generation
 
 NEG_INF = float("-inf")
+# A logit bias at the contract's floor (SamplingParams.logit_bias: -100) bans its token.
+BAN_BIAS = -100.0
 _M32 = 0xFFFF_FFFF
 # Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so the
 # int64 tensor arithmetic never overflows (torch has no unsigned 64-bit multiply).
@@ -153,9 +159,13 @@ class Sampler:
         vocab = int(logits.shape[1])
         requests = [seq.request for seq in seqs]
 
-        # Repetition penalty and EOS blocking change the logits of some rows (a copy).
+        # The bias, the penalties and EOS blocking change the logits of some rows (a copy).
         processed = logits
+        biased = [i for i, r in enumerate(requests) if r.sampling.logit_bias]
         penalised = [i for i, r in enumerate(requests) if r.sampling.repetition_penalty != 1.0]
+        counted = [
+            i for i, r in enumerate(requests) if r.sampling.frequency_penalty or r.sampling.presence_penalty
+        ]  # fmt: skip
         # A constrained row's grammar decides when its answer ends: min_new_tokens does not block EOS there.
         # Before min_new_tokens, a row cannot draw EOS (unless it ignores EOS) nor its stop token ids.
         blocked: list[tuple[int, int]] = [
@@ -165,8 +175,10 @@ class Sampler:
             for token in ({*r.stop_token_ids} | (set() if r.ignore_eos else set(self._eos)))
         ]
         constrained = [(i, s.constraint) for i, s in enumerate(seqs) if s.constraint is not None]
-        if penalised or blocked or constrained:
+        if biased or penalised or counted or blocked or constrained:
             processed = logits.clone()
+        if biased:
+            self._bias(processed, [(i, requests[i].sampling.logit_bias) for i in biased])
         if penalised:
             row_index: list[int] = []
             col_index: list[int] = []
@@ -181,6 +193,8 @@ class Sampler:
             factor = host_tensor(factors, torch.float32, device)
             values = processed[r_idx, c_idx]
             processed[r_idx, c_idx] = torch.where(values > 0, values / factor, values * factor)
+        if counted:
+            self._penalise(processed, seqs, counted)
         if blocked:
             b_idx = host_tensor([i for i, _ in blocked], torch.long, device)
             e_idx = host_tensor([token for _, token in blocked], torch.long, device)
@@ -207,6 +221,43 @@ class Sampler:
                 values, ids = torch.topk(logprobs, top_n, dim=-1)
                 parts += [ids.to(torch.float64), values.to(torch.float64)]
         return Drawn(torch.cat(parts, dim=1), seqs, want_logprobs, top_n)
+
+    @staticmethod
+    def _bias(processed: torch.Tensor, rows: list[tuple[int, tuple[tuple[int, float], ...]]]) -> None:
+        """Add each row's logit bias, one indexed op for the step; BAN_BIAS sets the token to -inf."""
+        r_idx, c_idx, bias = [], [], []
+        for i, pairs in rows:
+            for token, value in pairs:
+                r_idx.append(i)
+                c_idx.append(token)
+                bias.append(NEG_INF if value <= BAN_BIAS else value)
+        device = processed.device
+        processed.index_put_(
+            (host_tensor(r_idx, torch.long, device), host_tensor(c_idx, torch.long, device)),
+            host_tensor(bias, torch.float32, device),
+            accumulate=True,
+        )
+
+    @staticmethod
+    def _penalise(processed: torch.Tensor, seqs: Sequence[Generation], rows: list[int]) -> None:
+        """OpenAI's penalties over the tokens generated so far: a token's logit loses
+        ``frequency_penalty`` times its count, and ``presence_penalty`` once if it came at all."""
+        r_idx, c_idx, amount = [], [], []
+        for i in rows:
+            sampling = seqs[i].request.sampling
+            frequency, presence = sampling.frequency_penalty, sampling.presence_penalty
+            for token, count in seqs[i].generated_counts().items():
+                r_idx.append(i)
+                c_idx.append(token)
+                amount.append(-(frequency * count + presence))
+        if not r_idx:
+            return
+        device = processed.device
+        processed.index_put_(
+            (host_tensor(r_idx, torch.long, device), host_tensor(c_idx, torch.long, device)),
+            host_tensor(amount, torch.float32, device),
+            accumulate=True,
+        )
 
     def collect(self, drawn: Drawn) -> list[Pick]:
         """Read launched picks to the host: the step's one synchronisation with the device."""
@@ -240,6 +291,8 @@ class Sampler:
         options = [seqs[i].request.sampling for i in sampled]
         temperature = host_tensor([o.temperature for o in options], torch.float32, device).unsqueeze(1)
         scaled = _overflow_safe(processed.index_select(0, index) / temperature)
+        if any(o.min_p > 0 for o in options):
+            scaled = _min_p(scaled, host_tensor([o.min_p for o in options], torch.float32, device).unsqueeze(1))
         keys = host_tensor([row_keys(seqs[i].seed, len(seqs[i].generated)) for i in sampled], torch.int64, device)
         limited = [0 < o.top_k < vocab or o.top_p < 1.0 for o in options]
         prefilter = device.type == "cpu" and vocab > CANDIDATES  # the candidate path (the module's docstring)
@@ -280,6 +333,13 @@ CANDIDATES = 256  # tokens kept per row by the prefilter (a constant: a row's pa
 # The candidates' cumulated mass must clear top_p by this much to rule out every later token: room for
 # float32 rounding in cumsum - probability (a few 1e-7), so a rounding never turns a dropped token back.
 _MASS_MARGIN = 1e-5
+
+
+def _min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop the tokens less likely than ``min_p`` (``[rows, 1]``) times the row's most likely one:
+    ``p >= min_p * p_max`` is ``scaled >= max + log(min_p)`` (a min_p of 0 keeps every token)."""
+    best = scaled.max(dim=-1, keepdim=True).values
+    return scaled.masked_fill(scaled < best + torch.log(min_p), NEG_INF)
 
 
 def _free_full(scaled: torch.Tensor, keys: torch.Tensor, vocab: int) -> torch.Tensor:

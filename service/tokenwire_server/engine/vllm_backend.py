@@ -215,6 +215,8 @@ class VllmBackend(IntakeBackend):
                 "(vLLM's generator restarts from the seed); greedy ones matched where measured",
                 "vllm: a stream with a response_format cannot be resumed (vLLM's grammar would start again "
                 "at the cut): FAILED_PRECONDITION",
+                "vllm: a logit_bias of -100 is added like any other bias (the batched and simple engines ban "
+                "the token); presence, frequency and repetition penalties and min_p are vLLM's own",
             ),
         )
         # Response formats are checked here, with the same library and options vLLM compiles
@@ -322,6 +324,11 @@ class VllmBackend(IntakeBackend):
             top_k=options.top_k if options.top_k > 0 else 0,
             top_p=options.top_p,
             repetition_penalty=options.repetition_penalty,
+            presence_penalty=options.presence_penalty,
+            frequency_penalty=options.frequency_penalty,
+            min_p=options.min_p,
+            # vLLM adds -100 like any bias (tokenwire bans the token: ModelInfo.notes says so).
+            logit_bias=dict(options.logit_bias) or None,
             seed=None if options.seed is None else options.seed & 0x7FFF_FFFF_FFFF_FFFF,
             # A resumed stream counts from its original start: what is left of both.
             max_tokens=request.max_new_tokens - len(request.resume_ids),

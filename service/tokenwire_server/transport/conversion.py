@@ -91,6 +91,7 @@ def validation_limits(description: ModelDescription) -> Limits:
         max_chat_messages=limits.max_chat_messages,
         vocab_size=limits.vocab_size,
         max_stop_token_ids=limits.max_stop_token_ids,
+        max_logit_bias=limits.max_logit_bias,
     )
 
 
@@ -121,6 +122,10 @@ def sampling_options(params: pb.SamplingParams, defaults: SamplingOptions) -> Sa
             params.repetition_penalty if params.HasField("repetition_penalty") else defaults.repetition_penalty
         ),
         seed=params.seed if params.HasField("seed") else None,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        min_p=params.min_p,
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in params.logit_bias.items())),
     )
 
 
@@ -351,6 +356,7 @@ def model_info(description: ModelDescription) -> pb.ModelInfo:
             max_format_compile_ms=round(limits.format_compile_timeout_s * 1000),
             max_error_trailer_bytes=TRAILER_BYTES,
             max_stop_token_ids=limits.max_stop_token_ids,
+            max_logit_bias=limits.max_logit_bias,
         ),
         default_sampling=sampling_params(description.default_sampling),
     )
