@@ -36,7 +36,7 @@ FLAGS = {"old": {"required": True, "help": "a tree (folder) or a git revision"},
          "server_arg": ([], "server cases: extra flag (repeatable)"),
          "workdir": Path("/tmp/tokenwire-revisions"), "section": ("ab", "the section of --out the table replaces"),
          "label": ("old tree vs new tree", "what the two trees are, for the section")}  # fmt: skip
-DRY_RUN = {"repeats": 1, "cases": "c1,server-c2", "max_new_tokens": 4}
+DRY_RUN = {"repeats": 1, "cases": "c1,c1-sampled,server-c2", "max_new_tokens": 4}
 
 
 def tree(given: str, workdir: Path) -> Path:
