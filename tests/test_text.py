@@ -186,3 +186,13 @@ def test_the_stream_detokenizer_reads_each_threads_own_copy(tokenizer):
     other.join()
     pieces.append(detok.flush())
     assert "".join(pieces) == full_decode(tokenizer, ids)
+
+
+def test_token_text_is_the_single_token_decode_kept(tokenizer):
+    """``SharedTokenizer.token_text`` (TokenInfo's text) is the token's own decode, special tokens shown."""
+    shared = SharedTokenizer(tokenizer)
+    ids = [*tokenizer(SAMPLES[1], add_special_tokens=False)["input_ids"], *tokenizer.all_special_ids]
+    for _ in range(2):  # decoded, then from the cache
+        assert [shared.token_text(i) for i in ids] == [
+            tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids
+        ]

@@ -211,6 +211,7 @@ class SharedTokenizer:
         self._original = tokenizer
         self._copies = threading.local()
         self._lock = threading.Lock()  # deepcopy reads the original: one copy at a time
+        self._token_texts: dict[int, str] = {}  # token_text's cache, at most the vocabulary
 
     def get(self) -> Any:
         """This thread's tokenizer."""
@@ -235,6 +236,16 @@ class SharedTokenizer:
 
     def decode(self, ids: Sequence[int], **kwargs: Any) -> str:
         return str(self.get().decode(list(ids), **kwargs))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens shown (``TokenInfo.text``), from a cache shared by
+        the threads (a token's text never changes; a dict read or write is atomic)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode(
+                [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        return text
 
     @property
     def chat_template(self) -> str | None:

@@ -28,7 +28,7 @@ from ..domain import (
     Usage,
 )
 from ..structured import STUCK, Constraint
-from ..text import TextStream
+from ..text import SharedTokenizer, TextStream
 
 if TYPE_CHECKING:
     import torch
@@ -219,6 +219,11 @@ class Generation:
         want_tokens = request.want_tokens or request.want_logprobs or request.top_logprobs
         text = ""
         for token_id, logprob, top in taken:
+            # NOTE: a TokenInfo (and its text) only for a caller that asked for token info (ids or
+            # logprobs; a client that resumes asks for ids). Nothing else reads them but the
+            # transport's count of a cut stream's tokens for the quota, which without them counts a
+            # chunk as one token: a chunk after a held-back character (two tokens) is undercharged
+            # by one. A token count on TextEvent would make that exact at no decode.
             if want_tokens:
                 self._pending_tokens.append(TokenInfo(token_id, self.token_text(token_id), logprob, top))
             piece, stopped = self.text.push(token_id)
@@ -244,7 +249,12 @@ class Generation:
         return False
 
     def token_text(self, token_id: int) -> str:
-        return str(self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        """A token's own text (``TokenInfo``, the top alternatives): asked only for a caller that
+        wants token info; the engines' ``SharedTokenizer`` keeps each token's from its first decode."""
+        tokenizer = self._tokenizer
+        if isinstance(tokenizer, SharedTokenizer):
+            return tokenizer.token_text(token_id)
+        return str(tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def finish(self, reason: FinishReason, text: str = "") -> None:
         if self.finished:
