@@ -196,3 +196,15 @@ def test_token_text_is_the_single_token_decode_kept(tokenizer):
         assert [shared.token_text(i) for i in ids] == [
             tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids
         ]
+
+
+def test_a_tokenizer_without_a_rust_backend_falls_back_to_offsets(tokenizer):
+    class DecodeOnly:
+        def decode(self, ids, **kwargs):
+            return tokenizer.decode(ids, **kwargs)
+
+    ids = tokenizer(SAMPLES[1], add_special_tokens=False)["input_ids"]
+    detok = Detokenizer(DecodeOnly())
+    pieces = [detok.push(i) for i in ids[:-1]]
+    assert "".join(pieces) + detok.flush() == full_decode(tokenizer, ids[:-1])
+    assert detok.ids == ids[:-1]

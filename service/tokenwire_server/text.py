@@ -104,6 +104,8 @@ class Detokenizer:
         self._emitted: list[str] = []
         self._backend = backend_of(tokenizer)
         self._fallback = OffsetDetokenizer(tokenizer) if self._backend is None else None
+        if self._fallback is not None:
+            self.ids = self._fallback.ids
         self._stream: Any = None
         if self._backend is not None:
             from tokenizers.decoders import DecodeStream
