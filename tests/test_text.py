@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenwire_server.text import Detokenizer, StopMatcher, TextStream
+from tokenwire_server.text import Detokenizer, OffsetDetokenizer, SharedTokenizer, StopMatcher, TextStream
 
 SAMPLES = [
     "Hello, world! The café serves crème brûlée and jalapeño piñatas.",
@@ -119,3 +119,92 @@ def test_stop_sequence_spanning_tokens(tokenizer, text, stop):
     for piece in shown:
         emitted += piece
         assert stop not in emitted
+
+
+# -- the O(1) detokenizer and its fallback: the same text as the full decode ------------------
+
+DETOKENIZERS = {"stream": Detokenizer, "offsets": OffsetDetokenizer}
+
+
+def whole(make, tokenizer, ids):
+    """What a detokenizer made by ``make`` emits for ``ids``, pushes then flush."""
+    detok = make(tokenizer)
+    pieces = [detok.push(i) for i in ids]
+    pieces.append(detok.flush())
+    return pieces
+
+
+def full_decode(tokenizer, ids):
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def token_ids(tokenizer):
+    """Random id sequences: any id, the byte-level ones (the first ~300, split characters), and the special ones."""
+    special = sorted(set(tokenizer.all_special_ids))
+    any_id = st.integers(0, len(tokenizer) - 1)
+    return st.lists(st.one_of(any_id, st.integers(0, 300), st.sampled_from(special)), max_size=48)
+
+
+@pytest.mark.parametrize("kind", DETOKENIZERS)
+def test_random_ids_stream_exactly(tokenizer, kind):
+    make = DETOKENIZERS[kind]
+
+    @settings(max_examples=300, deadline=None)
+    @given(token_ids(tokenizer))
+    def check(ids):
+        pieces = whole(make, tokenizer, ids)
+        full = full_decode(tokenizer, ids)
+        assert "".join(pieces) == full
+        if "\ufffd" not in full:
+            assert all("\ufffd" not in p for p in pieces)
+
+    check()
+
+
+@pytest.mark.parametrize("kind", DETOKENIZERS)
+def test_real_text_streams_exactly_with_special_tokens(tokenizer, kind):
+    """Real text (the samples, a chat turn with its special tokens), cut at every length."""
+    texts = [*SAMPLES, tokenizer.apply_chat_template([{"role": "user", "content": SAMPLES[1]}], tokenize=False)]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for end in range(len(ids) + 1):
+            cut = ids[:end]
+            assert "".join(whole(DETOKENIZERS[kind], tokenizer, cut)) == full_decode(tokenizer, cut)
+
+
+def test_the_stream_detokenizer_reads_each_threads_own_copy(tokenizer):
+    """Through ``SharedTokenizer`` (the engines'), pushed from two threads in turn (a resumed stream
+    is replayed where it is submitted, then read on the engine's thread): the same text."""
+    import threading
+
+    shared = SharedTokenizer(tokenizer)
+    ids = tokenizer(SAMPLES[1] + SAMPLES[2], add_special_tokens=False)["input_ids"]
+    detok = Detokenizer(shared)
+    pieces = [detok.push(i) for i in ids[:7]]
+    other = threading.Thread(target=lambda: pieces.extend(detok.push(i) for i in ids[7:]))
+    other.start()
+    other.join()
+    pieces.append(detok.flush())
+    assert "".join(pieces) == full_decode(tokenizer, ids)
+
+
+def test_token_text_is_the_single_token_decode_kept(tokenizer):
+    """``SharedTokenizer.token_text`` (TokenInfo's text) is the token's own decode, special tokens shown."""
+    shared = SharedTokenizer(tokenizer)
+    ids = [*tokenizer(SAMPLES[1], add_special_tokens=False)["input_ids"], *tokenizer.all_special_ids]
+    for _ in range(2):  # decoded, then from the cache
+        assert [shared.token_text(i) for i in ids] == [
+            tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids
+        ]
+
+
+def test_a_tokenizer_without_a_rust_backend_falls_back_to_offsets(tokenizer):
+    class DecodeOnly:
+        def decode(self, ids, **kwargs):
+            return tokenizer.decode(ids, **kwargs)
+
+    ids = tokenizer(SAMPLES[1], add_special_tokens=False)["input_ids"]
+    detok = Detokenizer(DecodeOnly())
+    pieces = [detok.push(i) for i in ids[:-1]]
+    assert "".join(pieces) + detok.flush() == full_decode(tokenizer, ids[:-1])
+    assert detok.ids == ids[:-1]

@@ -13,16 +13,19 @@ neither torch nor transformers. Operations:
 - ``close()``: end what runs and free the model.
 
 ``ThreadedSubmission`` is the bridge for engines that run in their own threads:
-they call its ``sink`` from any thread, the transport iterates it on the loop.
+they call its ``sink`` from any thread, the transport iterates it on the loop; a step's
+events for all its streams cross to the loop in one hand-off (``handoff``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol, runtime_checkable
 
+from . import handoff
 from .domain import (
     Encoding,
     EngineStats,
@@ -102,11 +105,15 @@ class ThreadedSubmission:
     gRPC's ``yield`` waits while the client's HTTP/2 window is full, so a client that stops
     reading stops the iteration here; the engine sees ``unread()`` grow and parks the stream
     (docs/architecture.md, "A reader that falls behind"), so this queue stays bounded.
+
+    Events arrive on the loop through ``handoff.send`` (with the rest of the engine's step when
+    it gathers them) into a plain deque, and wake the iteration through one future while it waits.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._events: collections.deque[Event] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None  # the iteration waits for an event
         self.handle: RequestHandle | None = None  # set once the engine has admitted it
         self._sent = 0  # events the engine has sent (written by the engine's thread only)
         self._taken = 0  # events the transport has taken (written on the event loop only)
@@ -116,7 +123,14 @@ class ThreadedSubmission:
     def sink(self, event: Event) -> None:
         """Called by the engine, from its own thread."""
         self._sent += 1
-        self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        handoff.send(self._loop, self._arrive, event)
+
+    def _arrive(self, event: Event) -> None:
+        """On the loop: one event in, the iteration woken if it waits."""
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # -- StreamReader: what the engine asks ----------------------------------------------
 
@@ -148,11 +162,18 @@ class ThreadedSubmission:
     def end(self, event: ErrorEvent) -> None:
         """Called on the event loop; what the engine sends after it is never read."""
         self.cancel()
-        self._events.put_nowait(event)
+        self._arrive(event)
 
     async def __aiter__(self) -> AsyncIterator[Event]:
+        events = self._events
         while True:
-            event = await self._events.get()
+            while not events:
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            event = events.popleft()
             self._taken += 1
             self._last_read = time.monotonic()
             waiting = self._wake

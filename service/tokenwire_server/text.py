@@ -1,11 +1,15 @@
 """Text: incremental detokenization and stop-sequence matching.
 
 Byte-level BPE splits one character (an emoji, a CJK ideograph) across tokens, so
-decoding one token at a time yields U+FFFD halves. ``Detokenizer`` decodes with
-prefix/read offsets (as Hugging Face TGI does) and holds text back while it ends
-in a partial character. ``StopMatcher`` holds back only the tail of the text that
-could still grow into a stop sequence. ``TextStream`` chains the two; the
-concatenation of what it emits equals the decoded completion, cut at the stop.
+decoding one token at a time yields U+FFFD halves. ``Detokenizer`` streams with the
+``tokenizers`` library's ``DecodeStream`` (Rust, O(1) per token: it keeps only the few
+tokens since its last emission) and holds text back while it ends in a partial
+character; a tokenizer without a Rust backend gets ``OffsetDetokenizer``, the same
+prefix/read-offset scheme in Python (as Hugging Face TGI does, two decodes per token).
+``StopMatcher`` holds back only the tail of the text that could still grow into a stop
+sequence. ``TextStream`` chains the two; the concatenation of what it emits equals the
+decoded completion (``skip_special_tokens=True``, ``clean_up_tokenization_spaces=False``),
+cut at the stop.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .domain import ChatPrompt, Encoding, NoChatTemplate, Prompt, TokenPrompt
@@ -21,8 +25,18 @@ from .domain import ChatPrompt, Encoding, NoChatTemplate, Prompt, TokenPrompt
 REPLACEMENT = "\ufffd"
 
 
-class Detokenizer:
-    """Turns token ids, one at a time, into text that never splits a character."""
+def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return str(tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+
+
+class OffsetDetokenizer:
+    """Turns token ids, one at a time, into text that never splits a character: the fallback.
+
+    Each push decodes twice, from a few tokens back (the prefix offset) to the last
+    emission (the read offset) and to the new token, and emits the difference once it does
+    not end in U+FFFD. Any tokenizer with ``decode`` will do; ``Detokenizer`` is the same in
+    O(1) per token where the tokenizer has a Rust backend.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
@@ -31,15 +45,12 @@ class Detokenizer:
         self._read_offset = 0
         self._emitted: list[str] = []
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return str(self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
-
     def push(self, token_id: int) -> str:
         """Add one token; return the new complete text ('' while a character is partial)."""
         self.ids.append(token_id)
         # Decoding from a few tokens back gives the context byte-level merges need.
-        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self.ids[self._prefix_offset :])
+        prefix_text = _decode(self._tokenizer, self.ids[self._prefix_offset : self._read_offset])
+        new_text = _decode(self._tokenizer, self.ids[self._prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
             delta = new_text[len(prefix_text) :]
             self._prefix_offset = self._read_offset
@@ -53,15 +64,77 @@ class Detokenizer:
 
         A completion cut mid-character ends in U+FFFD, exactly as the full decode does.
         """
-        full = self._decode(self.ids)
-        emitted = "".join(self._emitted)
-        if full.startswith(emitted):
-            rest = full[len(emitted) :]
-        else:  # not seen with byte-level BPE; keep the stream consistent regardless
-            rest = full[len(emitted) :] if len(full) > len(emitted) else ""
-        if rest:
-            self._emitted.append(rest)
-        return rest
+        return _rest(_decode(self._tokenizer, self.ids), self._emitted)
+
+
+def _rest(full: str, emitted: list[str]) -> str:
+    """What ``full`` has beyond the pieces ``emitted`` so far (appended to them)."""
+    done = "".join(emitted)
+    if full.startswith(done):
+        rest = full[len(done) :]
+    else:  # not seen with byte-level BPE; keep the stream consistent regardless
+        rest = full[len(done) :] if len(full) > len(done) else ""
+    if rest:
+        emitted.append(rest)
+    return rest
+
+
+def backend_of(tokenizer: Any) -> Callable[[], Any] | None:
+    """How to reach ``tokenizer``'s Rust ``tokenizers.Tokenizer`` from the calling thread (None: it
+    has none). A ``SharedTokenizer`` hands each thread its own copy's; a plain one its own."""
+    if isinstance(tokenizer, SharedTokenizer):
+        # Asked of the original: a thread's copy is made on its first use, and this may run on
+        # the event loop (``Engine.submit``), which must not wait ~0.1 s for a copy it never uses.
+        return tokenizer.backend if getattr(tokenizer.original, "backend_tokenizer", None) is not None else None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return None if backend is None else lambda: backend
+
+
+class Detokenizer:
+    """Turns token ids, one at a time, into text that never splits a character, in O(1) per token.
+
+    ``tokenizers.decoders.DecodeStream`` runs the prefix/read-offset scheme in Rust on the
+    tokens since its last emission only (it drops the ones before), and says None while the
+    text ends in U+FFFD. A tokenizer without a Rust backend falls back to ``OffsetDetokenizer``.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._emitted: list[str] = []
+        self._backend = backend_of(tokenizer)
+        self._fallback = OffsetDetokenizer(tokenizer) if self._backend is None else None
+        if self._fallback is not None:
+            self.ids = self._fallback.ids
+        self._stream: Any = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the new complete text ('' while a character is partial)."""
+        if self._fallback is not None:
+            return self._fallback.push(token_id)
+        self.ids.append(token_id)
+        # NOTE: the backend is looked up per push, not kept: a stream is replayed on the thread
+        # that submits it and read on the engine's, and a Rust tokenizer used by two threads at
+        # once fails ("Already borrowed"). The look-up is one thread-local read (~0.1 µs);
+        # a detokenizer bound to one thread could keep it.
+        assert self._backend is not None
+        delta = self._stream.step(self._backend(), token_id)
+        if delta:
+            self._emitted.append(delta)
+            return str(delta)
+        return ""
+
+    def flush(self) -> str:
+        """At the end: whatever the full decode has beyond what was emitted (one decode of the
+        whole completion, once per stream). A completion cut mid-character ends in U+FFFD,
+        exactly as the full decode does."""
+        if self._fallback is not None:
+            return self._fallback.flush()
+        return _rest(_decode(self._tokenizer, self.ids), self._emitted)
 
 
 class StopMatcher:
@@ -140,6 +213,7 @@ class SharedTokenizer:
         self._original = tokenizer
         self._copies = threading.local()
         self._lock = threading.Lock()  # deepcopy reads the original: one copy at a time
+        self._token_texts: dict[int, str] = {}  # token_text's cache, at most the vocabulary
 
     def get(self) -> Any:
         """This thread's tokenizer."""
@@ -150,8 +224,30 @@ class SharedTokenizer:
             self._copies.tokenizer = mine
         return mine
 
+    @property
+    def original(self) -> Any:
+        """The tokenizer the copies are made from (read it, never use it from two threads)."""
+        return self._original
+
+    def backend(self) -> Any:
+        """This thread's copy's Rust ``tokenizers.Tokenizer`` (None: a tokenizer without one)."""
+        mine = getattr(self._copies, "backend", self)
+        if mine is self:
+            mine = self._copies.backend = getattr(self.get(), "backend_tokenizer", None)
+        return mine
+
     def decode(self, ids: Sequence[int], **kwargs: Any) -> str:
         return str(self.get().decode(list(ids), **kwargs))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens shown (``TokenInfo.text``), from a cache shared by
+        the threads (a token's text never changes; a dict read or write is atomic)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode(
+                [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        return text
 
     @property
     def chat_template(self) -> str | None:

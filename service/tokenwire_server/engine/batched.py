@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .. import handoff
 from ..domain import EngineObserver, EngineStats, ErrorKind, GenerationRequest
 from ..model import LoadedModel, attention_shape
 from .base import Engine, EngineLimits
@@ -241,7 +242,8 @@ class BatchedEngine(Engine):
             except Exception as exc:  # a failed step fails its batch, never the loop (engine.faults)
                 # Nothing of the step in flight was taken: the rows that stay plan it again.
                 self._flight, self._collected_at = None, None
-                ended = {id(seq) for seq in self._step_failed([row.seq for row in scheduler.rows], exc)}
+                with handoff.gathered():
+                    ended = {id(seq) for seq in self._step_failed([row.seq for row in scheduler.rows], exc)}
                 scheduler.leave([row for row in scheduler.rows if id(row.seq) in ended])
         if self.fault is not None:
             for row in scheduler.rows:
@@ -261,7 +263,8 @@ class BatchedEngine(Engine):
         result = self.runner.run(plan)
         # Nothing is committed before here: a step that ran out of memory runs again as it was.
         self._count(plan, time.perf_counter() - started)
-        self.scheduler.postprocess(plan, result.picks)
+        with handoff.gathered():  # every row's events reach the event loop in one hand-off
+            self.scheduler.postprocess(plan, result.picks)
         if plan.decodes and not plan.prompt_tokens:
             # The host's own time in the step, delivery included: on a GPU, what the device waits through.
             self.observer.step_host(max(0.0, time.perf_counter() - started - result.compute_s))
@@ -297,12 +300,15 @@ class BatchedEngine(Engine):
         collected = time.perf_counter()
         plan = result.plan
         self._count(plan, collected - launched.started)
-        waiting = scheduler.take(plan, result.picks)
+        # The rows that end on their token deliver as they take it: their events go before the launch.
+        with handoff.gathered():
+            waiting = scheduler.take(plan, result.picks)
         scheduler.retire(expire=False)
         try:
             self._until_it_fits(self._launch)
         finally:  # step N's text goes out even when step N+1 fails to launch
-            scheduler.deliver(waiting)
+            with handoff.gathered():  # every row's events reach the event loop in one hand-off
+                scheduler.deliver(waiting)
         scheduler.retire(expire=False)
         if plan.decodes and not plan.prompt_tokens and self._collected_at is not None:
             # The host's own time in a step period (collect to collect), less its compute or wait.

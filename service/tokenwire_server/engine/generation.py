@@ -29,7 +29,7 @@ from ..domain import (
     Usage,
 )
 from ..structured import STUCK, Constraint
-from ..text import TextStream
+from ..text import SharedTokenizer, TextStream
 
 if TYPE_CHECKING:
     import torch
@@ -240,6 +240,11 @@ class Generation:
         text = ""
         quiet = self._ending is FinishReason.STOP_TOKEN and self._quiet_stop(taken[-1][0])
         for n, (token_id, logprob, top) in enumerate(taken, start=1):
+            # NOTE: a TokenInfo (and its text) only for a caller that asked for token info (ids or
+            # logprobs; a client that resumes asks for ids). Nothing else reads them but the
+            # transport's count of a cut stream's tokens for the quota, which without them counts a
+            # chunk as one token: a chunk after a held-back character (two tokens) is undercharged
+            # by one. A token count on TextEvent would make that exact at no decode.
             if want_tokens:
                 self._pending_tokens.append(TokenInfo(token_id, self.token_text(token_id), logprob, top))
             if quiet and n == len(taken):
@@ -273,7 +278,12 @@ class Generation:
         return token_id in request.stop_token_ids and self.eos_allowed and not request.include_stop_sequence
 
     def token_text(self, token_id: int) -> str:
-        return str(self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        """A token's own text (``TokenInfo``, the top alternatives): asked only for a caller that
+        wants token info; the engines' ``SharedTokenizer`` keeps each token's from its first decode."""
+        tokenizer = self._tokenizer
+        if isinstance(tokenizer, SharedTokenizer):
+            return tokenizer.token_text(token_id)
+        return str(tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def finish(self, reason: FinishReason, text: str = "") -> None:
         if self.finished:
