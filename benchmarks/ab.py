@@ -7,7 +7,9 @@
 alternating which goes first, each from a fresh process that imports that tree first.
 ``c1``/``c16``/``long``: the batched engine in process (``long``: 8 streams decode while a
 ~1,500-token prompt is read); ``c1-sampled``/``c16-sampled``: c1/c16 drawn at temperature 0.8,
-top_p 0.95, a seed per stream; ``server-cN``: a server from that tree, N streams over gRPC.
+top_p 0.95, a seed per stream; ``c16-controls``: that plus presence and frequency penalties, min_p and
+a 100-entry logit_bias (#40; a tree without them fails the case); ``server-cN``: a server from that
+tree, N streams over gRPC.
 With ``--out docs/benchmarks.md`` the table replaces section ``--section`` there.
 """
 
@@ -98,11 +100,18 @@ def child(model: str, case: str, max_new: int) -> dict[str, Any]:
 
     try:
         Sink("warm", prompts[0], 8).done.wait(120)
-        if case.removesuffix("-sampled") in ("c1", "c16"):
-            n = int(case.removesuffix("-sampled")[1:])
+        streams, _, kind = case.partition("-")
+        if streams in ("c1", "c16") and kind in ("", "sampled", "controls"):
+            n = int(streams[1:])
             started = time.perf_counter()
+            # -controls: -sampled plus OpenAI's controls, a 100-entry logit_bias (10 of them bans) among them
+            controls = (
+                dict(presence_penalty=0.5, frequency_penalty=0.3, min_p=0.05,
+                     logit_bias=tuple((t, -100.0 if t % 10 == 0 else 1.5) for t in range(30000, 30100)))
+                if kind == "controls" else {}
+            )  # fmt: skip
             options = [
-                SamplingOptions(temperature=0.8, top_p=0.95, seed=1000 + i) if case.endswith("-sampled") else greedy
+                SamplingOptions(temperature=0.8, top_p=0.95, seed=1000 + i, **controls) if kind else greedy
                 for i in range(n)
             ]
             for s in [Sink(f"r{i}", prompts[i % len(prompts)], max_new, options[i]) for i in range(n)]:
@@ -167,7 +176,8 @@ def run(args: argparse.Namespace) -> doc.Section:
         args.section, f"Two trees side by side: {args.label}", args.command,
         f"{doc.host()}. Each repeat runs every case once on each tree, alternating, each in a fresh process; "
         f"c1/c16: tokens/s of 1 or 16 greedy streams of {args.max_new_tokens} tokens on the batched engine in "
-        "process (-sampled: temperature 0.8, top_p 0.95, a seed per stream); long: 8 streams decode while a "
+        "process (-sampled: temperature 0.8, top_p 0.95, a seed per stream; -controls: that plus presence 0.5, "
+        "frequency 0.3, min_p 0.05 and a 100-entry logit_bias); long: 8 streams decode while a "
         "~1,500-token prompt is read (their largest gap ÷ their ITL p50 before it: the stall); server-cN: tokens/s of "
         "N streams over gRPC. Cells: median (min–max) over the repeats; ratios: new ÷ old per repeat.",
         "",
