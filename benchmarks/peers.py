@@ -287,7 +287,7 @@ def llamacpp_gguf(peers: Path, model: str, system: str) -> Path:
         with tempfile.TemporaryDirectory() as tmp:
             converter = peers / "llama.cpp" / "src" / "convert_hf_to_gguf.py"
             made([str(peers / "venv" / "bin" / "python"), str(converter), str(convertible(folder, Path(tmp))),
-                  "--outtype", kind.lower(), "--outfile", str(partial)])  # fmt: skip
+                  "--outtype", kind.lower(), "--outfile", str(partial), "--model-name", name])  # fmt: skip
     else:
         source = llamacpp_gguf(peers, model, "llamacpp-f32")
         quantize = peers / "llama.cpp" / "build" / "bin" / "llama-quantize"
