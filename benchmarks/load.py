@@ -159,10 +159,13 @@ async def openai_stream(port: int, body: dict[str, Any]) -> tuple[float | None, 
                 counts["completion"], counts["prompt"] = usage["completion_tokens"], usage["prompt_tokens"]
             if not record.get("choices"):
                 continue
+            choice = record["choices"][0]
+            if not choice.get("delta") and choice.get("finish_reason"):
+                continue  # the end announced in an event of its own (llama-server's): no token came with it
             # One event per token step; an event whose text the detokenizer holds back
             # (half a character) still marks a token's arrival.
             if first is None:
-                if not record["choices"][0].get("delta", {}).get("content"):
+                if not choice.get("delta", {}).get("content"):
                     continue
                 first = last = now
             else:
