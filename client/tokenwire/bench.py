@@ -227,6 +227,7 @@ async def run_bench_async(
     prompts: Sequence[str] = DEFAULT_PROMPTS,
     chat: bool = True,
     temperature: float | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     tls: bool | TLSConfig = False,
     token: str | None = None,
@@ -246,6 +247,8 @@ async def run_bench_async(
     params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": True, "token_ids": True}
     if temperature is not None:
         params["temperature"] = temperature
+    if top_p is not None:
+        params["top_p"] = top_p
     if seed is not None:
         params["seed"] = seed
     totals = _Totals()
@@ -303,6 +306,7 @@ def run_bench(
     prompts: Sequence[str] = DEFAULT_PROMPTS,
     chat: bool = True,
     temperature: float | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     tls: bool | TLSConfig = False,
     token: str | None = None,
@@ -321,6 +325,7 @@ def run_bench(
             prompts=prompts,
             chat=chat,
             temperature=temperature,
+            top_p=top_p,
             seed=seed,
             tls=tls,
             token=token,
