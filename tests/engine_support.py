@@ -66,6 +66,30 @@ def kernel_choices() -> list[Any]:
     return [pytest.param("compiled", marks=skip), "torch"]
 
 
+def engine_kinds() -> list[Any]:
+    """The batched engine on each kernel set and the simple engine, as ``(kind, options)``
+    parameters for ``engine_of``; the compiled set skipped as in ``kernel_choices``."""
+    import pytest
+
+    compiled, torch_ops = kernel_choices()
+    return [
+        pytest.param(("batched", {"kernels": "compiled"}), id="batched-compiled", marks=compiled.marks),
+        pytest.param(("batched", {"kernels": torch_ops}), id="batched-torch"),
+        pytest.param(("simple", {}), id="simple"),
+    ]
+
+
+def engine_of(loaded: Any, kind: str, options: dict[str, Any]) -> Any:
+    """An engine of ``kind`` (``engine_kinds``) for a test's handful of requests, not started."""
+    from tokenwire_server.engine import create_engine
+    from tokenwire_server.engine.base import EngineLimits
+
+    limits = EngineLimits(max_active=16, max_queue=32, kv_cache_tokens=16 * 1024, max_prefill_tokens=24)
+    if kind == "simple":
+        return create_engine("simple", loaded, limits, workers=2)
+    return create_engine("batched", loaded, limits, workers=1, **options)
+
+
 SLOTS = 4  # the requests a test's fresh cache holds
 BLOCK = 16
 

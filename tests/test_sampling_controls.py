@@ -22,11 +22,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from engine_support import kernel_unbuildable, run_all
+from engine_support import engine_kinds, engine_of, run_all
 from test_sampling import reference_draw
 from tokenwire_server.domain import FinishEvent, GenerationRequest, RequestHandle, SamplingOptions
-from tokenwire_server.engine import create_engine
-from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.engine.generation import Generation
 from tokenwire_server.engine.sampling import Sampler, gumbel_noise, row_keys
 from tokenwire_server.model import load_model
@@ -140,16 +138,7 @@ def test_the_penalties_count_generated_tokens_only_and_update_as_tokens_come() -
 
 # -- the engines ------------------------------------------------------------------------------------
 
-KERNEL_REASON = kernel_unbuildable()
-ENGINES = [
-    pytest.param(
-        ("batched", {"kernels": "compiled"}),
-        id="batched-compiled",
-        marks=pytest.mark.skipif(KERNEL_REASON is not None, reason=f"compiled CPU ops: {KERNEL_REASON}"),
-    ),
-    pytest.param(("batched", {"kernels": "torch"}), id="batched-torch"),
-    pytest.param(("simple", {}), id="simple"),
-]
+ENGINES = engine_kinds()
 MIXED = [
     SamplingOptions(temperature=0.0, frequency_penalty=0.8, presence_penalty=0.4),
     SamplingOptions(temperature=0.8, top_p=0.95, min_p=0.05, seed=7),
@@ -168,13 +157,6 @@ def chat_prompts(loaded: Any) -> list[list[int]]:
         )
         for q in questions
     ]
-
-
-def engine_of(loaded: Any, kind: str, options: dict[str, Any]) -> Any:
-    limits = EngineLimits(max_active=16, max_queue=32, kv_cache_tokens=16 * 1024, max_prefill_tokens=24)
-    if kind == "simple":
-        return create_engine("simple", loaded, limits, workers=2)
-    return create_engine("batched", loaded, limits, workers=1, **options)
 
 
 def first_token_is_changed_by_a_ban(loaded: Any, eng: Any) -> None:

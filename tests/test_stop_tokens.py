@@ -16,24 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_support import kernel_unbuildable, run_all
+from engine_support import engine_kinds, engine_of, run_all
 from tokenwire_server.domain import FinishEvent, FinishReason, GenerationRequest, SamplingOptions
-from tokenwire_server.engine import create_engine
-from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.model import load_model
 
 pytestmark = pytest.mark.timeout(600)
 
-KERNEL_REASON = kernel_unbuildable()
-ENGINES = [
-    pytest.param(
-        ("batched", {"kernels": "compiled"}),
-        id="batched-compiled",
-        marks=pytest.mark.skipif(KERNEL_REASON is not None, reason=f"compiled CPU ops: {KERNEL_REASON}"),
-    ),
-    pytest.param(("batched", {"kernels": "torch"}), id="batched-torch"),
-    pytest.param(("simple", {}), id="simple"),
-]
+ENGINES = engine_kinds()
 KINDS = [
     SamplingOptions(temperature=0.0),
     SamplingOptions(temperature=0.8, top_p=0.9, seed=1234),
@@ -44,13 +33,6 @@ KINDS = [
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir: Path) -> Any:
     return load_model(str(tiny_model_dir))
-
-
-def engine_of(loaded: Any, kind: str, options: dict[str, Any]) -> Any:
-    limits = EngineLimits(max_active=16, max_queue=32, kv_cache_tokens=16 * 1024, max_prefill_tokens=24)
-    if kind == "simple":
-        return create_engine("simple", loaded, limits, workers=2)
-    return create_engine("batched", loaded, limits, workers=1, **options)
 
 
 def prompts(loaded: Any) -> list[list[int]]:

@@ -225,39 +225,23 @@ class Sampler:
     @staticmethod
     def _bias(processed: torch.Tensor, rows: list[tuple[int, tuple[tuple[int, float], ...]]]) -> None:
         """Add each row's logit bias, one indexed op for the step; BAN_BIAS sets the token to -inf."""
-        r_idx, c_idx, bias = [], [], []
-        for i, pairs in rows:
-            for token, value in pairs:
-                r_idx.append(i)
-                c_idx.append(token)
-                bias.append(NEG_INF if value <= BAN_BIAS else value)
-        device = processed.device
-        processed.index_put_(
-            (host_tensor(r_idx, torch.long, device), host_tensor(c_idx, torch.long, device)),
-            host_tensor(bias, torch.float32, device),
-            accumulate=True,
+        _add_at(
+            processed,
+            [(i, token, NEG_INF if value <= BAN_BIAS else value) for i, pairs in rows for token, value in pairs],
         )
 
     @staticmethod
     def _penalise(processed: torch.Tensor, seqs: Sequence[Generation], rows: list[int]) -> None:
         """OpenAI's penalties over the tokens generated so far: a token's logit loses
         ``frequency_penalty`` times its count, and ``presence_penalty`` once if it came at all."""
-        r_idx, c_idx, amount = [], [], []
+        entries = []
         for i in rows:
             sampling = seqs[i].request.sampling
             frequency, presence = sampling.frequency_penalty, sampling.presence_penalty
-            for token, count in seqs[i].generated_counts().items():
-                r_idx.append(i)
-                c_idx.append(token)
-                amount.append(-(frequency * count + presence))
-        if not r_idx:
-            return
-        device = processed.device
-        processed.index_put_(
-            (host_tensor(r_idx, torch.long, device), host_tensor(c_idx, torch.long, device)),
-            host_tensor(amount, torch.float32, device),
-            accumulate=True,
-        )
+            entries += [
+                (i, token, -(frequency * count + presence)) for token, count in seqs[i].generated_counts().items()
+            ]
+        _add_at(processed, entries)
 
     def collect(self, drawn: Drawn) -> list[Pick]:
         """Read launched picks to the host: the step's one synchronisation with the device."""
@@ -333,6 +317,19 @@ CANDIDATES = 256  # tokens kept per row by the prefilter (a constant: a row's pa
 # The candidates' cumulated mass must clear top_p by this much to rule out every later token: room for
 # float32 rounding in cumsum - probability (a few 1e-7), so a rounding never turns a dropped token back.
 _MASS_MARGIN = 1e-5
+
+
+def _add_at(processed: torch.Tensor, entries: list[tuple[int, int, float]]) -> None:
+    """``processed[row, token] += amount`` for each entry, in one indexed op (no entry: nothing)."""
+    if not entries:
+        return
+    device = processed.device
+    rows, tokens, amounts = zip(*entries, strict=True)
+    processed.index_put_(
+        (host_tensor(list(rows), torch.long, device), host_tensor(list(tokens), torch.long, device)),
+        host_tensor(list(amounts), torch.float32, device),
+        accumulate=True,
+    )
 
 
 def _min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
