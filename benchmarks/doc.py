@@ -17,7 +17,7 @@ HEADER = """# Benchmarks
 Written by the benchmarks, not by hand: each section below belongs to one command
 (`make bench`, `make bench-peers`, `make bench-quality`, `make bench-levers`, `make bench-kernels`, \
 `make bench-neighbour`, `make bench-prefix`, `make bench-resume`,
-`make bench-structured`, `make bench-tenants`, `make bench-startup`, \
+`make bench-structured`, `make bench-tenants`, `make bench-score`, `make bench-startup`, \
 `python -m benchmarks ab --section`), which replaces only its own
 section and records its exact invocation. Every figure in a section comes from one run
 of that command on one machine; the machine is shared and noisy, so compare the rows

@@ -36,6 +36,12 @@ def _answer(request: pb.GenerateRequest) -> tuple[int, str]:
 class _Servicer(pb_grpc.TextGenerationServicer):
     def Generate(self, request: pb.GenerateRequest, context: Any) -> Any:
         prompt_tokens, fixed = _answer(request)
+        if request.stopping.HasField("max_new_tokens") and request.stopping.max_new_tokens == 0:  # a scoring call
+            chunk = pb.TokenChunk(request_id=request.request_id, finish_reason=pb.FINISH_REASON_LENGTH)
+            chunk.prompt_tokens.extend(pb.Token(id=t, logprob=-1.0) for t in request.token_ids.ids)
+            chunk.usage.CopyFrom(pb.Usage(prompt_tokens=prompt_tokens))
+            yield chunk
+            return
         new = 1 if fixed else min(request.stopping.max_new_tokens or 16, 512)  # a choice: one token, then EOS
         start = len(request.resume.generated_token_ids)
         key = pb.GenerateRequest()

@@ -421,7 +421,7 @@ def test_transformers_forward_and_the_grammar_mask_queue_their_inputs_without_wa
         steps.append((plan, transfers))
         # What collect would read back, made up (meta holds no values): each emitting row's
         # token, one its format allows for the JSON row.
-        picks = [(brace if row.seq.request.request_id == "json" else 17, None, ()) for row in plan.emitters]
+        picks = [(brace if row.seq.request.request_id == "json" else 17, None, (), ()) for row in plan.emitters]
         scheduler.postprocess(plan, picks)
         submit("long", "once upon a time " * 8, SamplingOptions(temperature=0.0))
         scheduler.admit(wait=False)

@@ -64,6 +64,7 @@ class FakeSeq:
         self.admitted_at: float | None = None
         self.preemptions = 0
         self._context = self.request.prompt_ids + list(resumed)
+        self.scores_prompt = False  # OutputOptions.prompt_logprobs (tests/test_prompt_logprobs.py)
 
     @property
     def prompt_len(self) -> int:
@@ -98,7 +99,7 @@ class FakeSeq:
     def abandon(self) -> None:
         self.finished = True
 
-    def take(self, token: int, logprob: float | None = None, top: Any = ()) -> bool:
+    def take(self, token: int, logprob: float | None = None, top: Any = (), named: Any = ()) -> bool:
         self.generated.append(token)
         self.finished = len(self.generated) >= self.request.max_new_tokens
         return self.finished
@@ -125,7 +126,7 @@ def run_to_end(s: Scheduler, token: int = 7) -> None:
     while s.rows:
         plan = s.schedule()
         assert plan is not None
-        s.postprocess(plan, [(token, None, ())] * len(plan.emitters))
+        s.postprocess(plan, [(token, None, (), ())] * len(plan.emitters))
 
 
 def prompt(n: int, start: int = 1000) -> list[int]:
@@ -157,12 +158,12 @@ def test_blocks_are_taken_as_a_row_grows_never_past_its_promise() -> None:
     assert row.table == [] and row.lease.promised == 4
     plan = s.schedule()
     assert plan is not None and len(row.table) == 2  # the 20 prompt tokens' blocks, taken for this step
-    s.postprocess(plan, [(1, None, ())])
+    s.postprocess(plan, [(1, None, (), ())])
     while not seq.finished:
         plan = s.schedule()
         assert plan is not None
         assert len(row.table) * BLOCK_SIZE >= row.length + 1
-        s.postprocess(plan, [(1, None, ())])
+        s.postprocess(plan, [(1, None, (), ())])
     assert len(seq.generated) == 30
     with pytest.raises(RuntimeError, match="past its reservation"):
         s.pool.grow(row.lease, 100 * BLOCK_SIZE)
@@ -216,7 +217,7 @@ def test_a_cancelled_row_gives_its_blocks_back_at_the_next_retire() -> None:
     s.admit()
     plan = s.schedule()
     assert plan is not None
-    s.postprocess(plan, [(1, None, ())])
+    s.postprocess(plan, [(1, None, (), ())])
     assert s.pool.available == 8 - blocks_for(80)
     seq.handle.cancelled = True
     s.retire(expire=False)
@@ -233,7 +234,7 @@ def test_a_step_decodes_every_decoding_row_and_reads_prompt_chunks_within_the_bu
     s.admit()
     plan = s.schedule()
     assert plan is not None and [(p.start, p.count, p.decodes) for p in plan.parts] == [(0, 5, False)]
-    s.postprocess(plan, [(11, None, ())])
+    s.postprocess(plan, [(11, None, (), ())])
     assert first.generated == [11]
     second, third = FakeSeq(prompt(30, 3000), 10), FakeSeq(prompt(30, 6000), 10)
     submit(s, second, third)
@@ -247,7 +248,7 @@ def test_a_step_decodes_every_decoding_row_and_reads_prompt_chunks_within_the_bu
     ]
     assert plan.emitters == [plan.parts[0].row] and plan.prompt_tokens == 20
     assert s.rows[1].length == 0  # nothing moves before postprocess
-    s.postprocess(plan, [(12, None, ())])
+    s.postprocess(plan, [(12, None, (), ())])
     assert first.generated == [11, 12] and s.rows[0].length == 6 and s.rows[1].length == 20
 
 
@@ -271,7 +272,7 @@ def test_a_resumed_row_reads_its_prompt_and_resumed_tokens_and_shares_the_prompt
     plan = s.schedule()
     assert plan is not None and [(p.start, p.count, p.decodes) for p in plan.parts] == [(32, 11, False)]
     assert plan.parts[0].ids == [*prompt(8, 1032), 5, 6, 7] and plan.emitters == [row]
-    s.postprocess(plan, [(9, None, ())])
+    s.postprocess(plan, [(9, None, (), ())])
     assert resumed.generated == [5, 6, 7, 9]  # the first new token, at step 3
     run_to_end(s)
     assert len(resumed.generated) == 8
@@ -414,7 +415,7 @@ def test_a_block_held_by_a_running_request_is_never_evicted() -> None:
     s.admit()
     plan = s.schedule()
     assert plan is not None
-    s.postprocess(plan, [(1, None, ())])
+    s.postprocess(plan, [(1, None, (), ())])
     sharer = FakeSeq([*prompt(32), 5], 15)
     submit(s, sharer)
     s.admit()

@@ -209,6 +209,44 @@ def test_a_stop_token_id_ends_the_stream_and_is_reported(stub):
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in caught.value.details()
 
 
+def test_prompt_logprobs_come_on_the_first_chunk_and_a_scoring_call_only_scores(stub):
+    """OutputOptions.prompt_logprobs: chunk 0 carries every prompt token (the Tokenize ids; the
+    first without a logprob), and no other chunk does; logprobs_of comes on every token; with
+    max_new_tokens 0 the call is one chunk (LENGTH, no text, nothing generated) with the same
+    scores; a resume past chunk 0 does not send them again."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = list(stub.Tokenize(pb.TokenizeRequest(text=prompt)).ids)
+    output = pb.OutputOptions(token_ids=True, prompt_logprobs=True, prompt_top_logprobs=2, logprobs_of=[5, 7])
+    sampling, stopping = greedy(max_new_tokens=6, ignore_eos=True)
+    chunks = collect(stub, pb.GenerateRequest(prompt=prompt, sampling=sampling, stopping=stopping, output=output))
+    scored = list(chunks[0].prompt_tokens)
+    assert [t.id for t in scored] == ids and not any(c.prompt_tokens for c in chunks[1:])
+    assert not scored[0].HasField("logprob") and all(t.HasField("logprob") and t.logprob <= 0 for t in scored[1:])
+    assert all(len(t.top_logprobs) == 2 and [a.id for a in t.logprobs_of] == [5, 7] for t in scored[1:])
+    assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in scored[1:])
+    tokens = [t for c in chunks for t in c.tokens]
+    assert len(tokens) == 6 and all([a.id for a in t.logprobs_of] == [5, 7] for t in tokens)
+
+    scoring = pb.StoppingCriteria(max_new_tokens=0)
+    (only,) = collect(stub, pb.GenerateRequest(prompt=prompt, sampling=sampling, stopping=scoring, output=output))
+    assert only.finish_reason == pb.FINISH_REASON_LENGTH and only.text == "" and not only.tokens
+    assert (only.usage.prompt_tokens, only.usage.completion_tokens) == (len(ids), 0)
+    assert [(t.id, round(t.logprob, 4)) for t in only.prompt_tokens[1:]] == [
+        (t.id, round(t.logprob, 4)) for t in scored[1:]
+    ]
+
+    resume = pb.Resume(generated_token_ids=[t.id for t in tokens[:2]], next_index=2)
+    rest = collect(
+        stub, pb.GenerateRequest(prompt=prompt, sampling=sampling, stopping=stopping, output=output, resume=resume)
+    )
+    assert [t.id for c in rest for t in c.tokens] == [t.id for t in tokens[2:]]
+    assert not any(c.prompt_tokens for c in rest)
+    with pytest.raises(grpc.RpcError) as caught:
+        collect(stub, pb.GenerateRequest(prompt=prompt, stopping=scoring))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(caught.value) == ["stopping.max_new_tokens"]
+
+
 def test_logprobs_and_top_logprobs(stub):
     sampling, stopping = greedy(max_new_tokens=5, ignore_eos=True)
     chunks = collect(
@@ -301,7 +339,7 @@ def test_health_and_reflection(tiny_server):
         ({"prompt": "x", "stopping": pb.StoppingCriteria(stop_sequences=[""])}, "stopping.stop_sequences[0]"),
         ({"prompt": "x", "stopping": pb.StoppingCriteria(stop_sequences=["a"] * 17)}, "stopping.stop_sequences"),
         ({"prompt": "x", "stopping": pb.StoppingCriteria(stop_sequences=["a" * 257])}, "stopping.stop_sequences[0]"),
-        ({"prompt": "x", "output": pb.OutputOptions(top_logprobs=6)}, "output.top_logprobs"),
+        ({"prompt": "x", "output": pb.OutputOptions(top_logprobs=21)}, "output.top_logprobs"),
         ({"chat": pb.Chat()}, "chat.messages"),
         ({"chat": pb.Chat(messages=[pb.ChatMessage(role="wizard", content="hi")])}, "chat.messages[0].role"),
         ({"token_ids": pb.TokenIds(ids=[10, 10_000_000])}, "token_ids.ids[1]"),

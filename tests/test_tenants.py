@@ -414,7 +414,7 @@ def step(s: Scheduler, times: int = 1, token: int = 7) -> None:
         s.admit()
         plan = s.schedule()
         assert plan is not None
-        s.postprocess(plan, [(token, None, ())] * len(plan.emitters))
+        s.postprocess(plan, [(token, None, (), ())] * len(plan.emitters))
 
 
 def test_a_newcomer_below_its_share_takes_a_slot_from_the_tenant_above_its_own() -> None:
@@ -556,7 +556,7 @@ def test_a_call_that_preempted_has_its_prompt_read_alone_in_the_next_step() -> N
     plan = s.schedule()
     assert plan is not None
     assert [(p.row.seq.request.request_id, p.count, p.decodes) for p in plan.parts] == [("b0", 12, False)]
-    s.postprocess(plan, [(7, None, ())])
+    s.postprocess(plan, [(7, None, (), ())])
     plan = s.schedule()
     assert plan is not None and len(plan.parts) == 4 and all(p.decodes for p in plan.parts)
     # the preempted row, admitted again later, is read with the others as usual (not alone)

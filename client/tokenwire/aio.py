@@ -10,7 +10,7 @@ collected) cancels the RPC on the server. Each call is built as ``Client``'s is
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
@@ -21,7 +21,7 @@ from tokenwire.attempts import health_failure, health_status
 from tokenwire.calls import ClientBase, GenerateCall, StreamBase, UnaryCall, same_arguments
 from tokenwire.errors import Unavailable
 from tokenwire.formats import parse_answer
-from tokenwire.results import Chunk, Completion, HealthStatus, ModelInfo, Tokenization
+from tokenwire.results import Chunk, Completion, HealthStatus, ModelInfo, Score, Tokenization
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
@@ -168,6 +168,18 @@ class AsyncClient(ClientBase):
     async def _completion(self, call: GenerateCall) -> Completion:
         async with AsyncChunkStream(*call.on(self._stub.Generate)) as stream:
             return await stream.text()
+
+    async def score(self, prompt: str, continuations: Sequence[str], *, timeout: float | None = None) -> list[Score]:
+        """As ``Client.score``, the continuations scored concurrently."""
+
+        async def one(continuation: str) -> Score:
+            context, whole = self._score_texts(prompt, continuation)
+            context_ids = (await self.tokenize(context, timeout=timeout)).ids
+            whole_ids = (await self.tokenize(whole, timeout=timeout)).ids
+            completion = await self._completion(self._score_call(whole_ids, timeout))
+            return Score.from_completion(completion, len(context_ids), continuation)
+
+        return list(await asyncio.gather(*(one(c) for c in continuations)))
 
     async def _unary(self, rpc: Callable[..., Awaitable[_R]], call: UnaryCall[_R, _T]) -> _T:
         """As ``Client._unary``, awaiting."""

@@ -250,6 +250,27 @@ class ClientBase(abc.ABC):
         """``chat``'s arguments: a Generate call on a conversation."""
         return self._generate_call(messages=messages, timeout=timeout, resume=resume, **params)
 
+    @staticmethod
+    def _score_texts(prompt: str, continuation: str) -> tuple[str, str]:
+        """``score``'s (context, whole text): as lm-eval splits them, the prompt's trailing
+        whitespace moves to the continuation (a tokenizer joins a space to the word after it).
+        The continuation's tokens are then the whole text's past the context's token count."""
+        if not prompt:
+            raise ValueError("score needs a prompt: its first token has nothing before it to be scored against")
+        if not continuation:
+            raise ValueError("score needs a non-empty continuation")
+        spaces = len(prompt) - len(prompt.rstrip())
+        if spaces and spaces < len(prompt):
+            prompt, continuation = prompt[:-spaces], prompt[-spaces:] + continuation
+        return prompt, prompt + continuation
+
+    def _score_call(self, whole_ids: Sequence[int], timeout: float | None) -> GenerateCall:
+        """A scoring call: the whole text's token ids read, each scored with its likeliest alternative,
+        nothing generated (``max_new_tokens`` 0)."""
+        return self._generate_call(
+            input_ids=whole_ids, timeout=timeout, max_new_tokens=0, prompt_logprobs=True, prompt_top_logprobs=1
+        )
+
     def _tokenize_call(
         self,
         text: str | None = None,

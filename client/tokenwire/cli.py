@@ -25,7 +25,7 @@ from tokenwire.channel import TLSConfig
 from tokenwire.client import DEFAULT_TARGET, ChunkStream, Client
 from tokenwire.errors import Cancelled, InvalidArgument, TokenwireError
 from tokenwire.request import GenerateOptions
-from tokenwire.results import HealthStatus, Message
+from tokenwire.results import HealthStatus, Message, Token
 from tokenwire.retry import RetryPolicy
 from tokenwire.v1 import generation_pb2 as pb
 
@@ -186,6 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--token-ids", action="store_true", help="ask for token ids (shown with --json)")
     gen.add_argument("--logprobs", action="store_true", help="ask for log-probabilities (shown with --json)")
     gen.add_argument("--top-logprobs", type=int, metavar="N")
+    gen.add_argument(
+        "--prompt-logprobs",
+        action="store_true",
+        help="score the prompt: each prompt token's log-probability, printed to stderr (in the first chunk with "
+        "--json); with --max-new-tokens 0 the call only scores",
+    )
+    gen.add_argument("--prompt-top-logprobs", type=int, metavar="N", help="alternatives per prompt token")
+    gen.add_argument(
+        "--logprobs-of",
+        type=int,
+        action="append",
+        metavar="ID",
+        help="report this token id's log-probability at every position (repeatable; shown with --json)",
+    )
     gen.add_argument("--request-id")
     gen.add_argument("--usage", action="store_true", help="print the finish reason and usage to stderr")
     formats = gen.add_argument_group(
@@ -226,6 +240,19 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--tokens", action="store_true", help="show each token's text")
     tok.add_argument("--offsets", action="store_true", help="show each token's character offsets")
     tok.add_argument("--json", action="store_true")
+
+    score = commands.add_parser(
+        "score",
+        parents=[connection],
+        epilog=EPILOG,
+        formatter_class=formatter,
+        help="how likely each continuation is after a prompt (log-probabilities, lm-eval style)",
+        description="Score each CONTINUATION after PROMPT: the sum of its tokens' log-probabilities, and whether "
+        "it is the model's greedy answer. Nothing is generated.",
+    )
+    score.add_argument("prompt", help="the prompt (raw text, as the RPC reads it)")
+    score.add_argument("continuations", nargs="+", metavar="CONTINUATION")
+    score.add_argument("--json", action="store_true", help="print one JSON object per continuation")
 
     health = commands.add_parser(
         "health",
@@ -334,12 +361,13 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
         "min_new_tokens",
         "time_limit_ms",
         "top_logprobs",
+        "prompt_top_logprobs",
         "request_id",
     ):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
-    for name in ("include_stop_sequence", "ignore_eos", "token_ids", "logprobs"):
+    for name in ("include_stop_sequence", "ignore_eos", "token_ids", "logprobs", "prompt_logprobs"):
         if getattr(args, name, False):
             options[name] = True  # type: ignore[literal-required]
     if args.stop:
@@ -348,6 +376,8 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
         options["logit_bias"] = dict(args.logit_bias)
     if getattr(args, "stop_token_ids", None):
         options["stop_token_ids"] = list(args.stop_token_ids)
+    if getattr(args, "logprobs_of", None):
+        options["logprobs_of"] = list(args.logprobs_of)
     if getattr(args, "priority", None):
         options["priority"] = args.priority
     fmt = _response_format(args)
@@ -450,6 +480,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         with stream, CancelOnInterrupt(stream) as guard:
             for chunk in stream:
                 last = chunk
+                if chunk.prompt_tokens and not args.json:
+                    _print_prompt_scores(chunk.prompt_tokens)
                 if args.json:
                     sys.stdout.write(json.dumps(chunk.to_dict(), ensure_ascii=False) + "\n")
                 elif chunk.text:
@@ -462,7 +494,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not args.json and not ended_with_newline and sys.stdout.isatty():
             sys.stdout.write("\n")
         raw = not (args.chat or args.system)
-        if raw and last is not None and last.usage is not None and last.usage.completion_tokens <= 1:
+        scoring = options.get("max_new_tokens") == 0
+        if raw and not scoring and last is not None and last.usage is not None and last.usage.completion_tokens <= 1:
             _hint_chat(client, last.usage.completion_tokens)
         if args.usage and last is not None:
             usage = last.usage
@@ -475,6 +508,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     f"ttft={usage.time_to_first_token_ms:.1f}ms total={usage.total_time_ms:.1f}ms",
                     file=sys.stderr,
                 )
+    return EXIT_OK
+
+
+def _print_prompt_scores(tokens: Sequence[Token]) -> None:
+    """The scored prompt, to stderr: one line per token (id, log-probability, text, the best alternative)."""
+    print("prompt logprobs:", file=sys.stderr)
+    for token in tokens:
+        logprob = "-" if token.logprob is None else f"{token.logprob:.4f}"
+        best = (
+            f"  best {token.top_logprobs[0].text!r} {token.top_logprobs[0].logprob:.4f}" if token.top_logprobs else ""
+        )
+        print(f"  {token.id:>8} {logprob:>9}  {token.text!r}{best}", file=sys.stderr)
+    total = sum(t.logprob for t in tokens if t.logprob is not None)
+    print(f"  sum {total:.4f} over {len(tokens) - 1} scored tokens", file=sys.stderr)
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        scores = client.score(_read_arg(args.prompt), args.continuations)
+    for score in scores:
+        if args.json:
+            print(json.dumps(score.to_dict(), ensure_ascii=False))
+        else:
+            greedy = " greedy" if score.is_greedy else ""
+            print(f"{score.logprob:10.4f}  {len(score.token_ids):>3} tokens{greedy:<7}  {score.continuation!r}")
     return EXIT_OK
 
 
@@ -637,6 +695,7 @@ COMMANDS: dict[str, Any] = {
     "chat": cmd_chat,
     "info": cmd_info,
     "tokenize": cmd_tokenize,
+    "score": cmd_score,
     "health": cmd_health,
     "bench": cmd_bench,
 }

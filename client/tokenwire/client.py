@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
@@ -33,7 +33,7 @@ from tokenwire.calls import (
 )
 from tokenwire.errors import Unavailable
 from tokenwire.formats import parse_answer
-from tokenwire.results import Chunk, Completion, HealthStatus, ModelInfo, Tokenization
+from tokenwire.results import Chunk, Completion, HealthStatus, ModelInfo, Score, Tokenization
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
@@ -204,6 +204,19 @@ class Client(ClientBase):
     def _completion(self, call: GenerateCall) -> Completion:
         with ChunkStream(*call.on(self._stub.Generate)) as stream:
             return stream.text()
+
+    def score(self, prompt: str, continuations: Sequence[str], *, timeout: float | None = None) -> list[Score]:
+        """How likely each continuation is after ``prompt`` (lm-eval's loglikelihood): its tokens'
+        log-probabilities, their sum and whether it is the model's greedy answer, one scoring call
+        (``max_new_tokens`` 0, ``prompt_logprobs``) per continuation. ``timeout``: per call."""
+        out = []
+        for continuation in continuations:
+            context, whole = self._score_texts(prompt, continuation)
+            context_ids = self.tokenize(context, timeout=timeout).ids
+            whole_ids = self.tokenize(whole, timeout=timeout).ids
+            completion = self._completion(self._score_call(whole_ids, timeout))
+            out.append(Score.from_completion(completion, len(context_ids), continuation))
+        return out
 
     # -- unary calls --------------------------------------------------------------
 

@@ -49,6 +49,11 @@ class GenerateOptions(TypedDict, total=False):
     token_ids: bool
     logprobs: bool
     top_logprobs: int
+    # Score the prompt (the first chunk's prompt_tokens); with max_new_tokens=0 the call only scores.
+    prompt_logprobs: bool
+    prompt_top_logprobs: int
+    # Token ids whose log-probabilities every generated (and scored prompt) token reports.
+    logprobs_of: Sequence[int]
     # Caller-chosen id, echoed in every chunk and in the server's logs.
     request_id: str
     # The format the answer follows: a JSON schema dict, a pydantic model class or a
@@ -63,7 +68,7 @@ _SAMPLING = (
     "temperature", "top_k", "top_p", "repetition_penalty", "seed", "presence_penalty", "frequency_penalty", "min_p",
 )  # fmt: skip
 _STOPPING = ("max_new_tokens", "min_new_tokens", "include_stop_sequence", "ignore_eos", "time_limit_ms")
-_OUTPUT = ("token_ids", "logprobs", "top_logprobs")
+_OUTPUT = ("token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
 _KNOWN = frozenset(
     (
         *_SAMPLING,
@@ -72,6 +77,7 @@ _KNOWN = frozenset(
         "stop",
         "stop_token_ids",
         "logit_bias",
+        "logprobs_of",
         "request_id",
         "response_format",
         "priority",
@@ -149,6 +155,8 @@ def build_generate_request(
     for name in _OUTPUT:
         if name in options:
             setattr(request.output, name, options[name])  # type: ignore[literal-required]
+    if "logprobs_of" in options:
+        request.output.logprobs_of.extend(options["logprobs_of"])
     if options.get("response_format") is not None:
         request.response_format.CopyFrom(response_format(options["response_format"]))
     if "priority" in options:

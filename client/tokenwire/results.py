@@ -132,12 +132,14 @@ class TopLogprob:
 
 @dataclasses.dataclass(frozen=True)
 class Token:
-    """A generated token; ``logprob`` only when log-probabilities were asked for."""
+    """A generated (or scored prompt) token; ``logprob`` only when log-probabilities were asked
+    for (and never on a prompt's first token), ``logprobs_of`` those of the ids asked for."""
 
     id: int
     text: str
     logprob: float | None = None
     top_logprobs: tuple[TopLogprob, ...] = ()
+    logprobs_of: tuple[TopLogprob, ...] = ()
 
     @classmethod
     def from_proto(cls, token: pb.Token) -> Token:
@@ -146,6 +148,7 @@ class Token:
             text=token.text,
             logprob=token.logprob if token.HasField("logprob") else None,
             top_logprobs=tuple(TopLogprob(t.id, t.text, t.logprob) for t in token.top_logprobs),
+            logprobs_of=tuple(TopLogprob(t.id, t.text, t.logprob) for t in token.logprobs_of),
         )
 
 
@@ -153,7 +156,8 @@ class Token:
 class Chunk:
     """One step of a streamed completion. ``finish_reason``, ``usage`` and ``matched_stop`` are
     set on the last: ``matched_stop`` is the stop sequence that matched (a str), or the stop
-    token id or end-of-sequence token that ended it (an int); None where no stop did."""
+    token id or end-of-sequence token that ended it (an int); None where no stop did.
+    ``prompt_tokens``: on the first chunk of a call that asked for prompt_logprobs, the scored prompt."""
 
     text: str
     index: int
@@ -162,6 +166,7 @@ class Chunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     matched_stop: str | int | None = None
+    prompt_tokens: tuple[Token, ...] = ()
 
     @classmethod
     def from_proto(cls, chunk: pb.TokenChunk) -> Chunk:
@@ -173,6 +178,7 @@ class Chunk:
             finish_reason=FinishReason.from_proto(chunk.finish_reason),
             usage=Usage.from_proto(chunk.usage) if chunk.HasField("usage") else None,
             matched_stop=_matched_stop(chunk),
+            prompt_tokens=tuple(Token.from_proto(t) for t in chunk.prompt_tokens),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -191,6 +197,7 @@ class Completion:
     tokens: tuple[Token, ...] = ()
     chunks: int = 0
     matched_stop: str | int | None = None  # as on the last Chunk
+    prompt_tokens: tuple[Token, ...] = ()  # the scored prompt (prompt_logprobs), from the first chunk
 
     @classmethod
     def from_chunks(cls, chunks: Sequence[Chunk], request_id: str = "") -> Completion:
@@ -203,10 +210,43 @@ class Completion:
             tokens=tuple(t for c in chunks for t in c.tokens),
             chunks=len(chunks),
             matched_stop=last.matched_stop if last is not None else None,
+            prompt_tokens=tuple(t for c in chunks for t in c.prompt_tokens),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return dict(_plain(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """How likely a continuation is after a prompt (``Client.score``), lm-eval's loglikelihood:
+    the continuation's tokens, each one's log-probability given everything before it, their
+    sum (``logprob``) and whether each was the model's most likely token there (``is_greedy``)."""
+
+    continuation: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    is_greedy: bool
+
+    @property
+    def logprob(self) -> float:
+        return sum(self.logprobs)
+
+    @classmethod
+    def from_completion(cls, completion: Completion, context_tokens: int, continuation: str) -> Score:
+        """The continuation's part of a scoring call's prompt (its tokens after ``context_tokens``)."""
+        tokens = completion.prompt_tokens[context_tokens:]
+        if not tokens or any(t.logprob is None or not t.top_logprobs for t in tokens):
+            raise ValueError("the server sent no scores for the continuation (a server older than prompt_logprobs?)")
+        return cls(
+            continuation=continuation,
+            token_ids=tuple(t.id for t in tokens),
+            logprobs=tuple(t.logprob for t in tokens if t.logprob is not None),
+            is_greedy=all(t.top_logprobs[0].id == t.id for t in tokens),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dict(_plain(self)), "logprob": self.logprob}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +304,7 @@ class ModelInfo:
     max_stop_sequences: int | None = None
     max_stop_sequence_chars: int | None = None
     max_stop_token_ids: int | None = None
+    max_logprobs_of: int | None = None
     max_chat_messages: int | None = None
     max_top_logprobs: int | None = None
     max_message_bytes: int | None = None
@@ -316,6 +357,7 @@ class ModelInfo:
             max_stop_sequences=published.max_stop_sequences if published else None,
             max_stop_sequence_chars=published.max_stop_sequence_chars if published else None,
             max_stop_token_ids=published.max_stop_token_ids if published else None,
+            max_logprobs_of=published.max_logprobs_of if published else None,
             max_chat_messages=published.max_chat_messages if published else None,
             max_top_logprobs=published.max_top_logprobs if published else None,
             max_message_bytes=published.max_message_bytes if published else None,

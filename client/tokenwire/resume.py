@@ -35,7 +35,9 @@ class Resumption:
     def __init__(self, request: pb.GenerateRequest, enabled: bool) -> None:
         self.enabled = enabled
         output = request.output
-        self._caller_wants_tokens = output.token_ids or output.logprobs or output.top_logprobs > 0
+        self._caller_wants_tokens = (
+            output.token_ids or output.logprobs or output.top_logprobs > 0 or bool(output.logprobs_of)
+        )
         if enabled and not self._caller_wants_tokens:
             request = _copy(request)
             request.output.token_ids = True  # a resume sends them back: the client keeps them

@@ -16,7 +16,8 @@ from enum import Enum
 from tokenwire.v1 import generation_pb2 as pb
 
 CHAT_ROLES = ("system", "user", "assistant")
-MAX_TOP_LOGPROBS = 5
+# Most alternatives per token (OutputOptions.top_logprobs, prompt_top_logprobs): OpenAI's bound.
+MAX_TOP_LOGPROBS = 20
 # OpenAI's bounds: presence and frequency penalties, and a logit bias (whose floor bans the token).
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
@@ -59,14 +60,15 @@ class Rule(str, Enum):
     MIN_P = "must be in [0, 1], got {value}"
     LOGIT_BIAS = "must be a finite number in [-100, 100] (-100 bans the token), got {value}"
     TOO_MANY_LOGIT_BIAS = "holds {count} entries; at most {limit} are allowed"
-    MAX_NEW_TOKENS_ZERO = "must be at least 1"
+    MAX_NEW_TOKENS_ZERO = "must be at least 1 (0 only scores the prompt: set output.prompt_logprobs)"
     MAX_NEW_TOKENS_CAP = "is {value}, above this server's cap of {limit}"
     MIN_OVER_MAX = "is {value}, above max_new_tokens ({limit})"
     TOO_MANY_STOPS = "holds {count} stop sequences; at most {limit} are allowed"
     EMPTY_STOP = "stop sequence {index} is empty"
     STOP_TOO_LONG = "stop sequence {index} has {count} characters; at most {limit} are allowed"
     TOO_MANY_STOP_TOKENS = "holds {count} stop token ids; at most {limit} are allowed"
-    TOP_LOGPROBS = "must be between 0 and " + str(MAX_TOP_LOGPROBS) + ", got {value}"
+    TOP_LOGPROBS = "must be between 0 and {limit}, got {value}"
+    TOO_MANY_LOGPROBS_OF = "holds {count} token ids; at most {limit} are allowed"
     PROMPT_TOO_LONG = (
         "the prompt is {count} tokens; with max_new_tokens={value} it needs {total}, "
         "above the {limit} tokens one request may hold on this server (the model's context, "
@@ -127,6 +129,8 @@ class Limits:
     vocab_size: int | None = None
     max_stop_token_ids: int | None = None
     max_logit_bias: int | None = None
+    max_logprobs_of: int | None = None
+    max_top_logprobs: int = MAX_TOP_LOGPROBS
 
     @classmethod
     def from_model_info(cls, info: pb.ModelInfo) -> Limits:
@@ -142,6 +146,8 @@ class Limits:
             vocab_size=limits.vocab_size,
             max_stop_token_ids=limits.max_stop_token_ids,
             max_logit_bias=limits.max_logit_bias,
+            max_logprobs_of=limits.max_logprobs_of or None,  # 0: a server older than the field
+            max_top_logprobs=limits.max_top_logprobs or MAX_TOP_LOGPROBS,
         )
 
 
@@ -283,7 +289,8 @@ def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> li
     stopping = request.stopping
     if stopping.HasField("max_new_tokens"):
         m = stopping.max_new_tokens
-        if m < 1:
+        scores_only = request.output.prompt_logprobs or request.output.prompt_top_logprobs > 0
+        if m < 1 and not scores_only:
             bad("stopping.max_new_tokens", Rule.MAX_NEW_TOKENS_ZERO)
         elif limits.max_new_tokens_limit is not None and m > limits.max_new_tokens_limit:
             bad("stopping.max_new_tokens", Rule.MAX_NEW_TOKENS_CAP, value=m, limit=limits.max_new_tokens_limit)
@@ -318,8 +325,19 @@ def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> li
                 bad(f"stopping.stop_token_ids[{i}]", Rule.TOKEN_OUT_OF_VOCAB, value=value, limit=limits.vocab_size)
                 break
 
-    if request.output.top_logprobs > MAX_TOP_LOGPROBS:
-        bad("output.top_logprobs", Rule.TOP_LOGPROBS, value=request.output.top_logprobs)
+    output = request.output
+    for name in ("top_logprobs", "prompt_top_logprobs"):
+        value = getattr(output, name)
+        if value > limits.max_top_logprobs:
+            bad(f"output.{name}", Rule.TOP_LOGPROBS, value=value, limit=limits.max_top_logprobs)
+    named = output.logprobs_of
+    if limits.max_logprobs_of is not None and len(named) > limits.max_logprobs_of:
+        bad("output.logprobs_of", Rule.TOO_MANY_LOGPROBS_OF, count=len(named), limit=limits.max_logprobs_of)
+    elif limits.vocab_size is not None:
+        for i, value in enumerate(named):
+            if value >= limits.vocab_size:
+                bad(f"output.logprobs_of[{i}]", Rule.TOKEN_OUT_OF_VOCAB, value=value, limit=limits.vocab_size)
+                break
     if request.HasField("response_format"):
         out.extend(validate_response_format(request.response_format))
     return out

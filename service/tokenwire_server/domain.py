@@ -52,8 +52,8 @@ DEFAULT_TENANT = "default"
 
 # Below this a temperature is greedy: dividing logits by it overflows float32 to inf.
 MIN_SAMPLING_TEMPERATURE = 1e-5
-# Most alternatives a request may ask for per token (OutputOptions.top_logprobs).
-MAX_TOP_LOGPROBS = 5
+# Most alternatives a request may ask for per token (OutputOptions.top_logprobs, prompt_top_logprobs).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +93,7 @@ class RequestLimits:
     max_top_logprobs: int = MAX_TOP_LOGPROBS
     max_stop_token_ids: int = 16
     max_logit_bias: int = 300
+    max_logprobs_of: int = 20
     # Longest prompt text, in characters, that could fit ``max_request_tokens`` (this tokenizer's
     # longest token times that); longer ones are refused before they are tokenized. 0: no bound
     # is known for this tokenizer (they are tokenized, cut one past the limit).
@@ -273,6 +274,12 @@ class GenerationRequest:
     want_tokens: bool = False
     want_logprobs: bool = False
     top_logprobs: int = 0
+    # Score the prompt (OutputOptions.prompt_logprobs; off for a resumed call past its first
+    # chunk): each prompt token's log-probability, with this many alternatives, on the first event.
+    prompt_logprobs: bool = False
+    prompt_top_logprobs: int = 0
+    # Token ids whose log-probabilities every generated (and scored prompt) position reports.
+    logprobs_of: tuple[int, ...] = ()
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     # A resumed stream: the tokens its caller already received. The engine reads prompt +
     # these, and goes on at step len(resume_ids) as the uncut stream would have (counts,
@@ -299,6 +306,7 @@ class TokenInfo:
     text: str
     logprob: float | None = None
     top: tuple[Alternative, ...] = ()
+    named: tuple[Alternative, ...] = ()  # OutputOptions.logprobs_of, in the order asked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +325,8 @@ class TextEvent:
 
     text: str
     tokens: tuple[TokenInfo, ...] = ()
+    # On a request's first event when it scores its prompt: every prompt token (the first without a logprob).
+    prompt: tuple[TokenInfo, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +339,7 @@ class FinishEvent:
     usage: Usage
     # What stopped it: the stop sequence that matched, or the stop (or end-of-sequence) token id.
     matched: str | int | None = None
+    prompt: tuple[TokenInfo, ...] = ()  # as TextEvent.prompt, when this is the request's first event
 
 
 @dataclasses.dataclass(frozen=True)

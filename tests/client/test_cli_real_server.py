@@ -45,6 +45,24 @@ def test_generate_json_chunks_are_the_stream(target: str) -> None:
     assert sum(len(c["tokens"]) for c in chunks) == 5
 
 
+def test_score_and_prompt_logprobs(target: str) -> None:
+    scored = tokenwire("score", "--target", target, "--json", "Once upon a", " time", " banana split")
+    assert scored.returncode == 0, scored.stderr
+    lines = [json.loads(line) for line in scored.stdout.splitlines()]
+    assert [line["continuation"] for line in lines] == [" time", " banana split"]
+    assert all(line["logprob"] == sum(line["logprobs"]) < 0 and line["token_ids"] for line in lines)
+    plain = tokenwire("score", "--target", target, "Once upon a", " time")
+    assert plain.returncode == 0 and "' time'" in plain.stdout and f"{lines[0]['logprob']:10.4f}" in plain.stdout
+
+    only = tokenwire("generate", "--target", target, "--prompt-logprobs", "--prompt-top-logprobs", "1",
+                     "--max-new-tokens", "0", "--usage", "Once upon a time")  # fmt: skip
+    assert only.returncode == 0, only.stderr
+    assert only.stdout == "" and "prompt logprobs:" in only.stderr and "completion_tokens=0" in only.stderr
+    assert "ended this raw prompt" not in only.stderr  # no hint that the model stopped at once: nothing was asked
+    refused = tokenwire("generate", "--target", target, "--max-new-tokens", "0", "hi")
+    assert refused.returncode == 2 and "stopping.max_new_tokens" in refused.stderr
+
+
 def test_generate_exit_status_follows_the_grpc_code(target: str) -> None:
     bad = tokenwire("generate", "--target", target, "--temperature", "-1", "hi")
     assert bad.returncode == 2 and "temperature" in bad.stderr

@@ -160,6 +160,32 @@ def test_generate_streams_what_generate_text_returns(client, tiny_server):
     assert achunks[-1].finish_reason is FinishReason.LENGTH
 
 
+def test_score_is_the_continuations_share_of_the_prompt_logprobs_sync_and_async(client, tiny_server):
+    """client.score splits as lm-eval does (the prompt's trailing space moves to the continuation;
+    the continuation's tokens are the whole text's past the context's count) and sums what a
+    scoring call reports for them; the async client gives the same."""
+    prompt, continuations = "The capital of France is ", ["Paris", "a banana, of course"]
+    scores = client.score(prompt, continuations)
+    context = client.tokenize("The capital of France is").ids
+    for score, continuation in zip(scores, continuations, strict=True):
+        whole = client.tokenize(prompt + continuation).ids
+        assert score.continuation == continuation and score.token_ids == whole[len(context) :]
+        direct = client.generate_text(input_ids=whole, max_new_tokens=0, prompt_logprobs=True, prompt_top_logprobs=1)
+        tail = direct.prompt_tokens[len(context) :]
+        assert direct.usage.completion_tokens == 0 and direct.text == ""
+        assert score.logprobs == tuple(t.logprob for t in tail) and score.logprob == pytest.approx(sum(score.logprobs))
+        assert score.is_greedy == all(t.top_logprobs[0].id == t.id for t in tail)
+        assert score.logprob < 0 and len(score.logprobs) == len(score.token_ids)
+
+    async def scored_async() -> list[tokenwire.Score]:
+        async with tokenwire.AsyncClient(tiny_server.target, timeout=30) as aclient:
+            return await aclient.score(prompt, continuations)
+
+    assert asyncio.run(scored_async()) == scores
+    with pytest.raises(ValueError, match="continuation"):
+        client.score(prompt, [""])
+
+
 def test_chat_and_tokenize(client, tiny_server):
     messages = [("system", "You are terse."), ("user", "Say hi")]
     reply = client.chat(messages, max_new_tokens=6, ignore_eos=True)
@@ -248,8 +274,18 @@ MISTAKES: list[tuple[str, dict[str, Any], Callable[[], pb.GenerateRequest]]] = [
     ),
     (
         "top_logprobs",
-        {"prompt": "x", "top_logprobs": 6},
-        lambda: pb.GenerateRequest(prompt="x", output=pb.OutputOptions(top_logprobs=6)),
+        {"prompt": "x", "top_logprobs": 21},
+        lambda: pb.GenerateRequest(prompt="x", output=pb.OutputOptions(top_logprobs=21)),
+    ),
+    (
+        "scoring asks",
+        {"prompt": "x", "prompt_top_logprobs": 21, "logprobs_of": [1, 49152]},
+        lambda: pb.GenerateRequest(prompt="x", output=pb.OutputOptions(prompt_top_logprobs=21, logprobs_of=[1, 49152])),
+    ),
+    (
+        "max_new_tokens 0 without prompt_logprobs",
+        {"prompt": "x", "max_new_tokens": 0},
+        lambda: pb.GenerateRequest(prompt="x", stopping=pb.StoppingCriteria(max_new_tokens=0)),
     ),
     (
         "long request id",
@@ -615,7 +651,7 @@ def test_a_client_accepts_what_a_server_with_other_limits_accepts(tiny_model_dir
         info = client.model_info()
         assert (info.limits.max_stop_sequences, info.limits.max_chat_messages) == (32, 4)
         assert (info.max_stop_sequences, info.max_chat_messages, info.limits.max_new_tokens_limit) == (32, 4, 64)
-        assert info.max_top_logprobs == 5 and info.max_message_bytes == 4 * 1024 * 1024
+        assert info.max_top_logprobs == 20 and info.max_logprobs_of == 20 and info.max_message_bytes == 4 * 1024 * 1024
         assert client.generate_text("hello", max_new_tokens=2, stop=stops).finish_reason is not None
         with tokenwire.Client(server.target, timeout=30, limits=info.limits) as checking:
             assert checking.generate_text("hello", max_new_tokens=2, stop=stops).finish_reason is not None

@@ -160,12 +160,12 @@ def test_token_is_sent_as_bearer_metadata(fake):
 
 def test_client_side_validation_uses_the_shared_messages(client, fake):
     with pytest.raises(tokenwire.InvalidArgument) as info:
-        client.generate("x", temperature=-1.0, top_p=1.5, top_logprobs=9, stop=[""])
+        client.generate("x", temperature=-1.0, top_p=1.5, top_logprobs=21, stop=[""])
     fields = {v.field: v.description for v in info.value.field_violations}
     assert fields == {
         "sampling.temperature": Rule.TEMPERATURE.error(value=-1.0),
         "sampling.top_p": Rule.TOP_P.error(value=1.5),
-        "output.top_logprobs": Rule.TOP_LOGPROBS.error(value=9),
+        "output.top_logprobs": Rule.TOP_LOGPROBS.error(value=21, limit=20),
         "stopping.stop_sequences[0]": Rule.EMPTY_STOP.error(index=0),
     }
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT

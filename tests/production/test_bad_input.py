@@ -135,9 +135,25 @@ BAD_REQUESTS = {
         pb.GenerateRequest(prompt=P, stopping=stopping(stop_token_ids=[2, 49152])),
         "stopping.stop_token_ids[1]",
     ),
-    "top_logprobs above five": (
-        pb.GenerateRequest(prompt=P, output=pb.OutputOptions(top_logprobs=6)),
+    "top_logprobs above twenty": (
+        pb.GenerateRequest(prompt=P, output=pb.OutputOptions(top_logprobs=21)),
         "output.top_logprobs",
+    ),
+    "prompt_top_logprobs above twenty": (
+        pb.GenerateRequest(prompt=P, output=pb.OutputOptions(prompt_logprobs=True, prompt_top_logprobs=21)),
+        "output.prompt_top_logprobs",
+    ),
+    "logprobs_of outside the vocabulary": (
+        pb.GenerateRequest(prompt=P, output=pb.OutputOptions(logprobs_of=[3, 49152])),
+        "output.logprobs_of[1]",
+    ),
+    "too many logprobs_of": (
+        pb.GenerateRequest(prompt=P, output=pb.OutputOptions(logprobs_of=list(range(21)))),
+        "output.logprobs_of",
+    ),
+    "a scoring call's max_new_tokens zero without prompt_logprobs": (
+        pb.GenerateRequest(prompt=P, stopping=stopping(max_new_tokens=0), output=pb.OutputOptions(logprobs=True)),
+        "stopping.max_new_tokens",
     ),
     "prompt longer than the context": (pb.GenerateRequest(prompt="word " * 1100), "prompt"),
     "prompt + max_new_tokens past the context": (
@@ -169,20 +185,20 @@ def test_bounds_that_are_met_exactly_are_served(limited_server: ServerProcess) -
     request = pb.GenerateRequest(
         chat=chat(8),
         stopping=stopping(max_new_tokens=64, min_new_tokens=64, stop_sequences=["x" * 16] * 4),
-        output=pb.OutputOptions(top_logprobs=5),
+        output=pb.OutputOptions(top_logprobs=20, logprobs_of=list(range(20))),
     )
     chunks = list(generation_stub(limited_server.target).Generate(request, timeout=20))
     last = chunks[-1]
     assert last.finish_reason != pb.FINISH_REASON_UNSPECIFIED
     tokens = [token for chunk in chunks for token in chunk.tokens]
     # min = max = 64: exactly 64 tokens unless a stop sequence ended it first, and each carries
-    # its 5 alternatives (checked over a non-empty list: all() of nothing would pass).
+    # its 20 alternatives and 20 logprobs_of (checked over a non-empty list: all() of nothing would pass).
     if last.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE:
         assert 1 <= last.usage.completion_tokens <= 64
     else:
         assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == 64
     assert len(tokens) == last.usage.completion_tokens
-    assert [len(token.top_logprobs) for token in tokens] == [5] * len(tokens)
+    assert [(len(token.top_logprobs), len(token.logprobs_of)) for token in tokens] == [(20, 20)] * len(tokens)
 
 
 def test_oversize_message_is_resource_exhausted_from_grpc(limited_server: ServerProcess) -> None:

@@ -75,7 +75,15 @@ stopping = st.builds(
     ignore_eos=st.booleans(),
     time_limit_ms=st.none() | u32,
 )
-output = st.builds(pb.OutputOptions, token_ids=st.booleans(), logprobs=st.booleans(), top_logprobs=u32)
+output = st.builds(
+    pb.OutputOptions,
+    token_ids=st.booleans(),
+    logprobs=st.booleans(),
+    top_logprobs=u32,
+    prompt_logprobs=st.booleans(),
+    prompt_top_logprobs=u32,
+    logprobs_of=st.lists(u32, max_size=24),
+)
 message = st.builds(
     pb.ChatMessage, role=st.sampled_from(["system", "user", "assistant", "", "tool", "USER"]) | text, content=text
 )
@@ -107,7 +115,8 @@ valid_inputs = st.one_of(
 
 @st.composite
 def edge_requests(draw: st.DrawFn) -> pb.GenerateRequest:
-    max_new = draw(st.integers(1, 8))
+    scores = draw(st.booleans())
+    max_new = draw(st.integers(0 if scores else 1, 8))  # 0: a scoring call
     return pb.GenerateRequest(
         **draw(valid_inputs),
         sampling=pb.SamplingParams(
@@ -126,7 +135,12 @@ def edge_requests(draw: st.DrawFn) -> pb.GenerateRequest:
             time_limit_ms=draw(st.sampled_from([0, 1, 5, 1000, U32])),
         ),
         output=pb.OutputOptions(
-            token_ids=draw(st.booleans()), logprobs=draw(st.booleans()), top_logprobs=draw(st.integers(0, 5))
+            token_ids=draw(st.booleans()),
+            logprobs=draw(st.booleans()),
+            top_logprobs=draw(st.integers(0, 20)),
+            prompt_logprobs=scores,
+            prompt_top_logprobs=draw(st.integers(0, 20)) if scores else 0,
+            logprobs_of=draw(st.lists(st.sampled_from([0, 1, 2, 49151]), max_size=20)),
         ),
     )
 

@@ -519,7 +519,8 @@ class StoppingCriteria(_message.Message):
     """Most tokens to generate. Unset: the server's default, shortened to what fits
     the context beside the prompt. Above the server's cap
     (ModelInfo.limits.max_new_tokens_limit) is INVALID_ARGUMENT; a prompt plus an
-    explicit max_new_tokens beyond the context is INVALID_ARGUMENT too.
+    explicit max_new_tokens beyond the context is INVALID_ARGUMENT too. 0 only scores
+    the prompt, and needs OutputOptions.prompt_logprobs.
     """
     min_new_tokens: _builtins.int
     """Fewest tokens to generate before end-of-sequence may end the stream."""
@@ -584,22 +585,50 @@ class OutputOptions(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_OF_FIELD_NUMBER: _builtins.int
     token_ids: _builtins.bool
     """Include each generated token (id and text) in TokenChunk.tokens."""
     logprobs: _builtins.bool
     """Include each generated token's log-probability (implies token_ids)."""
     top_logprobs: _builtins.int
-    """Number of most likely alternatives to report per token, 0 to 5 (implies logprobs)."""
+    """Number of most likely alternatives to report per token, 0 to
+    ModelInfo.limits.max_top_logprobs (implies logprobs).
+    """
+    prompt_logprobs: _builtins.bool
+    """Score the prompt: the first chunk (index 0) carries every prompt token with the
+    log-probability the model gives it after the tokens before it
+    (TokenChunk.prompt_tokens; the first token has none). A resumed call (next_index > 0)
+    does not send them again. With max_new_tokens = 0 the call only scores: one chunk,
+    with the prompt's tokens, FINISH_REASON_LENGTH and usage, and nothing generated.
+    """
+    prompt_top_logprobs: _builtins.int
+    """Number of most likely alternatives to report per prompt token, 0 to
+    ModelInfo.limits.max_top_logprobs (implies prompt_logprobs).
+    """
+    @_builtins.property
+    def logprobs_of(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids whose log-probabilities are reported at every generated position
+        (Token.logprobs_of), and at every prompt position when prompt_logprobs is set: a
+        yes/no classifier reads two of them with max_new_tokens = 1. Each below
+        ModelInfo.limits.vocab_size, at most ModelInfo.limits.max_logprobs_of of them
+        (implies logprobs).
+        """
+
     def __init__(
         self,
         *,
         token_ids: _builtins.bool = ...,
         logprobs: _builtins.bool = ...,
         top_logprobs: _builtins.int = ...,
+        prompt_logprobs: _builtins.bool = ...,
+        prompt_top_logprobs: _builtins.int = ...,
+        logprobs_of: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "logprobs_of", b"logprobs_of", "prompt_logprobs", b"prompt_logprobs", "prompt_top_logprobs", b"prompt_top_logprobs", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -620,6 +649,7 @@ class TokenChunk(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     STOP_SEQUENCE_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id (the caller's or the server's)."""
     index: _builtins.int
@@ -655,6 +685,13 @@ class TokenChunk(_message.Message):
     def usage(self) -> Global___Usage:
         """Set on the last chunk only."""
 
+    @_builtins.property
+    def prompt_tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___Token]:
+        """On the first chunk (index 0) of a call that set OutputOptions.prompt_logprobs: the
+        prompt's tokens in order, each with its log-probability given the ones before it
+        (the first has none), its top alternatives and its logprobs_of where asked.
+        """
+
     def __init__(
         self,
         *,
@@ -667,10 +704,11 @@ class TokenChunk(_message.Message):
         seed: _builtins.int | None = ...,
         stop_sequence: _builtins.str = ...,
         stop_token_id: _builtins.int = ...,
+        prompt_tokens: _abc.Iterable[Global___Token] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "matched_stop", b"matched_stop", "seed", b"seed", "stop_sequence", b"stop_sequence", "stop_token_id", b"stop_token_id", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "finish_reason", b"finish_reason", "index", b"index", "matched_stop", b"matched_stop", "request_id", b"request_id", "seed", b"seed", "stop_sequence", b"stop_sequence", "stop_token_id", b"stop_token_id", "text", b"text", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "finish_reason", b"finish_reason", "index", b"index", "matched_stop", b"matched_stop", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "seed", b"seed", "stop_sequence", b"stop_sequence", "stop_token_id", b"stop_token_id", "text", b"text", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
@@ -693,6 +731,7 @@ class Token(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_OF_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Id in the model's vocabulary."""
     text: _builtins.str
@@ -705,6 +744,10 @@ class Token(_message.Message):
     def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
         """The most likely tokens at this step, most likely first, when top_logprobs > 0."""
 
+    @_builtins.property
+    def logprobs_of(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
+        """The log-probabilities of OutputOptions.logprobs_of at this step, in the order asked."""
+
     def __init__(
         self,
         *,
@@ -712,10 +755,11 @@ class Token(_message.Message):
         text: _builtins.str = ...,
         logprob: _builtins.float | None = ...,
         top_logprobs: _abc.Iterable[Global___TopLogprob] | None = ...,
+        logprobs_of: _abc.Iterable[Global___TopLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "id", b"id", "logprob", b"logprob", "text", b"text", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "id", b"id", "logprob", b"logprob", "logprobs_of", b"logprobs_of", "text", b"text", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
     _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
@@ -1050,6 +1094,7 @@ class RequestLimits(_message.Message):
     MAX_ERROR_TRAILER_BYTES_FIELD_NUMBER: _builtins.int
     MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     MAX_LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    MAX_LOGPROBS_OF_FIELD_NUMBER: _builtins.int
     max_new_tokens_limit: _builtins.int
     """Cap on StoppingCriteria.max_new_tokens."""
     default_max_new_tokens: _builtins.int
@@ -1061,7 +1106,7 @@ class RequestLimits(_message.Message):
     max_chat_messages: _builtins.int
     """Most messages in one Chat."""
     max_top_logprobs: _builtins.int
-    """Largest OutputOptions.top_logprobs."""
+    """Largest OutputOptions.top_logprobs and prompt_top_logprobs."""
     max_message_bytes: _builtins.int
     """Largest request message the server receives, in bytes (larger ones fail with
     RESOURCE_EXHAUSTED from gRPC itself).
@@ -1109,6 +1154,8 @@ class RequestLimits(_message.Message):
     """Most entries in StoppingCriteria.stop_token_ids."""
     max_logit_bias: _builtins.int
     """Most entries in SamplingParams.logit_bias."""
+    max_logprobs_of: _builtins.int
+    """Most entries in OutputOptions.logprobs_of."""
     def __init__(
         self,
         *,
@@ -1131,10 +1178,11 @@ class RequestLimits(_message.Message):
         max_error_trailer_bytes: _builtins.int = ...,
         max_stop_token_ids: _builtins.int = ...,
         max_logit_bias: _builtins.int = ...,
+        max_logprobs_of: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "max_chat_messages", b"max_chat_messages", "max_error_trailer_bytes", b"max_error_trailer_bytes", "max_format_chars", b"max_format_chars", "max_format_compile_ms", b"max_format_compile_ms", "max_json_schema_depth", b"max_json_schema_depth", "max_logit_bias", b"max_logit_bias", "max_message_bytes", b"max_message_bytes", "max_new_tokens_limit", b"max_new_tokens_limit", "max_prompt_chars", b"max_prompt_chars", "max_quoted_chars", b"max_quoted_chars", "max_request_id_chars", b"max_request_id_chars", "max_request_tokens", b"max_request_tokens", "max_stop_sequence_chars", b"max_stop_sequence_chars", "max_stop_sequences", b"max_stop_sequences", "max_stop_token_ids", b"max_stop_token_ids", "max_top_logprobs", b"max_top_logprobs", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "max_chat_messages", b"max_chat_messages", "max_error_trailer_bytes", b"max_error_trailer_bytes", "max_format_chars", b"max_format_chars", "max_format_compile_ms", b"max_format_compile_ms", "max_json_schema_depth", b"max_json_schema_depth", "max_logit_bias", b"max_logit_bias", "max_logprobs_of", b"max_logprobs_of", "max_message_bytes", b"max_message_bytes", "max_new_tokens_limit", b"max_new_tokens_limit", "max_prompt_chars", b"max_prompt_chars", "max_quoted_chars", b"max_quoted_chars", "max_request_id_chars", b"max_request_id_chars", "max_request_tokens", b"max_request_tokens", "max_stop_sequence_chars", b"max_stop_sequence_chars", "max_stop_sequences", b"max_stop_sequences", "max_stop_token_ids", b"max_stop_token_ids", "max_top_logprobs", b"max_top_logprobs", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -264,7 +264,7 @@ class BatchedEngine(Engine):
         # Nothing is committed before here: a step that ran out of memory runs again as it was.
         self._count(plan, time.perf_counter() - started)
         with handoff.gathered():  # every row's events reach the event loop in one hand-off
-            self.scheduler.postprocess(plan, result.picks)
+            self.scheduler.postprocess(plan, result.picks, result.scores)
         if plan.decodes and not plan.prompt_tokens:
             # The host's own time in the step, delivery included: on a GPU, what the device waits through.
             self.observer.step_host(max(0.0, time.perf_counter() - started - result.compute_s))
@@ -302,7 +302,7 @@ class BatchedEngine(Engine):
         self._count(plan, collected - launched.started)
         # The rows that end on their token deliver as they take it: their events go before the launch.
         with handoff.gathered():
-            waiting = scheduler.take(plan, result.picks)
+            waiting = scheduler.take(plan, result.picks, result.scores)
         scheduler.retire(expire=False)
         try:
             self._until_it_fits(self._launch)

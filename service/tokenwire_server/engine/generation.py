@@ -63,7 +63,7 @@ class Generation:
         self._pending_tokens: list[TokenInfo] = []
         # Tokens taken and not yet delivered (``take``/``deliver``), and how the request ends on
         # the last of them, if it does: a finish, or why the token broke its grammar (a fault).
-        self._taken: list[tuple[int, float | None, tuple[Alternative, ...]]] = []
+        self._taken: list[tuple[int, float | None, tuple[Alternative, ...], tuple[Alternative, ...]]] = []
         self._ending: FinishReason | None = None
         self._broken: str | None = None
         self._stuck = False  # ``_broken`` because no token could continue the format (the caller's)
@@ -82,6 +82,13 @@ class Generation:
         # (built once: the scheduler slices it for every prompt chunk).
         resumed = request.resume_ids
         self.context_ids: list[int] = request.prompt_ids + list(resumed) if resumed else request.prompt_ids
+        # The scored prompt (request.prompt_logprobs): a TokenInfo per prompt token, the first without a
+        # logprob (nothing comes before it), the others filled by ``score_prompt`` as the engine reads
+        # the prompt; sent once, with the first event (``_prompt_out``).
+        self._prompt_scores: list[TokenInfo | None] | None = None
+        if request.prompt_logprobs and request.prompt_ids:
+            first = request.prompt_ids[0]
+            self._prompt_scores = [TokenInfo(first, self.token_text(first))] + [None] * (len(request.prompt_ids) - 1)
         seed = request.sampling.seed
         # The sampler's noise is a function of (seed, step): an unseeded request draws its own seed.
         self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
@@ -153,6 +160,31 @@ class Generation:
     def eos_allowed(self) -> bool:
         return len(self.generated) >= self.request.min_new_tokens
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the engine should score the prompt as it reads it: asked, and no token out yet (a
+        prompt read again after a preemption or a park, tokens in hand, was scored the first time)."""
+        return self._prompt_scores is not None and self.first_token_at is None
+
+    def score_prompt(self, position: int, infos: list[TokenInfo]) -> None:
+        """The scores of prompt tokens ``position + 1 ...``: what the logits at ``position ...`` give them."""
+        scores = self._prompt_scores
+        if scores is None:
+            return
+        for i, info in enumerate(infos, start=position + 1):
+            if i < len(scores):
+                scores[i] = info
+
+    def _prompt_out(self) -> tuple[TokenInfo, ...]:
+        """The scored prompt, once (with the request's first event); nothing when not asked or sent."""
+        scores, self._prompt_scores = self._prompt_scores, None
+        if scores is None:
+            return ()
+        # Every position is scored before the first pick (the engines read the whole prompt first);
+        # a gap would be a bug: it shows as a token without a logprob, never as a failed call.
+        ids = self.request.prompt_ids
+        return tuple(info or TokenInfo(ids[i], self.token_text(ids[i])) for i, info in enumerate(scores))
+
     def seen_ids(self) -> list[int]:
         return self.request.prompt_ids + self.generated
 
@@ -197,22 +229,38 @@ class Generation:
 
     # -- tokens in, events out -----------------------------------------------------
 
-    def add_token(self, token_id: int, logprob: float | None = None, top: tuple[Alternative, ...] = ()) -> bool:
+    def add_token(
+        self,
+        token_id: int,
+        logprob: float | None = None,
+        top: tuple[Alternative, ...] = (),
+        named: tuple[Alternative, ...] = (),
+    ) -> bool:
         """Take one generated token and deliver it; return True when the request is now finished."""
-        self.take(token_id, logprob, top)
+        self.take(token_id, logprob, top, named)
         return self.deliver()
 
-    def take(self, token_id: int, logprob: float | None = None, top: tuple[Alternative, ...] = ()) -> bool:
+    def take(
+        self,
+        token_id: int,
+        logprob: float | None = None,
+        top: tuple[Alternative, ...] = (),
+        named: tuple[Alternative, ...] = (),
+    ) -> bool:
         """Commit a token without delivering it: what the next step's sampler reads (the tokens
         so far, the grammar's state) is up to date, and whether the request ends on it by end of
         sequence, length or its grammar is known. A token that ends it is delivered at once;
         otherwise its text, stop matching and events wait for ``deliver`` (an engine that
         overlaps steps delivers while the device runs the next one). Return True when finished.
-        A stop sequence is found only by delivery: until then the request may take one more."""
+        A stop sequence is found only by delivery: until then the request may take one more.
+        A scoring call (max_new_tokens 0) ends here, its prompt read: the pick is not its token."""
+        if self.request.max_new_tokens == 0:
+            self.finish(FinishReason.LENGTH)
+            return True
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.generated.append(token_id)
-        self._taken.append((token_id, logprob, top))
+        self._taken.append((token_id, logprob, top, named))
         if self._broken is not None:  # the grammar failed while this token was drawn (grammar_failed)
             return self.deliver()
         if self.constraint is not None and not self.constraint.accept(token_id):
@@ -239,14 +287,14 @@ class Generation:
         want_tokens = request.want_tokens or request.want_logprobs or request.top_logprobs
         text = ""
         quiet = self._ending is FinishReason.STOP_TOKEN and self._quiet_stop(taken[-1][0])
-        for n, (token_id, logprob, top) in enumerate(taken, start=1):
+        for n, (token_id, logprob, top, named) in enumerate(taken, start=1):
             # NOTE: a TokenInfo (and its text) only for a caller that asked for token info (ids or
             # logprobs; a client that resumes asks for ids). Nothing else reads them but the
             # transport's count of a cut stream's tokens for the quota, which without them counts a
             # chunk as one token: a chunk after a held-back character (two tokens) is undercharged
             # by one. A token count on TextEvent would make that exact at no decode.
             if want_tokens:
-                self._pending_tokens.append(TokenInfo(token_id, self.token_text(token_id), logprob, top))
+                self._pending_tokens.append(TokenInfo(token_id, self.token_text(token_id), logprob, top, named))
             if quiet and n == len(taken):
                 break
             piece, stopped = self.text.push(token_id)
@@ -263,12 +311,13 @@ class Generation:
         if self._ending is not None:
             self.finish(self._ending, text)
             return True
-        if text or self._pending_tokens:
+        prompt = self._prompt_out()
+        if text or self._pending_tokens or prompt:
             # A caller that asked for tokens gets each one in the step that made it, even
             # when its text is not out yet (a special token, part of a UTF-8 character, the
             # possible start of a stop sequence): the stream's timing is the engine's.
             tokens, self._pending_tokens = tuple(self._pending_tokens), []
-            self._sink(TextEvent(text, tokens))
+            self._sink(TextEvent(text, tokens, prompt))
         return False
 
     def _quiet_stop(self, token_id: int) -> bool:
@@ -310,7 +359,7 @@ class Generation:
             matched = self.text.stops.matched
         elif reason in (FinishReason.STOP_TOKEN, FinishReason.EOS) and self.generated:
             matched = self.generated[-1]
-        self._sink(FinishEvent(text + tail, tokens, reason, usage, matched))
+        self._sink(FinishEvent(text + tail, tokens, reason, usage, matched, self._prompt_out()))
         self.handle.done.set()
 
     def fail(self, kind: ErrorKind, message: str) -> None:

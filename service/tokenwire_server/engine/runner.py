@@ -19,6 +19,11 @@ CUDA graph on a GPU.
 Rows are at different lengths: each has its own position ids and reads only its own
 columns, so a row computes what it would alone. Tokens are picked for all the rows that
 emit at once by the shared ``Sampler``.
+
+A row that scores its prompt (``OutputOptions.prompt_logprobs``) has the logits of its prompt
+chunks' positions computed too (``Part.scored``: the native pass's ``emit`` list grows by them;
+transformers' forward keeps every position of that step's chunks) and scored at once
+(``scoring.score``): only those rows and positions, a few numbers each back to the host.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from .native import NativeForward
 from .ops import Segment
 from .sampling import Drawn, Sampler
 from .scheduler import Part, Plan
+from .scoring import score, token_infos
 
 
 def _per_row_logits() -> bool:
@@ -68,9 +74,12 @@ class Launched:
     drawn: Drawn | None
     forward_s: float
     started: float  # time.perf_counter() when the launch began
+    # Per part index (a prompt chunk whose row scores its prompt): ``scoring.score``'s values for its
+    # ``Part.scored`` positions, still on the device.
+    scores: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
-Pick = tuple[int, float | None, Any]  # a row's token, its log-probability, its alternatives
+Pick = tuple[int, float | None, Any, Any]  # a row's token, its log-probability, its alternatives, its logprobs_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +92,7 @@ class StepResult:
     plan: Plan
     picks: list[Pick]
     compute_s: float
+    scores: dict[int, list[Any]] = dataclasses.field(default_factory=dict)  # per part: its TokenInfos
 
 
 class ModelRunner:
@@ -112,19 +122,38 @@ class ModelRunner:
         """The plan's forward pass(es) and its picks as device work, not yet read: on CUDA this
         returns once the work is queued; on a CPU it has been computed."""
         started = time.perf_counter()
+        scoring: dict[int, torch.Tensor] = {}
         logits = self._graphed(plan)
         if logits is None:
-            logits = self._native(plan) if self.native is not None else self._transformers(plan)
+            logits = self._native(plan, scoring) if self.native is not None else self._transformers(plan, scoring)
+        scores = {index: self._score(plan.parts[index], rows) for index, rows in scoring.items()}
         forward_s = time.perf_counter() - started
         emitters = plan.emitters
         drawn = self.sampler.launch(logits, [row.seq for row in emitters]) if emitters else None
-        return Launched(plan, drawn, forward_s, started)
+        return Launched(plan, drawn, forward_s, started, scores)
 
     def collect(self, launched: Launched) -> StepResult:
         """The launched step's picks on the host (on CUDA: waits for the step to finish)."""
         picks = self.sampler.collect(launched.drawn) if launched.drawn is not None else []
         compute_s = self.sampler.wait_s if self._waits_on_device else launched.forward_s
-        return StepResult(launched.plan, picks, compute_s)
+        scores = {}
+        for index, values in launched.scores.items():
+            part = launched.plan.parts[index]
+            seq, request = part.row.seq, part.row.seq.request
+            scores[index] = token_infos(
+                values, self._targets(part), request.prompt_top_logprobs, request.logprobs_of, seq.token_text
+            )
+        return StepResult(launched.plan, picks, compute_s, scores)
+
+    @staticmethod
+    def _targets(part: Part) -> list[int]:
+        """The prompt tokens ``part``'s scored positions score: each the one after its position."""
+        context = part.row.seq.context_ids
+        return [context[p + 1] for p in part.scored]
+
+    def _score(self, part: Part, logits: torch.Tensor) -> torch.Tensor:
+        request = part.row.seq.request
+        return score(logits, self._targets(part), request.prompt_top_logprobs, request.logprobs_of)
 
     def _graphed(self, plan: Plan) -> torch.Tensor | None:
         """A step of decode rows alone through ``graphs`` (None: no graphs, a prompt chunk in the
@@ -136,25 +165,39 @@ class ModelRunner:
             [part.row.last for part in parts], [part.start for part in parts], [part.row.table for part in parts]
         )
 
-    def _native(self, plan: Plan) -> torch.Tensor:
+    def _native(self, plan: Plan, scoring: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The emitting rows' logits; the scored positions' go into ``scoring`` (per part index)."""
         assert self.native is not None
         ids: list[int] = []
         positions: list[int] = []
         segments: list[Segment] = []
         emit: list[int] = []
-        for part in plan.parts:
+        scored: list[tuple[int, int, int]] = []  # (part index, first token index, count)
+        extra: list[int] = []
+        for index, part in enumerate(plan.parts):
             segments.append(Segment(tuple(part.row.table), part.start, part.count))
+            base = len(ids)
             ids.extend(part.ids)
             positions.extend(range(part.start, part.start + part.count))
             if part.emits:
                 emit.append(len(ids) - 1)
-        return self.native(
-            torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), segments, emit
+            if part.scored:
+                scored.append((index, len(extra), len(part.scored)))
+                extra.extend(base + p - part.start for p in part.scored)
+        logits = self.native(
+            torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), segments, emit + extra
         )
+        if not extra:
+            return logits
+        rows = len(emit)
+        for index, first, count in scored:
+            scoring[index] = logits[rows + first : rows + first + count]
+        return logits[:rows]
 
     # -- transformers' forward: prompt chunks, then decode rows ------------------------
 
-    def _transformers(self, plan: Plan) -> torch.Tensor:
+    def _transformers(self, plan: Plan, scoring: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The emitting rows' logits; the scored positions' go into ``scoring`` (per part index)."""
         decodes = [part for part in plan.parts if part.decodes]
         chunks = [part for part in plan.parts if not part.decodes]
         out: list[torch.Tensor] = []
@@ -162,7 +205,15 @@ class ModelRunner:
             out.append(self._pass(decodes, only_last=False))
         emitting = [part for part in chunks if part.emits]
         if chunks:
-            logits = self._pass(chunks, only_last=True)
+            every: list[torch.Tensor] = []
+            logits = self._pass(chunks, only_last=True, every=every if any(p.scored for p in chunks) else None)
+            if every:
+                at = {id(part): index for index, part in enumerate(plan.parts)}
+                for b, part in enumerate(chunks):
+                    if part.scored:
+                        scoring[at[id(part)]] = every[0][
+                            b, part.scored.start - part.start : part.scored.stop - part.start
+                        ]
             keep = [b for b, part in enumerate(chunks) if part.emits]
             if emitting and len(keep) < len(chunks):
                 logits = logits.index_select(0, host_tensor(keep, torch.long, logits.device))
@@ -172,8 +223,9 @@ class ModelRunner:
             return torch.empty((0, 0))
         return out[0] if len(out) == 1 else torch.cat(out)
 
-    def _pass(self, parts: list[Part], only_last: bool) -> torch.Tensor:
-        """One rectangular pass over ``parts``; each row's logits at its last real token."""
+    def _pass(self, parts: list[Part], only_last: bool, every: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """One rectangular pass over ``parts``; each row's logits at its last real token. With
+        ``every`` (a row scores its prompt) the logits of every position are kept and put there."""
         rows = len(parts)
         width = max(part.count for part in parts)
         block_size, scratch = self.cache.block_size, self.cache.scratch
@@ -198,7 +250,7 @@ class ModelRunner:
         device = self.loaded.device
         extra: dict[str, object] = {}
         device_last = to_device(last, device)
-        if only_last:
+        if only_last and every is None:
             extra["logits_to_keep"] = device_last if PER_ROW_LOGITS else 0
         output = self.loaded.model(
             input_ids=to_device(ids, device),
@@ -210,7 +262,9 @@ class ModelRunner:
         )
         # Each row's last real token: the model kept only that one (per-row
         # ``logits_to_keep``), or every position, and it is picked here.
-        if width == 1 or (only_last and PER_ROW_LOGITS):
+        if every is not None:
+            every.append(output.logits)
+        elif width == 1 or (only_last and PER_ROW_LOGITS):
             logits: torch.Tensor = output.logits[:, -1, :]
             return logits
         return torch.take_along_dim(output.logits, device_last[..., None], dim=1)[:, 0, :]

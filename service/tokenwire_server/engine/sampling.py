@@ -6,8 +6,9 @@ presence penalties (over the tokens so far: OpenAI's), EOS and stop-token blocki
 (min_new_tokens), the grammar mask of constrained rows (``structured``); greedy rows
 take the exact argmax of that; sampled rows then take temperature, min_p, top_k, top_p
 and the draw. Each of those is one indexed op over the step's rows. The log-probabilities
-are the model's (before all of it); the results come back to the host in one transfer
-per step.
+are the model's (before all of it), the picked token's and, where asked, the top
+alternatives' and the caller's ``logprobs_of``; the results come back to the host in one
+transfer per step.
 
 Sampled rows draw with the Gumbel-max trick: ``argmax(logits / T + G)`` where the
 noise ``G`` of each (row, token) comes from a counter-based hash of (seed, step,
@@ -127,18 +128,20 @@ def _overflow_safe(rows: torch.Tensor) -> torch.Tensor:
     return torch.where(has_top, only_top, cleaned)
 
 
-Pick = tuple[int, float | None, tuple[Alternative, ...]]
+# A row's token, its log-probability, its top alternatives and its logprobs_of (where asked).
+Pick = tuple[int, float | None, tuple[Alternative, ...], tuple[Alternative, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
 class Drawn:
     """Picks launched on the device and not yet read: per row, the id, then (where asked) its
-    log-probability and the top alternatives' ids and log-probabilities, as float64."""
+    log-probability, the top alternatives' ids and log-probabilities and the logprobs_of, as float64."""
 
     values: torch.Tensor
     seqs: Sequence[Generation]
     want_logprobs: list[bool]
     top_n: int
+    named_n: int = 0  # columns of logprobs_of (the longest row's; shorter rows pad)
 
 
 class Sampler:
@@ -211,8 +214,9 @@ class Sampler:
             chosen[index] = self._draw(processed, sampled, index, seqs, vocab)
 
         # Log-probabilities are of the model's distribution (before penalties and temperature).
-        want_logprobs = [r.want_logprobs or r.top_logprobs > 0 for r in requests]
+        want_logprobs = [r.want_logprobs or r.top_logprobs > 0 or bool(r.logprobs_of) for r in requests]
         top_n = max((r.top_logprobs for r in requests), default=0)
+        named_n = max((len(r.logprobs_of) for r in requests), default=0)
         parts = [chosen.to(torch.float64).unsqueeze(1)]
         if any(want_logprobs):
             logprobs = torch.log_softmax(logits, dim=-1)
@@ -220,7 +224,10 @@ class Sampler:
             if top_n:
                 values, ids = torch.topk(logprobs, top_n, dim=-1)
                 parts += [ids.to(torch.float64), values.to(torch.float64)]
-        return Drawn(torch.cat(parts, dim=1), seqs, want_logprobs, top_n)
+            if named_n:  # each row's logprobs_of, padded with id 0 to the longest (read back to its own length)
+                named = [list(r.logprobs_of) + [0] * (named_n - len(r.logprobs_of)) for r in requests]
+                parts.append(logprobs.gather(1, host_tensor(named, torch.long, device)).to(torch.float64))
+        return Drawn(torch.cat(parts, dim=1), seqs, want_logprobs, top_n, named_n)
 
     @staticmethod
     def _bias(processed: torch.Tensor, rows: list[tuple[int, tuple[tuple[int, float], ...]]]) -> None:
@@ -255,6 +262,7 @@ class Sampler:
             token = int(line[0])
             logprob: float | None = None
             top: tuple[Alternative, ...] = ()
+            named: tuple[Alternative, ...] = ()
             if want_logprobs[i]:
                 logprob = float(line[1])
                 k = requests[i].top_logprobs
@@ -264,7 +272,14 @@ class Sampler:
                         Alternative(int(t), seqs[i].token_text(int(t)), float(v))
                         for t, v in zip(ids_row[:k], values_row[:k], strict=True)
                     )
-            out.append((token, logprob, top))
+                asked = requests[i].logprobs_of
+                if asked:
+                    start = 2 + 2 * top_n
+                    named = tuple(
+                        Alternative(t, seqs[i].token_text(t), float(v))
+                        for t, v in zip(asked, line[start : start + len(asked)], strict=True)
+                    )
+            out.append((token, logprob, top, named))
         return out
 
     def _draw(

@@ -83,6 +83,15 @@ class Part:
         return self.row.seq.context_ids[self.start : self.start + self.count]
 
     @property
+    def scored(self) -> range:
+        """The positions whose logits score the next prompt token (``Generation.score_prompt``): in a
+        prompt chunk of a row that scores its prompt, those before the prompt's last token."""
+        seq = self.row.seq
+        if self.decodes or not seq.scores_prompt:
+            return range(0)
+        return range(self.start, min(self.start + self.count, seq.prompt_len - 1))
+
+    @property
     def emits(self) -> bool:
         """Whether this part ends with a token to pick (a decode, or a prompt's last chunk)."""
         return self.decodes or self.start + self.count == self.row.seq.context_len
@@ -165,7 +174,9 @@ class Scheduler:
             # A resumed stream reads its prompt and the tokens it already has (``context_ids``):
             # the prompt's blocks are often still cached from before the cut.
             keys = prefix_keys(seq.context_ids, pool.block_size) if pool.prefix_cache else []
-            lease = pool.lease(seq.budget_tokens, keys, seq.context_len)
+            # A row that scores its prompt reads all of it (a cached block has no logits); it still
+            # publishes its blocks for others.
+            lease = pool.lease(seq.budget_tokens, [] if seq.scores_prompt else keys, seq.context_len)
             if lease is None:
                 return False
             leases[id(seq)] = (lease, keys)
@@ -255,22 +266,29 @@ class Scheduler:
 
     # -- after the step ----------------------------------------------------------------
 
-    def postprocess(self, plan: Plan, picks: list[tuple[int, float | None, Any]]) -> None:
+    def postprocess(
+        self, plan: Plan, picks: list[tuple[int, float | None, Any, Any]], scores: dict[int, list[Any]] | None = None
+    ) -> None:
         """Commit a step that ran: lengths, the prefix cache, and each picked token to its request."""
-        self.deliver(self.take(plan, picks))
+        self.deliver(self.take(plan, picks, scores))
         self.retire(expire=False)
 
-    def take(self, plan: Plan, picks: list[tuple[int, float | None, Any]]) -> list[Row]:
-        """Commit a step's lengths, prefix-cache blocks and picked tokens (``Generation.take``)
-        without delivering their text; the rows whose token waits for ``deliver`` come back.
-        Rows that left since the step was launched commit nothing (their pick is dropped)."""
-        for part in plan.parts:
+    def take(
+        self, plan: Plan, picks: list[tuple[int, float | None, Any, Any]], scores: dict[int, list[Any]] | None = None
+    ) -> list[Row]:
+        """Commit a step's lengths, prefix-cache blocks, prompt scores (``scores``: per part index, the
+        ``TokenInfo``s of its ``scored`` positions) and picked tokens (``Generation.take``) without
+        delivering their text; the rows whose token waits for ``deliver`` come back. Rows that left
+        since the step was launched commit nothing (their pick is dropped)."""
+        for index, part in enumerate(plan.parts):
             row = part.row
             if not part.decodes and not row.left:
                 row.length += part.count
                 self._publish_written(row)
+                if scores and index in scores:
+                    row.seq.score_prompt(part.start, scores[index])
         waiting: list[Row] = []
-        for row, (token, logprob, top_alternatives) in zip(plan.emitters, picks, strict=True):
+        for row, (token, logprob, top_alternatives, named) in zip(plan.emitters, picks, strict=True):
             if row.left:
                 continue
             if row.decoding:
@@ -280,7 +298,7 @@ class Scheduler:
             if (
                 not row.seq.finished
                 and not row.seq.handle.cancelled
-                and not row.seq.take(token, logprob, top_alternatives)
+                and not row.seq.take(token, logprob, top_alternatives, named)
             ):
                 waiting.append(row)
         return waiting

@@ -32,6 +32,7 @@ from ..model import LoadedModel
 from .base import AdmissionQueue, Engine, EngineLimits
 from .generation import Generation
 from .sampling import Sampler
+from .scoring import score, token_infos
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class _PickToken(LogitsProcessor):
     def __init__(self, sampler: Sampler, seq: Generation) -> None:
         self._sampler = sampler
         self._seq = seq
-        self.last: tuple[int, float | None, Any] | None = None
+        self.last: tuple[int, float | None, Any, Any] | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.last = self._sampler(scores, [self._seq])[0]
@@ -78,8 +79,8 @@ class _FeedGeneration(BaseStreamer):
         self._emitted = True
         self._last = now
         token = int(value.reshape(-1)[0])
-        _, logprob, top = self._picker.last if self._picker.last is not None else (token, None, ())
-        self._seq.add_token(token, logprob, top)
+        _, logprob, top, named = self._picker.last if self._picker.last is not None else (token, None, (), ())
+        self._seq.add_token(token, logprob, top, named)
         self._engine._mark_progress()
 
     def end(self) -> None:
@@ -185,6 +186,11 @@ class SimpleEngine(Engine):
         if seq.handle.cancelled:
             return False
         input_ids = torch.tensor([seq.context_ids], device=loaded.device)  # a resumed stream: its tokens too
+        if seq.scores_prompt:
+            self._score_prompt(seq)
+            if seq.request.max_new_tokens == 0:  # a scoring call: nothing to generate
+                seq.finish(FinishReason.LENGTH)
+                return False
         picker = _PickToken(self._sampler, seq)
         stop = _StopWhenDone(seq, self.queue)
         config = GenerationConfig(
@@ -209,3 +215,17 @@ class SimpleEngine(Engine):
         if not seq.finished and not seq.handle.cancelled:
             seq.finish(FinishReason.LENGTH)
         return False
+
+    def _score_prompt(self, seq: Generation) -> None:
+        """Score the prompt (``OutputOptions.prompt_logprobs``) with one forward of it of its own, before
+        ``generate()`` reads it again: the baseline engine pays a second prefill for it."""
+        ids = seq.request.prompt_ids
+        if len(ids) < 2:
+            return
+        request = seq.request
+        with torch.inference_mode():
+            logits = self.loaded.model(input_ids=torch.tensor([ids[:-1]], device=self.loaded.device)).logits[0]
+            values = score(logits, ids[1:], request.prompt_top_logprobs, request.logprobs_of)
+        seq.score_prompt(
+            0, token_infos(values, ids[1:], request.prompt_top_logprobs, request.logprobs_of, seq.token_text)
+        )

@@ -217,6 +217,8 @@ class VllmBackend(IntakeBackend):
                 "at the cut): FAILED_PRECONDITION",
                 "vllm: a logit_bias of -100 is added like any other bias (the batched and simple engines ban "
                 "the token); presence, frequency and repetition penalties and min_p are vLLM's own",
+                "vllm: prompt_logprobs are vLLM's; OutputOptions.logprobs_of is not served (FAILED_PRECONDITION); "
+                "a scoring call (max_new_tokens 0) has vLLM generate one token, which is not sent",
             ),
         )
         # Response formats are checked here, with the same library and options vLLM compiles
@@ -244,6 +246,11 @@ class VllmBackend(IntakeBackend):
 
     def submit(self, request: GenerationRequest) -> VllmSubmission:
         settings = self._settings
+        if request.logprobs_of:
+            raise NotSupported(
+                "the vllm engine does not report the log-probabilities of named tokens (OutputOptions.logprobs_of: "
+                "vLLM returns only the top alternatives); ask for top_logprobs, or serve it with --engine batched"
+            )
         if request.response_format is not None and request.resume_ids:
             raise NotSupported(
                 "the vllm engine cannot resume a stream with a response_format (vLLM's grammar would start "
@@ -330,8 +337,10 @@ class VllmBackend(IntakeBackend):
             # vLLM adds -100 like any bias (tokenwire bans the token: ModelInfo.notes says so).
             logit_bias=dict(options.logit_bias) or None,
             seed=None if options.seed is None else options.seed & 0x7FFF_FFFF_FFFF_FFFF,
-            # A resumed stream counts from its original start: what is left of both.
-            max_tokens=request.max_new_tokens - len(request.resume_ids),
+            # A resumed stream counts from its original start: what is left of both. A scoring call
+            # (max_new_tokens 0) has vLLM make one token, which tokenwire does not send (Generation.take).
+            max_tokens=max(1, request.max_new_tokens - len(request.resume_ids)),
+            prompt_logprobs=request.prompt_top_logprobs if request.prompt_logprobs else None,
             # A constrained answer ends when its grammar is complete, as on the batched engine.
             min_tokens=0
             if constrained

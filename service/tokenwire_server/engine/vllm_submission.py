@@ -18,6 +18,7 @@ from ..domain import (
     FinishReason,
     GenerationRequest,
     RequestHandle,
+    TokenInfo,
 )
 from ..text import SharedTokenizer
 
@@ -165,6 +166,8 @@ class VllmSubmission:
                     if not admitted:
                         admitted = True
                         generation.mark_admitted(started)
+                    if generation.scores_prompt and getattr(out, "prompt_logprobs", None):
+                        generation.score_prompt(0, _prompt_scores(out.prompt_logprobs, request, tokenizer))
                     completion = out.outputs[0]
                     positions = completion.logprobs or []
                     for i, token in enumerate(completion.token_ids):
@@ -217,3 +220,23 @@ def _logprobs(
         for _, tid, lp in ranked[: request.top_logprobs]
     )
     return logprob, top
+
+
+def _prompt_scores(positions: Any, request: GenerationRequest, tokenizer: SharedTokenizer) -> list[TokenInfo]:
+    """vLLM's prompt logprobs (one {token_id: Logprob} per prompt token, None for the first) as
+    the TokenInfos of prompt tokens 1 ... (``Generation.score_prompt(0, ...)``)."""
+    ids = request.prompt_ids
+    out = []
+    for i, position in enumerate(list(positions)[1 : len(ids)], start=1):
+        token = ids[i]
+        chosen = position.get(token) if position is not None else None
+        ranked = sorted(
+            (entry.rank, tid, entry.logprob) for tid, entry in (position or {}).items() if entry.rank is not None
+        )
+        top = tuple(
+            Alternative(int(tid), tokenizer.decode([int(tid)], skip_special_tokens=False), float(lp))
+            for _, tid, lp in ranked[: request.prompt_top_logprobs]
+        )
+        text = tokenizer.decode([token], skip_special_tokens=False)
+        out.append(TokenInfo(token, text, float(chosen.logprob) if chosen is not None else None, top))
+    return out

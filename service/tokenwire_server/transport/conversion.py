@@ -92,6 +92,8 @@ def validation_limits(description: ModelDescription) -> Limits:
         vocab_size=limits.vocab_size,
         max_stop_token_ids=limits.max_stop_token_ids,
         max_logit_bias=limits.max_logit_bias,
+        max_logprobs_of=limits.max_logprobs_of,
+        max_top_logprobs=limits.max_top_logprobs,
     )
 
 
@@ -209,9 +211,13 @@ def generation_request(
         deadline=deadline,
         tenant=tenant,
         priority=priority_of(request),
-        want_tokens=output.token_ids or output.logprobs or output.top_logprobs > 0,
-        want_logprobs=output.logprobs or output.top_logprobs > 0,
+        want_tokens=output.token_ids or output.logprobs or output.top_logprobs > 0 or bool(output.logprobs_of),
+        want_logprobs=output.logprobs or output.top_logprobs > 0 or bool(output.logprobs_of),
         top_logprobs=output.top_logprobs,
+        # The uncut stream's first chunk carried the prompt's tokens: a resume past it does not repeat them.
+        prompt_logprobs=(output.prompt_logprobs or output.prompt_top_logprobs > 0) and request.resume.next_index == 0,
+        prompt_top_logprobs=output.prompt_top_logprobs,
+        logprobs_of=tuple(int(t) for t in output.logprobs_of),
         arrival=arrival,
         resume_ids=resume,
         response_format=response_format(request),
@@ -245,6 +251,7 @@ def tokens(infos: Iterable[TokenInfo]) -> list[pb.Token]:
         if info.logprob is not None:
             token.logprob = info.logprob
         token.top_logprobs.extend(pb.TopLogprob(id=a.id, text=a.text, logprob=a.logprob) for a in info.top)
+        token.logprobs_of.extend(pb.TopLogprob(id=a.id, text=a.text, logprob=a.logprob) for a in info.named)
         out.append(token)
     return out
 
@@ -269,10 +276,13 @@ def chunk(
     final_usage: Usage | None = None,
     seed: int | None = None,
     matched: str | int | None = None,
+    prompt: Iterable[TokenInfo] = (),
 ) -> pb.TokenChunk:
     """One TokenChunk; the last one of a stream carries the finish reason, usage and the stop
-    that ended it (``matched``), the first the seed of a request that samples."""
+    that ended it (``matched``), the first the seed of a request that samples and the scored
+    prompt (``prompt``) of one that asked."""
     out = pb.TokenChunk(request_id=request_id, index=index, text=text, tokens=tokens(infos))
+    out.prompt_tokens.extend(tokens(prompt))
     if seed is not None:
         out.seed = seed
     if reason is not None:
@@ -357,6 +367,7 @@ def model_info(description: ModelDescription) -> pb.ModelInfo:
             max_error_trailer_bytes=TRAILER_BYTES,
             max_stop_token_ids=limits.max_stop_token_ids,
             max_logit_bias=limits.max_logit_bias,
+            max_logprobs_of=limits.max_logprobs_of,
         ),
         default_sampling=sampling_params(description.default_sampling),
     )

@@ -235,11 +235,21 @@ class TextGenerationServicer:
                     if output is not None:
                         call.fields["output"] = "".join(output)
                     yield conversion.chunk(
-                        call.request_id, index, event.text, event.tokens, event.reason, u, chunk_seed, event.matched
+                        call.request_id,
+                        index,
+                        event.text,
+                        event.tokens,
+                        event.reason,
+                        u,
+                        chunk_seed,
+                        event.matched,
+                        event.prompt,
                     )
                     return
                 generated += max(1, len(event.tokens))  # a chunk holds at least one token
-                yield conversion.chunk(call.request_id, index, event.text, event.tokens, seed=chunk_seed)
+                yield conversion.chunk(
+                    call.request_id, index, event.text, event.tokens, seed=chunk_seed, prompt=event.prompt
+                )
                 index += 1
         finally:
             self._quota.charge(tenant, generated)
