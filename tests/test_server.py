@@ -213,34 +213,40 @@ def test_prompt_logprobs_come_on_the_first_chunk_and_a_scoring_call_only_scores(
     """OutputOptions.prompt_logprobs: chunk 0 carries every prompt token (the Tokenize ids; the
     first without a logprob), and no other chunk does; logprobs_of comes on every token; with
     max_new_tokens 0 the call is one chunk (LENGTH, no text, nothing generated) with the same
-    scores; a resume past chunk 0 does not send them again."""
+    scores; a resume past chunk 0 does not send them again. The vllm engine refuses logprobs_of
+    (FAILED_PRECONDITION, ModelInfo.notes)."""
     prompt = "The quick brown fox jumps over the lazy dog"
     ids = list(stub.Tokenize(pb.TokenizeRequest(text=prompt)).ids)
-    output = pb.OutputOptions(token_ids=True, prompt_logprobs=True, prompt_top_logprobs=2, logprobs_of=[5, 7])
+    named = [] if TEST_ENGINE == "vllm" else [5, 7]
+    output = pb.OutputOptions(token_ids=True, prompt_logprobs=True, prompt_top_logprobs=2, logprobs_of=named)
     sampling, stopping = greedy(max_new_tokens=6, ignore_eos=True)
     chunks = collect(stub, pb.GenerateRequest(prompt=prompt, sampling=sampling, stopping=stopping, output=output))
     scored = list(chunks[0].prompt_tokens)
     assert [t.id for t in scored] == ids and not any(c.prompt_tokens for c in chunks[1:])
     assert not scored[0].HasField("logprob") and all(t.HasField("logprob") and t.logprob <= 0 for t in scored[1:])
-    assert all(len(t.top_logprobs) == 2 and [a.id for a in t.logprobs_of] == [5, 7] for t in scored[1:])
+    assert all(len(t.top_logprobs) == 2 and [a.id for a in t.logprobs_of] == named for t in scored[1:])
     assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in scored[1:])
     tokens = [t for c in chunks for t in c.tokens]
-    assert len(tokens) == 6 and all([a.id for a in t.logprobs_of] == [5, 7] for t in tokens)
+    assert len(tokens) == 6 and all([a.id for a in t.logprobs_of] == named for t in tokens)
 
     scoring = pb.StoppingCriteria(max_new_tokens=0)
     (only,) = collect(stub, pb.GenerateRequest(prompt=prompt, sampling=sampling, stopping=scoring, output=output))
     assert only.finish_reason == pb.FINISH_REASON_LENGTH and only.text == "" and not only.tokens
     assert (only.usage.prompt_tokens, only.usage.completion_tokens) == (len(ids), 0)
-    assert [(t.id, round(t.logprob, 4)) for t in only.prompt_tokens[1:]] == [
-        (t.id, round(t.logprob, 4)) for t in scored[1:]
-    ]
+    assert [t.id for t in only.prompt_tokens] == ids
+    assert [t.logprob for t in only.prompt_tokens[1:]] == pytest.approx([t.logprob for t in scored[1:]], abs=1e-3)
 
     resume = pb.Resume(generated_token_ids=[t.id for t in tokens[:2]], next_index=2)
     rest = collect(
         stub, pb.GenerateRequest(prompt=prompt, sampling=sampling, stopping=stopping, output=output, resume=resume)
     )
-    assert [t.id for c in rest for t in c.tokens] == [t.id for t in tokens[2:]]
-    assert not any(c.prompt_tokens for c in rest)
+    if TEST_ENGINE != "vllm":  # exact on the batched engine; vLLM does not promise it (docs/architecture.md)
+        assert [t.id for c in rest for t in c.tokens] == [t.id for t in tokens[2:]]
+    assert rest and not any(c.prompt_tokens for c in rest)
+    if TEST_ENGINE == "vllm":
+        with pytest.raises(grpc.RpcError) as caught:
+            collect(stub, pb.GenerateRequest(prompt=prompt, output=pb.OutputOptions(logprobs_of=[5])))
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "logprobs_of" in caught.value.details()
     with pytest.raises(grpc.RpcError) as caught:
         collect(stub, pb.GenerateRequest(prompt=prompt, stopping=scoring))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -482,3 +482,28 @@ def test_logit_bias_penalties_and_min_p_reach_vllm(small_server: ServerProcess) 
             )
         )
         assert len(every) == 6
+
+
+def test_prompt_logprobs_on_vllm_are_the_models(small_server: ServerProcess, tiny_model_dir: Path) -> None:
+    """OutputOptions.prompt_logprobs maps to vLLM's own: a scoring call's prompt logprobs equal an
+    in-process transformers forward's log_softmax (within vLLM's CPU rounding), and it sends no token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with grpc.insecure_channel(small_server.target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        prompt = "The quick brown fox jumps over the lazy dog"
+        ids = list(stub.Tokenize(pb.TokenizeRequest(text=prompt)).ids)
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=ids), stopping=pb.StoppingCriteria(max_new_tokens=0),
+            output=pb.OutputOptions(prompt_logprobs=True, prompt_top_logprobs=1),
+        )  # fmt: skip
+        (only,) = list(stub.Generate(request, timeout=120))
+    assert only.finish_reason == pb.FINISH_REASON_LENGTH and only.usage.completion_tokens == 0 and not only.tokens
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with torch.inference_mode():
+        expected = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    scored = list(only.prompt_tokens)
+    assert [t.id for t in scored] == ids and not scored[0].HasField("logprob")
+    wanted = [float(expected[p, ids[p + 1]]) for p in range(len(ids) - 1)]
+    assert [t.logprob for t in scored[1:]] == pytest.approx(wanted, abs=2e-2)
