@@ -54,6 +54,7 @@ class FakeSeq:
             resume_ids=resumed,
             tenant=tenant,
             priority=priority,
+            after_prompt=None,
         )
         self.handle = SimpleNamespace(cancelled=False)
         self.reader = None  # no stream behind it: never parked

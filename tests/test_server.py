@@ -253,6 +253,93 @@ def test_prompt_logprobs_come_on_the_first_chunk_and_a_scoring_call_only_scores(
     assert bad_request_fields(caught.value) == ["stopping.max_new_tokens"]
 
 
+N_PROMPT = "In the old harbour town, every sailor knew the tale of the lighthouse keeper and her cat, who"
+
+
+def samples_of(chunks, n):
+    by = {i: [c for c in chunks if c.sample == i] for i in range(n)}
+    assert sorted({c.sample for c in chunks}) == list(range(n))
+    return by
+
+
+def single_and_n(stub, n, seed, **fields):
+    sampling = pb.SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
+    stopping = pb.StoppingCriteria(max_new_tokens=8, ignore_eos=True)
+    output = pb.OutputOptions(token_ids=True)
+    call = collect(stub, pb.GenerateRequest(prompt=N_PROMPT, sampling=sampling, stopping=stopping, output=output, n=n))
+    singles = []
+    for i in range(n):
+        alone = pb.SamplingParams(temperature=1.0, top_p=0.95, seed=seed + i)
+        singles.append(
+            collect(stub, pb.GenerateRequest(prompt=N_PROMPT, sampling=alone, stopping=stopping, output=output))
+        )
+    return samples_of(call, n), singles
+
+
+def test_n_samples_are_each_the_single_call_with_its_seed_and_share_the_prompt(stub):
+    """GenerateRequest.n: each chunk names its sample, each sample's chunks are indexed on their own
+    and end with their own last chunk; sample i (seed + i, on its first chunk) is the single call
+    with that seed, token for token; the 4 differ. On the batched engine the prompt is read once:
+    samples 1..3 find sample 0's full blocks in the prefix cache."""
+    by, singles = single_and_n(stub, 4, 4242)
+    for i, mine in by.items():
+        assert [c.index for c in mine] == list(range(len(mine))), i
+        assert mine[0].seed == 4242 + i and not any(c.HasField("seed") for c in mine[1:])
+        assert [c.finish_reason for c in mine[:-1]] == [pb.FINISH_REASON_UNSPECIFIED] * (len(mine) - 1)
+        assert mine[-1].finish_reason == pb.FINISH_REASON_LENGTH and mine[-1].usage.completion_tokens == 8
+        if TEST_ENGINE != "vllm":  # vLLM does not promise a request's tokens alone and in a batch
+            assert ids_of(mine) == ids_of(singles[i]) and text_of(mine) == text_of(singles[i]), i
+    assert len({tuple(ids_of(mine)) for mine in by.values()}) == 4, "4 seeds, 4 different samples"
+    if TEST_ENGINE != "vllm":  # vLLM shares prompts its own way (its prefix cache, reported per request)
+        prompt = by[0][-1].usage.prompt_tokens
+        assert prompt > 16 and by[0][-1].usage.cached_prompt_tokens == 0
+        assert [by[i][-1].usage.cached_prompt_tokens for i in (1, 2, 3)] == [(prompt - 1) // 16 * 16] * 3
+    greedy = collect(
+        stub,
+        pb.GenerateRequest(
+            prompt="Count:", n=2, sampling=pb.SamplingParams(temperature=0.0),
+            stopping=pb.StoppingCriteria(max_new_tokens=6, ignore_eos=True), output=pb.OutputOptions(token_ids=True),
+        ),
+    )  # fmt: skip
+    pair = samples_of(greedy, 2)
+    assert len(ids_of(pair[0])) == len(ids_of(pair[1])) == 6
+    if TEST_ENGINE != "vllm":
+        assert ids_of(pair[0]) == ids_of(pair[1])
+
+
+def test_n_on_the_simple_engine(tiny_simple_server):
+    with tiny_simple_server.channel() as channel:
+        by, singles = single_and_n(pb_grpc.TextGenerationStub(channel), 2, 99)
+    assert [ids_of(by[i]) for i in range(2)] == [ids_of(single) for single in singles]
+
+
+def test_n_is_refused_whole_past_the_servers_room_and_bad_values_name_the_field(tiny_model_dir):
+    """An n-call takes n slots and queue places: past them it is RESOURCE_EXHAUSTED whole, and the
+    slots are free again for the next call; n above max_n, and a resume of n > 1, are INVALID_ARGUMENT."""
+    args = ["--model", str(tiny_model_dir), *ENGINE_ARGS, "--max-active", "1", "--max-queue", "1", "--max-n", "3"]
+    with ServerProcess(args, ready_timeout=400) as server, server.channel() as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        assert stub.GetModelInfo(pb.GetModelInfoRequest()).limits.max_n == 3
+        stopping = pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True)
+        with pytest.raises(grpc.RpcError) as caught:
+            collect(stub, pb.GenerateRequest(prompt="Count:", stopping=stopping, n=3))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        served = collect(stub, pb.GenerateRequest(prompt="Count:", stopping=stopping, n=2))
+        assert sorted(c.sample for c in served if c.finish_reason) == [0, 1]
+        for bad, field in (
+            (pb.GenerateRequest(prompt="Count:", n=4), "n"),
+            (
+                pb.GenerateRequest(prompt="Count:", n=2, resume=pb.Resume(generated_token_ids=[5], next_index=1)),
+                "resume",
+            ),
+        ):
+            with pytest.raises(grpc.RpcError) as caught:
+                collect(stub, bad)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_request_fields(caught.value) == [
+                field
+            ]
+
+
 def test_logprobs_and_top_logprobs(stub):
     sampling, stopping = greedy(max_new_tokens=5, ignore_eos=True)
     chunks = collect(

@@ -217,7 +217,10 @@ class ClientBase(abc.ABC):
         request = build_generate_request(
             prompt, messages=messages, input_ids=input_ids, options=params, limits=self.limits
         )
-        attempts = StreamAttempts(request, resume=resume, retry=self.retry, timeout=self._timeout(timeout))
+        # A cut n-call is not resumed whole (the contract resumes one sample at a time): it fails as cut.
+        attempts = StreamAttempts(
+            request, resume=resume and request.n <= 1, retry=self.retry, timeout=self._timeout(timeout)
+        )
         return GenerateCall(attempts, trace_metadata(self._metadata))  # the caller's trace context, as of this call
 
     def _json_call(

@@ -25,7 +25,7 @@ from tokenwire.channel import TLSConfig
 from tokenwire.client import DEFAULT_TARGET, ChunkStream, Client
 from tokenwire.errors import Cancelled, InvalidArgument, TokenwireError
 from tokenwire.request import GenerateOptions
-from tokenwire.results import HealthStatus, Message, Token
+from tokenwire.results import Chunk, HealthStatus, Message, Token
 from tokenwire.retry import RetryPolicy
 from tokenwire.v1 import generation_pb2 as pb
 
@@ -200,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ID",
         help="report this token id's log-probability at every position (repeatable; shown with --json)",
     )
+    gen.add_argument(
+        "--n",
+        type=int,
+        metavar="N",
+        help="N samples of the prompt in one call (sample i uses --seed + i), printed apart",
+    )
     gen.add_argument("--request-id")
     gen.add_argument("--usage", action="store_true", help="print the finish reason and usage to stderr")
     formats = gen.add_argument_group(
@@ -362,6 +368,7 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
         "time_limit_ms",
         "top_logprobs",
         "prompt_top_logprobs",
+        "n",
         "request_id",
     ):
         value = getattr(args, name, None)
@@ -477,12 +484,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
             stream = client.generate(prompt, resume=args.resume, **options)
         last = None
         ended_with_newline = True
+        texts: dict[int, list[str]] = {}  # an n-call's samples, each printed apart once it ends
         with stream, CancelOnInterrupt(stream) as guard:
             for chunk in stream:
                 last = chunk
                 if chunk.prompt_tokens and not args.json:
                     _print_prompt_scores(chunk.prompt_tokens)
-                if args.json:
+                if (args.n or 0) > 1 and not args.json:
+                    texts.setdefault(chunk.sample, []).append(chunk.text)
+                    if chunk.finish_reason is not None:
+                        _print_sample(chunk, "".join(texts[chunk.sample]), args.usage)
+                elif args.json:
                     sys.stdout.write(json.dumps(chunk.to_dict(), ensure_ascii=False) + "\n")
                 elif chunk.text:
                     sys.stdout.write(chunk.text)
@@ -497,7 +509,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         scoring = options.get("max_new_tokens") == 0
         if raw and not scoring and last is not None and last.usage is not None and last.usage.completion_tokens <= 1:
             _hint_chat(client, last.usage.completion_tokens)
-        if args.usage and last is not None:
+        if args.usage and last is not None and (args.n or 0) <= 1:  # an n-call printed each sample's
             usage = last.usage
             matched = "" if last.matched_stop is None else f" matched_stop={last.matched_stop!r}"
             print(f"finish_reason: {last.finish_reason}{matched}", file=sys.stderr)
@@ -509,6 +521,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
     return EXIT_OK
+
+
+def _print_sample(last: Chunk, text: str, usage: bool) -> None:
+    """One sample of an n-call, once it has ended: a header line, its text; its finish with --usage."""
+    matched = "" if last.matched_stop is None else f" matched_stop={last.matched_stop!r}"
+    finish = f" finish_reason: {last.finish_reason}{matched}" if usage else ""
+    tokens = f" completion_tokens={last.usage.completion_tokens}" if usage and last.usage is not None else ""
+    sys.stdout.write(f"--- sample {last.sample}{finish}{tokens}\n{text}\n")
+    sys.stdout.flush()
 
 
 def _print_prompt_scores(tokens: Sequence[Token]) -> None:

@@ -54,6 +54,8 @@ class GenerateOptions(TypedDict, total=False):
     prompt_top_logprobs: int
     # Token ids whose log-probabilities every generated (and scored prompt) token reports.
     logprobs_of: Sequence[int]
+    # Samples of the prompt in one call (each chunk's ``sample`` says which); sample i uses seed + i.
+    n: int
     # Caller-chosen id, echoed in every chunk and in the server's logs.
     request_id: str
     # The format the answer follows: a JSON schema dict, a pydantic model class or a
@@ -81,6 +83,7 @@ _KNOWN = frozenset(
         "request_id",
         "response_format",
         "priority",
+        "n",
     )
 )
 PriorityLike = Literal["high", "normal", "low"] | int
@@ -157,6 +160,8 @@ def build_generate_request(
             setattr(request.output, name, options[name])  # type: ignore[literal-required]
     if "logprobs_of" in options:
         request.output.logprobs_of.extend(options["logprobs_of"])
+    if "n" in options:
+        request.n = options["n"]
     if options.get("response_format") is not None:
         request.response_format.CopyFrom(response_format(options["response_format"]))
     if "priority" in options:

@@ -167,6 +167,7 @@ class Chunk:
     usage: Usage | None = None
     matched_stop: str | int | None = None
     prompt_tokens: tuple[Token, ...] = ()
+    sample: int = 0  # which sample of an n-call (GenerateRequest.n) this chunk belongs to
 
     @classmethod
     def from_proto(cls, chunk: pb.TokenChunk) -> Chunk:
@@ -179,6 +180,7 @@ class Chunk:
             usage=Usage.from_proto(chunk.usage) if chunk.HasField("usage") else None,
             matched_stop=_matched_stop(chunk),
             prompt_tokens=tuple(Token.from_proto(t) for t in chunk.prompt_tokens),
+            sample=chunk.sample,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -188,7 +190,8 @@ class Chunk:
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """A whole completion: the text of every chunk joined, and how it ended."""
+    """A whole completion: the text of every chunk joined, and how it ended. Of an n-call
+    (``n=``): sample 0's, with every sample's own in ``samples`` (each its text, finish and usage)."""
 
     text: str
     request_id: str
@@ -198,9 +201,19 @@ class Completion:
     chunks: int = 0
     matched_stop: str | int | None = None  # as on the last Chunk
     prompt_tokens: tuple[Token, ...] = ()  # the scored prompt (prompt_logprobs), from the first chunk
+    sample: int = 0
+    samples: tuple[Completion, ...] = ()  # an n-call's every sample, in order (empty for one)
 
     @classmethod
     def from_chunks(cls, chunks: Sequence[Chunk], request_id: str = "") -> Completion:
+        numbers = sorted({c.sample for c in chunks})
+        if len(numbers) > 1:
+            each = tuple(cls._one([c for c in chunks if c.sample == n], request_id) for n in numbers)
+            return dataclasses.replace(each[0], samples=each)
+        return cls._one(chunks, request_id)
+
+    @classmethod
+    def _one(cls, chunks: Sequence[Chunk], request_id: str) -> Completion:
         last = chunks[-1] if chunks else None
         return cls(
             text="".join(c.text for c in chunks),
@@ -211,6 +224,7 @@ class Completion:
             chunks=len(chunks),
             matched_stop=last.matched_stop if last is not None else None,
             prompt_tokens=tuple(t for c in chunks for t in c.prompt_tokens),
+            sample=chunks[0].sample if chunks else 0,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -69,6 +69,11 @@ class Rule(str, Enum):
     TOO_MANY_STOP_TOKENS = "holds {count} stop token ids; at most {limit} are allowed"
     TOP_LOGPROBS = "must be between 0 and {limit}, got {value}"
     TOO_MANY_LOGPROBS_OF = "holds {count} token ids; at most {limit} are allowed"
+    TOO_MANY_SAMPLES = "is {value}; at most {limit} samples per call are allowed"
+    RESUME_OF_SAMPLES = (
+        "a call of {value} samples cannot be resumed whole: resume each sample as a call of its own "
+        "(n unset, sampling.seed that sample's seed, its tokens and next_index)"
+    )
     PROMPT_TOO_LONG = (
         "the prompt is {count} tokens; with max_new_tokens={value} it needs {total}, "
         "above the {limit} tokens one request may hold on this server (the model's context, "
@@ -131,6 +136,7 @@ class Limits:
     max_logit_bias: int | None = None
     max_logprobs_of: int | None = None
     max_top_logprobs: int = MAX_TOP_LOGPROBS
+    max_n: int | None = None
 
     @classmethod
     def from_model_info(cls, info: pb.ModelInfo) -> Limits:
@@ -148,6 +154,7 @@ class Limits:
             max_logit_bias=limits.max_logit_bias,
             max_logprobs_of=limits.max_logprobs_of or None,  # 0: a server older than the field
             max_top_logprobs=limits.max_top_logprobs or MAX_TOP_LOGPROBS,
+            max_n=limits.max_n or 1,  # 0: a server older than GenerateRequest.n serves one sample
         )
 
 
@@ -227,6 +234,11 @@ def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> li
                 if value >= limits.vocab_size:
                     bad(f"token_ids.ids[{i}]", Rule.TOKEN_OUT_OF_VOCAB, value=value, limit=limits.vocab_size)
                     break
+
+    if limits.max_n is not None and request.n > limits.max_n:
+        bad("n", Rule.TOO_MANY_SAMPLES, value=request.n, limit=limits.max_n)
+    if request.n > 1 and (request.resume.generated_token_ids or request.resume.next_index):
+        bad("resume", Rule.RESUME_OF_SAMPLES, value=request.n)
 
     if request.priority not in pb.Priority.values():
         bad("priority", Rule.UNKNOWN_PRIORITY, value=request.priority)

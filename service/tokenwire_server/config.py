@@ -55,6 +55,7 @@ class ServerConfig:
     max_stop_sequence_chars: int = 256
     max_stop_token_ids: int = 16
     max_logit_bias: int = 300
+    max_n: int = 8
     max_chat_messages: int = 256
     max_message_bytes: int = 4 * 1024 * 1024
     format_compile_timeout_s: float = 5.0
@@ -92,6 +93,7 @@ class ServerConfig:
             max_stop_sequence_chars=self.max_stop_sequence_chars,
             max_stop_token_ids=self.max_stop_token_ids,
             max_logit_bias=self.max_logit_bias,
+            max_n=self.max_n,
             max_chat_messages=self.max_chat_messages,
             max_message_bytes=self.max_message_bytes,
             format_compile_timeout_s=self.format_compile_timeout_s,
@@ -229,6 +231,7 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "max_stop_sequence_chars": ("longest stop sequence, in characters", None),
     "max_stop_token_ids": ("most stop token ids in one request (StoppingCriteria.stop_token_ids)", None),
     "max_logit_bias": ("most entries in one request's SamplingParams.logit_bias", None),
+    "max_n": ("most samples one call may ask for (GenerateRequest.n); each takes a slot or a queue place", None),
     "max_chat_messages": ("most messages in one chat", None),
     "max_message_bytes": ("largest request message the server receives, in bytes", None),
     "format_compile_timeout_s": (
@@ -378,6 +381,7 @@ def validate_config(config: ServerConfig) -> list[str]:
         "default_max_new_tokens",
         "max_new_tokens_limit",
         "max_message_bytes",
+        "max_n",
     ):
         if getattr(config, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be at least 1")

@@ -94,6 +94,7 @@ class RequestLimits:
     max_stop_token_ids: int = 16
     max_logit_bias: int = 300
     max_logprobs_of: int = 20
+    max_n: int = 8  # GenerateRequest.n
     # Longest prompt text, in characters, that could fit ``max_request_tokens`` (this tokenizer's
     # longest token times that); longer ones are refused before they are tokenized. 0: no bound
     # is known for this tokenizer (they are tokenized, cut one past the limit).
@@ -291,6 +292,11 @@ class GenerationRequest:
     # the admission queue shares slots between tenants by weight, higher priority first.
     tenant: str = DEFAULT_TENANT
     priority: Priority = Priority.NORMAL
+    # Samples of one call (GenerateRequest.n) share the prompt's reading: sample 0 sets ``prompt_read``
+    # once its prompt is read (or it ends), and the others, whose ``after_prompt`` it is, wait for it
+    # before they are admitted, to find its keys and values in the prefix cache. None: alone.
+    prompt_read: threading.Event | None = None
+    after_prompt: threading.Event | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,15 @@ def test_score_and_prompt_logprobs(target: str) -> None:
     assert refused.returncode == 2 and "stopping.max_new_tokens" in refused.stderr
 
 
+def test_generate_n_prints_each_sample_apart(target: str) -> None:
+    done = tokenwire("generate", "--target", target, "--n", "3", "--seed", "5", "--temperature", "1",
+                     "--max-new-tokens", "5", "--ignore-eos", "--usage", "Once upon a time")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    headers = [line for line in done.stdout.splitlines() if line.startswith("--- sample ")]
+    assert sorted(h.split()[2] for h in headers) == ["0", "1", "2"]
+    assert all("finish_reason: length" in h and "completion_tokens=5" in h for h in headers)
+
+
 def test_generate_exit_status_follows_the_grpc_code(target: str) -> None:
     bad = tokenwire("generate", "--target", target, "--temperature", "-1", "hi")
     assert bad.returncode == 2 and "temperature" in bad.stderr

@@ -186,6 +186,23 @@ def test_score_is_the_continuations_share_of_the_prompt_logprobs_sync_and_async(
         client.score(prompt, [""])
 
 
+def test_n_samples_come_apart_in_the_completion(client):
+    """generate_text(n=3): sample 0's Completion, with every sample's own in ``samples`` (its text,
+    finish and usage), each the single call with seed + i; the stream's chunks name their sample."""
+    ask = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 1.0, "seed": 50, "token_ids": True}
+    done = client.generate_text("Once upon a time", n=3, **ask)
+    assert [s.sample for s in done.samples] == [0, 1, 2] and done.text == done.samples[0].text
+    for i, sample in enumerate(done.samples):
+        alone = client.generate_text("Once upon a time", **{**ask, "seed": 50 + i})
+        assert [t.id for t in sample.tokens] == [t.id for t in alone.tokens] and sample.text == alone.text
+        assert sample.usage is not None and sample.usage.completion_tokens == 6
+    chunks = list(client.generate("Once upon a time", n=2, **ask))
+    assert sorted({c.sample for c in chunks}) == [0, 1]
+    with pytest.raises(tokenwire.InvalidArgument) as caught:
+        client.generate_text("x", n=9)
+    assert caught.value.field_violations[0].field == "n"
+
+
 def test_chat_and_tokenize(client, tiny_server):
     messages = [("system", "You are terse."), ("user", "Say hi")]
     reply = client.chat(messages, max_new_tokens=6, ignore_eos=True)

@@ -142,6 +142,7 @@ def edge_requests(draw: st.DrawFn) -> pb.GenerateRequest:
             prompt_top_logprobs=draw(st.integers(0, 20)) if scores else 0,
             logprobs_of=draw(st.lists(st.sampled_from([0, 1, 2, 49151]), max_size=20)),
         ),
+        n=draw(st.integers(0, 3)),
     )
 
 
@@ -154,6 +155,8 @@ def any_requests(draw: st.DrawFn) -> pb.GenerateRequest:
         request.stopping.CopyFrom(draw(stopping))
     if draw(st.booleans()):
         request.output.CopyFrom(draw(output))
+    if draw(st.booleans()):
+        request.n = draw(st.integers(0, 12) | u32)
     return request
 
 

@@ -104,6 +104,7 @@ class GenerateRequest(_message.Message):
     RESUME_FIELD_NUMBER: _builtins.int
     RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id for this request, echoed in every chunk and in the server's logs.
     When empty, the `x-request-id` metadata is used; when that is absent too, the
@@ -117,6 +118,21 @@ class GenerateRequest(_message.Message):
     what is left between tenants by weight (docs/operations.md, "Tenants"). A tenant's
     configuration may cap the priority it may ask for: above its cap the call is
     INVALID_ARGUMENT naming priority. Unset is normal.
+    """
+    n: _builtins.int
+    """How many samples of the prompt to generate in this call, 0 or 1 meaning one, at most
+    ModelInfo.limits.max_n. Each sample is a stream of its own within the call: its chunks
+    say which (TokenChunk.sample) and are indexed 0, 1, 2, ... on their own, and it ends
+    with its own last chunk (finish reason, usage, matched stop); the call ends after the
+    last sample's. Sample i samples with seed sampling.seed + i (mod 2^64; the server's
+    seed when unset, on each sample's first chunk), so it is token for token the single
+    call with that seed; a greedy call gives n equal samples. The prompt is read once: on
+    the batched engine the other samples start once sample 0 has read it, and find its
+    keys and values in the prefix cache (with --prefix-cache on). The call takes n of the
+    server's slots and queue places, admitted or refused (RESOURCE_EXHAUSTED) whole;
+    cancelling it cancels every sample. prompt_logprobs come with sample 0. Resume one
+    sample of an n-call as a call of its own: n unset, sampling.seed that sample's seed,
+    its tokens and next_index; a resume with n > 1 is INVALID_ARGUMENT.
     """
     @_builtins.property
     def chat(self) -> Global___Chat:
@@ -181,10 +197,11 @@ class GenerateRequest(_message.Message):
         resume: Global___Resume | None = ...,
         response_format: Global___ResponseFormat | None = ...,
         priority: Global___Priority.ValueType = ...,
+        n: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "prompt", b"prompt", "response_format", b"response_format", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "n", b"n", "output", b"output", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
@@ -650,6 +667,7 @@ class TokenChunk(_message.Message):
     STOP_SEQUENCE_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    SAMPLE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id (the caller's or the server's)."""
     index: _builtins.int
@@ -675,6 +693,8 @@ class TokenChunk(_message.Message):
     (FINISH_REASON_STOP_TOKEN), or the model's end-of-sequence token
     (FINISH_REASON_EOS).
     """
+    sample: _builtins.int
+    """Which sample of the call this chunk belongs to (GenerateRequest.n): 0 to n - 1."""
     @_builtins.property
     def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___Token]:
         """The tokens generated since the previous chunk, when OutputOptions asked for them.
@@ -705,10 +725,11 @@ class TokenChunk(_message.Message):
         stop_sequence: _builtins.str = ...,
         stop_token_id: _builtins.int = ...,
         prompt_tokens: _abc.Iterable[Global___Token] | None = ...,
+        sample: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "matched_stop", b"matched_stop", "seed", b"seed", "stop_sequence", b"stop_sequence", "stop_token_id", b"stop_token_id", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "finish_reason", b"finish_reason", "index", b"index", "matched_stop", b"matched_stop", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "seed", b"seed", "stop_sequence", b"stop_sequence", "stop_token_id", b"stop_token_id", "text", b"text", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "finish_reason", b"finish_reason", "index", b"index", "matched_stop", b"matched_stop", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sample", b"sample", "seed", b"seed", "stop_sequence", b"stop_sequence", "stop_token_id", b"stop_token_id", "text", b"text", "tokens", b"tokens", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
@@ -1095,6 +1116,7 @@ class RequestLimits(_message.Message):
     MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     MAX_LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     MAX_LOGPROBS_OF_FIELD_NUMBER: _builtins.int
+    MAX_N_FIELD_NUMBER: _builtins.int
     max_new_tokens_limit: _builtins.int
     """Cap on StoppingCriteria.max_new_tokens."""
     default_max_new_tokens: _builtins.int
@@ -1156,6 +1178,8 @@ class RequestLimits(_message.Message):
     """Most entries in SamplingParams.logit_bias."""
     max_logprobs_of: _builtins.int
     """Most entries in OutputOptions.logprobs_of."""
+    max_n: _builtins.int
+    """Largest GenerateRequest.n."""
     def __init__(
         self,
         *,
@@ -1179,10 +1203,11 @@ class RequestLimits(_message.Message):
         max_stop_token_ids: _builtins.int = ...,
         max_logit_bias: _builtins.int = ...,
         max_logprobs_of: _builtins.int = ...,
+        max_n: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "max_chat_messages", b"max_chat_messages", "max_error_trailer_bytes", b"max_error_trailer_bytes", "max_format_chars", b"max_format_chars", "max_format_compile_ms", b"max_format_compile_ms", "max_json_schema_depth", b"max_json_schema_depth", "max_logit_bias", b"max_logit_bias", "max_logprobs_of", b"max_logprobs_of", "max_message_bytes", b"max_message_bytes", "max_new_tokens_limit", b"max_new_tokens_limit", "max_prompt_chars", b"max_prompt_chars", "max_quoted_chars", b"max_quoted_chars", "max_request_id_chars", b"max_request_id_chars", "max_request_tokens", b"max_request_tokens", "max_stop_sequence_chars", b"max_stop_sequence_chars", "max_stop_sequences", b"max_stop_sequences", "max_stop_token_ids", b"max_stop_token_ids", "max_top_logprobs", b"max_top_logprobs", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "max_chat_messages", b"max_chat_messages", "max_error_trailer_bytes", b"max_error_trailer_bytes", "max_format_chars", b"max_format_chars", "max_format_compile_ms", b"max_format_compile_ms", "max_json_schema_depth", b"max_json_schema_depth", "max_logit_bias", b"max_logit_bias", "max_logprobs_of", b"max_logprobs_of", "max_message_bytes", b"max_message_bytes", "max_n", b"max_n", "max_new_tokens_limit", b"max_new_tokens_limit", "max_prompt_chars", b"max_prompt_chars", "max_quoted_chars", b"max_quoted_chars", "max_request_id_chars", b"max_request_id_chars", "max_request_tokens", b"max_request_tokens", "max_stop_sequence_chars", b"max_stop_sequence_chars", "max_stop_sequences", b"max_stop_sequences", "max_stop_token_ids", b"max_stop_token_ids", "max_top_logprobs", b"max_top_logprobs", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -259,6 +259,7 @@ class Generation:
             return True
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
+            self._prompt_done()
         self.generated.append(token_id)
         self._taken.append((token_id, logprob, top, named))
         if self._broken is not None:  # the grammar failed while this token was drawn (grammar_failed)
@@ -361,6 +362,7 @@ class Generation:
             matched = self.generated[-1]
         self._sink(FinishEvent(text + tail, tokens, reason, usage, matched, self._prompt_out()))
         self.handle.done.set()
+        self._prompt_done()
 
     def fail(self, kind: ErrorKind, message: str) -> None:
         if self.finished:
@@ -368,8 +370,15 @@ class Generation:
         self.finished = True
         self._sink(ErrorEvent(kind, message))
         self.handle.done.set()
+        self._prompt_done()
 
     def abandon(self) -> None:
         """The caller cancelled: stop without an event (nobody is listening)."""
         self.finished = True
         self.handle.done.set()
+        self._prompt_done()
+
+    def _prompt_done(self) -> None:
+        """Sample 0 of an n-call has read its prompt (or ended): the other samples may start."""
+        if self.request.prompt_read is not None:
+            self.request.prompt_read.set()

@@ -168,6 +168,11 @@ class Scheduler:
         def fits(seq: Generation) -> bool:
             if id(seq) in leases:
                 return True
+            after = seq.request.after_prompt
+            if after is not None and not after.is_set():
+                # A sample of an n-call waits until sample 0 has read the prompt, to find its blocks
+                # cached (GenerateRequest.n): a step or a few; the requests behind it wait with it.
+                return False
             if seq.prompt_len == 0 or not pool.fits_ever(seq.budget_tokens):
                 leases[id(seq)] = None  # taken, to be failed: it can never run
                 return True

@@ -219,6 +219,8 @@ class VllmBackend(IntakeBackend):
                 "the token); presence, frequency and repetition penalties and min_p are vLLM's own",
                 "vllm: prompt_logprobs are vLLM's; OutputOptions.logprobs_of is not served (FAILED_PRECONDITION); "
                 "a scoring call (max_new_tokens 0) has vLLM generate one token, which is not sent",
+                "vllm: the n samples of a call (GenerateRequest.n) are n vLLM requests with seeds seed + i, "
+                "sent at once; their prompt is shared as vLLM's prefix cache finds it",
             ),
         )
         # Response formats are checked here, with the same library and options vLLM compiles

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import threading
 import uuid
 from collections.abc import Iterable
 
@@ -94,6 +95,7 @@ def validation_limits(description: ModelDescription) -> Limits:
         max_logit_bias=limits.max_logit_bias,
         max_logprobs_of=limits.max_logprobs_of,
         max_top_logprobs=limits.max_top_logprobs,
+        max_n=limits.max_n,
     )
 
 
@@ -224,6 +226,31 @@ def generation_request(
     )
 
 
+def samples(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """The engine requests of a call's ``n`` samples (GenerateRequest.n; 0 is one): sample i samples
+    with seed + i (mod 2**64), sample 0 alone scores the prompt, and the others wait for sample 0 to
+    have read the prompt (``after_prompt``), to share its keys and values through the prefix cache."""
+    if n <= 1:
+        return [generation]
+    read = threading.Event()
+    seed = generation.sampling.seed
+    out = [dataclasses.replace(generation, prompt_read=read)]
+    for i in range(1, n):
+        sampling = generation.sampling
+        if seed is not None:
+            sampling = dataclasses.replace(sampling, seed=(seed + i) % 2**64)
+        out.append(
+            dataclasses.replace(
+                generation,
+                sampling=sampling,
+                prompt_logprobs=False,
+                prompt_top_logprobs=0,
+                after_prompt=read,
+            )
+        )
+    return out
+
+
 def max_new_tokens_asked(request: pb.GenerateRequest, limits: RequestLimits) -> int:
     """The completion a request asks for: its max_new_tokens, else the server's default."""
     stopping = request.stopping
@@ -277,11 +304,12 @@ def chunk(
     seed: int | None = None,
     matched: str | int | None = None,
     prompt: Iterable[TokenInfo] = (),
+    sample: int = 0,
 ) -> pb.TokenChunk:
     """One TokenChunk; the last one of a stream carries the finish reason, usage and the stop
     that ended it (``matched``), the first the seed of a request that samples and the scored
     prompt (``prompt``) of one that asked."""
-    out = pb.TokenChunk(request_id=request_id, index=index, text=text, tokens=tokens(infos))
+    out = pb.TokenChunk(request_id=request_id, index=index, text=text, tokens=tokens(infos), sample=sample)
     out.prompt_tokens.extend(tokens(prompt))
     if seed is not None:
         out.seed = seed
@@ -368,6 +396,7 @@ def model_info(description: ModelDescription) -> pb.ModelInfo:
             max_stop_token_ids=limits.max_stop_token_ids,
             max_logit_bias=limits.max_logit_bias,
             max_logprobs_of=limits.max_logprobs_of,
+            max_n=limits.max_n,
         ),
         default_sampling=sampling_params(description.default_sampling),
     )

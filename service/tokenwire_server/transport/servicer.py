@@ -7,8 +7,11 @@ of the model itself. Status mapping, metrics and the log line are the wrapper's
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
@@ -25,7 +28,9 @@ from ..backend import GenerationBackend, Submission
 from ..domain import (
     ErrorEvent,
     ErrorKind,
+    Event,
     FinishEvent,
+    GenerationRequest,
     InvalidResume,
     ModelDescription,
     PromptTooLong,
@@ -46,6 +51,53 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+
+
+@dataclasses.dataclass
+class _Sample:
+    """One sample's stream within a Generate call (GenerateRequest.n): its next chunk index, its
+    seed (on its first chunk), its tokens so far (charged to the quota) and its last chunk's time."""
+
+    index: int
+    seed: int | None
+    generated: int = 0
+    last: float = 0.0
+
+
+async def _merged(submissions: list[Submission]) -> AsyncGenerator[tuple[int, Event], None]:
+    """Every sample's events as ``(sample, event)``, as they come. One sample: its own stream, as is.
+    Several: each read by a task into a queue of one place per sample, so a caller that stops
+    reading stops the reading here too (the engine sees the stream fall behind, as with one)."""
+    if len(submissions) == 1:
+        async for event in submissions[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue(maxsize=len(submissions))
+
+    async def pump(number: int, submission: Submission) -> None:
+        try:
+            async for event in submission:
+                await queue.put((number, event))
+        finally:
+            await queue.put((number, None))
+
+    tasks = [asyncio.create_task(pump(number, submission)) for number, submission in enumerate(submissions)]
+    try:
+        running = len(tasks)
+        while running:
+            number, item = await queue.get()
+            if item is None:  # that sample's stream has ended (a failure in reading it ends the call)
+                running -= 1
+                task = tasks[number]
+                await asyncio.wait([task])
+                failure = None if task.cancelled() else task.exception()
+                if failure is not None:
+                    raise failure
+                continue
+            yield number, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class TextGenerationServicer:
@@ -187,74 +239,97 @@ class TextGenerationServicer:
         # that passed the first check together (while their prompts were encoded) cannot all
         # be admitted on the same unspent minute.
         self._refused_for_tenant(self._quota.check, tenant)
-        submission = self._refused_for_tenant(backend.submit, generation)
+        requests = conversion.samples(generation, request.n)
+        submissions = self._submit_all(backend, requests)
+        # The prompt is charged once, however many samples read it (the others find it cached).
         read = len(generation.prompt_ids) + len(generation.resume_ids)
         self._quota.charge(tenant, read)
-        generated = 0
         metrics = self._metrics
         output: list[str] | None = [] if self._log_prompts else None
-        index = first = request.resume.next_index  # a resumed stream goes on from the caller's next index
-        sampling = generation.sampling
-        seed = None if sampling.greedy else sampling.seed  # on the first chunk: a resume needs it
-        last = call.started
+        first = request.resume.next_index  # a resumed stream goes on from the caller's next index
+        samples = [_Sample(first, None if r.sampling.greedy else r.sampling.seed) for r in requests]
+        started = False
+        finished = 0
+        completion_tokens = 0
         if generation.resume_ids:
             call.fields["resumed_tokens"] = len(generation.resume_ids)
             metrics.resumes.inc()
-        self._streams.add(submission)
+        if len(submissions) > 1:
+            call.fields["samples"] = len(submissions)
+        self._streams.update(submissions)
         if self._handing_off:  # it got past the drain's refusal just before the hand-off
-            submission.end(ErrorEvent(ErrorKind.HANDOFF, HANDOFF))
+            for submission in submissions:
+                submission.end(ErrorEvent(ErrorKind.HANDOFF, HANDOFF))
         try:
-            async for event in submission:
-                now = time.monotonic()
-                if isinstance(event, ErrorEvent):
-                    if event.kind is ErrorKind.HANDOFF:
-                        metrics.handoffs.inc()
-                    if event.kind is ErrorKind.FORMAT_DEAD_END and fmt is not None:
-                        raise invalid_argument([FieldViolation(fmt.field, event.message)])
-                    raise from_error(event.kind, event.message, self._retry_after_s)
-                if index == first:
-                    metrics.ttft.observe(now - call.started)
-                    metrics.tenant_ttft.labels(tenant, priority.label).observe(now - call.started)
-                elif isinstance(event, TextEvent):
-                    metrics.itl.observe(now - last)
-                last = now
-                if output is not None:
-                    output.append(event.text)
-                chunk_seed = seed if index == first else None
-                if isinstance(event, FinishEvent):
-                    u = event.usage
-                    new_tokens = max(0, u.completion_tokens - len(generation.resume_ids))  # here, not before the cut
-                    metrics.generated_tokens.inc(new_tokens)
-                    metrics.prompt_tokens.inc(read)
-                    metrics.tenant_tokens.labels(tenant, priority.label, "prompt").inc(read)
-                    metrics.tenant_tokens.labels(tenant, priority.label, "completion").inc(new_tokens)
-                    generated = new_tokens
-                    call.usage, call.reason = u, event.reason.value
-                    metrics.prefix_hit_tokens.inc(u.cached_prompt_tokens)
-                    call.fields.update(conversion.usage_fields(u, event.reason))
+            async with contextlib.aclosing(_merged(submissions)) as events:
+                async for number, event in events:
+                    now = time.monotonic()
+                    sample = samples[number]
+                    if isinstance(event, ErrorEvent):
+                        if event.kind is ErrorKind.HANDOFF:
+                            metrics.handoffs.inc()
+                        if event.kind is ErrorKind.FORMAT_DEAD_END and fmt is not None:
+                            raise invalid_argument([FieldViolation(fmt.field, event.message)])
+                        raise from_error(event.kind, event.message, self._retry_after_s)
+                    if not started:
+                        started = True
+                        metrics.ttft.observe(now - call.started)
+                        metrics.tenant_ttft.labels(tenant, priority.label).observe(now - call.started)
+                    elif isinstance(event, TextEvent) and sample.index != first:
+                        metrics.itl.observe(now - sample.last)
+                    sample.last = now
                     if output is not None:
-                        call.fields["output"] = "".join(output)
+                        output.append(event.text)
+                    chunk_seed = sample.seed if sample.index == first else None
+                    if isinstance(event, FinishEvent):
+                        u = event.usage
+                        # Generated here, not before the cut.
+                        new_tokens = max(0, u.completion_tokens - len(generation.resume_ids))
+                        metrics.generated_tokens.inc(new_tokens)
+                        metrics.tenant_tokens.labels(tenant, priority.label, "completion").inc(new_tokens)
+                        sample.generated = new_tokens
+                        metrics.prefix_hit_tokens.inc(u.cached_prompt_tokens)
+                        completion_tokens += u.completion_tokens
+                        finished += 1
+                        yield conversion.chunk(
+                            call.request_id, sample.index, event.text, event.tokens, event.reason, u, chunk_seed,
+                            event.matched, event.prompt, number,
+                        )  # fmt: skip
+                        if finished < len(samples):
+                            continue
+                        metrics.prompt_tokens.inc(read)
+                        metrics.tenant_tokens.labels(tenant, priority.label, "prompt").inc(read)
+                        # The call's log line: the last sample's finish, every sample's tokens.
+                        call.usage = dataclasses.replace(u, completion_tokens=completion_tokens)
+                        call.reason = event.reason.value
+                        call.fields.update(conversion.usage_fields(call.usage, event.reason))
+                        if output is not None:
+                            call.fields["output"] = "".join(output)
+                        return
+                    sample.generated += max(1, len(event.tokens))  # a chunk holds at least one token
                     yield conversion.chunk(
-                        call.request_id,
-                        index,
-                        event.text,
-                        event.tokens,
-                        event.reason,
-                        u,
-                        chunk_seed,
-                        event.matched,
-                        event.prompt,
-                    )
-                    return
-                generated += max(1, len(event.tokens))  # a chunk holds at least one token
-                yield conversion.chunk(
-                    call.request_id, index, event.text, event.tokens, seed=chunk_seed, prompt=event.prompt
-                )
-                index += 1
+                        call.request_id, sample.index, event.text, event.tokens, seed=chunk_seed, prompt=event.prompt,
+                        sample=number,
+                    )  # fmt: skip
+                    sample.index += 1
         finally:
-            self._quota.charge(tenant, generated)
-            self._streams.discard(submission)
-            submission.cancel()  # no-op when finished; frees the slot when the client left early
+            self._quota.charge(tenant, sum(sample.generated for sample in samples))
+            for submission in submissions:
+                self._streams.discard(submission)
+                submission.cancel()  # no-op when finished; frees the slot when the client left early
+
+    def _submit_all(self, backend: GenerationBackend, requests: list[GenerationRequest]) -> list[Submission]:
+        """Every sample's submission, or none: a refusal of one (the server is full, the tenant over its
+        limit) cancels those submitted before it, and the call is refused whole."""
+        submissions: list[Submission] = []
+        try:
+            for sample in requests:
+                submissions.append(self._refused_for_tenant(backend.submit, sample))
+        except BaseException:
+            for submission in submissions:
+                submission.cancel()
+            raise
+        return submissions
 
     def _refused_for_tenant(self, admit: Callable[[T], R], arg: T) -> R:
         """``admit(arg)``, counting a refusal for the tenant's own limit in its metrics."""
