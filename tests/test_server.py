@@ -307,6 +307,34 @@ def test_n_samples_are_each_the_single_call_with_its_seed_and_share_the_prompt(s
         assert ids_of(pair[0]) == ids_of(pair[1])
 
 
+@pytest.mark.skipif(TEST_ENGINE == "vllm", reason="a seeded resume is not exact on vLLM (docs/architecture.md)")
+def test_a_sample_of_an_n_call_resumes_exactly_as_a_call_of_its_own(stub):
+    """The contract resumes an n-call one sample at a time: n unset, that sample's seed (its first
+    chunk's), its tokens and next_index; the rest is the sample's own, with the controls on."""
+    sampling = pb.SamplingParams(
+        temperature=0.9, top_p=0.95, seed=777, presence_penalty=0.4, frequency_penalty=0.2, min_p=0.02,
+        logit_bias={100: -100.0, 200: 1.5},
+    )  # fmt: skip
+    stopping = pb.StoppingCriteria(max_new_tokens=10, ignore_eos=True)
+    output = pb.OutputOptions(token_ids=True)
+    call = collect(stub, pb.GenerateRequest(prompt=N_PROMPT, sampling=sampling, stopping=stopping, output=output, n=3))
+    for number, mine in samples_of(call, 3).items():
+        ids = ids_of(mine)
+        cut = 3 + number
+        resumed_sampling = pb.SamplingParams()
+        resumed_sampling.CopyFrom(sampling)
+        resumed_sampling.seed = mine[0].seed
+        rest = collect(
+            stub,
+            pb.GenerateRequest(
+                prompt=N_PROMPT, sampling=resumed_sampling, stopping=stopping, output=output,
+                resume=pb.Resume(generated_token_ids=ids[:cut], next_index=cut),
+            ),
+        )  # fmt: skip
+        assert ids_of(rest) == ids[cut:] and [c.index for c in rest] == [c.index for c in mine[cut:]], number
+        assert text_of(rest) == text_of(mine[cut:]), number
+
+
 def test_n_on_the_simple_engine(tiny_simple_server):
     with tiny_simple_server.channel() as channel:
         by, singles = single_and_n(pb_grpc.TextGenerationStub(channel), 2, 99)
