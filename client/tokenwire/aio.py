@@ -54,7 +54,7 @@ class AsyncChunkStream(StreamBase[_AsyncStreamCall]):
             self._read_failed(error)
             raise
         chunk = self._received(message)
-        if chunk.finish_reason is not None:
+        if self._done:
             await self._read_status()
         return chunk
 

@@ -123,6 +123,8 @@ class StreamBase(abc.ABC, Generic[_Call]):
         self._attempts = attempts
         self._call: _Call | None = None
         self._done = False
+        # An n-call (GenerateRequest.n) ends after every sample's last chunk.
+        self._samples_left = max(1, attempts.request.n)
 
     @property
     def attempts(self) -> int:
@@ -155,10 +157,11 @@ class StreamBase(abc.ABC, Generic[_Call]):
         return delay
 
     def _received(self, message: pb.TokenChunk) -> Chunk:
-        """Take one chunk off the wire; after the last one, nothing is left to cancel."""
+        """Take one chunk off the wire; after the last one (of every sample), nothing is left to cancel."""
         chunk = self._attempts.received(message)
         if chunk.finish_reason is not None:
-            self._done = True
+            self._samples_left -= 1
+            self._done = self._samples_left <= 0
         return chunk
 
     def _read_failed(self, error: BaseException) -> None:

@@ -74,7 +74,7 @@ class ChunkStream(StreamBase[_StreamCall], Iterator[Chunk]):
             self._read_failed(error)
             raise
         chunk = self._received(message)
-        if chunk.finish_reason is not None:
+        if self._done:
             self._read_status()
         return chunk
 
