@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from enum import Enum
 
 from tokenwire.v1 import generation_pb2 as pb
@@ -208,6 +209,16 @@ def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> li
     def bad(field: str, rule: Rule, **blanks: object) -> None:
         out.append(FieldViolation(field, rule.error(**blanks)))
 
+    def token_list(field: str, ids: Sequence[int], most: int | None, too_many: Rule) -> None:
+        """A list of token ids: at most ``most`` of them, each in the vocabulary (the first bad one named)."""
+        if most is not None and len(ids) > most:
+            bad(field, too_many, count=len(ids), limit=most)
+        elif limits.vocab_size is not None:
+            for i, value in enumerate(ids):
+                if value >= limits.vocab_size:
+                    bad(f"{field}[{i}]", Rule.TOKEN_OUT_OF_VOCAB, value=value, limit=limits.vocab_size)
+                    break
+
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         bad("request_id", Rule.REQUEST_ID_TOO_LONG, count=len(request.request_id))
     elif _bad_text(request.request_id):
@@ -328,28 +339,14 @@ def validate_generate_request(request: pb.GenerateRequest, limits: Limits) -> li
             elif _bad_text(stop):
                 bad(field, Rule.INVALID_UTF8)
 
-    stop_ids = stopping.stop_token_ids
-    if limits.max_stop_token_ids is not None and len(stop_ids) > limits.max_stop_token_ids:
-        bad("stopping.stop_token_ids", Rule.TOO_MANY_STOP_TOKENS, count=len(stop_ids), limit=limits.max_stop_token_ids)
-    elif limits.vocab_size is not None:
-        for i, value in enumerate(stop_ids):
-            if value >= limits.vocab_size:
-                bad(f"stopping.stop_token_ids[{i}]", Rule.TOKEN_OUT_OF_VOCAB, value=value, limit=limits.vocab_size)
-                break
+    token_list("stopping.stop_token_ids", stopping.stop_token_ids, limits.max_stop_token_ids, Rule.TOO_MANY_STOP_TOKENS)
 
     output = request.output
     for name in ("top_logprobs", "prompt_top_logprobs"):
         value = getattr(output, name)
         if value > limits.max_top_logprobs:
             bad(f"output.{name}", Rule.TOP_LOGPROBS, value=value, limit=limits.max_top_logprobs)
-    named = output.logprobs_of
-    if limits.max_logprobs_of is not None and len(named) > limits.max_logprobs_of:
-        bad("output.logprobs_of", Rule.TOO_MANY_LOGPROBS_OF, count=len(named), limit=limits.max_logprobs_of)
-    elif limits.vocab_size is not None:
-        for i, value in enumerate(named):
-            if value >= limits.vocab_size:
-                bad(f"output.logprobs_of[{i}]", Rule.TOKEN_OUT_OF_VOCAB, value=value, limit=limits.vocab_size)
-                break
+    token_list("output.logprobs_of", output.logprobs_of, limits.max_logprobs_of, Rule.TOO_MANY_LOGPROBS_OF)
     if request.HasField("response_format"):
         out.extend(validate_response_format(request.response_format))
     return out
