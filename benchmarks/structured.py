@@ -206,7 +206,7 @@ def sampler_cost(loaded: Any, steps: int = 200) -> tuple[float, float]:
             picks = sampler(logits, seqs)
             times[constrained].append((time.perf_counter() - started) * 1000)
             if constrained:
-                for i, (seq, (token, _, _)) in enumerate(zip(seqs, picks, strict=True)):
+                for i, (seq, (token, *_)) in enumerate(zip(seqs, picks, strict=True)):
                     assert seq.constraint is not None and seq.constraint.accept(token)
                     if seq.constraint.terminated:
                         seqs[i] = row(i, True)

@@ -303,9 +303,9 @@ def test_the_host_time_of_a_step_counts_delivery_and_not_the_forward_pass(loaded
     runner.graphs = None  # every step through the eager pass, the one made slow here
     forward = runner._native if runner.native is not None else runner._transformers
 
-    def slow_forward(plan):
+    def slow_forward(plan, scoring):
         clock.advance(SLOW)
-        return forward(plan)
+        return forward(plan, scoring)
 
     if slow == "forward":
         if runner.native is not None:

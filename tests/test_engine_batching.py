@@ -324,7 +324,7 @@ def test_eos_is_blocked_until_min_new_tokens_and_logprobs_come_back() -> None:
         torch.device("cpu"),
     )
     free = generation([1], SamplingOptions(temperature=0.0))
-    (token_a, logprob_a, top_a), (token_b, logprob_b, top_b) = sampler(logits, [blocked, free])
+    (token_a, logprob_a, top_a, _), (token_b, logprob_b, top_b, _) = sampler(logits, [blocked, free])
     assert token_a != 2 and token_b == 2
     assert logprob_a is not None and logprob_a < -9 and logprob_b is None
     assert [alt.id for alt in top_a][0] == 2 and len(top_a) == 3 and top_b == ()

@@ -412,7 +412,7 @@ def test_model_info_publishes_every_limit_and_the_default_sampling() -> None:
     info = conversion.model_info(description())
     limits = info.limits
     assert (limits.max_new_tokens_limit, limits.default_max_new_tokens, limits.max_stop_sequences) == (48, 16, 3)
-    assert (limits.max_stop_sequence_chars, limits.max_chat_messages, limits.max_top_logprobs) == (10, 4, 5)
+    assert (limits.max_stop_sequence_chars, limits.max_chat_messages, limits.max_top_logprobs) == (10, 4, 20)
     assert (limits.max_message_bytes, limits.context_length, limits.vocab_size) == (1 << 20, 64, 1000)
     assert limits.max_stop_token_ids == 16
     assert info.default_sampling.top_k == 40 and info.default_sampling.temperature == pytest.approx(0.7)

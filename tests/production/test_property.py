@@ -235,8 +235,16 @@ def concurrent_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     return request
 
 
-def check_stream(request: pb.GenerateRequest, chunks: list[pb.TokenChunk], decode: object) -> list[int]:
-    """Every per-call property of a finished stream; returns its token ids."""
+def check_stream(request: pb.GenerateRequest, chunks: list[pb.TokenChunk], decode: object) -> list[list[int]]:
+    """Every per-call property of a finished call, each sample's stream on its own (GenerateRequest.n);
+    returns each sample's token ids."""
+    samples = max(1, request.n)
+    assert sorted({c.sample for c in chunks}) == list(range(samples))
+    return [check_sample(request, [c for c in chunks if c.sample == i], decode) for i in range(samples)]
+
+
+def check_sample(request: pb.GenerateRequest, chunks: list[pb.TokenChunk], decode: object) -> list[int]:
+    """Every property of one sample's stream; returns its token ids."""
     assert [c.index for c in chunks] == list(range(len(chunks)))
     reasons = [c.finish_reason for c in chunks]
     assert reasons[-1] != pb.FINISH_REASON_UNSPECIFIED and reasons[:-1] == [pb.FINISH_REASON_UNSPECIFIED] * (
@@ -286,7 +294,7 @@ def test_concurrent_generated_requests_keep_every_stream_property(
         # wire but has nothing to continue: INVALID_ARGUMENT on `prompt`, alone or in a batch.
         empty = [r.WhichOneof("input") == "prompt" and not tokenizer(r.prompt)["input_ids"] for r in batch]
 
-        def run(request: pb.GenerateRequest, encodes_to_nothing: bool) -> list[int] | None:
+        def run(request: pb.GenerateRequest, encodes_to_nothing: bool) -> list[list[int]] | None:
             try:
                 chunks = list(stub.Generate(request, timeout=60))
             except grpc.RpcError as error:
