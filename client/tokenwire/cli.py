@@ -511,8 +511,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             _hint_chat(client, last.usage.completion_tokens)
         if args.usage and last is not None and (args.n or 0) <= 1:  # an n-call printed each sample's
             usage = last.usage
-            matched = "" if last.matched_stop is None else f" matched_stop={last.matched_stop!r}"
-            print(f"finish_reason: {last.finish_reason}{matched}", file=sys.stderr)
+            print(f"finish_reason: {last.finish_reason}{_matched(last)}", file=sys.stderr)
             if usage is not None:
                 print(
                     f"usage: prompt_tokens={usage.prompt_tokens} cached_prompt_tokens={usage.cached_prompt_tokens} "
@@ -523,10 +522,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _matched(last: Chunk) -> str:
+    """The stop that ended a stream, as ``--usage`` prints it after the finish reason ("" for none)."""
+    return "" if last.matched_stop is None else f" matched_stop={last.matched_stop!r}"
+
+
 def _print_sample(last: Chunk, text: str, usage: bool) -> None:
     """One sample of an n-call, once it has ended: a header line, its text; its finish with --usage."""
-    matched = "" if last.matched_stop is None else f" matched_stop={last.matched_stop!r}"
-    finish = f" finish_reason: {last.finish_reason}{matched}" if usage else ""
+    finish = f" finish_reason: {last.finish_reason}{_matched(last)}" if usage else ""
     tokens = f" completion_tokens={last.usage.completion_tokens}" if usage and last.usage is not None else ""
     sys.stdout.write(f"--- sample {last.sample}{finish}{tokens}\n{text}\n")
     sys.stdout.flush()

@@ -74,9 +74,9 @@ class Launched:
     drawn: Drawn | None
     forward_s: float
     started: float  # time.perf_counter() when the launch began
-    # Per part index (a prompt chunk whose row scores its prompt): ``scoring.score``'s values for its
-    # ``Part.scored`` positions, still on the device.
-    scores: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # Per part index (a prompt chunk whose row scores its prompt): the prompt tokens its ``Part.scored``
+    # positions score, and ``scoring.score``'s values for them, still on the device.
+    scores: dict[int, tuple[list[int], torch.Tensor]] = dataclasses.field(default_factory=dict)
 
 
 Pick = tuple[int, float | None, Any, Any]  # a row's token, its log-probability, its alternatives, its logprobs_of
@@ -137,23 +137,20 @@ class ModelRunner:
         picks = self.sampler.collect(launched.drawn) if launched.drawn is not None else []
         compute_s = self.sampler.wait_s if self._waits_on_device else launched.forward_s
         scores = {}
-        for index, values in launched.scores.items():
-            part = launched.plan.parts[index]
-            seq, request = part.row.seq, part.row.seq.request
+        for index, (targets, values) in launched.scores.items():
+            seq = launched.plan.parts[index].row.seq
+            request = seq.request
             scores[index] = token_infos(
-                values, self._targets(part), request.prompt_top_logprobs, request.logprobs_of, seq.token_text
+                values, targets, request.prompt_top_logprobs, request.logprobs_of, seq.token_text
             )
         return StepResult(launched.plan, picks, compute_s, scores)
 
     @staticmethod
-    def _targets(part: Part) -> list[int]:
-        """The prompt tokens ``part``'s scored positions score: each the one after its position."""
-        context = part.row.seq.context_ids
-        return [context[p + 1] for p in part.scored]
-
-    def _score(self, part: Part, logits: torch.Tensor) -> torch.Tensor:
-        request = part.row.seq.request
-        return score(logits, self._targets(part), request.prompt_top_logprobs, request.logprobs_of)
+    def _score(part: Part, logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """The prompt tokens ``part``'s scored positions score (each the one after its position), and their scores."""
+        request, context = part.row.seq.request, part.row.seq.context_ids
+        targets = [context[p + 1] for p in part.scored]
+        return targets, score(logits, targets, request.prompt_top_logprobs, request.logprobs_of)
 
     def _graphed(self, plan: Plan) -> torch.Tensor | None:
         """A step of decode rows alone through ``graphs`` (None: no graphs, a prompt chunk in the

@@ -209,15 +209,23 @@ class VllmSubmission:
 def _logprobs(
     position: Any, token: int, request: GenerationRequest, tokenizer: SharedTokenizer
 ) -> tuple[float | None, tuple[Alternative, ...]]:
-    """vLLM's {token_id: Logprob} for one position as tokenwire's (logprob, alternatives)."""
+    """vLLM's {token_id: Logprob} for one generated position as tokenwire's (logprob, alternatives)."""
     if position is None or not (request.want_logprobs or request.top_logprobs):
         return None, ()
+    return _ranked(position, token, request.top_logprobs, tokenizer)
+
+
+def _ranked(
+    position: Any, token: int, count: int, tokenizer: SharedTokenizer
+) -> tuple[float | None, tuple[Alternative, ...]]:
+    """One position of vLLM's logprobs ({token_id: Logprob}): ``token``'s log-probability and the
+    ``count`` best-ranked alternatives."""
     chosen = position.get(token)
     logprob = float(chosen.logprob) if chosen is not None else None
     ranked = sorted(((entry.rank, tid, entry.logprob) for tid, entry in position.items() if entry.rank is not None))
     top = tuple(
         Alternative(int(tid), tokenizer.decode([int(tid)], skip_special_tokens=False), float(lp))
-        for _, tid, lp in ranked[: request.top_logprobs]
+        for _, tid, lp in ranked[:count]
     )
     return logprob, top
 
@@ -229,14 +237,6 @@ def _prompt_scores(positions: Any, request: GenerationRequest, tokenizer: Shared
     out = []
     for i, position in enumerate(list(positions)[1 : len(ids)], start=1):
         token = ids[i]
-        chosen = position.get(token) if position is not None else None
-        ranked = sorted(
-            (entry.rank, tid, entry.logprob) for tid, entry in (position or {}).items() if entry.rank is not None
-        )
-        top = tuple(
-            Alternative(int(tid), tokenizer.decode([int(tid)], skip_special_tokens=False), float(lp))
-            for _, tid, lp in ranked[: request.prompt_top_logprobs]
-        )
-        text = tokenizer.decode([token], skip_special_tokens=False)
-        out.append(TokenInfo(token, text, float(chosen.logprob) if chosen is not None else None, top))
+        logprob, top = _ranked(position or {}, token, request.prompt_top_logprobs, tokenizer)
+        out.append(TokenInfo(token, tokenizer.decode([token], skip_special_tokens=False), logprob, top))
     return out
