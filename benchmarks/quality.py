@@ -1,6 +1,7 @@
 """How far each precision mode moves the default model's answers (`make bench-quality`).
 
-Each mode (``int8``: the server's own layers; ``bfloat16``) against float32 on this device: mean
+Each mode (``int8``: the server's own layers; ``bfloat16``: bf16 weights in the float32 pass,
+as the server runs them on a CPU, ``bf16_weights``) against float32 on this device: mean
 KL per token along float32's own greedy continuations, and how many greedy answers stay
 identical. The bar (issue #22): ``BAR``. Replaces the "quality" section and
 service/tokenwire_server/quality.json, which the server's start-up reads: a mode that misses
@@ -57,6 +58,24 @@ def reference_answers(
     return {"kl": kl, "greedy": answers, "greedy_tokens": greedy_tokens}
 
 
+def bf16_weights(model: Any) -> Any:
+    """``model`` (float32, changed in place) computing as the native pass does with bf16 weights on
+    a CPU (``--dtype bfloat16``, or ``auto`` where it measures faster): every weight rounded to
+    bf16, every linear layer's input and output too (oneDNN's bf16 GEMM reads and writes bf16,
+    accumulating in float32); norms, RoPE, attention and the logits in float32.
+    tests/test_native_forward.py holds the native pass to it."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16).float())
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda _, args: (args[0].to(torch.bfloat16).float(), *args[1:]))
+            module.register_forward_hook(lambda _, args, out: out.to(torch.bfloat16).float())
+    return model
+
+
 def measure(reference: Any, candidate: Any, answers: dict[str, Any]) -> dict[str, Any]:
     """KL(reference ‖ candidate) per token along the reference's answers; greedy answers identical."""
     import torch
@@ -105,8 +124,8 @@ def run(args: argparse.Namespace) -> doc.Section:
     for mode in [m for m in args.modes.split(",") if m]:
         began = time.perf_counter()
         candidate = copy.deepcopy(reference)
-        if mode == "bfloat16":
-            candidate = candidate.to(torch.bfloat16)
+        if mode == "bfloat16":  # as the server computes it on a CPU: bf16 weights, the rest float32
+            candidate = bf16_weights(candidate)
         else:
             quantize_model(candidate, mode, torch.device(device))
         results[mode] = measure(reference, candidate, answers)

@@ -8,7 +8,7 @@ published to the prefix cache: the resumed run must give the uncut run's tokens 
 and text that continues the text the caller had exactly (nothing repeated, nothing lost, a
 stop sequence that spans the cut still found). Greedy, seeded top-p and seeded top-k with a repetition penalty;
 with and without stop sequences; on the batched engine (each kernel set, with and
-without the prefix cache) and the simple one; on the tiny model and the real one.
+without the prefix cache, float32 and bf16 weights) and the simple one; on the tiny model and the real one.
 
 Over gRPC (chunk indexes, the seed on the first chunk, validation, the client's own
 resume across replicas and the drain's hand-off): tests/production/test_resume_replicas.py.
@@ -203,6 +203,8 @@ def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
             ),
         ),
         pytest.param("batched", {"kernels": "torch"}, False, id="batched-torch-fresh"),
+        pytest.param("batched", {"dtype": "bfloat16"}, True, id="batched-bf16-cached"),
+        pytest.param("batched", {"dtype": "bfloat16"}, False, id="batched-bf16-fresh"),
         pytest.param("batched", {"prefix_cache": False}, True, id="batched-no-prefix-cache"),
         pytest.param("batched", {"forward": "transformers"}, True, id="batched-transformers-cached"),
         pytest.param("simple", {}, False, id="simple"),
@@ -211,7 +213,8 @@ def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
 def test_a_cut_stream_resumes_exactly_on_the_tiny_model(
     tiny_model_dir: Path, kind: str, options: dict[str, Any], same_engine: bool
 ) -> None:
-    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    options = dict(options)
+    loaded = load_model(str(tiny_model_dir), device="cpu", dtype=options.pop("dtype", "float32"))
     mid_way, spanning = check_resume(
         loaded, kind, chat_prompts(loaded.tokenizer, 9), 40, seed=7, same_engine=same_engine, **options
     )

@@ -44,7 +44,7 @@ from .base import Engine, EngineLimits
 from .blocks import BLOCK_SIZE, BlockPool, blocks_for
 from .graphs import DecodeGraphs
 from .kv import PagedCache, layer_placements
-from .native import NativeForward
+from .native import NativeForward, activation_dtype
 from .options import EngineOptions, resolve
 from .runner import Launched, ModelRunner
 from .scheduler import Plan, Scheduler
@@ -107,6 +107,8 @@ class BatchedEngine(Engine):
         layers = int(config.num_hidden_layers)
         _, kv_heads, head_dim = attention_shape(config)
         placements = layer_placements(loaded.model, layers, loaded.device, loaded.model.dtype)
+        if resolved.native:  # the native pass keeps K/V in the dtype it computes in (float32 on a CPU)
+            placements = [(device, activation_dtype(dtype, device)) for device, dtype in placements]
         self.pool = BlockPool(
             kv_blocks(limits.kv_cache_tokens),
             BLOCK_SIZE,

@@ -18,9 +18,14 @@ stock torch ops, the one-token rows attending in SDPA calls over their gathered 
 gathered blocks, through SDPA.
 
 On a CPU the weights of every linear layer are prepacked once for oneDNN
-(``torch.ops.mkldnn._reorder_linear_weight``), a blocked layout its fp32 GEMM reads
-without reordering per call (the gain is measured by ``make bench-kernels``, in
-docs/benchmarks.md). Elsewhere (CUDA, or fp16/bf16), plain ``F.linear``. When the
+(``torch.ops.mkldnn._reorder_linear_weight``), a blocked layout its GEMM reads without
+reordering per call (the gain is measured by ``make bench-kernels``, in docs/benchmarks.md),
+in float32 or bf16. With bf16 weights the pass still computes in float32 around the GEMMs
+(``activation_dtype``: norms, RoPE, attention, the KV cache, the logits' sampler), each GEMM
+reading bf16-rounded inputs and accumulating in float32, as torch's CPU autocast does; so
+the compiled ops serve both. ``--dtype auto`` takes bf16 where its packed GEMMs measure
+faster on the host (``packed_gemm_gain``, ``model.cpu_precision``). Elsewhere (CUDA, or
+fp16), plain ``F.linear``. When the
 engine owns the model (the server, ``release_weights``), the pass's own weights (packed,
 or the fused q/k/v and gate/up) replace the model's layer by layer (the embedding table
 stays, for the lookup), so memory does not grow and the model's own ``forward`` can no
@@ -39,6 +44,7 @@ import dataclasses
 import logging
 import mmap
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -113,26 +119,122 @@ def onednn_available(device: torch.device) -> bool:
 
 
 class Linear:
-    """One linear layer: oneDNN-prepacked on a CPU, plain ``F.linear`` elsewhere."""
+    """One linear layer: oneDNN-prepacked on a CPU, plain ``F.linear`` elsewhere.
+
+    Its weights may be held in a narrower dtype than the activations it is called with (bf16
+    weights in a float32 pass, on a CPU): the input is rounded to the weights' dtype for the
+    GEMM, which accumulates in float32, and the output comes back in the input's dtype.
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, batch_hint: int) -> None:
         weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packed = packed
+        self.dtype = weight.dtype
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if packed else weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x·Wᵀ + b`` in the weights' dtype.
+
+        oneDNN's packed GEMM takes another kernel for a single row than for two or more (it
+        splits the reduction at M=1), so one row alone would come out a rounding apart from the
+        same row in a batch. In float32 that stays below what a greedy pick can see; rounded to
+        bf16 on the way out it does not (measured: the default model parts at token 19). So a
+        single row runs as two and keeps the first, which costs nothing measurable in bf16
+        (the GEMM reads the weights once either way) and keeps batch invariance exact.
+        """
         if self.packed:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-            return out
+            single = self.dtype == torch.bfloat16 and x.shape[0] == 1
+            rows = x.expand(2, -1).contiguous() if single else x
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+            return out[:1] if single else out
         return F.linear(x, self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            return self._gemm(x.to(self.dtype)).to(x.dtype)
+        return self._gemm(x)
 
     def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``; on oneDNN the add rides on the GEMM (a post-op), no separate pass."""
+        if x.dtype != self.dtype:  # the sum in the residual's (wider) dtype: type promotion, one pass
+            return residual + self._gemm(x.to(self.dtype))
         if self.packed:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
             return out
         return residual + F.linear(x, self.weight, self.bias)
+
+
+# The dtypes whose GEMMs oneDNN runs from prepacked weights (bf16 natively with AVX512-BF16 or
+# AMX; elsewhere it emulates it, which ``--dtype auto`` measures: ``bf16_gemm_gain``).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def activation_dtype(weights: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the native pass computes in around its GEMMs: float32 on a CPU whatever the
+    weights' dtype (RMSNorm, RoPE, attention and the KV cache in float32, as torch's CPU autocast
+    keeps them, through the compiled ops; only the GEMMs read bf16), the weights' own on a GPU."""
+    return torch.float32 if device.type == "cpu" and weights.is_floating_point else weights
+
+
+def gemm_shapes(config: Any) -> list[tuple[int, int]] | None:
+    """The ``[out, in]`` weights of the native pass's GEMMs for a model of this config, in the
+    order a forward reads them (fused q/k/v, o, fused gate/up, down per layer, then the
+    vocabulary), or None when the config is not one the pass takes (``unsupported_reason``
+    holds the loaded model to the rest)."""
+    if getattr(config, "model_type", None) not in SUPPORTED_TYPES or getattr(config, "hidden_act", "silu") != "silu":
+        return None
+    hidden, inner = int(config.hidden_size), int(config.intermediate_size)
+    heads, kv_heads, head_dim = attention_shape(config)
+    layer = [
+        ((heads + 2 * kv_heads) * head_dim, hidden),
+        (hidden, heads * head_dim),
+        (2 * inner, hidden),
+        (hidden, inner),
+    ]
+    return layer * int(config.num_hidden_layers) + [(int(config.vocab_size), hidden)]
+
+
+def packed_gemm_gain(
+    shapes: list[tuple[int, int]],
+    rows: tuple[int, ...] = (1, 16),
+    *,
+    budget_bytes: int = 128 << 20,
+    repeats: int = 5,
+) -> dict[int, float]:
+    """How many times faster oneDNN's packed GEMMs run with bf16 weights than with float32 ones
+    on this CPU, at each row count: float32 seconds ÷ bf16 seconds over ``shapes`` (``gemm_shapes``),
+    taken in order until ``budget_bytes`` of float32 weights (more than a CPU's caches hold, as
+    a model's weights are: decode reads them from memory). Both run as the pass runs them
+    (``Linear``: float32 activations, rounded to bf16 for the bf16 weights); the best of
+    ``repeats`` interleaved passes each. About 0.3 s on a 2-core host for the default model."""
+    taken: list[tuple[int, int]] = []
+    size = 0
+    for out_features, in_features in shapes:
+        if taken and size + 4 * out_features * in_features > budget_bytes:
+            break
+        taken.append((out_features, in_features))
+        size += 4 * out_features * in_features
+    batch_hint = max(rows)
+    arms: dict[torch.dtype, list[Linear]] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        arms[dtype] = [
+            Linear(torch.empty(o, i, dtype=dtype).uniform_(-0.05, 0.05), None, True, batch_hint) for o, i in taken
+        ]
+    gains: dict[int, float] = {}
+    with torch.inference_mode():
+        for count in rows:
+            inputs = {i: torch.randn(count, i) for _, i in taken}
+            best = {dtype: float("inf") for dtype in arms}
+            for attempt in range(repeats + 1):  # the first of each is a warm-up
+                for dtype, layers in arms.items():
+                    start = time.perf_counter()
+                    for layer, (_, in_features) in zip(layers, taken, strict=True):
+                        layer(inputs[in_features])
+                    if attempt:
+                        best[dtype] = min(best[dtype], time.perf_counter() - start)
+            gains[count] = best[torch.float32] / best[torch.bfloat16]
+    return gains
 
 
 _MADV_PAGEOUT = 21  # Linux 5.4+
@@ -228,14 +330,16 @@ class NativeForward:
         config = model.config
         inner = model.model
         self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        # The weights' dtype, and the one the pass computes in around its GEMMs (``activation_dtype``).
+        self.weight_dtype = next(model.parameters()).dtype
+        self.dtype = activation_dtype(self.weight_dtype, self.device)
         self.heads, self.kv_heads, self.head_dim = attention_shape(config)
         self.eps = float(config.rms_norm_eps)
         self.scale = self.head_dim**-0.5
         self.cache = cache
         # oneDNN's packed GEMM is an op torch.compile cannot trace (no fake kernel): a
         # compiled step (``--compile-step``) takes plain weights, and inductor picks the GEMM.
-        packed = pack_weights and onednn_available(self.device) and self.dtype == torch.float32
+        packed = pack_weights and onednn_available(self.device) and self.weight_dtype in PACKED_DTYPES
         self.packed = packed
         release = release_weights
         head = model.get_output_embeddings()
@@ -262,10 +366,10 @@ class NativeForward:
             attention, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 Layer(
-                    input_norm=layer.input_layernorm.weight.detach(),
+                    input_norm=layer.input_layernorm.weight.detach().to(self.dtype),
                     qkv=_layer(packed, batch_hint, attention.q_proj, attention.k_proj, attention.v_proj),
                     out=_layer(packed, batch_hint, attention.o_proj),
-                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    post_norm=layer.post_attention_layernorm.weight.detach().to(self.dtype),
                     gate_up=_layer(packed, batch_hint, mlp.gate_proj, mlp.up_proj),
                     down=_layer(packed, batch_hint, mlp.down_proj),
                 )
@@ -287,7 +391,7 @@ class NativeForward:
                     self._drop(module, packed)
         if release and (isinstance(head, Int8Linear) or head.weight.data_ptr() != embed.data_ptr()):
             self._drop(head, packed)
-        self.norm = inner.norm.weight.detach()
+        self.norm = inner.norm.weight.detach().to(self.dtype)
         self.embed = embed.detach()
         self.embed_scale = float(getattr(inner.embed_tokens, "embed_scale", 1.0) or 1.0)
         self.rotary = inner.rotary_emb
@@ -315,10 +419,11 @@ class NativeForward:
             if library is not None and "decode_attention" not in self.ops_fallbacks
             else GroupedAttention(heads, kv_heads, self.scale)
         )
-        if self.quantized and isinstance(self.decode_attention, GroupedAttention):
+        narrow = "int8" if self.quantized else "bf16" if self.weight_dtype == torch.bfloat16 else ""
+        if narrow and self.device.type == "cpu" and isinstance(self.decode_attention, GroupedAttention):
             log.warning(
-                "int8 layers with stock torch attention: a sampled row may differ alone and in a batch "
-                "(SDPA over rows padded to the longest sums in another order, and int8's bf16 activations "
+                f"{narrow} layers with stock torch attention: a sampled row may differ alone and in a batch "
+                f"(SDPA over rows padded to the longest sums in another order, and {narrow}'s bf16 GEMM inputs "
                 "round that up); the compiled CPU ops attend row by row and keep rows batch-invariant",
                 extra={"ops": "torch", "why": self.ops_reason or self.ops_fallbacks.get("decode_attention", "")},
             )
@@ -335,7 +440,9 @@ class NativeForward:
             return
         if packed:
             page_out(module.weight)
-        module.weight = torch.nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device), requires_grad=False)
+        module.weight = torch.nn.Parameter(
+            torch.empty(0, dtype=self.weight_dtype, device=self.device), requires_grad=False
+        )
 
     def _compiled_ops(self, choice: str) -> tuple[Any | None, str | None]:
         """The compiled CPU ops (``kernels``) where asked for and able, else None and why."""
@@ -358,7 +465,7 @@ class NativeForward:
         self, ids: torch.Tensor, positions: torch.Tensor, ops: TorchOps
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The tokens' embeddings ``[tokens, hidden]`` and their rotary tables, as ``ops.rope`` takes them."""
-        hidden = F.embedding(ids, self.embed)
+        hidden = F.embedding(ids, self.embed).to(self.dtype)
         if self.embed_scale != 1.0:
             hidden = hidden * self.embed_scale
         cos, sin = ops.rope_tables(*self.rotary(hidden, positions.unsqueeze(0)))
