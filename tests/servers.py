@@ -3,6 +3,8 @@ and the engine the contract tests run on."""
 
 import os
 
+from tokenwire_server.model import cpu_instruction_sets
+
 from benchmarks.launcher import READINESS, ServerProcess, health_check, process_status
 
 # `make test` runs the contract tests on the batched engine; `make test-vllm` sets
@@ -13,4 +15,19 @@ ENGINE_ARGS = (
     ["--engine", "vllm", "--enforce-eager", "--max-active", "8"] if TEST_ENGINE == "vllm" else ["--engine", TEST_ENGINE]
 )
 
-__all__ = ["ENGINE_ARGS", "READINESS", "TEST_ENGINE", "ServerProcess", "health_check", "process_status"]
+
+def cpu_auto_dtype(server: ServerProcess) -> str:
+    """The dtype ``--dtype auto`` chose for ``server`` on a CPU, as its log says ("dtype auto"):
+    float32 on a host without native bf16, whatever the log says; bfloat16 or float32 by the
+    measurement on one with it (``model.cpu_precision``)."""
+    chosen = [record["dtype"] for record in server.find("dtype auto")]
+    assert len(chosen) == 1, server.output()
+    if not {"amx_bf16", "avx512_bf16"} & set(cpu_instruction_sets()):
+        assert chosen == ["float32"]
+    assert chosen[0] in ("float32", "bfloat16")
+    return str(chosen[0])
+
+
+__all__ = [
+    "ENGINE_ARGS", "READINESS", "TEST_ENGINE", "ServerProcess", "cpu_auto_dtype", "health_check", "process_status",
+]  # fmt: skip

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from servers import cpu_auto_dtype
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 from transformers import AutoTokenizer
@@ -56,14 +57,15 @@ def test_seeds_reproduce(stub):
     assert a != c
 
 
-def test_model_info_describes_the_default_model(stub):
+def test_model_info_describes_the_default_model(stub, default_server):
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.name == "SmolLM2-135M-Instruct"
     assert info.context_length == 8192 and info.has_chat_template
     assert info.engine == "batched"
-    # Device-agnostic: float32 on a CPU; bf16 (or fp16 on older cards) where --device auto finds a GPU.
+    # Device-agnostic: on a CPU what `--dtype auto` chose there (its log line says); bf16 (or
+    # fp16 on older cards) where --device auto finds a GPU.
     if info.device == "cpu":
-        assert info.dtype == "float32"
+        assert info.dtype == cpu_auto_dtype(default_server)
     else:
         assert info.device.startswith("cuda") and info.dtype in ("bfloat16", "float16")
     assert info.limits.context_length == 8192 and info.limits.vocab_size == info.vocab_size

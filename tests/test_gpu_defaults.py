@@ -79,7 +79,7 @@ def test_on_one_gpu_the_weights_load_straight_onto_it(tiny_model_dir, monkeypatc
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(model_module, "resolve_device", lambda device: "cuda")
-    monkeypatch.setattr(model_module, "resolve_dtype", lambda dtype, device: torch.bfloat16)
+    monkeypatch.setattr(model_module, "resolve_dtype", lambda dtype, device, gain=None: torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
     with pytest.raises(model_module.ModelLoadError, match="stop here"):

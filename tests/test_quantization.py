@@ -9,26 +9,43 @@
 - On the tiny model: int8 replaces the linear weights (memory), the native pass runs the
   int8 layers with its fused q/k/v and gate/up and matches transformers' forward over the
   same layers, and a server says ``quantization: int8`` in ModelInfo.
-- ``--dtype auto`` on a CPU: float32, and the reason names the host's instruction sets.
+- ``--dtype auto`` on a CPU: float32 without native bf16 or outside the native pass's packed
+  GEMMs; else bf16 when its packed GEMMs measure at least ``BF16_GAIN_BAR`` faster (measured
+  once per host and shapes, kept in the model cache); the reason names the instruction sets
+  and the figures.
 - (e2e) The default model answers the Paris question identically in none and int8.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import math
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from engine_support import fresh_cache, run_all, slot_segment
 from tokenwire_server.domain import FinishEvent, GenerationRequest, SamplingOptions
 from tokenwire_server.engine import create_engine
+from tokenwire_server.engine import native as native_module
 from tokenwire_server.engine.base import EngineLimits
-from tokenwire_server.engine.native import NativeForward, unsupported_reason
-from tokenwire_server.model import ModelLoadError, cpu_precision, load_model
+from tokenwire_server.engine.native import NativeForward, gemm_shapes, packed_gemm_gain, unsupported_reason
+from tokenwire_server.model import (
+    BF16_GAIN_BAR,
+    ModelLoadError,
+    bf16_gain,
+    cpu_name,
+    cpu_precision,
+    load_model,
+    precision_key,
+)
 from tokenwire_server.quantize import (
     Int8Linear,
     QuantizationError,
@@ -324,13 +341,133 @@ def test_a_gpu_torch_cannot_use_is_said_at_start_up(tmp_path: Path, monkeypatch:
     assert gpu_without_cuda(str(tmp_path / "nvidia[0-9]*")) is None  # torch sees it: all is well
 
 
-def test_dtype_auto_on_a_cpu_is_float32_and_names_the_instruction_sets_why() -> None:
-    dtype, why = cpu_precision({"avx2": True, "fma3": True})
+def never_measured() -> tuple[dict[int, float], str]:
+    raise AssertionError("measured where it should not be")
+
+
+def test_dtype_auto_on_a_cpu_takes_bf16_only_where_it_is_native_and_measured_faster() -> None:
+    """float32 without native bf16 (never measured), or when the model would not run through
+    the packed GEMMs; else bf16 when it measures at least the bar faster at 1 and 16 rows."""
+    dtype, why = cpu_precision({"avx2": True, "fma3": True}, never_measured)
     assert dtype == torch.float32 and "no native bf16" in why and "avx2" in why
-    dtype, why = cpu_precision({"avx2": True, "avx512_f": True, "amx_tile": True, "amx_bf16": True})
-    assert dtype == torch.float32 and "amx_bf16" in why and "--dtype bfloat16" in why
-    dtype, why = cpu_precision()  # this host, whatever it is
-    assert dtype == torch.float32 and why
+    amx = {"avx2": True, "avx512_f": True, "amx_tile": True, "amx_bf16": True}
+    dtype, why = cpu_precision(amx)
+    assert dtype == torch.float32 and "amx_bf16" in why and "packed GEMMs" in why and "--dtype bfloat16" in why
+
+    def gain(one: float, sixteen: float) -> Any:
+        return lambda: ({1: one, 16: sixteen}, "measured now in 0.40 s")
+
+    dtype, why = cpu_precision(amx, gain(1.6, 1.5))
+    assert dtype == torch.bfloat16
+    assert why.startswith("bfloat16:") and "1.60x at 1 row, 1.50x at 16 rows" in why and "measured now" in why
+    dtype, why = cpu_precision({"avx512_f": True, "avx512_bf16": True}, gain(1.6, BF16_GAIN_BAR - 0.01))
+    assert dtype == torch.float32 and why.startswith("float32:") and "avx512_bf16" in why
+    assert cpu_precision(amx, gain(BF16_GAIN_BAR, BF16_GAIN_BAR))[0] == torch.bfloat16  # the bar itself passes
+
+
+def test_the_bf16_measurement_is_made_once_per_host_and_shapes_and_kept_in_the_model_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[list[tuple[int, int]]] = []
+
+    def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...]) -> dict[int, float]:
+        calls.append(shapes)
+        return {count: 1.5 + len(calls) / 10 for count in rows}
+
+    monkeypatch.setattr(native_module, "packed_gemm_gain", measure)
+    shapes = [(96, 64), (64, 64), (49152, 64)]
+    gains, source = bf16_gain(shapes, str(tmp_path))
+    assert gains == {1: 1.6, 16: 1.6} and source.startswith("measured now") and len(calls) == 1
+    kept = json.loads((tmp_path / "precision.json").read_text())
+    assert list(kept) == [precision_key(shapes)] and kept[precision_key(shapes)]["gains"] == {"1": 1.6, "16": 1.6}
+    assert torch.__version__ in precision_key(shapes) and cpu_name() in precision_key(shapes)
+
+    again, source = bf16_gain(shapes, str(tmp_path))  # read back, not measured
+    assert again == gains and "measured on this host at" in source and len(calls) == 1
+    other = [(128, 64), (49152, 64)]
+    assert bf16_gain(other, str(tmp_path))[0] == {1: 1.7, 16: 1.7} and len(calls) == 2  # other shapes: measured
+    assert len(json.loads((tmp_path / "precision.json").read_text())) == 2  # both kept
+
+    (tmp_path / "precision.json").write_text("{not json")  # a broken file: measured again, and replaced
+    assert bf16_gain(shapes, str(tmp_path))[0] == {1: 1.8, 16: 1.8} and len(calls) == 3
+    assert list(json.loads((tmp_path / "precision.json").read_text())) == [precision_key(shapes)]
+    unwritable = tmp_path / "file"
+    unwritable.write_text("")  # a cache "dir" that cannot be made: measured, used, not kept
+    assert bf16_gain(shapes, str(unwritable))[0] == {1: 1.9, 16: 1.9}
+
+
+def test_replicas_starting_together_measure_once_and_choose_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Starts that race on one host: the first measures under the file's lock, the others wait
+    and read its figures (without the lock each measures, and a noisy host may part them)."""
+    calls: list[float] = []
+
+    def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...]) -> dict[int, float]:
+        calls.append(time.monotonic())
+        time.sleep(0.3)  # long enough for every other start to reach the lock
+        return {count: 1.2 + len(calls) / 10 for count in rows}
+
+    monkeypatch.setattr(native_module, "packed_gemm_gain", measure)
+    shapes = [(96, 64), (49152, 64)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # each opens the lock file itself
+        results = list(pool.map(lambda _: bf16_gain(shapes, str(tmp_path)), range(4)))
+    assert len(calls) == 1
+    assert [gains for gains, _ in results] == [{1: 1.3, 16: 1.3}] * 4
+    assert sum(source.startswith("measured now") for _, source in results) == 1
+
+
+def test_the_packed_bf16_gemms_are_measured_as_the_pass_runs_them() -> None:
+    """The measurement itself (small shapes: no claim about speed, only that both arms ran)."""
+    gains = packed_gemm_gain([(64, 32), (32, 64)], (1, 4), repeats=1)
+    assert set(gains) == {1, 4} and all(value > 0 and math.isfinite(value) for value in gains.values())
+    smollm2 = SimpleNamespace(
+        model_type="llama", hidden_act="silu", hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, num_hidden_layers=30, vocab_size=49152,
+    )  # fmt: skip
+    shapes = gemm_shapes(smollm2)
+    assert shapes is not None and len(shapes) == 4 * 30 + 1
+    assert shapes[:4] == [(15 * 64, 576), (576, 576), (3072, 576), (576, 1536)] and shapes[-1] == (49152, 576)
+    assert sum(o * i for o, i in shapes) == 134_479_872  # the default model's GEMM weights (its 135M, tied head)
+    assert gemm_shapes(SimpleNamespace(model_type="gpt2")) is None
+    assert gemm_shapes(SimpleNamespace(**{**vars(smollm2), "hidden_act": "gelu"})) is None
+
+
+@pytest.mark.parametrize(
+    ("isa", "gain", "packed_native", "quantization", "want"),
+    [
+        pytest.param({"avx512_bf16": True}, 2.0, True, "none", torch.bfloat16, id="native-faster"),
+        pytest.param({"avx512_bf16": True}, 1.0, True, "none", torch.float32, id="native-not-faster"),
+        pytest.param({"avx512_bf16": True}, None, False, "none", torch.float32, id="not-the-packed-pass"),
+        pytest.param({"avx512_bf16": True}, None, True, "int8", torch.float32, id="int8"),
+        pytest.param({"avx2": True}, None, True, "none", torch.float32, id="no-native-bf16"),
+    ],
+)
+def test_load_model_weighs_bf16_only_for_the_packed_native_pass(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    isa: dict[str, bool],
+    gain: float | None,
+    packed_native: bool,
+    quantization: str,
+    want: torch.dtype,
+) -> None:
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: isa)
+
+    def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...]) -> dict[int, float]:
+        assert gain is not None, "measured where it should not be"
+        config = json.loads((tiny_model_dir / "config.json").read_text(), object_hook=lambda d: SimpleNamespace(**d))
+        assert shapes == gemm_shapes(config)
+        return {count: gain for count in rows}
+
+    monkeypatch.setattr(native_module, "packed_gemm_gain", measure)
+    loaded = load_model(
+        str(tiny_model_dir), device="cpu", dtype="auto", cache_dir=str(tmp_path), quantization=quantization,
+        allow_unmet_quality_bar=True, packed_native=packed_native,
+    )  # fmt: skip
+    assert loaded.dtype == want and next(loaded.model.parameters()).dtype == want
+    assert loaded.dtype_name == str(want).removeprefix("torch.")
 
 
 @pytest.mark.e2e

@@ -9,7 +9,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
-from servers import ENGINE_ARGS, TEST_ENGINE, ServerProcess
+from servers import ENGINE_ARGS, TEST_ENGINE, ServerProcess, cpu_auto_dtype
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
 
@@ -426,10 +426,12 @@ def test_model_info(stub, tiny_server):
     assert info.context_length == 1024
     assert info.max_new_tokens_limit == 512 == info.limits.max_new_tokens_limit
     assert info.has_chat_template
-    # Device-agnostic: fp32 on a CPU; bf16/fp16 where `--device auto` found a GPU.
-    assert (info.device, info.dtype) == ("cpu", "float32") or (
-        info.device.startswith("cuda") and info.dtype in ("bfloat16", "float16")
-    )
+    # Device-agnostic: on a CPU what `--dtype auto` chose there (its log line says); bf16/fp16
+    # where `--device auto` found a GPU.
+    if info.device == "cpu":
+        assert info.dtype == cpu_auto_dtype(tiny_server)
+    else:
+        assert info.device.startswith("cuda") and info.dtype in ("bfloat16", "float16")
     assert list(info.eos_token_ids) and info.vocab_size > 49000
 
 
@@ -564,7 +566,16 @@ def test_the_ready_line_says_what_each_start_up_phase_took(tiny_server):
     if TEST_ENGINE == "vllm":  # vLLM reads the tokenizer and the weights inside its engine
         assert set(phases) == {"process", "libraries", "engine", "warmup", "heap"}, phases
     else:
-        assert set(phases) == {"process", "libraries", "tokenizer", "weights", "engine", "warmup", "heap"}, phases
+        assert set(phases) == {
+            "process",
+            "libraries",
+            "precision",
+            "tokenizer",
+            "weights",
+            "engine",
+            "warmup",
+            "heap",
+        }, phases
     assert all(seconds >= 0 for seconds in phases.values()), phases
     assert phases["process"] > 0 and phases["engine"] > 0 and phases["warmup"] > 0, phases
     assert TEST_ENGINE == "vllm" or phases["weights"] > 0, phases

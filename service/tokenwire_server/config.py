@@ -112,8 +112,9 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     ),
     "device": ("where the model runs", ("auto", "cpu", "cuda")),
     "dtype": (
-        "weights' dtype; auto: bfloat16 on a GPU that computes it natively, float16 on an older one; float32 on a CPU "
-        "(the log says why, from the host's instruction sets)",
+        "weights' dtype; auto: bfloat16 on a GPU that computes it natively, float16 on an older one; on a CPU, "
+        "bfloat16 where the host computes it natively (AMX, AVX512-BF16) and its packed GEMMs measure faster for the "
+        "native pass (once per host, kept in the model cache), else float32; the log says which and why",
         ("auto", "float32", "bfloat16", "float16"),
     ),
     "quantization": (
@@ -185,8 +186,8 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     ),
     "forward": (
         "batched engine: auto: on a CPU, its own forward pass for Llama-shaped models (prompt chunks and decode rows "
-        "in one pass, oneDNN-prepacked fp32 weights), else transformers' forward; native: insist on it (also on a "
-        "GPU); transformers: always the model's own forward",
+        "in one pass, oneDNN-prepacked fp32 or bf16 weights), else transformers' forward; native: insist on it "
+        "(also on a GPU); transformers: always the model's own forward",
         FORWARDS,
     ),
     "kernels": (

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
+import functools
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -128,34 +132,141 @@ def cpu_instruction_sets(capabilities: dict[str, Any] | None = None) -> list[str
     return [name for name in names if caps.get(name)]
 
 
-def cpu_precision(capabilities: dict[str, Any] | None = None) -> tuple[torch.dtype, str]:
-    """``--dtype auto`` on a CPU: the dtype and why, from what this host computes natively.
+# ``--dtype auto`` on a CPU takes bf16 weights when their packed GEMMs measure at least this many
+# times faster than float32 ones at both 1 and 16 rows (``cpu_precision``).
+BF16_GAIN_BAR = 1.15
+ROWS_MEASURED = (1, 16)
 
-    float32 on every host kind measured so far. bf16 needs AMX or AVX512-BF16 to be computed
-    natively; elsewhere oneDNN emulates it, slower than float32. Where a host has them, bf16
-    stays an explicit choice until it is measured faster there, and it moves the default
-    model's greedy answers (the figures: docs/operations.md, "Quantized weights", and
-    docs/benchmarks.md, "Quality").
+
+def cpu_precision(
+    capabilities: dict[str, Any] | None = None, gain: Callable[[], tuple[dict[int, float], str]] | None = None
+) -> tuple[torch.dtype, str]:
+    """``--dtype auto`` on a CPU: the dtype and why.
+
+    bf16 needs AMX or AVX512-BF16 to be computed natively; elsewhere oneDNN emulates it, slower
+    than float32, and it is not measured. Where the host has them and the model runs through
+    the native pass's packed GEMMs (``gain`` given: it measures, or reads the measurement
+    this host made before, ``bf16_gain``), bf16 is taken when it is at least ``BF16_GAIN_BAR``
+    times as fast at every row count measured. bf16 weights move the default model's answers
+    a little (docs/benchmarks.md, "Quality"); activations, the KV cache and the sampler stay
+    float32 (``engine.native.activation_dtype``).
     """
     isa = cpu_instruction_sets(capabilities)
     native_bf16 = [name for name in ("amx_bf16", "avx512_bf16") if name in isa]
-    if native_bf16:
-        why = (
-            f"float32: this CPU computes bf16 natively ({', '.join(native_bf16)}), but bf16 is not measured faster "
-            f"on such a host yet; --dtype bfloat16 takes it"
-        )
-    else:
-        why = (
+    if not native_bf16:
+        return torch.float32, (
             f"float32: this CPU has no native bf16 ({', '.join(isa) or 'no AVX2'}), "
             "so oneDNN would emulate it, slower than float32"
         )
-    return torch.float32, why
+    if gain is None:
+        return torch.float32, (
+            f"float32: this CPU computes bf16 natively ({', '.join(native_bf16)}), but this model would not run "
+            "through the native pass's packed GEMMs (engine, forward, quantization, compiled step or model type); "
+            "--dtype bfloat16 takes it"
+        )
+    gains, source = gain()
+    figures = ", ".join(f"{gains[rows]:.2f}x at {rows} row{'s' if rows > 1 else ''}" for rows in sorted(gains))
+    faster = min(gains.values()) >= BF16_GAIN_BAR
+    return (torch.bfloat16 if faster else torch.float32), (
+        f"{'bfloat16' if faster else 'float32'}: bf16 packed GEMMs at this model's shapes run {figures} float32's "
+        f"speed ({source}; bar {BF16_GAIN_BAR}x at each), on {', '.join(native_bf16)}"
+    )
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+def cpu_name() -> str:
+    """This CPU's model name, as /proc/cpuinfo gives it ("unknown" elsewhere)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return "unknown"
+
+
+def precision_key(shapes: list[tuple[int, int]]) -> str:
+    """What a bf16 measurement holds for: this host (CPU model, instruction sets, torch, threads)
+    and the GEMMs' shapes."""
+    return (
+        f"{cpu_name()} | {','.join(cpu_instruction_sets())} | torch {torch.__version__} | "
+        f"{torch.get_num_threads()} threads | {len(shapes)} GEMMs, {sum(o * i for o, i in shapes)} weights, "
+        f"first {shapes[0] if shapes else None}"
+    )
+
+
+def bf16_gain(shapes: list[tuple[int, int]], cache_dir: str = "") -> tuple[dict[int, float], str]:
+    """bf16 ÷ float32 speed of the packed GEMMs at these shapes (``engine.native.packed_gemm_gain``)
+    and where the figures come from: measured now, or read from ``precision.json`` in the model
+    cache, where each measurement is kept under its host (CPU model, instruction sets, torch
+    version, threads) and shapes, so later starts on the host do not pay it (delete the file
+    to measure again). Replicas that start together on one host take a lock on the file, so
+    one measures and the others read its figures: they all choose the same dtype, and a
+    stream resumed from one on another stays exact."""
+    key = precision_key(shapes)
+    path = default_cache_dir(cache_dir) / "precision.json"
+    with _locked(path.with_suffix(".lock")):
+        return _bf16_gain_in(path, key, shapes)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` while the block runs; none where it cannot be made (a
+    read-only cache: each start then measures for itself)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _bf16_gain_in(path: Path, key: str, shapes: list[tuple[int, int]]) -> tuple[dict[int, float], str]:
+    from .engine.native import packed_gemm_gain
+
+    table: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        table = json.loads(path.read_text())
+    known = table.get(key)
+    if isinstance(known, dict) and all(str(rows) in known.get("gains", {}) for rows in ROWS_MEASURED):
+        return {rows: float(known["gains"][str(rows)]) for rows in ROWS_MEASURED}, (
+            f"measured on this host at {known.get('at', '?')}, {path}"
+        )
+    start = time.perf_counter()
+    gains = packed_gemm_gain(shapes, ROWS_MEASURED)
+    took = time.perf_counter() - start
+    table[key] = {
+        "gains": {str(rows): round(value, 4) for rows, value in gains.items()},
+        "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    try:
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(table, indent=1, sort_keys=True))
+        scratch.replace(path)
+    except OSError as exc:
+        log.warning("cannot keep the bf16 measurement", extra={"path": str(path), "error": str(exc)})
+    return gains, f"measured now in {took:.2f} s"
+
+
+def folder_gemm_shapes(folder: Path) -> list[tuple[int, int]] | None:
+    """``engine.native.gemm_shapes`` from a checkpoint folder's config.json, before the weights
+    are read (None without one, or for a model the native pass does not take)."""
+    from .engine.native import gemm_shapes
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        return gemm_shapes(SimpleNamespace(**config)) if isinstance(config, dict) else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def resolve_dtype(
+    dtype: str, device: str, gain: Callable[[], tuple[dict[int, float], str]] | None = None
+) -> torch.dtype:
+    """``--dtype`` for ``device``; ``gain``: where ``auto`` may weigh bf16 on a CPU (``cpu_precision``)."""
     if dtype == "auto":
         if device == "cpu":
-            chosen, why = cpu_precision()
+            chosen, why = cpu_precision(gain=gain)
             log.info("dtype auto", extra={"dtype": str(chosen).removeprefix("torch."), "why": why})
             return chosen
         capability = torch.cuda.get_device_capability() if device == "cuda" else None
@@ -339,6 +450,7 @@ def prepare_default_model(cache_dir: str = "") -> Path:
     """
     target = default_cache_dir(cache_dir) / _CONVERTED_DIR
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        drop_gguf_marker(target / "config.json")  # a folder converted before the marker was dropped
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -356,6 +468,7 @@ def prepare_default_model(cache_dir: str = "") -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         fresh.save_pretrained(staging)
+        drop_gguf_marker(staging / "config.json")
         tokenizer.save_pretrained(staging)
         if target.exists():
             shutil.rmtree(target)
@@ -364,6 +477,19 @@ def prepare_default_model(cache_dir: str = "") -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("converted the default model", extra={"seconds": round(time.monotonic() - started, 1)})
     return target
+
+
+def drop_gguf_marker(config_file: Path) -> None:
+    """Remove the GGUF ``quantization_config`` a converted folder's config.json inherits from the
+    GGUF it was made from: its weights are plain safetensors, and with the marker transformers
+    loads them through its GGUF quantizer (which warns that a dtype other than float32 is slow)."""
+    config = json.loads(config_file.read_text())
+    if (config.get("quantization_config") or {}).get("quant_method") != "gguf":
+        return
+    del config["quantization_config"]
+    scratch = config_file.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    scratch.replace(config_file)
 
 
 def resolve_model_path(model: str, cache_dir: str = "") -> tuple[Path, str | None, str]:
@@ -444,8 +570,11 @@ def load_model(
     quantization: str = "none",
     allow_unmet_quality_bar: bool = True,
     phases: Callable[[str], AbstractContextManager[None]] | None = None,
+    packed_native: bool = False,
 ) -> LoadedModel:
-    """The model and its tokenizer, ready to run; ``phases`` times the steps (start-up's log line)."""
+    """The model and its tokenizer, ready to run; ``phases`` times the steps (start-up's log line);
+    ``packed_native``: the engine would run the model through the native pass's packed GEMMs,
+    so ``--dtype auto`` on a CPU weighs bf16 for it (``cpu_precision``)."""
     phase = phases or (lambda name: contextlib.nullcontext())
     with phase("libraries"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -461,7 +590,13 @@ def load_model(
         raise ModelLoadError(f"--quantization {quantization}: {refusal}")
     checkpoint_method = checkpoint_quantization(folder, gguf_file, device_name, quantization)
     quality_gate(quantization, device_name, allow_unmet_quality_bar)
-    torch_dtype = resolve_dtype(dtype, device_name)
+    gain = None
+    if packed_native and device_name == "cpu" and quantization == "none" and checkpoint_method is None:
+        shapes = folder_gemm_shapes(folder)
+        if shapes:
+            gain = functools.partial(bf16_gain, shapes, cache_dir)
+    with phase("precision"):
+        torch_dtype = resolve_dtype(dtype, device_name, gain)
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file

@@ -277,9 +277,11 @@ class TokenwireServer:
                 "omp_spin_count": os.environ.get("GOMP_SPINCOUNT", "openmp-default"),
             },
         )
+        packed_native = config.engine == "batched" and config.forward != "transformers" and config.compile_step == "off"
         loaded = load_model(
             config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir,
             quantization=config.quantization, allow_unmet_quality_bar=config.allow_unmet_quality_bar, phases=phases,
+            packed_native=packed_native,
         )  # fmt: skip
         budget = kv_cache_budget(
             config.kv_cache_tokens, config.max_active, loaded.context_length,
