@@ -29,16 +29,19 @@ FLAGS = {
 }  # fmt: skip
 DRY_RUN = {"max_new_tokens": 4, "requests_per_stream": 1, "pairs": 1, "cancels": 2, "long_repeats": 1, "plot": ""}
 LONG_PROMPT_FILLER = " ".join(f"item {i} is {i * 7 % 13}." for i in range(400))
-LOADED: dict[str, Any] = {}  # model name -> the model in_process loaded, while a suite runs
+LOADED: dict[tuple[str, str], Any] = {}  # (model name, dtype) -> the model in_process loaded, while a suite runs
 
 
-def in_process(model_name: str, batch: int, repeats: int, max_new: int, prompts: tuple[str, ...]) -> Measure:
-    """``model.generate`` in this process: the reference the server is measured against."""
+def in_process(
+    model_name: str, batch: int, repeats: int, max_new: int, prompts: tuple[str, ...], dtype: str = "auto"
+) -> Measure:
+    """``model.generate`` in this process (``--dtype`` ``dtype``): the reference the server is measured against."""
     import torch
     from tokenwire_server.model import load_model
     from transformers.generation.streamers import BaseStreamer
 
-    loaded = LOADED.get(model_name) or LOADED.setdefault(model_name, load_model(model_name))
+    key = (model_name, dtype)
+    loaded = LOADED.get(key) or LOADED.setdefault(key, load_model(model_name, dtype=dtype))
     tokenizer, model = loaded.tokenizer, loaded.model
     encoded = [load.chat_ids(tokenizer, p) for p in prompts]
     tokenizer.padding_side = "left"
