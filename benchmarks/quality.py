@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> doc.Section:
         f"Against float32 on this CPU. KL: mean KL(float32 ‖ mode) per token, nats, teacher-forced along float32's "
         f"greedy continuations ({args.kl_prompts} prompts × {args.kl_tokens} tokens). Greedy: answers identical to "
         f"float32's for their first {args.greedy_tokens} tokens, of the {args.greedy_prompts} chat prompts of "
-        f"`tokenwire bench`. The bar (#22): KL ≤ {BAR['kl']} and ≥ {BAR['identical']}/{BAR['of']}.",
+        f"`tokenwire bench`. The bar (#22): KL ≤ {BAR['kl']} and ≥ {BAR['identical']}/{BAR['of']}. bfloat16: bf16 "
+        "weights in the float32 pass, as the server runs `--dtype bfloat16` on a CPU (and `auto` where it takes bf16).",
         "",
         *doc.table("mode | KL mean | KL worst prompt | greedy identical | median token where they part | meets the bar",
                    "lrrrrl", rows),
