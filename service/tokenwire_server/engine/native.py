@@ -166,7 +166,8 @@ class Linear:
 
 
 # The dtypes whose GEMMs oneDNN runs from prepacked weights (bf16 natively with AVX512-BF16 or
-# AMX; elsewhere it emulates it, which ``--dtype auto`` measures: ``bf16_gemm_gain``).
+# AMX; elsewhere it emulates it, slower: ``--dtype auto`` measures bf16 only where the host
+# computes it natively, ``packed_gemm_gain``).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -207,7 +208,7 @@ def packed_gemm_gain(
     taken in order until ``budget_bytes`` of float32 weights (more than a CPU's caches hold, as
     a model's weights are: decode reads them from memory). Both run as the pass runs them
     (``Linear``: float32 activations, rounded to bf16 for the bf16 weights); the best of
-    ``repeats`` interleaved passes each. About 0.3 s on a 2-core host for the default model."""
+    ``repeats`` interleaved passes each. 0.5–0.7 s on a 2-core host for the default model."""
     taken: list[tuple[int, int]] = []
     size = 0
     for out_features, in_features in shapes:
