@@ -438,3 +438,25 @@ def test_transformers_forward_picks_each_rows_last_logits_with_or_without_per_ro
             engine.close()
         results[forward] = [rec.token_ids for rec in recorders]
     assert results["transformers"] == results["native"]
+
+
+def test_a_bf16_row_gets_the_same_bits_in_a_gemm_of_any_size() -> None:
+    """oneDNN picks its bf16 kernel by row count (on an AMX host the vocabulary GEMM rounds a
+    row otherwise at 33-256 rows than alone), so bf16 GEMMs run at most BF16_ROWS_PER_GEMM rows
+    a call: at the default model's shapes every row of a call of 2-80 rows has its bits alone.
+    The check itself fails a layer whose rows follow the call's size."""
+    from tokenwire_server.engine.native import Linear, rows_per_call_consistent
+
+    torch.manual_seed(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+    layers = [Linear(torch.randn(o, i, dtype=torch.bfloat16) * 0.05, None, True, 16) for o, i in shapes]
+    assert rows_per_call_consistent(layers) is None
+
+    class FollowsSize:
+        in_features, dtype = 8, torch.float32
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sum(1, keepdim=True) + (1e-3 if x.shape[0] > 16 else 0.0)
+
+    verdict = rows_per_call_consistent([FollowsSize()])  # type: ignore[list-item]
+    assert verdict is not None and "a 17-row GEMM" in verdict

@@ -128,6 +128,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, batch_hint: int) -> None:
         weight = weight.detach().contiguous()
+        self.in_features = int(weight.shape[1])
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packed = packed
         self.dtype = weight.dtype
@@ -142,8 +143,18 @@ class Linear:
         bf16 on the way out it does not (measured: the default model parts at token 19). So a
         single row runs as two and keeps the first, which costs nothing measurable in bf16
         (the GEMM reads the weights once either way) and keeps batch invariance exact.
+
+        Past 32 rows oneDNN may change kernels again, by shape: on an Intel host with AMX the
+        vocabulary GEMM gave a row other bf16 bits at 33-256 rows than at 1-32 or 512 (its AMX
+        blocking splits the reduction otherwise). A step's prompt tokens would then write other
+        K/V alone than beside another prompt. So bf16 GEMMs run ``BF16_ROWS_PER_GEMM`` rows per
+        call at most (``rows_per_call_consistent`` checks it at load). The cost falls on prompt
+        reading alone, a decode step has at most ``--max-active`` rows: on that host 2.2-3.2× the
+        GEMM time of a 128-2,048-token prompt in one call, about float32's.
         """
         if self.packed:
+            if self.dtype == torch.bfloat16 and x.shape[0] > BF16_ROWS_PER_GEMM:
+                return torch.cat([self._gemm(part) for part in torch.split(x, BF16_ROWS_PER_GEMM)])
             single = self.dtype == torch.bfloat16 and x.shape[0] == 1
             rows = x.expand(2, -1).contiguous() if single else x
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
@@ -163,6 +174,26 @@ class Linear:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
             return out
         return residual + F.linear(x, self.weight, self.bias)
+
+
+# NOTE: bf16 GEMMs take at most this many rows per oneDNN call, so a row's bits do not depend on
+# how many rows share the step (``Linear._gemm``). Costs prompt reading in bf16 on AMX (large-M
+# kernels); lifted by a GEMM whose reduction order does not follow M, or f32 output from bf16.
+BF16_ROWS_PER_GEMM = 32
+
+
+def rows_per_call_consistent(layers: list[Linear], sizes: tuple[int, ...] = (2, 3, 8, 17, 32, 33, 80)) -> str | None:
+    """Whether every row of a call of each size gets the bits it gets alone (None: it does),
+    through ``Linear`` as the pass calls it (bf16: ``BF16_ROWS_PER_GEMM`` rows a call)."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for layer in layers:
+            x = torch.randn(max(sizes), layer.in_features, generator=generator)
+            alone = torch.cat([layer(x[j : j + 1]) for j in range(max(sizes))])
+            for size in sizes:
+                if not torch.equal(layer(x[:size]), alone[:size]):
+                    return f"a {size}-row GEMM [{layer.in_features} in, {layer.dtype}] parts from its rows alone"
+    return None
 
 
 # The dtypes whose GEMMs oneDNN runs from prepacked weights (bf16 natively with AVX512-BF16 or
