@@ -125,7 +125,7 @@ bench: ## benchmark in-process generate vs the simple and batched engines (BENCH
 bench-quality: ## how far int8 weights and bf16 move the default model's answers (KL per token, greedy answers unchanged) against the bar; writes its section of docs/benchmarks.md and the server's quality.json
 bench-levers: ## do torch.compile / int8 weights pay on this CPU? decode-step speed and int8 quality; writes its section of docs/benchmarks.md
 bench-kernels: kernels ## which GEMM reads the model's weights fastest on this CPU (F.linear, oneDNN-packed, int8, int4), and SDPA vs the decode attention kernel; writes its section of docs/benchmarks.md
-bench-neighbour: ## does the server keep its pace beside a busy process? --omp-spin-count 1000 vs OpenMP's own spin, quiet and loaded; writes its section of docs/benchmarks.md
+bench-neighbour: ## does the server keep its pace beside a busy process? the default (spin 10000, threads by measurement) vs pinned threads and the old spin 1000, quiet and loaded; writes its section of docs/benchmarks.md
 bench-prefix: ## a shared 1,000-token system prompt: time to first token with --prefix-cache on and off, 3 repeats; writes its section of docs/benchmarks.md
 bench-resume: ## cut streams resumed on a fresh server: exact or not per engine (batched, vllm) and sampling kind, and what a resume costs; writes its section of docs/benchmarks.md
 bench-tenants: ## two tenants on one server: B's time to first token beside A's backlog of 64 (fair share vs first come, first served), and weights 3:1 at saturation, 3 repeats; writes its section of docs/benchmarks.md

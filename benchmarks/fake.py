@@ -90,7 +90,7 @@ class FakeServer:
         """The log records a suite reads back: the torch settings it was started with."""
         if msg != "torch":
             return []
-        spin = self.args[self.args.index("--omp-spin-count") + 1] if "--omp-spin-count" in self.args else "1000"
+        spin = self.args[self.args.index("--omp-spin-count") + 1] if "--omp-spin-count" in self.args else "10000"
         return [{"msg": "torch", "omp_spin_count": "openmp-default" if spin == "0" else spin}]
 
     def __enter__(self) -> FakeServer:

@@ -1,9 +1,11 @@
 """Does the server keep its pace when another process wants a core? (`make bench-neighbour`)
 
 Between torch's parallel regions an idle libgomp thread spins for GOMP_SPINCOUNT iterations; a
-thread that lost its core to a neighbour holds every later step at the barrier.
-`--omp-spin-count 1000` (the default) against `0` (OpenMP's own spin), each quiet and beside one
-busy Python process, at c=1 and c=16. Replaces the "neighbour" section.
+thread that lost its core to a neighbour holds every later step at the barrier, and a thread that
+went to sleep costs a wake-up at the next region. The default (spin 10,000, and the batched
+engine's step on all cores or one fewer, whichever measures faster: engine/threads.py) against the
+same spin on all cores pinned, and the old default (spin 1,000, all cores), each quiet and beside
+one busy Python process, at c=1 and c=16. Replaces the "neighbour" section.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from benchmarks import doc, load
 from benchmarks.launcher import serve
 from benchmarks.stats import median, p99, ratios, spread
 
-SETTINGS = {"1000 (default)": "1000", "OpenMP's own (0)": "0"}
+CORES = str(len(os.sched_getaffinity(0)))
+# name -> (--omp-spin-count, --torch-threads): 0 threads lets the engine choose (the default)
+SETTINGS = {
+    "spin 10000, threads by measurement (default)": ("10000", "0"),
+    f"spin 10000, {CORES} threads pinned": ("10000", CORES),
+    f"spin 1000, {CORES} threads pinned (the old default)": ("1000", CORES),
+}
 PROMPT = "Tell me a story about a cat who learns to sail."
 FLAGS = {"repeats": 3, "tokens": 64, "concurrency": "1,16", "rounds": (3, "waves of streams per cell")}
 DRY_RUN = {"repeats": 1, "rounds": 1, "concurrency": "1,2", "tokens": 4}
@@ -46,11 +54,13 @@ def run(args: argparse.Namespace) -> doc.Section:
     # (setting, neighbour, concurrency) -> per-repeat tokens/s, and all latencies
     tps: dict[tuple[str, bool, int], list[float]] = {}
     lat: dict[tuple[str, bool, int], list[float]] = {}
+    switches: dict[str, int] = {}  # the layout's changes of thread count, over every repeat
     for repeat in range(args.repeats):
-        for name, spin in SETTINGS.items():
-            with serve(args.dry_run, ["--model", args.model, "--omp-spin-count", spin]) as server:
+        for name, (spin, threads) in SETTINGS.items():
+            flags = ["--model", args.model, "--omp-spin-count", spin, "--torch-threads", threads]
+            with serve(args.dry_run, flags) as server:
                 reported = server.find("torch")[0]["omp_spin_count"]
-                assert reported == (spin if spin != "0" else "openmp-default"), reported
+                assert reported == spin, reported
                 for neighbour in (False, True):
                     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if neighbour else None
                     try:
@@ -58,32 +68,39 @@ def run(args: argparse.Namespace) -> doc.Section:
                             rate, latencies = measure(server.target, c, args.tokens, args.rounds)
                             tps.setdefault((name, neighbour, c), []).append(rate)
                             lat.setdefault((name, neighbour, c), []).extend(latencies)
-                            doc.log(f"repeat {repeat} spin {reported} neighbour={neighbour} c={c}: {rate:.1f} tok/s")
+                            doc.log(f"repeat {repeat} {name} neighbour={neighbour} c={c}: {rate:.1f} tok/s")
                     finally:
                         if hog:
                             hog.kill()
                             hog.wait()
+                switches[name] = switches.get(name, 0) + len(server.find("cpu step threads"))
     busy = {False: "none", True: "busy"}
     rows = [[name, busy[neighbour], c, spread(tps[(name, neighbour, c)]),
              f"{median(lat[(name, neighbour, c)]):.2f} / {p99(lat[(name, neighbour, c)]):.2f}"]
             for c in levels for neighbour in (False, True) for name in SETTINGS]  # fmt: skip
-    default, own = SETTINGS
+    default, *others = SETTINGS
     notes = [
-        f"- c={c}, neighbour {busy[neighbour]}: spin 1000 vs OpenMP's own, tokens/s ratio "
-        f"{spread(ratios(tps[(default, neighbour, c)], tps[(own, neighbour, c)]), 2)}×"
+        f"- c={c}, neighbour {busy[neighbour]}: the default vs {other}, tokens/s ratio "
+        f"{spread(ratios(tps[(default, neighbour, c)], tps[(other, neighbour, c)]), 2)}×"
+        for other in others
         for c in levels
         for neighbour in (False, True)
     ]
+    notes.append(
+        f"- the default's changes of thread count (log line `cpu step threads`), all repeats: {switches[default]}"
+    )
     notes += [f"- {name}, c={c}: pace kept beside the neighbour (busy ÷ quiet tokens/s) "
               f"{spread(ratios(tps[(name, True, c)], tps[(name, False, c)]), 2)}"
               for name in SETTINGS for c in levels]  # fmt: skip
     return doc.section(
-        "neighbour", "Beside a busy neighbour: OpenMP's spin (`make bench-neighbour`)", args.command,
+        "neighbour",
+        "Beside a busy neighbour: OpenMP's spin and the step's threads (`make bench-neighbour`)",
+        args.command,
         f"The default model over gRPC, {doc.host()}; streams of {args.tokens} tokens, {args.rounds} waves per cell, "
         f"{args.repeats} repeats alternating the settings. The neighbour is one `while True: pass` process. "
         "Tokens/s: median (min–max) over repeats; latency: median and p99 over every stream of the cell.",
         "",
-        *doc.table("--omp-spin-count | neighbour | streams | tokens/s | stream latency median / p99 (s)", "llrrr",
+        *doc.table("setting | neighbour | streams | tokens/s | stream latency median / p99 (s)", "llrrr",
                    rows),
         "",
         *notes,

@@ -92,7 +92,7 @@ def test_prints_resolved_configuration_once(tiny_model_dir: Path, monkeypatch: p
         # --torch-threads is applied, not only parsed: the server reports what torch uses
         assert [record["threads"] for record in server.find("torch")] == [1]
         # and OpenMP's idle threads spin briefly (--omp-spin-count's default) before they sleep
-        assert [record["omp_spin_count"] for record in server.find("torch")] == ["1000"]
+        assert [record["omp_spin_count"] for record in server.find("torch")] == ["10000"]
 
 
 def test_omp_spin_count_reaches_openmp_before_torch_loads(tiny_model_dir: Path):

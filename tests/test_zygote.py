@@ -17,7 +17,7 @@ def command(*args: str) -> list[str]:
     ("cmd", "extra", "why"),
     [
         (command("--model", "m"), {}, None),
-        (command("--omp-spin-count=1000"), {}, None),
+        (command("--omp-spin-count=10000"), {}, None),
         (command(), {"TOKENWIRE_WORKERS": "3", "PYTEST_CURRENT_TEST": "t", "OTEL_SERVICE_NAME": "s"}, None),
         (command("--engine", "vllm"), {}, "the vllm engine (it starts processes of its own)"),
         (command(), {"TOKENWIRE_ENGINE": "vllm"}, "the vllm engine (it starts processes of its own)"),

@@ -46,7 +46,7 @@ from typing import Any
 SERVER_MODULE = ["-m", "tokenwire_server"]
 # What tokenwire reads from its environment at run time (a fork can take these).
 RUNTIME_VARIABLES = ("TOKENWIRE_", "OTEL_", "XDG_CACHE_HOME", "CXX", "PYTHONUNBUFFERED", "PYTEST_")
-DEFAULT_OMP_SPIN_COUNT = "1000"  # config.py's omp_spin_count: what the zygote loads OpenMP with
+DEFAULT_OMP_SPIN_COUNT = "10000"  # config.py's omp_spin_count: what the zygote loads OpenMP with
 PRELOAD = (
     "torch",
     "transformers",

@@ -42,7 +42,7 @@ class ServerConfig:
     max_prefill_tokens: int = 0  # 0: by device (engine/options.prefill_budget)
     batch_window_ms: float = 10.0
     torch_threads: int = 0
-    omp_spin_count: int = 1000
+    omp_spin_count: int = 10000
     forward: str = "auto"
     kernels: str = "auto"
     step_graphs: str = "auto"
@@ -174,14 +174,17 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         None,
     ),
     "torch_threads": (
-        "batched and simple engines: threads torch computes with (0: torch's default, one per core); on a small "
-        "machine one fewer leaves a core to the gRPC loop",
+        "batched and simple engines: threads torch computes with (0: torch's default, one per core; the batched "
+        "engine's native pass on a CPU then runs each step on that count or one fewer, whichever its steps measure "
+        "faster, so a neighbour that takes a core does not hold every step); N pins N",
         None,
     ),
     "omp_spin_count": (
         "batched and simple engines: how long an idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT, set before "
-        "torch loads; a GOMP_SPINCOUNT already in the environment wins). Short spins keep a shared or CPU-limited host "
-        "from stalling every step on a thread that waits for a core; 0: OpenMP's own default",
+        "torch loads; a GOMP_SPINCOUNT already in the environment wins). Long enough to span the gaps between a "
+        "step's parallel regions (waking a sleeping thread costs more than the gap); short enough that a thread "
+        "whose partner waits for a core soon yields it; 0: OpenMP's own default (300,000: beside a busy neighbour "
+        "every step stalls)",
         None,
     ),
     "forward": (

@@ -325,6 +325,7 @@ class TokenwireServer:
             step_graphs_context=config.step_graphs_context,
             compile_step=config.compile_step == "on",
             overlap=config.overlap,
+            threads=config.torch_threads,
             own_weights=True,
         )
         engine = create_engine(config.engine, loaded, limits, config.workers, self.metrics, options)

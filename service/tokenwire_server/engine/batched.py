@@ -48,6 +48,7 @@ from .native import NativeForward, activation_dtype
 from .options import EngineOptions, resolve
 from .runner import Launched, ModelRunner
 from .scheduler import Plan, Scheduler
+from .threads import ThreadLayout, results_depend_on_threads
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,18 @@ class BatchedEngine(Engine):
                 compile_step=options.compile_step,
             )
         self.runner = ModelRunner(loaded, self._cache, native, graphs)
+        threads, why_threads = resolved.threads, resolved.why_threads
+        if len(threads) > 1 and native is not None and not native.compiled:
+            # Stock torch ops may split one row's sums (a norm's mean) over the threads.
+            threads, why_threads = threads[:1], f"pinned at {threads[0]}: the pass runs stock torch ops"
+        if len(threads) > 1 and native is not None:
+            first = native.layers[0]
+            varies = results_depend_on_threads(
+                [first.qkv, first.out, first.gate_up, first.down, native.lm_head], threads
+            )
+            if varies is not None:
+                threads, why_threads = threads[:1], f"pinned at {threads[0]}: {varies}"
+        self.layout = ThreadLayout(threads, torch.set_num_threads, on_change=self._threads_changed)
         self._graph_context = options.step_graphs_context
         self.step_graphs = resolved.step_graphs
         self.forward = resolved.forward
@@ -166,8 +179,13 @@ class BatchedEngine(Engine):
                 "kv_blocks": self.pool.num_blocks,
                 "kv_block_tokens": BLOCK_SIZE,
                 "kv_cache_bytes": self._cache.nbytes(),
+                "threads": list(threads),
+                "why_threads": why_threads,
             },
         )
+
+    def _threads_changed(self, before: int, after: int, figures: dict[str, Any]) -> None:
+        log.info("cpu step threads", extra={"threads_before": before, "threads": after, **figures})
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -247,6 +265,7 @@ class BatchedEngine(Engine):
                 with handoff.gathered():
                     ended = {id(seq) for seq in self._step_failed([row.seq for row in scheduler.rows], exc)}
                 scheduler.leave([row for row in scheduler.rows if id(row.seq) in ended])
+        torch.set_num_threads(self.layout.choices[0])  # the process's count as it was given
         if self.fault is not None:
             for row in scheduler.rows:
                 row.seq.fail(ErrorKind.INTERNAL, self._fault_message())
@@ -262,7 +281,11 @@ class BatchedEngine(Engine):
         if plan is None:
             return
         self._in_step = plan
+        rows = plan.decodes if plan.decodes and not plan.prompt_tokens else None  # decode-only steps are compared
+        threads = self.layout.pick(rows)
+        computing = time.perf_counter()
         result = self.runner.run(plan)
+        self.layout.record(rows, threads, time.perf_counter() - computing)
         # Nothing is committed before here: a step that ran out of memory runs again as it was.
         self._count(plan, time.perf_counter() - started)
         with handoff.gathered():  # every row's events reach the event loop in one hand-off
@@ -323,6 +346,7 @@ class BatchedEngine(Engine):
         if plan is None:
             return
         self._in_step = plan
+        self.layout.pick(None)
         self._flight = self.runner.launch(plan)
 
     def _until_it_fits(self, step: Callable[[], None]) -> None:

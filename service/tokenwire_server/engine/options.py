@@ -1,11 +1,12 @@
 """What the batched engine is asked to do, and what every ``auto`` comes to, decided once.
 
 ``EngineOptions`` holds the flags as given (``--forward``, ``--kernels``, ``--step-graphs``,
-``--compile-step``, ``--overlap``, ``--prefix-cache``, ``--kv-resident-tokens``) and whether the engine may drop the
-model's plain weights. ``resolve`` reads them against the loaded model and its device and
-returns ``Resolved``: the forward pass, the step graphs, the overlap and the block order,
-each with the reason where ``auto`` chose against it. The engine builds what ``Resolved``
-says and logs it in one start-up line; nothing below it decides an ``auto`` again.
+``--compile-step``, ``--overlap``, ``--prefix-cache``, ``--kv-resident-tokens``,
+``--torch-threads``) and whether the engine may drop the model's plain weights. ``resolve``
+reads them against the loaded model and its device and returns ``Resolved``: the forward
+pass, the step graphs, the overlap and the block order, each with the reason where ``auto``
+chose against it, and the thread counts a CPU step may run on. The engine builds what
+``Resolved`` says and logs it in one start-up line; nothing below it decides an ``auto`` again.
 
 One rule is left where its answer is known: whether the compiled CPU ops run (``--kernels
 auto``) depends on building and loading them, which ``native.NativeForward`` does.
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from . import FORWARDS, KERNEL_CHOICES, OVERLAP_MODES
 from .graphs import resolve_mode
 from .native import unsupported_reason
+from .threads import choices_for
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +44,9 @@ class EngineOptions:
     step_graphs_context: int = 4096  # CUDA graphs captured at start up to this context (0: none)
     compile_step: bool = False
     overlap: str = "auto"
+    # Threads a CPU step computes on (``--torch-threads``): 0 lets ``threads.ThreadLayout`` choose
+    # between torch's count and one fewer by measurement; N pins N.
+    threads: int = 0
     # The engine may drop the model's plain weights where it keeps its own (packed) copy;
     # the model's own ``forward`` cannot run afterwards.
     own_weights: bool = False
@@ -73,6 +78,9 @@ class Resolved:
     # Whether the native pass packs its weights for oneDNN: a compiled step takes plain
     # weights (oneDNN's packed GEMM has no fake kernel for torch.compile to trace).
     pack_weights: bool
+    # The thread counts a step may run on (the first: where it starts), and why.
+    threads: tuple[int, ...] = (1,)
+    why_threads: str = ""
 
     @property
     def forward(self) -> str:
@@ -90,6 +98,8 @@ class Resolved:
             "prefix_cache": self.options.prefix_cache,
             "resident_kv_tokens": self.resident_kv_tokens,
             "why_resident_kv": self.why_resident_kv,
+            "threads": list(self.threads),
+            "why_threads": self.why_threads,
         }
 
 
@@ -116,6 +126,13 @@ def resolve(options: EngineOptions, loaded: LoadedModel) -> Resolved:
     else:
         overlap, why_overlap = options.overlap == "on", f"--overlap {options.overlap}"
     resident, why_resident = resident_kv(options.kv_resident_tokens, device)
+    import torch
+
+    threads, why_threads = choices_for(options.threads, torch.get_num_threads(), device.type)
+    if len(threads) > 1 and not native:
+        # Only the native pass is built (and checked, ``results_depend_on_threads``) so that a
+        # row's numbers do not depend on the thread count.
+        threads, why_threads = threads[:1], f"transformers' forward: {threads[0]} threads"
     return Resolved(
         options=options,
         native=native,
@@ -127,6 +144,8 @@ def resolve(options: EngineOptions, loaded: LoadedModel) -> Resolved:
         resident_kv_tokens=resident,
         why_resident_kv=why_resident,
         pack_weights=not options.compile_step,
+        threads=threads,
+        why_threads=why_threads,
     )
 
 

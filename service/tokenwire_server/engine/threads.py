@@ -1,0 +1,208 @@
+"""How many threads compute a CPU step: all of torch's, or one fewer, chosen by measurement.
+
+A step on a CPU is ~150 parallel regions (every GEMM, and the decode attention). Between two
+of them libgomp's idle threads spin for ``GOMP_SPINCOUNT`` iterations (``--omp-spin-count``),
+then sleep, and waking a sleeping thread costs tens of microseconds, more in a VM. So:
+
+- on a quiet host the threads must spin across the gaps between a step's regions: with a spin
+  of 1,000 the second of two threads added almost nothing on a 2-core Intel host (a c=1 step
+  of the default model 30 ms at 2 threads spinning 1,000, 32 ms at 1 thread, 19 ms at 2
+  threads spinning 10,000: docs/benchmarks.md, "Threads");
+- beside a busy neighbour a thread that spins while its partner waits for a core holds every
+  region's barrier: at 2 threads spinning 10,000 the same step took 71 ms, where 1 thread
+  kept its 32 ms.
+
+No fixed layout is best on both, and a host moves between them (a neighbour starts, a CPU
+quota throttles). ``ThreadLayout`` measures instead. It runs decode steps on the current
+choice and, now and then, a few on the other, compares their times at the same number of rows,
+and keeps whichever was faster:
+
+- a probe that keeps the current choice doubles the wait for the next (``FIRST_PROBE_AFTER``
+  decode steps up to ``LONGEST_WAIT``), so a settled host pays for a probe of a few steps every
+  800 (well under 1 %);
+- the current choice's steps turning slower (each of its last 3 ``SLOWER`` × the median of
+  those before them, at the same rows: a neighbour has started) calls a probe at once;
+- a change of choice starts the waits again from the shortest.
+
+``--torch-threads N`` pins the count and turns this off.
+
+It is only sound where a row's numbers do not depend on the thread count, or a stream would
+change its tokens when the layout changes: the compiled ops and the attention split their
+work over rows, never inside one row's sums, and ``results_depend_on_threads`` checks the
+GEMMs (oneDNN's split of the reduction is its own choice) once at start. Torch-free: the
+engine passes the function that sets the count.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# Decode steps before the first probe; each probe that keeps the choice doubles the wait, up to the longest.
+FIRST_PROBE_AFTER = 16
+LONGEST_WAIT = 800
+# Steps run on the other choice per probe, the first of them not measured (the threads that
+# were asleep wake, oneDNN may build a primitive for the new count): as after any change.
+PROBE_STEPS = 4
+# Steps kept per (threads, rows); samples older than this many decode steps are not compared.
+KEEP = 9
+STALE_AFTER = 64
+# The other choice must be this much faster (median ÷ median) to take over.
+MARGIN = 1.05
+# Each of the current choice's last 3 steps this much slower than its steps before them: probe now.
+SLOWER = 1.3
+
+
+class ThreadLayout:
+    """Chooses the thread count of each step among ``choices`` (the first is where it starts).
+
+    ``pick(rows)`` before a step says how many threads to run it on (``rows``: the step's
+    decode rows for a decode-only step, None for a step that reads prompt tokens, which runs on
+    the current choice and is not measured); ``record(rows, threads, seconds)`` after it.
+    ``apply(threads)`` is called whenever the count a step needs differs from the last one set.
+    """
+
+    def __init__(
+        self,
+        choices: Sequence[int],
+        apply: Callable[[int], None],
+        *,
+        first_probe_after: int = FIRST_PROBE_AFTER,
+        longest_wait: int = LONGEST_WAIT,
+        probe_steps: int = PROBE_STEPS,
+        on_change: Callable[[int, int, dict[str, Any]], None] | None = None,
+    ) -> None:
+        if not choices or any(count < 1 for count in choices):
+            raise ValueError(f"thread choices must be positive counts, got {list(choices)}")
+        self.choices = tuple(dict.fromkeys(choices))
+        self.current = self.choices[0]
+        self._apply = apply
+        self._set: int | None = None
+        self._first_wait = first_probe_after
+        self._longest_wait = longest_wait
+        self._wait = first_probe_after
+        self._probe_steps = probe_steps
+        self._on_change = on_change
+        self._next_probe = first_probe_after
+        self._decodes = 0  # decode steps seen
+        self._probing: int | None = None  # the choice being probed
+        self._probe_left = 0
+        self._probe_rows: int | None = None
+        self._fresh = True  # the next step is the first since the count changed: not counted
+        self._times: dict[tuple[int, int], deque[tuple[int, float]]] = {}
+        self.probes = 0
+        self.switches = 0
+
+    @property
+    def adaptive(self) -> bool:
+        return len(self.choices) > 1
+
+    def pick(self, rows: int | None) -> int:
+        """The thread count for the next step, applied."""
+        threads = self.current
+        if self.adaptive and rows is not None:
+            if self._probing is None and self._decodes >= self._next_probe:
+                self._probing = next(count for count in self.choices if count != self.current)
+                self._probe_left = self._probe_steps
+                self._probe_rows = rows
+                self.probes += 1
+            if self._probing is not None:
+                threads = self._probing
+        if threads != self._set:
+            self._apply(threads)
+            self._fresh = self._set is not None
+            self._set = threads
+        return threads
+
+    def record(self, rows: int | None, threads: int, seconds: float) -> None:
+        """A step's time on ``threads``; ends a probe when it has its steps, and decides."""
+        if not self.adaptive or rows is None:
+            return
+        self._decodes += 1
+        counted, self._fresh = not self._fresh, False
+        if counted:
+            self._times.setdefault((threads, rows), deque(maxlen=KEEP)).append((self._decodes, seconds))
+        if self._probing is None:
+            if threads == self.current and self._turned_slower(rows):
+                self._next_probe = self._decodes  # the host changed: probe at the next step
+            return
+        if threads != self._probing:
+            return
+        self._probe_left -= 1
+        if self._probe_left > 0:
+            return
+        probed, self._probing = self._probing, None
+        assert self._probe_rows is not None
+        faster = self._compare(probed, self._probe_rows)
+        self._times.clear()  # what comes next is measured afresh (and the slow-down trigger's baseline with it)
+        if faster is None:
+            self._wait = min(2 * self._wait, self._longest_wait)
+        else:
+            previous, self.current = self.current, probed
+            self.switches += 1
+            self._wait = self._first_wait
+            if self._on_change is not None:
+                self._on_change(previous, probed, faster)
+        self._next_probe = self._decodes + self._wait
+
+    def _turned_slower(self, rows: int) -> bool:
+        recent = self._recent(self.current, rows)
+        if len(recent) < 6:
+            return False
+        return min(recent[-3:]) > SLOWER * statistics.median(recent[:-3])  # all 3: one slow step is noise
+
+    def _recent(self, threads: int, rows: int) -> list[float]:
+        kept = self._times.get((threads, rows), ())
+        return [seconds for step, seconds in kept if self._decodes - step <= STALE_AFTER]
+
+    def _compare(self, probed: int, rows: int) -> dict[str, Any] | None:
+        """The figures when ``probed`` beat the current choice at ``rows`` by ``MARGIN``, else None."""
+        # The current choice's last steps before the probe, not its whole window: after a slow-down
+        # (the trigger) the window still holds the faster steps from before it.
+        mine, theirs = self._recent(self.current, rows)[-3:], self._recent(probed, rows)
+        if len(mine) < 2 or len(theirs) < 2:
+            return None  # not comparable (the rows changed meanwhile): the next probe will tell
+        now, probe = statistics.median(mine), statistics.median(theirs)
+        if probe * MARGIN >= now:
+            return None
+        return {"rows": rows, "step_ms_before": round(now * 1e3, 2), "step_ms_after": round(probe * 1e3, 2)}
+
+
+def choices_for(requested: int, available: int, device_type: str) -> tuple[tuple[int, ...], str]:
+    """The thread counts a CPU step may run on, and why: ``--torch-threads N`` pins N; 0 lets
+    the layout choose between torch's count and one fewer (a neighbour most often takes a
+    core); a GPU or a single thread leaves nothing to choose."""
+    if requested > 0:
+        return (requested,), f"--torch-threads {requested}"
+    if device_type != "cpu":
+        return (available,), f"the step runs on {device_type}"
+    if available < 2:
+        return (available,), "one thread"
+    return (available, available - 1), f"auto: {available} or {available - 1}, by measured step time"
+
+
+def results_depend_on_threads(
+    layers: Sequence[Any], counts: Sequence[int], rows: Sequence[int] = (1, 2, 5)
+) -> str | None:
+    """Whether any of ``layers`` (callables ``[rows, in] -> [rows, out]``, with ``in_features``)
+    gives other numbers at another of ``counts`` threads (None: the same bits at every count)."""
+    import torch
+
+    before = torch.get_num_threads()
+    generator = torch.Generator().manual_seed(0)
+    try:
+        with torch.inference_mode():
+            for layer in layers:
+                for count in rows:
+                    x = torch.randn(count, layer.in_features, generator=generator)
+                    outputs = []
+                    for threads in counts:
+                        torch.set_num_threads(threads)
+                        outputs.append(layer(x))
+                    if any(not torch.equal(outputs[0], other) for other in outputs[1:]):
+                        return f"a {count}-row GEMM [{layer.in_features} in] gives other bits at {list(counts)} threads"
+    finally:
+        torch.set_num_threads(before)
+    return None

@@ -1,0 +1,117 @@
+"""The CPU step's thread layout (engine/threads.py): it takes the faster thread count by
+measurement, probes again when the host changes, and never changes a row's numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenwire_server.engine import threads as layout_module
+from tokenwire_server.engine.threads import ThreadLayout, choices_for, results_depend_on_threads
+
+
+class Host:
+    """A fake host: step seconds by thread count, changed by the test mid-run."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        self.seconds = seconds
+        self.applied: list[int] = []
+
+    def run(self, layout: ThreadLayout, steps: int, rows: int = 1) -> list[int]:
+        used = []
+        for _ in range(steps):
+            threads = layout.pick(rows)
+            layout.record(rows, threads, self.seconds[threads])
+            used.append(threads)
+        return used
+
+
+def test_it_takes_the_faster_count_and_keeps_it():
+    host = Host({2: 0.019, 1: 0.032})
+    changes: list[tuple[int, int]] = []
+    layout = ThreadLayout((2, 1), host.applied.append, on_change=lambda a, b, _: changes.append((a, b)))
+    used = host.run(layout, 2000)
+    assert layout.current == 2 and changes == []
+    # It probed (1 thread ran a few steps), and the waits doubled: few probes over 2,000 steps.
+    assert 1 in used and used.count(1) <= 4 * layout.probes and layout.probes <= 8
+    assert used.count(1) / len(used) < 0.02
+
+
+def test_a_neighbour_moves_it_to_fewer_threads_at_once_and_back_when_it_leaves():
+    host = Host({2: 0.019, 1: 0.032})
+    changes: list[tuple[int, int]] = []
+    layout = ThreadLayout((2, 1), host.applied.append, on_change=lambda a, b, _: changes.append((a, b)))
+    host.run(layout, 500)  # settled on 2, its waits long
+    host.seconds = {2: 0.071, 1: 0.032}  # a busy neighbour: 2 threads stall at every barrier
+    used = host.run(layout, 60)
+    assert changes == [(2, 1)]
+    # The slow-down called a probe at once (its wait had grown to hundreds of steps): a few slow
+    # steps, then 1 thread, with probes of 2 (4 steps each) now and then.
+    assert used.index(1) <= 4 and used[used.index(1) : used.index(1) + 12] == [1] * 12
+    assert used.count(1) >= 48
+    host.seconds = {2: 0.019, 1: 0.032}  # the neighbour left
+    host.run(layout, 100)
+    assert changes == [(2, 1), (1, 2)] and layout.current == 2
+
+
+def test_steps_it_cannot_compare_do_not_move_it():
+    """Prompt steps (rows None) are not measured, and a probe at other rows than the current
+    choice's recent steps decides nothing."""
+    host = Host({2: 0.030, 1: 0.010})
+    layout = ThreadLayout((2, 1), host.applied.append)
+    for _ in range(200):
+        assert layout.pick(None) == 2
+        layout.record(None, 2, 1.0)
+    assert layout.current == 2 and layout.probes == 0
+    rows = iter(range(1, 10_000))  # every step another row count: never comparable
+    for _ in range(300):
+        count = next(rows)
+        threads = layout.pick(count)
+        layout.record(count, threads, host.seconds[threads])
+    assert layout.current == 2 and layout.switches == 0
+
+
+def test_within_the_margin_it_stays():
+    host = Host({2: 0.020, 1: 0.0195})  # 1 thread 2.5 % faster: under MARGIN
+    layout = ThreadLayout((2, 1), host.applied.append)
+    host.run(layout, 1000)
+    assert layout.current == 2 and layout.switches == 0
+    assert layout_module.MARGIN > 1.025
+
+
+def test_a_pinned_count_is_applied_once_and_never_probed():
+    host = Host({3: 0.05})
+    layout = ThreadLayout((3,), host.applied.append)
+    assert set(host.run(layout, 500)) == {3} and host.applied == [3] and layout.probes == 0
+
+
+def test_the_choices():
+    assert choices_for(0, 2, "cpu") == ((2, 1), "auto: 2 or 1, by measured step time")
+    assert choices_for(3, 2, "cpu") == ((3,), "--torch-threads 3")
+    assert choices_for(0, 1, "cpu")[0] == (1,)
+    assert choices_for(0, 8, "cuda")[0] == (8,)
+    with pytest.raises(ValueError, match="positive"):
+        ThreadLayout((2, 0), lambda n: None)
+
+
+def test_results_depend_on_threads_finds_a_layer_that_splits_its_sums():
+    """The start-up check sees a GEMM whose bits change with the thread count (a fake one: a
+    sum in another order at each count) and passes the real packed layers on this host."""
+
+    class Splits:
+        in_features = 64
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            halves = torch.get_num_threads()
+            parts = x.double().chunk(halves, dim=1)
+            total = parts[0].sum(1)
+            for part in parts[1:]:
+                total = total + part.sum(1)
+            return (total.float() * 1.0000001).unsqueeze(1) if halves == 1 else total.float().unsqueeze(1)
+
+    assert "gives other bits" in (results_depend_on_threads([Splits()], (2, 1)) or "")
+    before = torch.get_num_threads()
+    from tokenwire_server.engine.native import Linear
+
+    layers = [Linear(torch.randn(96, 64) * 0.1, None, packed=True, batch_hint=16)]
+    assert results_depend_on_threads(layers, (2, 1)) is None
+    assert torch.get_num_threads() == before  # the check leaves the count as it found it
