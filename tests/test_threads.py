@@ -115,3 +115,60 @@ def test_results_depend_on_threads_finds_a_layer_that_splits_its_sums():
     layers = [Linear(torch.randn(96, 64) * 0.1, None, packed=True, batch_hint=16)]
     assert results_depend_on_threads(layers, (2, 1)) is None
     assert torch.get_num_threads() == before  # the check leaves the count as it found it
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_stream_whose_steps_change_thread_count_gives_the_same_tokens(tiny_model_dir, dtype):
+    """The premise of the layout, on the engine: streams whose steps alternate 2 and 1 threads
+    give the tokens they give pinned at 2 (greedy and seeded), and the engine took its threads
+    from the layout. The engine's own start-up check (results_depend_on_threads) passed here, or
+    it would have pinned the count."""
+    from engine_support import kernel_unbuildable, run_all
+    from tokenwire_server.domain import GenerationRequest, SamplingOptions
+    from tokenwire_server.engine import create_engine
+    from tokenwire_server.engine.base import EngineLimits
+    from tokenwire_server.model import load_model
+
+    if kernel_unbuildable():
+        pytest.skip(f"the layout needs the compiled ops: {kernel_unbuildable()}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    loaded = load_model(str(tiny_model_dir), device="cpu", dtype=dtype)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14]]
+    kinds = [SamplingOptions(temperature=0.0), SamplingOptions(temperature=0.9, top_p=0.9, seed=7)]
+
+    def requests():
+        return [
+            GenerationRequest(f"r{i}{k}", p, kind, 24, ignore_eos=True, want_tokens=True)
+            for i, p in enumerate(prompts)
+            for k, kind in enumerate(kinds)
+        ]
+
+    used: list[int] = []
+
+    class Alternating(ThreadLayout):
+        def pick(self, rows):
+            threads = 1 if len(used) % 2 else 2
+            torch.set_num_threads(threads)
+            used.append(threads)
+            return threads
+
+    results = {}
+    try:
+        for name, threads in (("pinned", 2), ("alternating", 0)):
+            engine = create_engine("batched", loaded, EngineLimits(8, 8, 8 * 256), workers=1, threads=threads)
+            if name == "alternating":
+                assert engine.layout.choices == (2, 1), engine.layout.choices
+                engine.layout = Alternating((2, 1), torch.set_num_threads)
+            else:
+                assert engine.layout.choices == (2,)
+            engine.start()
+            try:
+                results[name] = [r.token_ids for r in run_all(engine, requests())]
+            finally:
+                engine.close()
+    finally:
+        torch.set_num_threads(before)
+    assert used.count(1) > 10 and used.count(2) > 10
+    assert results["alternating"] == results["pinned"]
+    assert all(len(tokens) == 24 for tokens in results["pinned"])
