@@ -307,14 +307,9 @@ def llamacpp_gguf(peers: Path, model: str, system: str) -> Path:
 def convertible(folder: Path, into: Path) -> Path:
     """``folder`` as llama.cpp's converter takes it, in ``into``: links to its files and a
     config.json without the GGUF quantization marker (a converted GGUF's), which it refuses."""
-    config = json.loads((folder / "config.json").read_text())
-    if config.get("quantization_config", {}).get("quant_method") == "gguf":
-        del config["quantization_config"]
-    for item in folder.iterdir():
-        if item.name != "config.json":
-            (into / item.name).symlink_to(item.resolve())
-    (into / "config.json").write_text(json.dumps(config, indent=2))
-    return into
+    from tokenwire_server.model import unmarked_view
+
+    return unmarked_view(folder, into)
 
 
 def made(command: list[str]) -> None:

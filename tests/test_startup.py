@@ -287,3 +287,25 @@ def test_a_signal_during_start_up_stops_the_server_without_it_ever_being_ready(
     messages = [str(r.get("msg")) for r in records]
     assert "stopped" in messages and "ready" not in messages, messages
     assert any(m.startswith("start-up stopped") for m in messages), messages
+
+
+def test_a_folder_marked_as_gguf_gets_an_unmarked_view_for_vllm_and_llamacpp(tmp_path: Path):
+    """One helper (model.unmarked_view) serves vLLM's folder and llama.cpp's converter: links to
+    the weights, a config.json without the GGUF marker; the marked folder itself is not touched,
+    and an unmarked folder is used as it is."""
+    import json
+
+    from tokenwire_server.engine.vllm_backend import vllm_model_folder
+    from tokenwire_server.model import gguf_marked
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    marked = {"model_type": "llama", "quantization_config": {"quant_method": "gguf"}}
+    (folder / "config.json").write_text(json.dumps(marked))
+    view = vllm_model_folder(folder)
+    assert view == tmp_path / "m-vllm" and (view / "model.safetensors").resolve() == folder / "model.safetensors"
+    assert json.loads((view / "config.json").read_text()) == {"model_type": "llama"}
+    assert gguf_marked(folder) and not gguf_marked(view)
+    assert vllm_model_folder(view) == view  # unmarked: as it is
+    assert vllm_model_folder(folder) == view  # made again over the links already there

@@ -494,6 +494,27 @@ def drop_gguf_marker(config_file: Path) -> None:
     scratch.replace(config_file)
 
 
+def gguf_marked(folder: Path) -> bool:
+    """Whether ``folder``'s config.json carries the GGUF ``quantization_config`` (``drop_gguf_marker``)."""
+    config = json.loads((folder / "config.json").read_text())
+    return (config.get("quantization_config") or {}).get("quant_method") == "gguf"
+
+
+def unmarked_view(folder: Path, target: Path) -> Path:
+    """``target``: links to ``folder``'s files and a copy of its config.json without the GGUF
+    marker, for a loader that refuses or misreads it (vLLM, llama.cpp's converter) where
+    ``folder`` is not ours to change. Links already there stay; the config is written afresh."""
+    target.mkdir(parents=True, exist_ok=True)
+    for item in folder.iterdir():
+        link = target / item.name
+        if item.name != "config.json" and not link.exists():
+            link.symlink_to(item.resolve())
+    config = target / "config.json"
+    config.write_bytes((folder / "config.json").read_bytes())
+    drop_gguf_marker(config)
+    return target
+
+
 def resolve_model_path(model: str, cache_dir: str = "") -> tuple[Path, str | None, str]:
     """(folder, gguf file name or None, display name) for a --model value."""
     if model == "default":

@@ -27,7 +27,6 @@ Differences from the batched engine are listed in docs/architecture.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
@@ -71,24 +70,14 @@ class VllmSettings:
 
 
 def vllm_model_folder(folder: Path) -> Path:
-    """A folder vLLM can load: the same files, without a GGUF ``quantization_config``.
+    """A folder vLLM can load: ``folder`` itself, or, where its config.json still carries a GGUF
+    ``quantization_config`` (a folder converted from GGUF elsewhere: vLLM would load it as GGUF),
+    a sibling folder of links with the marker dropped (``model.unmarked_view``)."""
+    from ..model import gguf_marked, unmarked_view  # torch: imported where vLLM is
 
-    The default model is converted from GGUF and its config.json still says so; vLLM
-    would then try to load it as GGUF. A sibling folder of links with a cleaned
-    config.json is made once.
-    """
-    config = json.loads((folder / "config.json").read_text())
-    if "quantization_config" not in config or config["quantization_config"].get("quant_method") != "gguf":
+    if not gguf_marked(folder):
         return folder
-    target = folder.with_name(folder.name + "-vllm")
-    target.mkdir(exist_ok=True)
-    for item in folder.iterdir():
-        link = target / item.name
-        if item.name != "config.json" and not link.exists():
-            link.symlink_to(item.resolve())
-    del config["quantization_config"]
-    (target / "config.json").write_text(json.dumps(config, indent=2))
-    return target
+    return unmarked_view(folder, folder.with_name(folder.name + "-vllm"))
 
 
 class _VllmStats:
