@@ -109,7 +109,7 @@ def reference_picks(rows: list[Row]) -> list[int]:
 @pytest.fixture
 def fallbacks(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """How many rows the full sort drew (handed over by the candidate path, limited rows) and the free path."""
-    counts = {"limited": 0, "free": 0}
+    counts = {"limited": 0, "free": 0, "wider": 0}
 
     def counting(name: str, full: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def wrapped(scaled: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -118,8 +118,16 @@ def fallbacks(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
         return wrapped
 
+    candidates = sampling._limited_candidates
+
+    def tiers(scaled: torch.Tensor, *args: Any) -> torch.Tensor:
+        if len(args) > 5 and args[5] == sampling.WIDER:  # a row the first candidates could not settle
+            counts["wider"] += scaled.shape[0]
+        return candidates(scaled, *args)
+
     monkeypatch.setattr(sampling, "_limited_full", counting("limited", sampling._limited_full))
     monkeypatch.setattr(sampling, "_free_full", counting("free", sampling._free_full))
+    monkeypatch.setattr(sampling, "_limited_candidates", tiers)
     return counts
 
 
@@ -235,7 +243,7 @@ def test_masked_and_overflowing_rows_pick_as_the_old(fallbacks: dict[str, int]) 
 
 def test_rows_whose_kept_tokens_pass_the_candidates_take_the_full_sort(fallbacks: dict[str, int]) -> None:
     """Flat rows, ties at the cut, top_k above the candidates: the prefilter cannot be exact, and the
-    full path gives the old picks."""
+    wider candidates or the full path give the old picks."""
     gen = torch.Generator().manual_seed(4)
     flat = torch.zeros(VOCAB)
     # Two levels: the CANDIDATES-th value tied with thousands of others, scattered (torch.topk keeps
@@ -259,7 +267,10 @@ def test_rows_whose_kept_tokens_pass_the_candidates_take_the_full_sort(fallbacks
             for seed in range(6):
                 rows.append((logits, SamplingOptions(**options, seed=seed), i))  # type: ignore[arg-type]
     assert_same(rows)
-    assert fallbacks["limited"] >= 6 * 6 * 3
+    # Every row the candidates cannot settle tries WIDER first (some settle there: the coarse levels'
+    # nuclei), and the flat ones still need the sort.
+    assert fallbacks["wider"] >= 6 * 6 * 3 and fallbacks["limited"] >= 6 * 6 * 2
+    assert fallbacks["wider"] > fallbacks["limited"]
 
 
 def test_a_row_picks_the_same_anywhere_in_any_batch() -> None:
