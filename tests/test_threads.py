@@ -31,9 +31,10 @@ def test_it_takes_the_faster_count_and_keeps_it():
     layout = ThreadLayout((2, 1), host.applied.append, on_change=lambda a, b, _: changes.append((a, b)))
     used = host.run(layout, 2000)
     assert layout.current == 2 and changes == []
-    # It probed (1 thread ran a few steps), and the waits doubled: few probes over 2,000 steps.
-    assert 1 in used and used.count(1) <= 4 * layout.probes and layout.probes <= 8
-    assert used.count(1) / len(used) < 0.02
+    # It probed (1 thread ran a few steps), twice, and then settled: no periodic probe on a quiet
+    # host (a probe's slow steps would set a stream's p99 gap).
+    assert used.count(1) == 4 * layout.probes and layout.probes == layout_module.SETTLED_AFTER
+    assert 1 not in used[200:]
 
 
 def test_a_neighbour_moves_it_to_fewer_threads_at_once_and_back_when_it_leaves():
