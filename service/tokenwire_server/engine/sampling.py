@@ -299,7 +299,8 @@ class Sampler:
         device = processed.device
         options = [seqs[i].request.sampling for i in sampled]
         temperature = host_tensor([o.temperature for o in options], torch.float32, device).unsqueeze(1)
-        scaled = _overflow_safe(processed.index_select(0, index) / temperature)
+        rows_of = processed if len(sampled) == processed.shape[0] else processed.index_select(0, index)
+        scaled = _overflow_safe(rows_of / temperature)
         if any(o.min_p > 0 for o in options):
             scaled = _min_p(scaled, host_tensor([o.min_p for o in options], torch.float32, device).unsqueeze(1))
         keys = host_tensor([row_keys(seqs[i].seed, len(seqs[i].generated)) for i in sampled], torch.int64, device)
@@ -317,11 +318,12 @@ class Sampler:
         if not prefilter:
             return _limited_full(scaled, keys, top_k, top_p, limited_p, vocab)
         # On the host: the rows split by kind with host indices (no device to queue behind).
-        picks = torch.empty(len(options), dtype=torch.long)
         free = [i for i, lim in enumerate(limited) if not lim]
-        if free:
-            rows = torch.tensor(free)
-            picks[rows] = _free_full(scaled[rows], keys[rows], vocab)
+        if not free:  # every row limited: no copies of them
+            return _limited_candidates(scaled, keys, top_k, top_p, limited_p, vocab)
+        picks = torch.empty(len(options), dtype=torch.long)
+        rows = torch.tensor(free)
+        picks[rows] = _free_full(scaled[rows], keys[rows], vocab)
         rows = torch.tensor([i for i, lim in enumerate(limited) if lim])
         picks[rows] = _limited_candidates(scaled[rows], keys[rows], top_k[rows], top_p[rows], limited_p[rows], vocab)
         return picks
