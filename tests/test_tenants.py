@@ -282,6 +282,26 @@ def test_cancelled_and_drained_requests_leave_the_counts_right() -> None:
     assert len(q.drain_waiting()) == 1 and q.queued == 0
 
 
+def test_a_full_queue_drops_cancelled_waiters_before_it_refuses() -> None:
+    """The samples of an n-call refused whole are cancelled while they wait; the next caller
+    is not refused for the places they hold (the engine would drop them only at its next step)."""
+    q = queue(max_active=1, max_queue=2)
+    running = take_one(q) if q.put(seq(name="running")) is None else None
+    assert running is not None
+    samples = [seq(name=f"sample{i}") for i in range(2)]
+    for sample in samples:
+        q.put(sample)
+    with pytest.raises(EngineOverloaded):
+        q.put(seq(name="next"))
+    for sample in samples:
+        sample.handle.cancelled = True
+    q.put(seq(name="next"))
+    assert q.queued == 1 and all(sample.finished for sample in samples)
+    assert take_one(q) is None  # the slot is still the running one's
+    finish(q, running)
+    assert take_one(q).request.request_id == "next"
+
+
 # -- configuration -----------------------------------------------------------------
 
 

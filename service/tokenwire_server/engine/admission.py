@@ -161,6 +161,8 @@ class AdmissionQueue:
                     "max_queued",
                 )
             full = self._active + self._queued >= limits.max_active + limits.max_queue
+            if full and self._drop_cancelled():
+                full = self._active + self._queued >= limits.max_active + limits.max_queue
             if full and (len(self._lanes) == 1 or lane.queued >= self._queue_share(lane)):
                 raise EngineOverloaded(
                     f"server is full: {self._active} active and {self._queued} queued requests "
@@ -176,6 +178,21 @@ class AdmissionQueue:
             lane.waiting[request.priority].append(seq)
             self._queued += 1
             self._cond.notify()
+
+    def _drop_cancelled(self) -> int:
+        """Drop the waiting requests whose callers cancelled (``dequeue`` would drop them quietly
+        when it reaches them): a full queue refuses nobody for a place a cancelled request
+        holds, as the samples of an n-call refused whole would until the engine's next step."""
+        dropped = 0
+        for lane in self._lanes.values():
+            for waiting in lane.waiting:
+                gone = [seq for seq in waiting if seq.handle.cancelled]
+                for seq in gone:
+                    waiting.remove(seq)
+                    seq.abandon()
+                dropped += len(gone)
+        self._queued -= dropped
+        return dropped
 
     def _ahead_of(self, lane: _Lane, priority: Priority) -> int:
         """About how many waiting requests are admitted before one of ``lane`` at ``priority``
