@@ -54,6 +54,22 @@ def test_a_neighbour_moves_it_to_fewer_threads_at_once_and_back_when_it_leaves()
     assert changes == [(2, 1), (1, 2)] and layout.current == 2
 
 
+def test_a_neighbour_that_starts_while_the_server_waits_is_seen_at_the_next_steps():
+    """The slow-down is measured against the best the current choice made at that row count, not
+    against the steps just before: a neighbour that starts between two bursts, after other row
+    counts ran meanwhile, still calls a probe within a few steps (bench-neighbour's sequence:
+    quiet c=1, quiet c=16, then the neighbour, then c=1)."""
+    host = Host({2: 0.019, 1: 0.032})
+    changes: list[tuple[int, int]] = []
+    layout = ThreadLayout((2, 1), host.applied.append, on_change=lambda a, b, _: changes.append((a, b)))
+    host.run(layout, 300, rows=1)  # settled on 2
+    host.seconds = {2: 0.030, 1: 0.040}
+    host.run(layout, 300, rows=16)  # another row count, long enough for rows=1 samples to go stale
+    host.seconds = {2: 0.071, 1: 0.032}  # the neighbour starts while nothing runs
+    used = host.run(layout, 40, rows=1)
+    assert changes == [(2, 1)] and used.index(1) <= 4
+
+
 def test_steps_it_cannot_compare_do_not_move_it():
     """Prompt steps (rows None) are not measured, and a probe at other rows than the current
     choice's recent steps decides nothing."""

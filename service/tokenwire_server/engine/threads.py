@@ -23,8 +23,9 @@ and keeps whichever was faster:
   periodic probes: a probe's steps on fewer threads are the slowest a quiet host has, and
   enough of them would set a stream's p99 inter-token gap (measured: c=1 p99 ÷ p50 1.69 in a run
   of 128 tokens holding a probe, 1.12-1.20 without);
-- the current choice's steps turning slower (each of its last 3 ``SLOWER`` × the median of
-  those before them, at the same rows: a neighbour has started) calls a probe at once;
+- the current choice's steps turning slower (each of its last 3 ``SLOWER`` × the best it has
+  made at that row count, a mark kept through idle spells: a neighbour has started) calls a
+  probe at once;
 - a change of choice starts the waits again from the shortest; on fewer threads the periodic
   probes go on, since nothing else would notice the neighbour leaving.
 
@@ -58,7 +59,7 @@ STALE_AFTER = 64
 NEVER = float("inf")
 # The other choice must be this much faster (median ÷ median) to take over.
 MARGIN = 1.05
-# Each of the current choice's last 3 steps this much slower than its steps before them: probe now.
+# Each of the current choice's last 3 steps this much slower than its best at that row count: probe now.
 SLOWER = 1.3
 
 
@@ -100,6 +101,7 @@ class ThreadLayout:
         self._kept_full = 0  # probes in a row that kept the first choice
         self._fresh = True  # the next step is the first since the count changed: not counted
         self._times: dict[tuple[int, int], deque[tuple[int, float]]] = {}
+        self._best: dict[int, float] = {}  # the current choice's mark per row count (``_turned_slower``)
         self.probes = 0
         self.switches = 0
 
@@ -133,7 +135,7 @@ class ThreadLayout:
         if counted:
             self._times.setdefault((threads, rows), deque(maxlen=KEEP)).append((self._decodes, seconds))
         if self._probing is None:
-            if threads == self.current and self._turned_slower(rows):
+            if counted and threads == self.current and self._turned_slower(rows):
                 self._next_probe = self._decodes  # the host changed: probe at the next step
             return
         if threads != self._probing:
@@ -144,25 +146,36 @@ class ThreadLayout:
         probed, self._probing = self._probing, None
         assert self._probe_rows is not None
         faster = self._compare(probed, self._probe_rows)
-        self._times.clear()  # what comes next is measured afresh (and the slow-down trigger's baseline with it)
+        before = self._recent(self.current, self._probe_rows)[-3:]
+        self._times.clear()  # what comes next is measured afresh
         if faster is None:
             self._wait = min(2 * self._wait, self._longest_wait)
             self._kept_full = self._kept_full + 1 if self.current == self.choices[0] else 0
+            if before:  # the other choice is no cure for a slower step here: its pace now is the mark
+                self._best[self._probe_rows] = statistics.median(before)
         else:
             previous, self.current = self.current, probed
             self.switches += 1
             self._wait = self._first_wait
             self._kept_full = 0
+            self._best.clear()
             if self._on_change is not None:
                 self._on_change(previous, probed, faster)
         settled = self.current == self.choices[0] and self._kept_full >= SETTLED_AFTER
         self._next_probe = NEVER if settled else self._decodes + self._wait
 
     def _turned_slower(self, rows: int) -> bool:
-        recent = self._recent(self.current, rows)
-        if len(recent) < 6:
+        """Whether the current choice's last 3 steps at ``rows`` were each ``SLOWER`` × its mark
+        there (the best median of 3 it has made at ``rows``, kept through idle spells and other
+        row counts: a neighbour that starts while the server waits is seen at the next steps)."""
+        recent = self._recent(self.current, rows)[-3:]
+        if len(recent) < 3:
             return False
-        return min(recent[-3:]) > SLOWER * statistics.median(recent[:-3])  # all 3: one slow step is noise
+        best = self._best.get(rows)
+        if best is not None and min(recent) > SLOWER * best:  # all 3: one slow step is noise
+            return True
+        self._best[rows] = min(best if best is not None else float("inf"), statistics.median(recent))
+        return False
 
     def _recent(self, threads: int, rows: int) -> list[float]:
         kept = self._times.get((threads, rows), ())
