@@ -486,7 +486,7 @@ def drop_gguf_marker(config_file: Path) -> None:
     GGUF it was made from: its weights are plain safetensors, and with the marker transformers
     loads them through its GGUF quantizer (which warns that a dtype other than float32 is slow)."""
     config = json.loads(config_file.read_text())
-    if (config.get("quantization_config") or {}).get("quant_method") != "gguf":
+    if not _gguf_marker_in(config):
         return
     del config["quantization_config"]
     scratch = config_file.with_suffix(f".{os.getpid()}.tmp")
@@ -494,10 +494,13 @@ def drop_gguf_marker(config_file: Path) -> None:
     scratch.replace(config_file)
 
 
+def _gguf_marker_in(config: dict[str, Any]) -> bool:
+    return bool((config.get("quantization_config") or {}).get("quant_method") == "gguf")
+
+
 def gguf_marked(folder: Path) -> bool:
     """Whether ``folder``'s config.json carries the GGUF ``quantization_config`` (``drop_gguf_marker``)."""
-    config = json.loads((folder / "config.json").read_text())
-    return (config.get("quantization_config") or {}).get("quant_method") == "gguf"
+    return _gguf_marker_in(json.loads((folder / "config.json").read_text()))
 
 
 def unmarked_view(folder: Path, target: Path) -> Path:

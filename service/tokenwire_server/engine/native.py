@@ -148,9 +148,10 @@ class Linear:
         vocabulary GEMM gave a row other bf16 bits at 33-256 rows than at 1-32 or 512 (its AMX
         blocking splits the reduction otherwise). A step's prompt tokens would then write other
         K/V alone than beside another prompt. So bf16 GEMMs run ``BF16_ROWS_PER_GEMM`` rows per
-        call at most (``rows_per_call_consistent`` checks it at load). The cost falls on prompt
-        reading alone, a decode step has at most ``--max-active`` rows: on that host 2.2-3.2× the
-        GEMM time of a 128-2,048-token prompt in one call, about float32's.
+        call at most (``rows_per_call_consistent``, which the tests run on each host, checks it).
+        The cost falls on prompt reading alone, a decode step has at most ``--max-active`` rows:
+        on that host 2.2-3.2× the GEMM time of a 128-2,048-token prompt in one call, about
+        float32's.
         """
         if self.packed:
             if self.dtype == torch.bfloat16 and x.shape[0] > BF16_ROWS_PER_GEMM:

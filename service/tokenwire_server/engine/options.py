@@ -98,8 +98,6 @@ class Resolved:
             "prefix_cache": self.options.prefix_cache,
             "resident_kv_tokens": self.resident_kv_tokens,
             "why_resident_kv": self.why_resident_kv,
-            "threads": list(self.threads),
-            "why_threads": self.why_threads,
         }
 
 

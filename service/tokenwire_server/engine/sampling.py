@@ -215,13 +215,13 @@ class Sampler:
                 seqs[i].grammar_failed(error)  # that row ends INTERNAL on this pick; the others go on
 
         sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy]
-        if sampled and len(sampled) == len(requests):  # no greedy row: no argmax over the vocabulary
-            chosen = self._draw(processed, sampled, host_tensor(sampled, torch.long, device), seqs, vocab).to(device)
+        index = host_tensor(sampled, torch.long, device) if sampled else None  # _draw gathers the rows with it
+        if index is not None and len(sampled) == len(requests):  # no greedy row: no argmax over the vocabulary
+            chosen = self._draw(processed, sampled, index, seqs, vocab).to(device)
         else:
             chosen = torch.argmax(processed, dim=-1)  # greedy rows keep this, exactly
-        if sampled and len(sampled) < len(requests):
-            index = host_tensor(sampled, torch.long, device)  # sent once: _draw gathers the rows with it too
-            chosen[index] = self._draw(processed, sampled, index, seqs, vocab)
+            if index is not None:
+                chosen[index] = self._draw(processed, sampled, index, seqs, vocab)
 
         # Log-probabilities are of the model's distribution (before penalties and temperature).
         want_logprobs = [r.want_logprobs or r.top_logprobs > 0 or bool(r.logprobs_of) for r in requests]

@@ -7,7 +7,7 @@ then sleep, and waking a sleeping thread costs tens of microseconds, more in a V
 - on a quiet host the threads must spin across the gaps between a step's regions: with a spin
   of 1,000 the second of two threads added almost nothing on a 2-core Intel host (a c=1 step
   of the default model 30 ms at 2 threads spinning 1,000, 32 ms at 1 thread, 19 ms at 2
-  threads spinning 10,000: docs/benchmarks.md, "Threads");
+  threads spinning 10,000: docs/architecture.md, "A CPU step's threads");
 - beside a busy neighbour a thread that spins while its partner waits for a core holds every
   region's barrier: at 2 threads spinning 10,000 the same step took 71 ms, where 1 thread
   kept its 32 ms.
@@ -34,8 +34,8 @@ and keeps whichever was faster:
 It is only sound where a row's numbers do not depend on the thread count, or a stream would
 change its tokens when the layout changes: the compiled ops and the attention split their
 work over rows, never inside one row's sums, and ``results_depend_on_threads`` checks the
-GEMMs (oneDNN's split of the reduction is its own choice) once at start. Torch-free: the
-engine passes the function that sets the count.
+GEMMs (oneDNN's split of the reduction is its own choice) once at start. ``ThreadLayout`` is
+torch-free (the engine passes the function that sets the count); only that check imports torch.
 """
 
 from __future__ import annotations
