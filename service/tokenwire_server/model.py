@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from . import checkpoint
 from .domain import SamplingOptions
 from .quantize import (
     QuantizationError,
@@ -536,6 +537,31 @@ def resolve_model_path(model: str, cache_dir: str = "") -> tuple[Path, str | Non
     return path, None, path.name
 
 
+def load_tokenizer(folder: Path, gguf_file: str | None = None) -> Any:
+    """``AutoTokenizer.from_pretrained(folder)``. A Llama folder whose tokenizer_config.json
+    names transformers' generic ``TokenizersBackend`` gets that class directly: AutoTokenizer
+    picks the same for it (tests/test_checkpoint.py), but only after importing the model's config
+    class and scanning every model transformers ships, most of a second."""
+    import transformers
+
+    if not gguf_file:
+        try:
+            settings = json.loads((folder / "tokenizer_config.json").read_text())
+            model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            settings, model_type = {}, None
+        backend = getattr(transformers, "TokenizersBackend", None)  # transformers 5's name
+        if (
+            backend is not None
+            and model_type == "llama"
+            and settings.get("tokenizer_class") == "TokenizersBackend"
+            and "auto_map" not in settings
+            and (folder / "tokenizer.json").is_file()
+        ):
+            return backend.from_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf_file} if gguf_file else {}))
+
+
 def quiet_transformers() -> None:
     """No progress bars from transformers or the hub: the server's stderr is its log, one
     JSON object a line, and a tqdm bar is not one."""
@@ -597,13 +623,16 @@ def load_model(
     allow_unmet_quality_bar: bool = True,
     phases: Callable[[str], AbstractContextManager[None]] | None = None,
     packed_native: bool = False,
+    native_only: bool = False,
 ) -> LoadedModel:
     """The model and its tokenizer, ready to run; ``phases`` times the steps (start-up's log line);
     ``packed_native``: the engine would run the model through the native pass's packed GEMMs,
-    so ``--dtype auto`` on a CPU weighs bf16 for it (``cpu_precision``)."""
+    so ``--dtype auto`` on a CPU weighs bf16 for it (``cpu_precision``); ``native_only``: it
+    runs the model through the native pass alone, so a Llama checkpoint on a CPU is read without
+    transformers' model code (``checkpoint``)."""
     phase = phases or (lambda name: contextlib.nullcontext())
     with phase("libraries"):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import transformers
 
         quiet_transformers()
 
@@ -634,16 +663,28 @@ def load_model(
         kwargs["device_map"] = device_name
     try:
         with phase("tokenizer"):
-            tokenizer = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf_file} if gguf_file else {}))
+            tokenizer = load_tokenizer(folder, gguf_file)
     except Exception as exc:  # transformers raises many kinds here
         raise ModelLoadError(f"cannot load the tokenizer from {folder}: {exc}") from exc
+    plain = (
+        "the engine may run transformers' forward"
+        if not native_only
+        else (f"device {device_name}" if device_name != "cpu" else None)
+        or (f"--quantization {quantization}" if quantization != "none" else None)
+        or ("a GGUF file" if gguf_file else None)
+        or checkpoint.refusal(folder)
+    )
     try:
         with phase("weights"):  # with the model's own code (transformers imports it on first use)
-            lm = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
-            if "device_map" not in kwargs:
-                lm.to(device_name)
+            if plain is None:
+                lm = checkpoint.load(folder, torch_dtype, default_cache_dir(cache_dir))
+            else:
+                lm = transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+                if "device_map" not in kwargs:
+                    lm.to(device_name)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model from {folder}: {exc}") from exc
+    log.info("weights read", extra={"by": "tokenwire" if plain is None else "transformers", "why": plain})
     lm.eval()
     vocab_size_loaded = (
         int(lm.get_output_embeddings().weight.shape[0]) if lm.get_output_embeddings() is not None else None

@@ -90,7 +90,8 @@ class StartupPhases:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - started
 
     def report(self) -> dict[str, float]:
-        return {name: round(seconds, 2) for name, seconds in self.seconds.items()}
+        # Milliseconds: a tiny model reads its weights in a few.
+        return {name: round(seconds, 3) for name, seconds in self.seconds.items()}
 
 
 class TokenwireServer:
@@ -277,11 +278,11 @@ class TokenwireServer:
                 "omp_spin_count": os.environ.get("GOMP_SPINCOUNT", "openmp-default"),
             },
         )
-        packed_native = config.engine == "batched" and config.forward != "transformers" and config.compile_step == "off"
+        native_only = config.engine == "batched" and config.forward != "transformers"
         loaded = load_model(
             config.model, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir,
             quantization=config.quantization, allow_unmet_quality_bar=config.allow_unmet_quality_bar, phases=phases,
-            packed_native=packed_native,
+            packed_native=native_only and config.compile_step == "off", native_only=native_only,
         )  # fmt: skip
         budget = kv_cache_budget(
             config.kv_cache_tokens, config.max_active, loaded.context_length,

@@ -71,6 +71,9 @@ from .ops import (
 log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = frozenset({"llama"})
+# A decoder layer's (attention, MLP) classes the pass reads: transformers' Llama, and the plain
+# modules of a checkpoint read without transformers' model code (``checkpoint``).
+LAYER_CLASSES = frozenset({("LlamaAttention", "LlamaMLP"), ("Attention", "MLP")})
 # One layer's attention, given (layer index, qkv, q, k, v): stores its keys and values, returns [tokens, heads, dim].
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # The work around the GEMMs (decode attention, RMSNorm, RoPE, SiLU*up): ``auto``: the
@@ -95,7 +98,7 @@ def unsupported_reason(model: Any) -> str | None:
         return "no embedding table"
     for layer in inner.layers:
         attention = layer.self_attn
-        if type(attention).__name__ != "LlamaAttention" or type(layer.mlp).__name__ != "LlamaMLP":
+        if (type(attention).__name__, type(layer.mlp).__name__) not in LAYER_CLASSES:
             return f"layer type {type(attention).__name__}/{type(layer.mlp).__name__}"
     for module in (*inner.layers[0].self_attn.children(), *inner.layers[0].mlp.children()):
         weight = getattr(module, "weight", None)

