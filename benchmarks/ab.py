@@ -4,13 +4,9 @@
 
 ``--old``/``--new``: a folder with the tree's ``service/`` and ``client/``, or a git revision
 (checked out once under ``--workdir``). Every repeat runs every case once on each tree,
-alternating which goes first, each from a fresh process that imports that tree first.
-``c1``/``c16``/``long``: the batched engine in process (``long``: 8 streams decode while a
-~1,500-token prompt is read); ``c1-sampled``/``c16-sampled``: c1/c16 drawn at temperature 0.8,
-top_p 0.95, a seed per stream; ``c16-controls``: that plus presence and frequency penalties, min_p and
-a 100-entry logit_bias (#40; a tree without them fails the case); ``server-cN``: a server from that
-tree, N streams over gRPC.
-With ``--out docs/benchmarks.md`` the table replaces section ``--section`` there.
+alternating which goes first, each from a fresh process that imports that tree first; the
+cases: the section's text. With ``--out docs/benchmarks.md`` the table replaces section
+``--section`` there.
 """
 
 from __future__ import annotations
@@ -39,6 +35,10 @@ FLAGS = {"old": {"required": True, "help": "a tree (folder) or a git revision"},
          "workdir": Path("/tmp/tokenwire-revisions"), "section": ("ab", "the section of --out the table replaces"),
          "label": ("old tree vs new tree", "what the two trees are, for the section")}  # fmt: skip
 DRY_RUN = {"repeats": 1, "cases": "c1,c1-sampled,server-c2", "max_new_tokens": 4}
+# -controls: -sampled plus OpenAI's controls, a 100-entry logit_bias (10 of them bans) among them (#40; a tree
+# without them fails the case)
+BIAS = tuple((t, -100.0 if t % 10 == 0 else 1.5) for t in range(30000, 30100))
+CONTROLS = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "min_p": 0.05, "logit_bias": BIAS}
 
 
 def tree(given: str, workdir: Path) -> Path:
@@ -83,12 +83,11 @@ def child(model: str, case: str, max_new: int) -> dict[str, Any]:
     prompts = [load.chat_ids(loaded.tokenizer, p) for p in DEFAULT_PROMPTS]
     engine.start()
 
-    greedy = SamplingOptions(temperature=0.0)
-
     class Sink:
-        def __init__(self, rid: str, ids: list[int], new: int, sampling: SamplingOptions = greedy) -> None:
+        def __init__(self, rid: str, ids: list[int], new: int, sampling: Any = None) -> None:
             self.times: list[float] = []
             self.done = threading.Event()
+            sampling = sampling or SamplingOptions(temperature=0.0)
             request = GenerationRequest(rid, list(ids), sampling, new, ignore_eos=True, want_tokens=True)
             self.handle = engine.submit(request, self)
 
@@ -102,27 +101,18 @@ def child(model: str, case: str, max_new: int) -> dict[str, Any]:
         Sink("warm", prompts[0], 8).done.wait(120)
         streams, _, kind = case.partition("-")
         if streams in ("c1", "c16") and kind in ("", "sampled", "controls"):
-            n = int(streams[1:])
-            started = time.perf_counter()
-            # -controls: -sampled plus OpenAI's controls, a 100-entry logit_bias (10 of them bans) among them
-            controls = (
-                dict(presence_penalty=0.5, frequency_penalty=0.3, min_p=0.05,
-                     logit_bias=tuple((t, -100.0 if t % 10 == 0 else 1.5) for t in range(30000, 30100)))
-                if kind == "controls" else {}
-            )  # fmt: skip
-            options = [
-                SamplingOptions(temperature=0.8, top_p=0.95, seed=1000 + i, **controls) if kind else greedy
-                for i in range(n)
-            ]
-            for s in [Sink(f"r{i}", prompts[i % len(prompts)], max_new, options[i]) for i in range(n)]:
+            n, started = int(streams[1:]), time.perf_counter()
+            controls = CONTROLS if kind == "controls" else {}
+            sampled = [SamplingOptions(temperature=0.8, top_p=0.95, seed=1000 + i, **controls) for i in range(n)]
+            sinks = [Sink(f"r{i}", prompts[i % len(prompts)], max_new, sampled[i] if kind else None) for i in range(n)]
+            for s in sinks:
                 s.done.wait(600)
             return {"tok_s": n * max_new / (time.perf_counter() - started)}
         sinks = [Sink(f"d{i}", prompts[i % len(prompts)], 400) for i in range(8)]
         while min(len(s.times) for s in sinks) < 20:
             time.sleep(0.01)
-        long_ids = loaded.tokenizer(LONG_PROMPT_FILLER)["input_ids"][:1500]
         arrived = time.perf_counter()
-        big = Sink("long", long_ids, 4)
+        big = Sink("long", loaded.tokenizer(LONG_PROMPT_FILLER)["input_ids"][:1500], 4)
         big.done.wait(600)
         time.sleep(0.5)  # a few more steps after the long prompt's last token, then stop the 8
         for s in sinks:

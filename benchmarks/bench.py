@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from benchmarks import doc, load
 from benchmarks.launcher import process_status, serve
 from benchmarks.load import Measure
-from benchmarks.stats import median, percentile
+from benchmarks.stats import cell, median, percentile, ratios
 
 CONCURRENCY = (1, 4, 16)
 FLAGS = {
@@ -30,6 +32,7 @@ FLAGS = {
 DRY_RUN = {"max_new_tokens": 4, "requests_per_stream": 1, "pairs": 1, "cancels": 2, "long_repeats": 1, "plot": ""}
 LONG_PROMPT_FILLER = " ".join(f"item {i} is {i * 7 % 13}." for i in range(400))
 LOADED: dict[tuple[str, str], Any] = {}  # (model name, dtype) -> the model in_process loaded, while a suite runs
+BATCHED, SIMPLE, GENERATE = "server --engine batched", "server --engine simple", "in-process generate"
 
 
 def in_process(
@@ -38,41 +41,29 @@ def in_process(
     """``model.generate`` in this process (``--dtype`` ``dtype``): the reference the server is measured against."""
     import torch
     from tokenwire_server.model import load_model
-    from transformers.generation.streamers import BaseStreamer
 
     key = (model_name, dtype)
     loaded = LOADED.get(key) or LOADED.setdefault(key, load_model(model_name, dtype=dtype))
     tokenizer, model = loaded.tokenizer, loaded.model
     encoded = [load.chat_ids(tokenizer, p) for p in prompts]
     tokenizer.padding_side = "left"
-
-    class Clock(BaseStreamer):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def put(self, value: Any) -> None:
-            self.times.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
     ttft: list[float] = []
     itl: list[float] = []
     e2e: list[float] = []
     for r in range(repeats):
         rows = [encoded[(r * batch + i) % len(encoded)] for i in range(batch)]
         inputs = tokenizer.pad({"input_ids": rows}, return_tensors="pt").to(loaded.device)
-        clock = Clock() if batch == 1 else None
+        times: list[float] = []  # a streamer's clock (one row only): the first put() is the prompt
+        clock = SimpleNamespace(put=lambda _, t=times: t.append(time.perf_counter()), end=lambda: None)
         started = time.perf_counter()
         with torch.inference_mode():
             model.generate(**inputs, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                           pad_token_id=loaded.pad_token_id, streamer=clock)  # fmt: skip
+                           pad_token_id=loaded.pad_token_id, streamer=clock if batch == 1 else None)  # fmt: skip
         e2e.append(time.perf_counter() - started)
-        if clock is not None:
-            stamps = clock.times[1:]  # the first put() is the prompt
-            ttft.append(stamps[0] - started)
-            itl.extend(b - a for a, b in zip(stamps, stamps[1:], strict=False))
-    system = "in-process generate" + (" (static batch)" if batch > 1 else "")
+        if times:
+            ttft.append(times[1] - started)
+            itl.extend(b - a for a, b in zip(times[1:], times[2:], strict=False))
+    system = GENERATE + (" (static batch)" if batch > 1 else "")
     return Measure.of(system, batch, repeats * batch, repeats * batch * max_new, sum(e2e), ttft, itl, e2e)
 
 
@@ -98,20 +89,17 @@ def cancel_steps(model_name: str, prompts: tuple[str, ...], cancels: int, stream
     from tokenwire_server.domain import GenerationRequest, SamplingOptions
     from tokenwire_server.engine import create_engine
     from tokenwire_server.engine.base import EngineLimits
-    from tokenwire_server.engine.batched import BatchedEngine
     from tokenwire_server.model import load_model
 
     loaded = load_model(model_name)
     encoded = [load.chat_ids(loaded.tokenizer, p) for p in prompts]
-    engine = create_engine("batched", loaded, EngineLimits(streams, streams, 1 << 20), 1)
-    assert isinstance(engine, BatchedEngine)
+    engine: Any = create_engine("batched", loaded, EngineLimits(streams, streams, 1 << 20), 1)
     engine.start()
     rng = random.Random(0)
     counts: list[int] = []
 
     def submit(i: int) -> Any:
-        sampling = SamplingOptions(temperature=0.0)
-        request = GenerationRequest(f"c{i}", encoded[i % len(encoded)], sampling, 10_000, ignore_eos=True)
+        request = GenerationRequest(f"c{i}", encoded[i % len(encoded)], SamplingOptions(0.0), 10_000, ignore_eos=True)
         return engine.submit(request, lambda event: None)
 
     try:
@@ -148,18 +136,11 @@ class LongPromptRun:
 def stall(arrivals: list[list[float]], arrived: float, last: float) -> tuple[float, float]:
     """(ITL p50 before ``arrived``, largest gap overlapping ``[arrived, last]``), in the
     units of the timestamps. ``arrivals``: each decoding stream's chunk arrival times."""
-    before: list[float] = []
-    worst = 0.0
-    for times in arrivals:
-        for a, b in zip(times, times[1:], strict=False):
-            if b <= arrived:
-                before.append(b - a)
-            elif a < last:
-                worst = max(worst, b - a)
-    p50 = percentile(before, 50)
+    gaps = [(a, b) for times in arrivals for a, b in zip(times, times[1:], strict=False)]
+    p50 = percentile([b - a for a, b in gaps if b <= arrived], 50)
     if p50 is None:
         raise ValueError("no gaps before the long prompt arrived")
-    return p50, worst
+    return p50, max((b - a for a, b in gaps if b > arrived and a < last), default=0.0)
 
 
 def long_prompt(
@@ -170,8 +151,6 @@ def long_prompt(
     chat streams decode (greedy, ``ignore_eos``); once each has 20 chunks, a
     ``prompt_tokens``-token prompt arrives (as token ids); the streams' largest gap while
     it is read, against their ITL p50 before it came."""
-    import threading
-
     from tokenwire import NO_RETRY, Client, TokenwireError
     from tokenwire.bench import DEFAULT_PROMPTS
 
@@ -215,28 +194,14 @@ def long_prompt(
                 reader.join(60)
             p50, worst = stall([list(times) for times in arrivals], arrived, chunks[-1])
             runs.append(LongPromptRun(p50 * 1000, worst * 1000, chunks[0] - arrived, len(ids)))
-            doc.log(
-                f"  long prompt {repeat}: largest gap {worst * 1e3:.0f} ms, "
-                f"ITL p50 {p50 * 1e3:.0f} ms ({worst / p50:.2f}x)"
-            )
+            doc.log(f"  long prompt {repeat}: largest gap {worst * 1e3:.0f} ms, ({worst / p50:.2f}x ITL p50)")
     return runs
 
 
-@dataclasses.dataclass
-class SingleStreamAB:
-    pairs: int
-    tokens_per_s_ratio: float  # median over pairs of server / in-process
-    ttft_delta_ms: float  # median over pairs of server TTFT - in-process TTFT
-    in_process_tokens_per_s: float
-    server_tokens_per_s: float
-    in_process_ttft_ms: float
-    server_ttft_ms: float
-
-
-def single_stream_ab(args: argparse.Namespace, prompts: tuple[str, ...]) -> SingleStreamAB:
-    """One stream, in-process ``generate`` and the batched server alternating request by
-    request on the same prompt: minutes of machine noise cancel out of each pair."""
-    pairs: list[tuple[Measure, Measure]] = []
+def single_stream_pairs(args: argparse.Namespace, prompts: tuple[str, ...]) -> list[tuple[Measure, Measure]]:
+    """One stream, in-process ``generate`` and the batched server alternating request by request
+    on the same prompt: minutes of machine noise cancel out of each pair (in-process, server)."""
+    pairs = []
     with serve(args.dry_run, ["--model", args.model], "batched", ready_timeout=600) as server:
         load.warm(server.target)
         in_process(args.model, 1, 1, 4, prompts)
@@ -244,124 +209,95 @@ def single_stream_ab(args: argparse.Namespace, prompts: tuple[str, ...]) -> Sing
             prompt = (prompts[i % len(prompts)],)
             local = in_process(args.model, 1, 1, args.max_new_tokens, prompt)
             pairs.append((local, load.grpc_load(server.target, "batched", 1, 1, args.max_new_tokens, prompt)))
-    tps = [(a.tokens_per_s, b.tokens_per_s) for a, b in pairs]
-    ttft = [(a.ttft_p50 or 0.0, b.ttft_p50 or 0.0) for a, b in pairs]
-    return SingleStreamAB(
-        len(pairs), median(b / a for a, b in tps), median(b - a for a, b in ttft), median(a for a, _ in tps),
-        median(b for _, b in tps), median(a for a, _ in ttft), median(b for _, b in ttft),
-    )  # fmt: skip
-
-
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+    return pairs
 
 
 def find(rows: list[Measure], system: str, concurrency: int) -> Measure | None:
     return next((r for r in rows if r.system.startswith(system) and r.concurrency == concurrency), None)
 
 
-def targets(rows: list[Measure], ab: SingleStreamAB, long_runs: list[LongPromptRun]) -> list[tuple[str, str, bool]]:
+def targets(
+    rows: list[Measure], pairs: list[tuple[Measure, Measure]], long_runs: list[LongPromptRun]
+) -> list[tuple[str, str, bool]]:
     """(target, measured, met): the first issue's targets 1-4 and 6, and #10's long prompt."""
     out: list[tuple[str, str, bool]] = []
-    b16, s16 = find(rows, "server --engine batched", 16), find(rows, "server --engine simple", 16)
-    g16 = find(rows, "in-process generate (static", 16)
+    b16, s16, g16 = find(rows, BATCHED, 16), find(rows, SIMPLE, 16), find(rows, GENERATE + " (static", 16)
     for other, name, bound in ((s16, "simple", 5), (g16, "in-process static batch 16", 0.8)):
         if b16 and other:
             ratio = b16.tokens_per_s / other.tokens_per_s
             out.append((f"c=16: batched tok/s >= {bound:g}x {name}", f"{ratio:.2f}x", ratio >= bound))
-    ratio, pairs = ab.tokens_per_s_ratio, f"median of {ab.pairs} pairs"
+    local_tps, server_tps = [a.tokens_per_s for a, _ in pairs], [b.tokens_per_s for _, b in pairs]
+    local_ttft, server_ttft = [a.ttft_p50 or 0.0 for a, _ in pairs], [b.ttft_p50 or 0.0 for _, b in pairs]
+    ratio, of = median(ratios(server_tps, local_tps)), f"median of {len(pairs)} pairs"
     out.append(("c=1: batched tok/s over gRPC >= 0.95x in-process batch 1 (interleaved pairs)",
-                f"{ratio:.2f}x ({pairs}; {ab.server_tokens_per_s:.1f} vs {ab.in_process_tokens_per_s:.1f} tok/s)",
+                f"{ratio:.2f}x ({of}; {median(server_tps):.1f} vs {median(local_tps):.1f} tok/s)",
                 ratio >= 0.95))  # fmt: skip
     if b16 and b16.itl_p50 and b16.itl_p99:
         ratio = b16.itl_p99 / b16.itl_p50
         measured = f"{ratio:.2f}x ({b16.itl_p99:.1f} / {b16.itl_p50:.1f} ms)"
         out.append(("c=16: batched ITL p99 <= 2.5x p50", measured, ratio <= 2.5))
-    delta = ab.ttft_delta_ms
+    delta = median(b - a for a, b in zip(local_ttft, server_ttft, strict=True))
     out.append(("c=1: TTFT p50 <= in-process TTFT + 15 ms (interleaved pairs)",
-                f"{delta:+.1f} ms ({pairs}; {ab.server_ttft_ms:.1f} vs {ab.in_process_ttft_ms:.1f} ms)",
+                f"{delta:+.1f} ms ({of}; {median(server_ttft):.1f} vs {median(local_ttft):.1f} ms)",
                 delta <= 15))  # fmt: skip
     if b16 and b16.rss_mb:
         out.append(("c=16: batched server peak RSS <= 1.5 GB", f"{b16.rss_mb:.0f} MB", b16.rss_mb <= 1536))
     if long_runs:
-        ratios = [run.ratio for run in long_runs]
+        stalls = [run.ratio for run in long_runs]
         out.append((f"long prompt: {long_runs[0].prompt_tokens} tokens arriving among 8 decoding streams raises their "
                     "largest gap <= 3x their ITL p50",
-                    f"{median(ratios):.2f}x (median of {len(ratios)}: {', '.join(f'{r:.2f}' for r in ratios)})",
-                    median(ratios) <= 3))  # fmt: skip
+                    f"{median(stalls):.2f}x (median of {len(stalls)}: {', '.join(f'{r:.2f}' for r in stalls)})",
+                    median(stalls) <= 3))  # fmt: skip
     return out
 
 
-def render(args: argparse.Namespace, rows: list[Measure], ab: SingleStreamAB, long_runs: list[LongPromptRun],
-           cancels: list[int], prompts: int) -> doc.Section:  # fmt: skip
+def render(args: argparse.Namespace, rows: list[Measure], pairs: list[tuple[Measure, Measure]],
+           long_runs: list[LongPromptRun], cancels: list[int], prompts: int) -> doc.Section:  # fmt: skip
     model = args.model if args.model != "default" else "SmolLM2-135M-Instruct (default)"
-    ratios = []
+    by_c = []
     for c in CONCURRENCY:
-        b, s, g = (find(rows, e, c) for e in ("server --engine batched", "server --engine simple", "in-process gen"))
-        ratios.append([c, _fmt(b.tokens_per_s / s.tokens_per_s, 2) + "x" if b and s else "-",
-                       _fmt(b.tokens_per_s / g.tokens_per_s, 2) + "x" if b and g else "-"])  # fmt: skip
+        b, s, g = (find(rows, e, c) for e in (BATCHED, SIMPLE, GENERATE))
+        by_c.append([c, *(f"{b.tokens_per_s / o.tokens_per_s:.2f}x" if b and o else "-" for o in (s, g))])
+    stalls = (("ITL p50 before, ms", [run.itl_p50_ms for run in long_runs]),
+              ("largest gap while read, ms", [run.max_gap_ms for run in long_runs]),
+              ("largest gap / ITL p50", [run.ratio for run in long_runs]),
+              ("long prompt's first chunk, s", [run.first_token_s for run in long_runs]))  # fmt: skip
     lines = [
-        "Every row ran in the same invocation on the same machine, one after another; the machine is shared and",
+        "Every row ran in the same invocation on the same machine, one after another; the machine is shared and "
         "noisy, so compare the ratios, not the absolute figures.",
         "",
-        f"Work per request: a chat prompt from a fixed set of {prompts}, "
-        f"`max_new_tokens={args.max_new_tokens}`, `ignore_eos`",
-        "(every request generates exactly that many tokens), greedy. "
-        "Concurrency *c* means *c* client streams kept busy",
-        "(closed loop) through gRPC on 127.0.0.1; "
-        "for in-process `generate` it is the batch size (static batch: all rows",
-        "start and end together). Latencies are milliseconds, seen by the client. ITL = gap between streamed tokens.",
+        f"Work per request: a chat prompt from a fixed set of {prompts}, `max_new_tokens={args.max_new_tokens}`, "
+        "`ignore_eos` (every request generates exactly that many tokens), greedy. Concurrency *c* means *c* client "
+        "streams kept busy (closed loop) through gRPC on 127.0.0.1; for in-process `generate` it is the batch size "
+        "(static batch: all rows start and end together). Latencies are milliseconds, seen by the client. ITL = gap "
+        "between streamed tokens.",
+        *doc.sub("Machine", *doc.table("|", "ll", [*doc.machine().items(), ("model", f"{model} (float32)")])),
+        *doc.sub("Results", *doc.table(
+            "engine | c | requests | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p50 | e2e p99 | "
+            "peak RSS MB | errors", "lrrrrrrrrrrl",
+            ([r.system, r.concurrency, r.requests, f"{r.tokens_per_s:.1f}", cell(r.ttft_p50), cell(r.ttft_p99),
+              cell(r.itl_p50), cell(r.itl_p99), cell(r.e2e_p50, 0), cell(r.e2e_p99, 0), cell(r.rss_mb, 0),
+              ", ".join(f"{k}: {v}" for k, v in r.errors.items()) or "0"] for r in rows))),
+        *doc.sub("Ratios", *doc.table("c | batched / simple | batched / in-process generate", "rrr", by_c)),
+        *doc.sub("Targets", "The single-stream targets compare the batched server with in-process `generate` in "
+                 "interleaved pairs (one request each, same prompt, alternating), because two runs minutes apart on "
+                 "this shared machine differ by more than the margin being measured.", "",
+                 *doc.table("target | measured | met", "lll",
+                            ((n, m, "yes" if ok else "NO") for n, m, ok in targets(rows, pairs, long_runs)))),
+        *(doc.sub("A long prompt among decoding streams",
+                  "`server --engine batched`, over gRPC: 8 chat streams decode (greedy, `ignore_eos`); once each has "
+                  f"20 chunks, a {long_runs[0].prompt_tokens}-token prompt arrives (token ids, 4 new tokens). The "
+                  "streams' largest gap between chunks while it is read (until its last chunk) against their ITL p50 "
+                  f"before it came; {len(long_runs)} arrivals on one server. min / median / max:", "",
+                  *doc.table("| min | median | max", "lrrr",
+                             ([label, *(f"{f(v):.2f}" for f in (min, median, max))] for label, v in stalls)))
+          if long_runs else []),
         "",
-        "### Machine",
-        "",
-        *doc.table("|", "ll", [*doc.machine().items(), ("model", f"{model} (float32)")]),
-        "",
-        "### Results",
-        "",
-        *doc.table("engine | c | requests | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | e2e p50 | e2e p99 | "
-                   "peak RSS MB | errors",
-                   "lrrrrrrrrrrl",
-                   ([r.system, r.concurrency, r.requests, f"{r.tokens_per_s:.1f}", _fmt(r.ttft_p50), _fmt(r.ttft_p99),
-                     _fmt(r.itl_p50), _fmt(r.itl_p99), _fmt(r.e2e_p50, 0), _fmt(r.e2e_p99, 0), _fmt(r.rss_mb, 0),
-                     ", ".join(f"{k}: {v}" for k, v in r.errors.items()) or "0"] for r in rows)),
-        "",
-        "### Ratios",
-        "",
-        *doc.table("c | batched / simple | batched / in-process generate", "rrr", ratios),
-        "",
-        "### Targets",
-        "",
-        "The single-stream targets compare the batched server with in-process `generate` in interleaved pairs (one",
-        "request each, same prompt, alternating), because two runs minutes apart on this shared machine differ by more",
-        "than the margin being measured.",
-        "",
-        *doc.table("target | measured | met", "lll",
-                   ((n, m, "yes" if ok else "NO") for n, m, ok in targets(rows, ab, long_runs))),
+        "![throughput and inter-token latency against concurrency](benchmarks.png)",
+        *doc.sub("Notes", f"- Cancellation inside a running batch of 8 (batched engine, in-process, {len(cancels)} "
+                 f"cancels at random moments): decode steps that still included the stream after its cancel: max "
+                 f"{max(cancels)}, median {median(cancels):g} (target: at most 2).", ""),
     ]  # fmt: skip
-    if long_runs:
-        lines += [
-            "",
-            "### A long prompt among decoding streams",
-            "",
-            "`server --engine batched`, over gRPC: 8 chat streams decode (greedy, `ignore_eos`); "
-            "once each has 20 chunks, a",
-            f"{long_runs[0].prompt_tokens}-token prompt arrives (token ids, 4 new tokens). "
-            "The streams' largest gap between chunks",
-            "while it is read (until its last chunk) against their ITL p50 before it came; "
-            f"{len(long_runs)} arrivals on one server. min / median / max:",
-            "",
-            *doc.table("| min | median | max", "lrrr", (
-                [label, *(f"{f(values):.2f}" for f in (min, median, max))] for label, values in (
-                    ("ITL p50 before, ms", [run.itl_p50_ms for run in long_runs]),
-                    ("largest gap while read, ms", [run.max_gap_ms for run in long_runs]),
-                    ("largest gap / ITL p50", [run.ratio for run in long_runs]),
-                    ("long prompt's first chunk, s", [run.first_token_s for run in long_runs])))),
-        ]  # fmt: skip
-    lines += ["", "![throughput and inter-token latency against concurrency](benchmarks.png)", "", "### Notes", "",
-              "- Cancellation inside a running batch of 8 "
-              f"(batched engine, in-process, {len(cancels)} cancels at random "
-              f"moments): decode steps that still included the stream after its cancel: max {max(cancels)}, "
-              f"median {median(cancels):g} (target: at most 2).", ""]  # fmt: skip
     return doc.section("bench", "In-process `generate` and the tokenwire engines (`make bench`)", args.command, *lines)
 
 
@@ -372,7 +308,7 @@ def plot(path: Path, rows: list[Measure]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for system, marker in (("server --engine batched", "o"), ("server --engine simple", "s")):
+    for system, marker in ((BATCHED, "o"), (SIMPLE, "s")):
         points = [r for r in rows if r.system == system]
         xs = [r.concurrency for r in points]
         left.plot(xs, [r.tokens_per_s for r in points], marker=marker, label=system)
@@ -402,7 +338,7 @@ def run(args: argparse.Namespace) -> doc.Section:
             for batch, repeats in ((1, max(4, args.requests_per_stream * 2)), (4, args.requests_per_stream),
                                    (16, args.requests_per_stream))]  # fmt: skip
     doc.log("one stream: in-process and server, interleaved ...")
-    ab = single_stream_ab(args, prompts)
+    pairs = single_stream_pairs(args, prompts)
     LOADED.clear()
     doc.log("cancellation inside a batch ...")
     cancels = cancel_steps(args.model, prompts, args.cancels)
@@ -415,4 +351,4 @@ def run(args: argparse.Namespace) -> doc.Section:
         long_runs = long_prompt(args.model, args.long_repeats, extra=args.server_arg, dry_run=args.dry_run)
     if args.plot:
         plot(Path(args.plot), rows)
-    return render(args, rows, ab, long_runs, cancels, len(prompts))
+    return render(args, rows, pairs, long_runs, cancels, len(prompts))

@@ -1,10 +1,7 @@
 """The fastest GEMM for the model's weights on this CPU, and decode attention (`make bench-kernels`).
 
-Every linear layer once (q/k/v and gate/up fused, as the native pass runs them) with each of
-``KERNELS`` (stock torch: ``F.linear``; oneDNN-packed, what ``--forward native`` runs; int8 per
-channel; Q4_1-like int4), then 16 decode rows over every layer's KV cache: ``sdpa`` on contiguous
-columns vs the ``decode_attention`` op through block tables. Timed in one thread of its own, as
-the engine loop runs torch. Replaces the "cpu-kernels" section.
+Every linear layer once with each of ``KERNELS``, then 16 decode rows over every layer's KV cache: ``sdpa`` on
+contiguous columns vs the ``decode_attention`` op through block tables. Replaces the "cpu-kernels" section.
 """
 
 from __future__ import annotations
@@ -25,21 +22,7 @@ BLOCK = 16  # tokens per KV block (engine.blocks.BLOCK_SIZE)
 FLAGS = {"repeats": 3, "rows": "1,16", "calls": (5, "passes timed per kernel and repeat"),
          "contexts": ("100,400,1000", "the decode attention's context lengths")}  # fmt: skip
 DRY_RUN = {"repeats": 1, "calls": 1, "contexts": "16"}
-
-
-def weights(name: str) -> tuple[list[Any], Any]:
-    """The model's weights as the native pass multiplies by them, and its config."""
-    import torch
-    from tokenwire_server.model import load_model
-
-    model = load_model(name, device="cpu", dtype="float32").model
-    out = []
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        out += [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(), a.o_proj.weight.detach(),
-                torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), m.down_proj.weight.detach()]  # fmt: skip
-    out.append(model.get_output_embeddings().weight.detach())
-    return out, model.config
+Results = dict[tuple[str, int], list[float]]  # (kernel or attention, rows or context) -> ms per call, per repeat
 
 
 def prepare(kernel: str, w: Any) -> Any:
@@ -66,9 +49,7 @@ def prepare(kernel: str, w: Any) -> Any:
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)
 
 
-def timed(
-    results: dict[tuple[str, int], list[float]], key: tuple[str, int], fn: Callable[[], None], calls: int
-) -> None:
+def timed(results: Results, key: tuple[str, int], fn: Callable[[], None], calls: int) -> None:
     """One warm call, then ``calls`` timed: ``results[key]`` gets the ms per call."""
     fn()
     started = time.perf_counter()
@@ -78,33 +59,27 @@ def timed(
     doc.log(f"  {key[0]} {key[1]}: {results[key][-1]:.1f} ms")
 
 
-def measure(args: argparse.Namespace, rows_list: list[int]) -> tuple[dict[tuple[str, int], list[float]], Any]:
+def gemms(args: argparse.Namespace, model: Any, results: Results) -> None:
+    """Every linear layer of ``model`` once per pass (as the native pass multiplies by them), with each kernel."""
     import torch
 
-    results: dict[tuple[str, int], list[float]] = {}
-    shape: list[Any] = []
+    weights = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        weights += [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), a.o_proj.weight,
+                    torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight]  # fmt: skip
+    weights = [w.detach() for w in [*weights, model.get_output_embeddings().weight]]
+    prepared = {kernel: [prepare(kernel, w) for w in weights] for kernel in KERNELS}
+    for _ in range(args.repeats):
+        for rows in [int(r) for r in args.rows.split(",")]:
+            inputs = {k: torch.randn(rows, k) for k in {int(w.shape[1]) for w in weights}}
+            for kernel, fns in prepared.items():
 
-    def run() -> None:
-        ws, config = weights(args.model)
-        shape.append(config)
-        with torch.inference_mode():
-            prepared = {kernel: [prepare(kernel, w) for w in ws] for kernel in KERNELS}
-            for _ in range(args.repeats):
-                for rows in rows_list:
-                    inputs = {k: torch.randn(rows, k) for k in {int(w.shape[1]) for w in ws}}
-                    for kernel in KERNELS:
+                def passes(fns: list[Any] = fns, inputs: dict[int, Any] = inputs) -> None:
+                    for fn, w in zip(fns, weights, strict=True):
+                        fn(inputs[int(w.shape[1])])
 
-                        def passes(fns: list[Any] = prepared[kernel], inputs: dict[int, Any] = inputs) -> None:
-                            for fn, w in zip(fns, ws, strict=True):
-                                fn(inputs[int(w.shape[1])])
-
-                        timed(results, (kernel, rows), passes, args.calls)
-        attention(args, config, results)
-
-    worker = threading.Thread(target=run)
-    worker.start()
-    worker.join()
-    return results, shape[0]
+                timed(results, (kernel, rows), passes, args.calls)
 
 
 def heads(config: Any) -> tuple[int, int, int, int]:
@@ -113,7 +88,7 @@ def heads(config: Any) -> tuple[int, int, int, int]:
     return config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads, head_dim
 
 
-def attention(args: argparse.Namespace, config: Any, results: dict[tuple[str, int], list[float]]) -> None:
+def attention(args: argparse.Namespace, config: Any, results: Results) -> None:
     """Decode attention of 16 rows over every layer, per context length: ``results[(way, context)]``."""
     import torch
     import torch.nn.functional as F
@@ -122,55 +97,63 @@ def attention(args: argparse.Namespace, config: Any, results: dict[tuple[str, in
     loaded = kernels.load()
     if loaded.ops is None:
         raise SystemExit(f"the compiled CPU ops are unavailable: {loaded.reason}")
-    op = loaded.ops.decode_attention
     n_layers, kv_heads, n_heads, head_dim = heads(config)
     contexts = [int(c) for c in args.contexts.split(",")]
     top = max(contexts)
     per_row = -(-top // BLOCK)
     # row r's block b is pool block b * SLOTS + r: the rows' blocks interleaved, as a busy pool leaves them
     tables = (torch.arange(per_row).view(1, -1) * SLOTS + torch.arange(SLOTS).view(-1, 1)).contiguous()
-    layers, pools = [], []
-    for _ in range(n_layers):  # only the columns read are ever touched
-        pair = (torch.empty(SLOTS, kv_heads, CAPACITY, head_dim), torch.empty(SLOTS, kv_heads, CAPACITY, head_dim))
-        layers.append(pair)
-        pool = []
-        for buffer in pair:
-            buffer[:, :, :top].normal_()
-            blocks = buffer[:, :, : per_row * BLOCK].reshape(SLOTS, kv_heads, per_row, BLOCK, head_dim).transpose(1, 2)
-            paged = torch.empty(SLOTS * per_row, kv_heads, BLOCK, head_dim)
-            paged[tables.reshape(-1)] = blocks.reshape(-1, kv_heads, BLOCK, head_dim)
-            pool.append(paged)
-        pools.append(pool)
+
+    def paged(buffer: Any) -> Any:  # only the columns read are ever touched
+        buffer[:, :, :top].normal_()
+        blocks = buffer[:, :, : per_row * BLOCK].reshape(SLOTS, kv_heads, per_row, BLOCK, head_dim).transpose(1, 2)
+        pool = torch.empty(SLOTS * per_row, kv_heads, BLOCK, head_dim)
+        pool[tables.reshape(-1)] = blocks.reshape(-1, kv_heads, BLOCK, head_dim)
+        return pool
+
+    layers = [[torch.empty(SLOTS, kv_heads, CAPACITY, head_dim) for _ in "kv"] for _ in range(n_layers)]
+    pools = [[paged(buffer) for buffer in pair] for pair in layers]
     q = torch.randn(SLOTS, n_heads, head_dim)
     grouped = q.view(SLOTS, kv_heads, n_heads // kv_heads, head_dim)
     scale = head_dim**-0.5
-    with torch.inference_mode():
-        for _ in range(args.repeats):
-            for context in contexts:
-                mask = torch.ones(SLOTS, 1, 1, context, dtype=torch.bool)
-                lengths = torch.full((SLOTS,), context)
+    for _ in range(args.repeats):
+        for context in contexts:
+            mask = torch.ones(SLOTS, 1, 1, context, dtype=torch.bool)
+            lengths = torch.full((SLOTS,), context)
 
-                def sdpa(ctx: int = context, m: Any = mask) -> None:
-                    for keys, values in layers:
-                        F.scaled_dot_product_attention(
-                            grouped, keys[:, :, :ctx], values[:, :, :ctx], attn_mask=m, scale=scale
-                        )
+            def sdpa(ctx: int = context, m: Any = mask) -> None:
+                for keys, values in layers:
+                    F.scaled_dot_product_attention(
+                        grouped, keys[:, :, :ctx], values[:, :, :ctx], attn_mask=m, scale=scale
+                    )
 
-                def kernel(n: Any = lengths) -> None:
-                    for keys, values in pools:
-                        op(q, keys, values, tables, n, scale)
+            def kernel(n: Any = lengths) -> None:
+                for keys, values in pools:
+                    loaded.ops.decode_attention(q, keys, values, tables, n, scale)
 
-                timed(results, ("sdpa", context), sdpa, args.calls)
-                timed(results, ("kernel", context), kernel, args.calls)
+            timed(results, ("sdpa", context), sdpa, args.calls)
+            timed(results, ("kernel", context), kernel, args.calls)
 
 
 def run(args: argparse.Namespace) -> doc.Section:
     import torch
+    from tokenwire_server.model import load_model
 
-    rows_list = [int(r) for r in args.rows.split(",")]
-    contexts = [int(c) for c in args.contexts.split(",")]
-    results, config = measure(args, rows_list)
-    n_layers, kv_heads, _, head_dim = heads(config)
+    results: Results = {}
+    config: list[Any] = []
+
+    def measure() -> None:  # all of it (the load too) in a thread of its own, as the engine loop runs torch
+        model = load_model(args.model, device="cpu", dtype="float32").model
+        config.append(model.config)
+        with torch.inference_mode():
+            gemms(args, model, results)
+            attention(args, model.config, results)
+
+    worker = threading.Thread(target=measure)
+    worker.start()
+    worker.join()
+    rows_list, contexts = [int(r) for r in args.rows.split(",")], [int(c) for c in args.contexts.split(",")]
+    n_layers, kv_heads, _, head_dim = heads(config[0])
     m = doc.machine()
     kernels = []
     for kernel in KERNELS:
@@ -187,10 +170,9 @@ def run(args: argparse.Namespace) -> doc.Section:
                                f"{read / median(op) * 1000:.1f}", f"{median(ratios(sdpa, op)):.2f}×"])  # fmt: skip
     return doc.section(
         "cpu-kernels", "CPU kernels: which GEMM reads the weights fastest; decode attention", args.command,
-        f"torch {m['torch']}, {m['torch threads']} threads, "
-        f"{torch.backends.cpu.get_cpu_capability()}, {platform.machine()}. "
-        "Every linear layer of the model once (q/k/v and gate/up fused, plus the vocabulary projection), ms per pass, "
-        "min/median/max over the repeats; ratio: median of F.linear / median of the kernel.",
+        f"torch {m['torch']}, {m['torch threads']} threads, {torch.backends.cpu.get_cpu_capability()}, "
+        f"{platform.machine()}. Every linear layer of the model once (q/k/v and gate/up fused, plus the vocabulary "
+        "projection), ms per pass, min/median/max over the repeats; ratio: median of F.linear / median of the kernel.",
         "",
         *doc.table("kernel | " + " | ".join(f"{r} row{'s' if r > 1 else ''} ms | ratio" for r in rows_list),
                    "l" + "rr" * len(rows_list), kernels),

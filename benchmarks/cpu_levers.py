@@ -1,11 +1,7 @@
 """Do torch.compile or int8 weights pay on this CPU? Speed and quality (`make bench-levers`).
 
-The model's own decode step (transformers forward over a static KV cache, float32) three ways:
-``eager``; ``compile`` (``torch.compile(model.forward)``, static shapes); ``int8``
-(``quantize_dynamic`` on every ``nn.Linear``, per-channel int8 weights). Speed: the median step
-at each batch, repeats alternating the variants. Quality (int8 only: compile computes the same
-function): benchmarks.quality's KL and identical greedy answers on the 16 chat prompts.
-Replaces the "cpu-levers" section.
+The model's own decode step (transformers forward over a static KV cache, float32) three ways, ``VARIANTS``; int8's
+quality by benchmarks.quality. Replaces the "cpu-levers" section.
 """
 
 from __future__ import annotations
@@ -85,17 +81,16 @@ def run(args: argparse.Namespace) -> doc.Section:
             ratio = median(ratios(steps[("eager", batch)], ms))
             rows.append([name, batch, spread(ms), spread([batch * 1000 / m for m in ms]), f"{ratio:.2f}×"])
     info = doc.machine()
+    compiled = ", ".join(f"batch {b}: {s:.0f} s" for b, s in compile_s.items())
     return doc.section(
         "cpu-levers", "CPU levers: torch.compile and int8 weights (`make bench-levers`)", args.command,
-        "The default model's decode step "
-        f"(transformers forward over a static KV cache, {info['torch threads']} torch threads,",
-        f"{info['cpu']}, {info['cores']} cores), median over {args.steps - 5} steps; each cell median (min–max) over",
-        f"{args.repeats} repeats that alternate the variants.",
+        f"The default model's decode step (transformers forward over a static KV cache, {info['torch threads']} torch "
+        f"threads, {info['cpu']}, {info['cores']} cores), median over {args.steps - 5} steps; each cell median "
+        f"(min–max) over {args.repeats} repeats that alternate the variants.",
         "",
         *doc.table("variant | batch | ms per step | tokens/s | vs eager (median of per-repeat ratios)", "lrrrr", rows),
         "",
-        *[f"- compile time before the first step: {', '.join(f'batch {b}: {s:.0f} s' for b, s in compile_s.items())}."]
-        * bool(compile_s),
+        *[f"- compile time before the first step: {compiled}."] * bool(compile_s),
         f"- int8 quality: mean KL(float32 ‖ int8) {q['kl']:.3f} nats per token along float32's greedy answers;"
         f" {q['identical']} of {q['of']} answers identical over {new} tokens; median first "
         f"differing token: {q['parted_median']:g}.",

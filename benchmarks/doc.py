@@ -36,13 +36,19 @@ class Section:
 
 def section(name: str, title: str, command: str, *lines: str) -> Section:
     """Section ``name``: ``## title``, the line that names ``command``, then ``lines``."""
-    return Section(name, "\n".join([f"## {title}", "", written(command), *lines]).rstrip("\n") + "\n")
+    heading = [f"## {title}", "", f"Written by `{command}` at {now()}; do not edit by hand."]
+    return Section(name, "\n".join([*heading, *lines]).rstrip("\n") + "\n")
 
 
 def table(header: str, align: str, rows: Iterable[Iterable[object]]) -> list[str]:
     """A markdown table: ``header`` ("a | b"), ``align`` (l or r per column), then ``rows`` of cells."""
     rule = "|" + "".join("---:|" if a == "r" else "---|" for a in align)
     return [f"| {header} |", rule, *(f"| {' | '.join(str(cell) for cell in row)} |" for row in rows)]
+
+
+def sub(title: str, *lines: str) -> list[str]:
+    """A subsection: a blank line, ``### title``, a blank line, then ``lines``."""
+    return ["", f"### {title}", "", *lines]
 
 
 def replace_section(path: Path, name: str, text: str, header: str = HEADER) -> None:
@@ -68,11 +74,6 @@ def log(message: str) -> None:
 
 def now() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-
-
-def written(command: str) -> str:
-    """The line under a section's heading that names its command."""
-    return f"Written by `{command}` at {now()}; do not edit by hand."
 
 
 def machine() -> dict[str, str]:

@@ -2,15 +2,10 @@
 
     python -m benchmarks gpu --random-weights 1b --device cuda --concurrency 1,16,64,128
 
-Speed does not depend on the weights' values: a model of a named shape (``SHAPES``) with random
-weights and the default model's tokenizer measures throughput without downloading anything.
-Each shape is served once per ``--forwards`` entry (``native``: decode steps as CUDA graphs,
-``--overlap`` on CUDA; ``transformers``; variants after a colon: ``no-overlap``, ``sampled``),
-greedy ``ignore_eos`` streams over gRPC at each concurrency; then the ceiling (transformers
-``generate`` on a static batch, compiled on CUDA) and ``--prefill-budgets``. ``--budget-s``
-stops starting phases once spent. benchmarks/gpu-check.sh runs it (as ``python -m
-benchmarks.gpu_bench``) on a lent GPU machine and writes docs/benchmarks-cuda.md; on a CPU the
-same code runs as a smoke test.
+Each shape (``SHAPES``: random weights, the default model's tokenizer) is served once per ``--forwards`` entry,
+then measured against the ceiling (static-batch ``generate``) and per ``--prefill-budgets``; ``--budget-s`` stops
+starting phases once spent. benchmarks/gpu-check.sh runs it (as ``python -m benchmarks.gpu_bench``) on a lent GPU
+machine and writes docs/benchmarks-cuda.md; on a CPU the same code runs as a smoke test.
 """
 
 from __future__ import annotations
@@ -33,6 +28,7 @@ from typing import Any
 
 from benchmarks import doc, load
 from benchmarks.launcher import serve
+from benchmarks.stats import cell
 
 
 def _shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, Any]:
@@ -94,34 +90,29 @@ def tokenizer_source(given: str | None = None) -> Path:
     return prepare_default_model()
 
 
-def build_random_model(shape: str, folder: Path, dtype: str = "bfloat16", tokenizer: str | None = None) -> Path:
-    """A Llama of ``shape`` with random weights and the default model's tokenizer and chat
-    template, saved to ``folder`` (reused when already there)."""
+def model_folder(shape: str, args: argparse.Namespace) -> Path:
+    """A Llama of ``shape`` with random weights and the default model's tokenizer and chat template, in
+    ``--cache`` (float32 on a CPU, else bfloat16; reused when already there)."""
+    folder = Path(args.cache) / f"random-{shape}"
     if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
         return folder
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    source = tokenizer_source(tokenizer)
+    source = tokenizer_source(args.tokenizer)
     loaded = AutoTokenizer.from_pretrained(source)
     config = LlamaConfig(vocab_size=len(loaded), max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
                          bos_token_id=loaded.bos_token_id, eos_token_id=loaded.eos_token_id,
                          pad_token_id=loaded.eos_token_id, **SHAPES[shape])  # fmt: skip
     torch.manual_seed(0)
     with torch.device("cpu"):
-        model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
-    folder.mkdir(parents=True, exist_ok=True)
+        model = LlamaForCausalLM(config).to(torch.float32 if args.device == "cpu" else torch.bfloat16).eval()
     model.save_pretrained(folder)
     loaded.save_pretrained(folder)
     for name in ("chat_template.jinja", "generation_config.json"):
         if (source / name).exists() and not (folder / name).exists():
             (folder / name).write_bytes((source / name).read_bytes())
     return folder
-
-
-def model_folder(shape: str, args: argparse.Namespace) -> Path:
-    dtype = "float32" if args.device == "cpu" else "bfloat16"
-    return build_random_model(shape, Path(args.cache) / f"random-{shape}", dtype, args.tokenizer)
 
 
 def weight_bytes(shape: str, vocab: int, element: int) -> int:
@@ -141,11 +132,9 @@ def mbu_of(shape: str, folder: Path, device: str, concurrency: int, step_s: floa
 
     if not step_s or not peak:
         return None
-    element = 4 if device == "cpu" else 2
+    element, dtype = (4, torch.float32) if device == "cpu" else (2, torch.bfloat16)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    per_token_kv = kv_bytes_per_token(
-        SimpleNamespace(**SHAPES[shape]), torch.float32 if element == 4 else torch.bfloat16
-    )
+    per_token_kv = kv_bytes_per_token(SimpleNamespace(**SHAPES[shape]), dtype)
     context = 40 + new_tokens / 2  # mean tokens in a row's cache over the run
     return (weight_bytes(shape, vocab, element) + concurrency * context * per_token_kv) / step_s / (peak * 1e9)
 
@@ -177,33 +166,26 @@ def gpu_busy() -> Iterator[list[int]]:
         thread.join()
 
 
-def metrics_text(metrics_port: int) -> str:
-    """The server's /metrics page ("" for a server without one: the fake of ``--dry-run``)."""
+def metrics(metrics_port: int) -> dict[str, float]:
+    """The server's /metrics samples, {name with its labels: value} ({} for a server without the page: the fake
+    of ``--dry-run``)."""
     if not metrics_port:
-        return ""
-    return str(urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode())
+        return {}
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return {name: float(value) for name, value in re.findall(r"^(\w[\w:]*(?:\{[^}]*\})?) (\S+)$", text, re.M)}
 
 
-def step_totals(metrics_port: int) -> dict[str, tuple[float, int]]:
-    """(sum of seconds, count) of each of the server's ``STEP_HISTOGRAMS``."""
-    text = metrics_text(metrics_port)
-    totals: dict[str, tuple[float, int]] = {}
-    for name in STEP_HISTOGRAMS:
-        total, count = (re.search(rf"^{name}_{part} (\S+)$", text, re.M) for part in ("sum", "count"))
-        totals[name] = (float(total.group(1)) if total else 0.0, int(float(count.group(1))) if count else 0)
-    return totals
-
-
-def mean_between(before: tuple[float, int], after: tuple[float, int]) -> float | None:
-    """The mean of a histogram's observations between two readings (None: none)."""
-    return (after[0] - before[0]) / (after[1] - before[1]) if after[1] != before[1] else None
+def mean_between(before: dict[str, float], after: dict[str, float], histogram: str) -> float | None:
+    """The mean of a histogram's observations between two readings of ``metrics`` (None: none)."""
+    count = after.get(f"{histogram}_count", 0) - before.get(f"{histogram}_count", 0)
+    return (after.get(f"{histogram}_sum", 0) - before.get(f"{histogram}_sum", 0)) / count if count else None
 
 
 def reserved_bytes(metrics_port: int) -> int | None:
     """The most any device's ``tokenwire_gpu_memory_reserved_bytes`` reads (torch's cache keeps
     its high-water mark), or None where the server exports none (a CPU)."""
-    text = metrics_text(metrics_port)
-    values = [float(v) for v in re.findall(r"^tokenwire_gpu_memory_reserved_bytes\{[^}]*\} (\S+)$", text, re.M)]
+    name = "tokenwire_gpu_memory_reserved_bytes{"
+    values = [value for key, value in metrics(metrics_port).items() if key.startswith(name)]
     return int(max(values)) if values else None
 
 
@@ -248,13 +230,13 @@ def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
         path += " sampled" if sampling else ""
         load.warm(server.target)
         for c in concurrency:
-            before = step_totals(server.metrics_port)
+            before = metrics(server.metrics_port)
             with gpu_busy() as busy:
                 m = load.grpc_load(
                     server.target, path, c, c * args.requests_per_stream, args.max_new_tokens, **sampling
                 )
-            after = step_totals(server.metrics_port)
-            step_s, host_s = (mean_between(before[name], after[name]) for name in STEP_HISTOGRAMS)
+            after = metrics(server.metrics_port)
+            step_s, host_s = (mean_between(before, after, name) for name in STEP_HISTOGRAMS)
             reserved = reserved_bytes(server.metrics_port)
             results.append(Result(**vars(m), shape=shape, step_ms=step_s * 1000 if step_s else None,
                                   host_ms=None if host_s is None else host_s * 1000,
@@ -334,28 +316,19 @@ def run_prefill(shape: str, args: argparse.Namespace) -> list[list[Any]]:
 
 def render(args: argparse.Namespace, results: list[Result], prefill: list[list[Any]], skipped: list[str],
            not_yet: list[str], failed: Sequence[str] = ()) -> doc.Section:  # fmt: skip
-    def f(value: float | None, digits: int = 1, scale: float = 1.0) -> str:
-        return "-" if value is None else f"{value * scale:.{digits}f}"
-
-    rows = [[r.shape, r.system, r.concurrency, f"{r.tokens_per_s:.0f}", f(r.ttft_p50), f(r.ttft_p99), f(r.itl_p50, 2),
-             f(r.itl_p99, 2), f(r.step_ms, 2), f(r.host_ms, 2), f(r.gpu_busy, 0), f(r.mbu, 1, 100),
-             f(r.reserved_gib, 2)]
+    rows = [[r.shape, r.system, r.concurrency, f"{r.tokens_per_s:.0f}", cell(r.ttft_p50), cell(r.ttft_p99),
+             cell(r.itl_p50, 2), cell(r.itl_p99, 2), cell(r.step_ms, 2), cell(r.host_ms, 2), cell(r.gpu_busy, 0),
+             cell(r.mbu, 1, 100), cell(r.reserved_gib, 2)]
             for r in results]  # fmt: skip
     lines = [
         *([f"Still to run: {', '.join(not_yet)}."] if not_yet else []),
-        "Random weights in the named shape, the default model's tokenizer; greedy, `ignore_eos`; one run. "
-        "tokenwire rows:",
-        "the server over gRPC (TTFT and ITL from the client; decode step: the server's mean). "
-        "Ceiling rows: transformers",
-        "`generate` on a static batch with a static cache, in-process (ITL there is the mean step, prefill included). "
-        "MBU:",
-        "bytes a decode step reads (weights + the batch's KV cache) ÷ step time ÷ peak bandwidth. "
-        "Host ms/step: the server's",
-        "mean `tokenwire_decode_step_host_seconds`, a decode step's wall time (delivery included) "
-        "less its compute (CPU) or",
-        "its wait on the device (CUDA): on a GPU, host work the device may idle through. "
-        "Reserved: torch's device memory",
-        "high-water mark.",
+        "Random weights in the named shape, the default model's tokenizer; greedy, `ignore_eos`; one run. tokenwire "
+        "rows: the server over gRPC (TTFT and ITL from the client; decode step: the server's mean). Ceiling rows: "
+        "transformers `generate` on a static batch with a static cache, in-process (ITL there is the mean step, "
+        "prefill included). MBU: bytes a decode step reads (weights + the batch's KV cache) ÷ step time ÷ peak "
+        "bandwidth. Host ms/step: the server's mean `tokenwire_decode_step_host_seconds`, a decode step's wall time "
+        "(delivery included) less its compute (CPU) or its wait on the device (CUDA): on a GPU, host work the device "
+        "may idle through. Reserved: torch's device memory high-water mark.",
         "",
         *doc.table("shape | path | c | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | decode step ms "
                    "| host ms/step | GPU busy % | MBU % | reserved GiB", "llrrrrrrrrrrr", rows),
@@ -363,9 +336,8 @@ def render(args: argparse.Namespace, results: list[Result], prefill: list[list[A
     if prefill:
         lines += [
             "",
-            "Prompt budget (`--max-prefill-tokens`, native pass): streams decode, "
-            "a 1,500-token prompt arrives (two arrivals,",
-            "the worse shown); stall: the streams' largest gap while it is read ÷ their ITL p50 before; "
+            "Prompt budget (`--max-prefill-tokens`, native pass): streams decode, a 1,500-token prompt arrives (two "
+            "arrivals, the worse shown); stall: the streams' largest gap while it is read ÷ their ITL p50 before; "
             "TTFT: the long prompt's own.",
             "",
             *doc.table(

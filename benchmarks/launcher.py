@@ -199,15 +199,15 @@ class OpenAIServer:
         with socket.socket() as free:
             free.bind(("127.0.0.1", 0))
             self.port = int(free.getsockname()[1])
-        common = ["--host", "127.0.0.1", "--port", str(self.port)]
-        if kind == "vllm":
-            run = [program, "-m", "vllm.entrypoints.openai.api_server"]
-            alias = "--served-model-name"
-            common += ["--uvicorn-log-level", "warning"]
-        else:
-            run, alias = [program], "--alias"
-        health = "/health"  # 200 once the model is loaded (llama-server: 503 while it loads)
-        self.command = [*run, "--model", str(model), alias, "default", *common, *args]
+        vllm = kind == "vllm"
+        run = (
+            [program, "-m", "vllm.entrypoints.openai.api_server", "--uvicorn-log-level", "warning"]
+            if vllm
+            else [program]
+        )
+        where = ["--host", "127.0.0.1", "--port", str(self.port)]
+        alias = "--served-model-name" if vllm else "--alias"
+        self.command = [*run, "--model", str(model), alias, "default", *where, *args]
         self._log = log.open("w")
         self.proc = subprocess.Popen(
             self.command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
@@ -216,8 +216,8 @@ class OpenAIServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{kind}'s OpenAI server exited with {self.proc.returncode}; see {log}")
-            with contextlib.suppress(OSError):
-                if urllib.request.urlopen(f"http://127.0.0.1:{self.port}{health}", timeout=2).status == 200:
+            with contextlib.suppress(OSError):  # 200 once the model is loaded (llama-server: 503 while it loads)
+                if urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200:
                     return
             time.sleep(1)
         self.close()
@@ -242,34 +242,29 @@ def serve_openai(dry_run: bool, *server_args: Any, **kwargs: Any) -> Any:
     return OpenAIServer(*server_args, **kwargs)
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants, from /proc."""
+def tree_usage(pid: int) -> tuple[float, float]:
+    """(CPU seconds used, resident MB) of ``pid`` and all its descendants together, from /proc."""
+    stats: dict[int, list[str]] = {}
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(parent, []).append(int(entry.name))
-    out, todo = [], [pid]
+                stats[int(entry.name)] = fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    cpu, pages, todo = 0, 0, [pid]
     while todo:
-        out.append(todo.pop())
-        todo.extend(children.get(out[-1], []))
-    return out
+        process = todo.pop()
+        todo.extend(children.get(process, []))
+        if fields := stats.get(process):  # utime and stime in clock ticks; resident pages
+            cpu, pages = cpu + int(fields[11]) + int(fields[12]), pages + int(fields[21])
+    return cpu / os.sysconf("SC_CLK_TCK"), pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    total = 0
-    for p in process_tree(pid):
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of a process and all its descendants."""
-    total = 0
-    for p in process_tree(pid):
-        with contextlib.suppress(OSError):
-            total += process_status(p).get("rss_kib", 0)
-    return total / 1024
+def tenant_flags(folder: Path, tokens: str, tenants: str | None = None) -> list[str]:
+    """A server's flags for bearer ``tokens`` (the token file's lines: "token [tenant]") and ``tenants``
+    (tenants.toml), the files written into ``folder``."""
+    (folder / "tokens").write_text(tokens)
+    if tenants is None:
+        return ["--auth-token-file", str(folder / "tokens")]
+    (folder / "tenants.toml").write_text(tenants)
+    return ["--auth-token-file", str(folder / "tokens"), "--tenant-config", str(folder / "tenants.toml")]

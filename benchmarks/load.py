@@ -1,8 +1,8 @@
 """The load generators, every latency taken at the client: ``grpc_load`` (a closed loop of
 streams over tokenwire's gRPC API, each asking for exactly ``max_new_tokens``: the client's
-``run_bench``), ``stream``/``streams`` (raw ``GenerateRequest``s read to their end, for suites
-that build their own) and ``openai_load`` (the same closed loop over an OpenAI-style SSE
-endpoint, stdlib HTTP/1.1).
+``run_bench``), ``stream``/``streams`` (raw ``GenerateRequest``s, built by ``request``, read to
+their end) and ``openai_load`` (the same closed loop over an OpenAI-style SSE endpoint, stdlib
+HTTP/1.1).
 """
 
 from __future__ import annotations
@@ -77,13 +77,30 @@ def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
+def request(
+    text: str = "", tokens: int = 16, *, chat: bool = False, system: str = "", ignore_eos: bool = False, **fields: Any
+) -> Any:
+    """A ``GenerateRequest`` for ``tokens`` new tokens: ``text`` as a raw prompt, or with ``chat`` (or a ``system``
+    prompt) as a user's message; ``fields``: its other fields (a message field may be a dict)."""
+    from tokenwire.v1 import generation_pb2 as pb
+
+    if chat or system:
+        messages = [{"role": "system", "content": system}] * bool(system) + [{"role": "user", "content": text}]
+        fields["chat"] = {"messages": messages}
+    elif text:
+        fields["prompt"] = text
+    return pb.GenerateRequest(stopping={"max_new_tokens": tokens, "ignore_eos": ignore_eos}, **fields)
+
+
 @dataclasses.dataclass
 class Stream:
-    """One call read to its end: seconds to the first chunk and in all, and its chunks."""
+    """One call read to its end (or its cut): seconds to the first chunk (None: none came) and in all, its chunks,
+    and the error it ended with (only where ``stream`` was told to ``catch`` it)."""
 
-    ttft: float
+    ttft: float | None
     seconds: float
     chunks: list[Any]
+    error: Any = None
 
     @property
     def text(self) -> str:
@@ -106,13 +123,28 @@ def stub(channel: Any) -> Any:
     return pb_grpc.TextGenerationStub(grpc.insecure_channel(channel) if isinstance(channel, str) else channel)
 
 
-def stream(stub: Any, request: Any, timeout: float = 1800, metadata: Sequence[tuple[str, str]] = ()) -> Stream:
-    start, first, chunks = time.perf_counter(), None, []
-    for chunk in stub.Generate(request, timeout=timeout, metadata=metadata):
-        first = time.perf_counter() - start if first is None else first
-        chunks.append(chunk)
-    assert first is not None, "a stream of no chunks"
-    return Stream(first, time.perf_counter() - start, chunks)
+def stream(
+    stub: Any, request: Any, timeout: float = 1800, metadata: Any = (), cut: int = 0, catch: bool = False
+) -> Stream:
+    """``request`` read to its end (``metadata``: the call's (key, value) pairs), or cancelled after ``cut``
+    chunks; a gRPC error raised, or kept where ``catch``."""
+    import grpc
+
+    start, first, chunks, error = time.perf_counter(), None, [], None
+    call = stub.Generate(request, timeout=timeout, metadata=metadata)
+    try:
+        for chunk in call:
+            first = time.perf_counter() - start if first is None else first
+            chunks.append(chunk)
+            if len(chunks) == cut:
+                call.cancel()
+                break
+    except grpc.RpcError as exc:
+        if not catch:
+            raise
+        error = exc
+    assert first is not None or catch, "a stream of no chunks"
+    return Stream(first, time.perf_counter() - start, chunks, error)
 
 
 def streams(stub: Any, requests: Sequence[Any], concurrency: int, timeout: float = 1800) -> tuple[float, list[Stream]]:
@@ -129,55 +161,38 @@ async def openai_stream(port: int, body: dict[str, Any]) -> tuple[float | None, 
     payload = json.dumps(body).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     started = time.perf_counter()
-    writer.write(
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
-        + payload
-    )
+    head = f"Host: 127.0.0.1:{port}\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+    writer.write(f"POST /v1/chat/completions HTTP/1.1\r\n{head}Connection: close\r\n\r\n".encode() + payload)
     await writer.drain()
-    status = await reader.readline()
-    if b" 200 " not in status:
+    if b" 200 " not in (status := await reader.readline()):
         writer.close()
         raise RuntimeError(f"HTTP {status!r}")
     chunked = False
     while (line := await reader.readline()) not in (b"\r\n", b""):
         chunked |= line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower()
-    first: float | None = None
-    last, gaps, buffer = 0.0, [], b""
-    counts = {"completion": 0, "prompt": 0, "events": 0}
+    stamps: list[float] = []  # each token event's arrival
+    usage = {"completion_tokens": 0, "prompt_tokens": 0}
+    buffer = b""
 
     def events(data: bytes) -> None:
-        nonlocal buffer, first, last
-        buffer += data
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
+        nonlocal buffer
+        *whole, buffer = (buffer + data).split(b"\n\n")
+        for event in whole:
+            now = time.perf_counter()
             if not event.startswith(b"data: ") or event == b"data: [DONE]":
                 continue
-            now = time.perf_counter()
             record = json.loads(event[6:])
-            if usage := record.get("usage"):
-                counts["completion"], counts["prompt"] = usage["completion_tokens"], usage["prompt_tokens"]
-            if not record.get("choices"):
-                continue
-            choice = record["choices"][0]
-            if not choice.get("delta") and choice.get("finish_reason"):
-                continue  # the end announced in an event of its own (llama-server's): no token came with it
-            # One event per token step; an event whose text the detokenizer holds back
-            # (half a character) still marks a token's arrival.
-            if first is None:
-                if not choice.get("delta", {}).get("content"):
-                    continue
-                first = last = now
-            else:
-                gaps.append(now - last)
-                last = now
-            counts["events"] += 1
+            usage.update(record.get("usage") or {})
+            choice = (record.get("choices") or [{}])[0]
+            if not choice or (not choice.get("delta") and choice.get("finish_reason")):
+                continue  # no choice, or the end announced in an event of its own (llama-server's): no token
+            # One event per token step from the first with text on; an event whose text the detokenizer
+            # holds back (half a character) still marks a token's arrival.
+            if stamps or choice.get("delta", {}).get("content"):
+                stamps.append(now)
 
     if chunked:
-        while size_line := await reader.readline():
-            size = int(size_line.strip().split(b";")[0], 16)
-            if size == 0:
-                break
+        while size := int((await reader.readline()).strip().split(b";")[0] or b"0", 16):
             events(await reader.readexactly(size))
             await reader.readexactly(2)
     else:
@@ -185,8 +200,9 @@ async def openai_stream(port: int, body: dict[str, Any]) -> tuple[float | None, 
             events(data)
     writer.close()
     # A server that sends no usage (llama-cpp-python's stream, before llama-server): one event per token.
-    ttft = first - started if first is not None else None
-    return ttft, gaps, counts["completion"] or counts["events"], counts["prompt"]
+    ttft = stamps[0] - started if stamps else None
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return ttft, gaps, usage["completion_tokens"] or len(stamps), usage["prompt_tokens"]
 
 
 def openai_load(

@@ -1,11 +1,7 @@
 """Does the server keep its pace when another process wants a core? (`make bench-neighbour`)
 
-Between torch's parallel regions an idle libgomp thread spins for GOMP_SPINCOUNT iterations; a
-thread that lost its core to a neighbour holds every later step at the barrier, and a thread that
-went to sleep costs a wake-up at the next region. The default (spin 10,000, and the batched
-engine's step on all cores or one fewer, whichever measures faster: engine/threads.py) against the
-same spin on all cores pinned, and the old default (spin 1,000, all cores), each quiet and beside
-one busy Python process, at c=1 and c=16. Replaces the "neighbour" section.
+OpenMP's spin and the step's threads (``SETTINGS``), each quiet and beside one busy Python process: a thread that
+lost its core holds every later step at the barrier. Replaces the "neighbour" section.
 """
 
 from __future__ import annotations
@@ -15,9 +11,6 @@ import os
 import subprocess
 import sys
 import time
-
-import grpc
-from tokenwire.v1 import generation_pb2 as pb
 
 from benchmarks import doc, load
 from benchmarks.launcher import serve
@@ -35,15 +28,13 @@ FLAGS = {"repeats": 3, "tokens": 64, "concurrency": "1,16", "rounds": (3, "waves
 DRY_RUN = {"repeats": 1, "rounds": 1, "concurrency": "1,2", "tokens": 4}
 
 
-def measure(target: str, concurrency: int, tokens: int, rounds: int) -> tuple[float, list[float]]:
+def measure(stub: object, concurrency: int, tokens: int, rounds: int) -> tuple[float, list[float]]:
     """Tokens/s over ``rounds`` waves of ``concurrency`` streams, and every stream's seconds."""
-    request = pb.GenerateRequest(prompt=PROMPT, stopping=pb.StoppingCriteria(max_new_tokens=tokens, ignore_eos=True))
-    with grpc.insecure_channel(target) as channel:
-        stub = load.stub(channel)
-        load.stream(stub, request)  # warm
-        start = time.perf_counter()
-        done = [s for _ in range(rounds) for s in load.streams(stub, [request] * concurrency, concurrency, 600)[1]]
-        seconds = time.perf_counter() - start
+    request = load.request(PROMPT, tokens, ignore_eos=True)
+    load.stream(stub, request)  # warm
+    start = time.perf_counter()
+    done = [s for _ in range(rounds) for s in load.streams(stub, [request] * concurrency, concurrency, 600)[1]]
+    seconds = time.perf_counter() - start
     assert all(s.usage.completion_tokens == tokens for s in done)
     return rounds * concurrency * tokens / seconds, [s.seconds for s in done]
 
@@ -54,18 +45,19 @@ def run(args: argparse.Namespace) -> doc.Section:
     # (setting, neighbour, concurrency) -> per-repeat tokens/s, and all latencies
     tps: dict[tuple[str, bool, int], list[float]] = {}
     lat: dict[tuple[str, bool, int], list[float]] = {}
-    switches: dict[str, int] = {}  # the layout's changes of thread count, over every repeat
+    switches = dict.fromkeys(SETTINGS, 0)  # the layout's changes of thread count, over every repeat
     for repeat in range(args.repeats):
         for name, (spin, threads) in SETTINGS.items():
             flags = ["--model", args.model, "--omp-spin-count", spin, "--torch-threads", threads]
             with serve(args.dry_run, flags) as server:
+                stub = load.stub(server.target)
                 reported = server.find("torch")[0]["omp_spin_count"]
                 assert reported == spin, reported
                 for neighbour in (False, True):
                     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if neighbour else None
                     try:
                         for c in levels:
-                            rate, latencies = measure(server.target, c, args.tokens, args.rounds)
+                            rate, latencies = measure(stub, c, args.tokens, args.rounds)
                             tps.setdefault((name, neighbour, c), []).append(rate)
                             lat.setdefault((name, neighbour, c), []).extend(latencies)
                             doc.log(f"repeat {repeat} {name} neighbour={neighbour} c={c}: {rate:.1f} tok/s")
@@ -73,18 +65,17 @@ def run(args: argparse.Namespace) -> doc.Section:
                         if hog:
                             hog.kill()
                             hog.wait()
-                switches[name] = switches.get(name, 0) + len(server.find("cpu step threads"))
+                switches[name] += len(server.find("cpu step threads"))
     busy = {False: "none", True: "busy"}
-    rows = [[name, busy[neighbour], c, spread(tps[(name, neighbour, c)]),
-             f"{median(lat[(name, neighbour, c)]):.2f} / {p99(lat[(name, neighbour, c)]):.2f}"]
-            for c in levels for neighbour in (False, True) for name in SETTINGS]  # fmt: skip
+    rows = [[name, busy[n], c, spread(tps[key]), f"{median(lat[key]):.2f} / {p99(lat[key]):.2f}"]
+            for c in levels for n in (False, True) for name in SETTINGS for key in [(name, n, c)]]  # fmt: skip
     default, *others = SETTINGS
     notes = [
-        f"- c={c}, neighbour {busy[neighbour]}: the default vs {other}, tokens/s ratio "
-        f"{spread(ratios(tps[(default, neighbour, c)], tps[(other, neighbour, c)]), 2)}×"
+        f"- c={c}, neighbour {busy[n]}: the default vs {other}, tokens/s ratio "
+        f"{spread(ratios(tps[(default, n, c)], tps[(other, n, c)]), 2)}×"
         for other in others
         for c in levels
-        for neighbour in (False, True)
+        for n in (False, True)
     ]
     notes.append(
         f"- the default's changes of thread count (log line `cpu step threads`), all repeats: {switches[default]}"
@@ -93,15 +84,13 @@ def run(args: argparse.Namespace) -> doc.Section:
               f"{spread(ratios(tps[(name, True, c)], tps[(name, False, c)]), 2)}"
               for name in SETTINGS for c in levels]  # fmt: skip
     return doc.section(
-        "neighbour",
-        "Beside a busy neighbour: OpenMP's spin and the step's threads (`make bench-neighbour`)",
+        "neighbour", "Beside a busy neighbour: OpenMP's spin and the step's threads (`make bench-neighbour`)",
         args.command,
         f"The default model over gRPC, {doc.host()}; streams of {args.tokens} tokens, {args.rounds} waves per cell, "
         f"{args.repeats} repeats alternating the settings. The neighbour is one `while True: pass` process. "
         "Tokens/s: median (min–max) over repeats; latency: median and p99 over every stream of the cell.",
         "",
-        *doc.table("setting | neighbour | streams | tokens/s | stream latency median / p99 (s)", "llrrr",
-                   rows),
+        *doc.table("setting | neighbour | streams | tokens/s | stream latency median / p99 (s)", "llrrr", rows),
         "",
         *notes,
     )  # fmt: skip

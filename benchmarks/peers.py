@@ -1,13 +1,8 @@
 """tokenwire beside vLLM's OpenAI server and llama.cpp's llama-server, in one run, repeated (`make bench-peers`).
 
-Every system (``LABELS``) on the same model, chat prompts, new tokens (``ignore_eos``) and
-concurrency, greedy and sampled (``SAMPLED``: temperature, top_p, seeded). llama.cpp is its C++
-``llama-server`` (16 slots, continuous batching), one system per GGUF: F32, BF16 and Q8_0 made
-once from the converted model by llama.cpp's own tools, and the shipped Q4_1; it runs where
-``make setup-llamacpp`` has built it (.peers/). Every server starts once and stays up; each
-repeat runs every system in turn (greedy then sampled, c=1 then c=16) and each ratio is taken
-inside a repeat; the CPU time idle servers used meanwhile is recorded. Replaces the "peers"
-section (``--section``, ``--title``: another, for a subset of the systems).
+Every system (``LABELS``) on the same prompts, greedy and sampled (``SAMPLED``); llama.cpp, one system per GGUF,
+runs where ``make setup-llamacpp`` has built it (.peers/). Every server starts once and stays up; ratios are taken
+inside a repeat. Replaces the "peers" section (``--section``, ``--title``: another, for a subset of the systems).
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from typing import Any
 
 from benchmarks import doc, load
 from benchmarks.bench import LOADED, in_process
-from benchmarks.launcher import REPO, serve, serve_openai, tree_cpu_seconds, tree_rss_mb, venv_python
+from benchmarks.launcher import REPO, serve, serve_openai, tree_usage, venv_python
 from benchmarks.load import Measure
 from benchmarks.stats import median, spread
 
@@ -79,47 +74,33 @@ FLAGS = {
     "title": ("Beside the peers (`make bench-peers`)", "that section's heading"),
 }
 DRY_RUN = {"repeats": 1, "max_new_tokens": 4, "requests": "2,4", "systems": ",".join(SYSTEMS)}
-# (target, system, compared with, concurrency, field, ratio|delta, at least | at most, bound); a system
+# (target, system, compared with, concurrency, bound): the median of the per-repeat tokens/s ratios at least
+# ``bound``; with a sixth item, a latency field: the median difference of that field at most ``bound``. A system
 # is measured greedy unless it is named "SYSTEM sampled".
 TARGETS = (
-    ("#38 CPU c=1 greedy: batched float32 ≥ 1.0× llama-server F32",
-     "batched-fp32", "llamacpp-f32", 1, "tokens_per_s", "ratio", ">=", 1.0),
-    ("#38 CPU c=16 greedy: batched float32 ≥ 1.5× llama-server F32",
-     "batched-fp32", "llamacpp-f32", 16, "tokens_per_s", "ratio", ">=", 1.5),
-    ("#38 CPU c=16 greedy: batched bf16 ≥ 1.5× llama-server BF16",
-     "batched-bf16", "llamacpp-bf16", 16, "tokens_per_s", "ratio", ">=", 1.5),
-    ("#38 CPU c=16 greedy: int8 ≥ 1.5× llama-server Q8_0",
-     "batched-int8", "llamacpp-q8", 16, "tokens_per_s", "ratio", ">=", 1.5),
-    ("#38 CPU c=16: batched sampled ≥ 0.9× batched greedy",
-     "batched sampled", "batched", 16, "tokens_per_s", "ratio", ">=", 0.9),
+    ("#38 CPU c=1 greedy: batched float32 ≥ 1.0× llama-server F32", "batched-fp32", "llamacpp-f32", 1, 1.0),
+    ("#38 CPU c=16 greedy: batched float32 ≥ 1.5× llama-server F32", "batched-fp32", "llamacpp-f32", 16, 1.5),
+    ("#38 CPU c=16 greedy: batched bf16 ≥ 1.5× llama-server BF16", "batched-bf16", "llamacpp-bf16", 16, 1.5),
+    ("#38 CPU c=16 greedy: int8 ≥ 1.5× llama-server Q8_0", "batched-int8", "llamacpp-q8", 16, 1.5),
+    ("#38 CPU c=16: batched sampled ≥ 0.9× batched greedy", "batched sampled", "batched", 16, 0.9),
     ("#38 CPU c=16 sampled: batched float32 ≥ 1.5× llama-server F32",
-     "batched-fp32 sampled", "llamacpp-f32 sampled", 16, "tokens_per_s", "ratio", ">=", 1.5),
+     "batched-fp32 sampled", "llamacpp-f32 sampled", 16, 1.5),
     ("#38 CPU c=16 sampled: batched bf16 ≥ 1.5× llama-server BF16",
-     "batched-bf16 sampled", "llamacpp-bf16 sampled", 16, "tokens_per_s", "ratio", ">=", 1.5),
-    ("#38 CPU c=16 sampled: int8 ≥ 1.5× llama-server Q8_0",
-     "batched-int8 sampled", "llamacpp-q8 sampled", 16, "tokens_per_s", "ratio", ">=", 1.5),
-    ("#38 CPU c=16 greedy: batched ≥ 1.2× static-batch `generate` float32",
-     "batched", "generate", 16, "tokens_per_s", "ratio", ">=", 1.2),
-    ("#38 CPU c=16 greedy: batched ≥ 1.2× static-batch `generate` bfloat16",
-     "batched", "generate-bf16", 16, "tokens_per_s", "ratio", ">=", 1.2),
-    ("#10 CPU c=16: batched ≥ 1.5× in-process static batch 16",
-     "batched", "generate", 16, "tokens_per_s", "ratio", ">=", 1.5),
-    ("#10 CPU c=16: batched ≥ 1.4× vLLM-CPU (OpenAI server)",
-     "batched", "vllm-openai", 16, "tokens_per_s", "ratio", ">=", 1.4),
-    ("#10 CPU c=1: batched ≥ 1.2× in-process generate", "batched", "generate", 1, "tokens_per_s", "ratio", ">=", 1.2),
-    ("#10 CPU c=1: batched ≥ 1.0× vLLM-CPU (OpenAI server)",
-     "batched", "vllm-openai", 1, "tokens_per_s", "ratio", ">=", 1.0),
-    ("#10 CPU c=1: batched TTFT p50 ≤ in-process + 15 ms (ms)",
-     "batched", "generate", 1, "ttft_p50", "delta", "<=", 15),
-    ("#22 CPU c=1: int8 ≥ 1.6× batched float32", "batched-int8", "batched-fp32", 1, "tokens_per_s", "ratio", ">=", 1.6),
-    ("#22 CPU c=1: int8 ≥ 1.0× llama-server Q8_0",
-     "batched-int8", "llamacpp-q8", 1, "tokens_per_s", "ratio", ">=", 1.0),
-    ("#22 CPU c=16: int8 ≥ 1.0× batched float32",
-     "batched-int8", "batched-fp32", 16, "tokens_per_s", "ratio", ">=", 1.0),
-    ("#11 c=16: tokenwire on vLLM ≥ 0.95× vLLM OpenAI server",
-     "tokenwire-vllm", "vllm-openai", 16, "tokens_per_s", "ratio", ">=", 0.95),
+     "batched-bf16 sampled", "llamacpp-bf16 sampled", 16, 1.5),
+    ("#38 CPU c=16 sampled: int8 ≥ 1.5× llama-server Q8_0", "batched-int8 sampled", "llamacpp-q8 sampled", 16, 1.5),
+    ("#38 CPU c=16 greedy: batched ≥ 1.2× static-batch `generate` float32", "batched", "generate", 16, 1.2),
+    ("#38 CPU c=16 greedy: batched ≥ 1.2× static-batch `generate` bfloat16", "batched", "generate-bf16", 16, 1.2),
+    ("#10 CPU c=16: batched ≥ 1.5× in-process static batch 16", "batched", "generate", 16, 1.5),
+    ("#10 CPU c=16: batched ≥ 1.4× vLLM-CPU (OpenAI server)", "batched", "vllm-openai", 16, 1.4),
+    ("#10 CPU c=1: batched ≥ 1.2× in-process generate", "batched", "generate", 1, 1.2),
+    ("#10 CPU c=1: batched ≥ 1.0× vLLM-CPU (OpenAI server)", "batched", "vllm-openai", 1, 1.0),
+    ("#10 CPU c=1: batched TTFT p50 ≤ in-process + 15 ms (ms)", "batched", "generate", 1, 15, "ttft_p50"),
+    ("#22 CPU c=1: int8 ≥ 1.6× batched float32", "batched-int8", "batched-fp32", 1, 1.6),
+    ("#22 CPU c=1: int8 ≥ 1.0× llama-server Q8_0", "batched-int8", "llamacpp-q8", 1, 1.0),
+    ("#22 CPU c=16: int8 ≥ 1.0× batched float32", "batched-int8", "batched-fp32", 16, 1.0),
+    ("#11 c=16: tokenwire on vLLM ≥ 0.95× vLLM OpenAI server", "tokenwire-vllm", "vllm-openai", 16, 0.95),
     ("#11 c=1: tokenwire on vLLM TTFT p50 ≤ OpenAI server + 10 ms (ms)",
-     "tokenwire-vllm", "vllm-openai", 1, "ttft_p50", "delta", "<=", 10),
+     "tokenwire-vllm", "vllm-openai", 1, 10, "ttft_p50"),
 )  # fmt: skip
 
 
@@ -139,8 +120,8 @@ def measure(
     return dataclasses.replace(m, system=system, mode=mode)
 
 
-def per_repeat(rows: list[Measure], a: str, b: str, c: int, field: str, how: str) -> list[float]:
-    """``a / b`` (how="ratio") or ``a - b`` (how="delta") of one field, per repeat where both ran;
+def per_repeat(rows: list[Measure], a: str, b: str, c: int, field: str = "tokens_per_s") -> list[float]:
+    """``a / b`` of tokens/s (or ``a - b`` of a latency ``field``), per repeat where both ran;
     ``a`` and ``b``: a system, measured greedy, or "SYSTEM sampled"."""
     out = []
     keys = [(s, mode or "greedy") for s, _, mode in (x.partition(" ") for x in (a, b))]
@@ -148,76 +129,68 @@ def per_repeat(rows: list[Measure], a: str, b: str, c: int, field: str, how: str
         x, y = (next((getattr(m, field) for m in rows
                       if (m.system, m.mode, m.concurrency, m.repeat) == (s, mode, c, r)), None)
                 for s, mode in keys)  # fmt: skip
-        if x is not None and y is not None and (how != "ratio" or y):
-            out.append(x / y if how == "ratio" else x - y)
+        if x is not None and y is not None and (field != "tokens_per_s" or y):
+            out.append(x / y if field == "tokens_per_s" else x - y)
     return out
 
 
 def targets(rows: list[Measure]) -> list[tuple[str, list[float], bool | None]]:
     """(target, per-repeat values, met by the median; None where it did not run)."""
 
-    def met(values: list[float], sense: str, bound: float) -> bool | None:
-        if not values:
-            return None
-        return median(values) >= bound if sense == ">=" else median(values) <= bound
+    def met(values: list[float], bound: float, at_most: bool) -> bool | None:
+        return None if not values else median(values) <= bound if at_most else median(values) >= bound
 
     out = []
-    for name, a, b, c, field, how, sense, bound in TARGETS:
-        values = per_repeat(rows, a, b, c, field, how)
-        out.append((name, values, met(values, sense, bound)))
+    for name, a, b, c, bound, *field in TARGETS:
+        values = per_repeat(rows, a, b, c, *field)
+        out.append((name, values, met(values, bound, bool(field))))
     batched16 = [m for m in rows if m.system == "batched" and m.concurrency == 16 and m.mode == "greedy"]
     itl = [m.itl_p99 / m.itl_p50 for m in batched16 if m.itl_p50 and m.itl_p99]
-    out.append(("#10 CPU c=16: batched ITL p99 ≤ 2× p50", itl, met(itl, "<=", 2)))
+    out.append(("#10 CPU c=16: batched ITL p99 ≤ 2× p50", itl, met(itl, 2, True)))
     rss = [m.rss_mb for m in batched16 if m.rss_mb]
-    out.append(("#10 CPU c=16: batched server RSS ≤ 1.5 GB (MB)", rss, met(rss, "<=", 1536)))
+    out.append(("#10 CPU c=16: batched server RSS ≤ 1.5 GB (MB)", rss, met(rss, 1536, True)))
     return out
 
 
 def render(args: argparse.Namespace, rows: list[Measure], requests: dict[int, int], setup: dict[str, str],
            notes: list[str]) -> doc.Section:  # fmt: skip
+    def col(ms: list[Measure], value: Any, digits: int = 1) -> str:
+        return spread([v for m in ms if (v := value(m)) is not None], digits)
+
     cells = []
-    for system in (s for s in SYSTEMS if any(m.system == s for m in rows)):
-        for mode in MODES:
-            for c in CONCURRENCY:
-                ms = [m for m in rows if (m.system, m.mode, m.concurrency) == (system, mode, c)]
-                if ms:
-                    col = lambda field, digits=1, ms=ms: spread([v for m in ms if (v := field(m)) is not None], digits)  # noqa: E731
-                    cpu = col(lambda m: 1000 * m.cpu_s / m.tokens if m.cpu_s is not None and m.tokens else None, 2)
-                    errors = sum(sum(m.errors.values()) for m in ms)
-                    cells.append([LABELS[system], mode, c, col(lambda m: m.tokens_per_s), col(lambda m: m.ttft_p50),
-                                  col(lambda m: m.ttft_p99), col(lambda m: m.itl_p50), col(lambda m: m.itl_p99),
-                                  col(lambda m: m.rss_mb, 0), cpu, errors])  # fmt: skip
+    order = {key: i for i, key in enumerate((s, m, c) for s in SYSTEMS for m in MODES for c in CONCURRENCY)}
+    for key in sorted({(m.system, m.mode, m.concurrency) for m in rows}, key=order.__getitem__):
+        ms = [m for m in rows if (m.system, m.mode, m.concurrency) == key]
+        latencies = [col(ms, lambda m, f=f: getattr(m, f)) for f in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")]
+        cpu = col(ms, lambda m: 1000 * m.cpu_s / m.tokens if m.cpu_s is not None and m.tokens else None, 2)
+        cells.append([LABELS[key[0]], *key[1:], col(ms, lambda m: m.tokens_per_s), *latencies,
+                      col(ms, lambda m: m.rss_mb, 0), cpu, sum(sum(m.errors.values()) for m in ms)])  # fmt: skip
     met = [(name, ", ".join(f"{v:.2f}" for v in values) or "-", f"{median(values):.2f}" if values else "-",
             "yes" if ok else "NO") for name, values, ok in targets(rows) if ok is not None]  # fmt: skip
     modes = [m for m in MODES if any(row.mode == m for row in rows)]
-    kinds = {
-        "greedy": "greedy",
-        "sampled": f"sampled ({', '.join(f'{k} {v}' for k, v in SAMPLED.items())}, every request)",
-    }
+    sampled = ", ".join(f"{k} {v}" for k, v in SAMPLED.items())
+    kinds = {"greedy": "greedy", "sampled": f"sampled ({sampled}, every request)"}
     lines = [
-        f"On {doc.host()}: {args.repeats} repeats; in each, every system ran {' then '.join(modes)}, c=1 then c=16,",
-        "one after another, with every server already up. Each cell: median (min–max) over the repeats; ratios are",
-        "taken inside a repeat. Work: the 16 chat prompts of `tokenwire bench` (chat-templated by each server),",
-        f"`max_new_tokens={args.max_new_tokens}` with `ignore_eos`; {' and '.join(kinds[m] for m in modes)};",
-        f"{requests[1]} (c=1) / {requests[16]} (c=16) requests per run at each concurrency (closed loop: c streams",
+        f"On {doc.host()}: {args.repeats} repeats; in each, every system ran {' then '.join(modes)}, c=1 then c=16, "
+        "one after another, with every server already up. Each cell: median (min–max) over the repeats; ratios are "
+        "taken inside a repeat. Work: the 16 chat prompts of `tokenwire bench` (chat-templated by each server), "
+        f"`max_new_tokens={args.max_new_tokens}` with `ignore_eos`; {' and '.join(kinds[m] for m in modes)}; "
+        f"{requests[1]} (c=1) / {requests[16]} (c=16) requests per run at each concurrency (closed loop: c streams "
         "kept busy). TTFT and ITL are client-side, in milliseconds; ITL is the gap between token arrivals.",
         "",
         *doc.table("|", "ll", [*doc.machine().items(), *setup.items()]),
         "",
         *doc.table("system | mode | c | tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | server RSS MB | "
-                   "server CPU s / 1k tokens | errors",
-                   "llrrrrrrrrr", cells),
-        "",
-        "### Targets",
-        "",
-        *doc.table("target | per repeat | median | met", "llrl", met),
-        *(["", "### Notes", "", *(f"- {n}" for n in notes)] if notes else []),
+                   "server CPU s / 1k tokens | errors", "llrrrrrrrrr", cells),
+        *doc.sub("Targets", *doc.table("target | per repeat | median | met", "llrl", met)),
+        *(doc.sub("Notes", *(f"- {n}" for n in notes)) if notes else []),
     ]  # fmt: skip
     return doc.section(args.section, args.title, args.command, *lines)
 
 
 @contextlib.contextmanager
 def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) -> Iterator[dict[str, Any]]:
+    """Every system's server, started once (the OpenAI servers' commands noted); none for in-process `generate`."""
     servers: dict[str, Any] = {}
     vllm_env = {"VLLM_USE_AOT_COMPILE": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     eager = ["--enforce-eager"] if args.eager else []
@@ -225,30 +198,29 @@ def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) 
         for system in (s for s in systems if s not in GENERATE):
             began = time.monotonic()
             if system in BATCHED:
-                flags = ["--model", args.model, *BATCHED[system]]
-                servers[system] = stack.enter_context(serve(args.dry_run, flags, "batched"))
+                server = serve(args.dry_run, ["--model", args.model, *BATCHED[system]], "batched")
             elif system == "tokenwire-vllm":
                 flags = ["--model", args.model, "--kv-cache-tokens", str(args.kv_cache_tokens), *eager]
                 server = serve(args.dry_run, flags, "vllm", env=vllm_env, python=args.vllm_python)
-                servers[system] = stack.enter_context(server)
+            elif system == "vllm-openai":
+                folder, kv = (Path(), 0) if args.dry_run else vllm_folder_and_kv(args.model, args.kv_cache_tokens)
+                flags = ["--dtype", "float32", "--kv-cache-memory-bytes", str(kv), "--max-num-seqs", "16", *eager]
+                log = Path(args.log_dir) / f"{system}.log"
+                server = serve_openai(args.dry_run, args.vllm_python, folder, flags, vllm_env, log, 900, "vllm")
             else:
-                if system == "vllm-openai":
-                    folder, kv_bytes = (
-                        (Path(), 0) if args.dry_run else vllm_folder_and_kv(args.model, args.kv_cache_tokens)
-                    )
-                    peer = (args.vllm_python, folder, ["--dtype", "float32", "--kv-cache-memory-bytes", str(kv_bytes),
-                                                       "--max-num-seqs", "16", *eager], vllm_env)  # fmt: skip
-                    kind, ready_s = "vllm", 900
-                else:
-                    gguf = Path() if args.dry_run else llamacpp_gguf(Path(args.peers_dir), args.model, system)
-                    peer = (str(llama_server(args)), gguf, llamacpp_flags(args), {})
-                    kind, ready_s = "llamacpp", 300
-                servers[system] = serve_openai(args.dry_run, *peer, Path(args.log_dir) / f"{system}.log", ready_s, kind)
-                stack.callback(servers[system].close)
-                command = servers[system].command
+                gguf = Path() if args.dry_run else llamacpp_gguf(Path(args.peers_dir), args.model, system)
+                log = Path(args.log_dir) / f"{system}.log"
+                server = serve_openai(args.dry_run, str(llama_server(args)), gguf, llamacpp_flags(args), {}, log, 300,
+                                      "llamacpp")  # fmt: skip
+            if system in OPENAI_SYSTEMS:
+                servers[system] = server
+                stack.callback(server.close)
+                command = server.command  # vLLM's without its venv's python, llama-server's by its name
                 shown = command[1:] if system == "vllm-openai" else [Path(command[0]).name, *command[1:]]
                 label = "vLLM OpenAI server" if system == "vllm-openai" else LABELS[system]
                 notes.append(f"{label}: `" + " ".join(shown) + "`")
+            else:
+                servers[system] = stack.enter_context(server)
             doc.log(f"  {system}: ready in {time.monotonic() - began:.0f} s")
         yield servers
 
@@ -266,18 +238,17 @@ def llamacpp_flags(args: argparse.Namespace) -> list[str]:
     slots, threads = max(CONCURRENCY), str(os.cpu_count() or 1)
     flags = ["--parallel", str(slots), "--ctx-size", str(slots * args.llamacpp_slot_context), "--cont-batching",
              "--threads", threads, "--threads-batch", threads, "--jinja", "--no-webui"]  # fmt: skip
-    if any(name.startswith("amx") for name in cpu_instruction_sets()):
-        flags.append("--no-repack")
-    return flags
+    return flags + ["--no-repack"] * any(name.startswith("amx") for name in cpu_instruction_sets())
 
 
 def llamacpp_gguf(peers: Path, model: str, system: str) -> Path:
     """The GGUF a llama.cpp system serves, made once into the model cache, in a folder beside the
     converted model's: F32 and BF16 by llama.cpp's own convert_hf_to_gguf.py (from the tree
-    ``make setup-llamacpp`` built, in its venv) from the converted model, Q8_0 by its
-    llama-quantize from the F32. Q4_1 is the GGUF the default model ships as (another model's is
-    quantized from its F32 too)."""
-    from tokenwire_server.model import default_gguf_path, resolve_model_path
+    ``make setup-llamacpp`` built, in its venv) from the converted model (a view of it without
+    the GGUF quantization marker, which the converter refuses), Q8_0 by its llama-quantize from
+    the F32. Q4_1 is the GGUF the default model ships as (another model's is quantized from its
+    F32 too)."""
+    from tokenwire_server.model import default_gguf_path, resolve_model_path, unmarked_view
 
     kind = LLAMACPP[system]
     if kind == "Q4_1" and model == "default":
@@ -291,33 +262,22 @@ def llamacpp_gguf(peers: Path, model: str, system: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
     doc.log(f"  making {target} (once) ...")
-    if kind in ("F32", "BF16"):
-        with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
+        if kind in ("F32", "BF16"):
             converter = peers / "llama.cpp" / "src" / "convert_hf_to_gguf.py"
-            made([str(peers / "venv" / "bin" / "python"), str(converter), str(convertible(folder, Path(tmp))),
-                  "--outtype", kind.lower(), "--outfile", str(partial), "--model-name", name])  # fmt: skip
-    else:
-        source = llamacpp_gguf(peers, model, "llamacpp-f32")
-        quantize = peers / "llama.cpp" / "build" / "bin" / "llama-quantize"
-        made([str(quantize), str(source), str(partial), kind, str(os.cpu_count() or 1)])
-    partial.rename(target)
-    return target
-
-
-def convertible(folder: Path, into: Path) -> Path:
-    """``folder`` as llama.cpp's converter takes it, in ``into``: links to its files and a
-    config.json without the GGUF quantization marker (a converted GGUF's), which it refuses."""
-    from tokenwire_server.model import unmarked_view
-
-    return unmarked_view(folder, into)
-
-
-def made(command: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True)
+            command = [str(peers / "venv" / "bin" / "python"), str(converter), str(unmarked_view(folder, Path(tmp))),
+                       "--outtype", kind.lower(), "--outfile", str(partial), "--model-name", name]  # fmt: skip
+        else:
+            quantize = peers / "llama.cpp" / "build" / "bin" / "llama-quantize"
+            source = llamacpp_gguf(peers, model, "llamacpp-f32")
+            command = [str(quantize), str(source), str(partial), kind, str(os.cpu_count() or 1)]
+        done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(
             f"`{' '.join(command)}` exited with {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}"
         )
+    partial.rename(target)
+    return target
 
 
 def same_prompts(target: str, counts: dict[str, dict[str, int]]) -> list[str]:
@@ -328,8 +288,7 @@ def same_prompts(target: str, counts: dict[str, dict[str, int]]) -> list[str]:
         ours = {p: client.tokenize(messages=[Message("user", p)]).count for c in counts.values() for p in c}
     notes = []
     for system, counted in counts.items():
-        differ = {p: (ours[p], n) for p, n in counted.items() if ours[p] != n}
-        if differ:
+        if differ := {p: (ours[p], n) for p, n in counted.items() if ours[p] != n}:
             notes.append(f"prompt tokens differ between tokenwire and {LABELS[system]} (tokenwire, peer): {differ}")
         else:
             span = f"{min(counted.values())}–{max(counted.values())} tokens"
@@ -349,53 +308,10 @@ def vllm_folder_and_kv(model: str, kv_tokens: int) -> tuple[Path, int]:
     return vllm_model_folder(Path(folder)), max(256 << 20, kv_tokens * per_token)
 
 
-def run(args: argparse.Namespace) -> doc.Section:
+def setup_notes(args: argparse.Namespace, systems: list[str], vllm: bool) -> dict[str, str]:
+    """How each kind of system was set up, for the section's machine table."""
     import torch
-    from tokenwire.bench import DEFAULT_PROMPTS
 
-    systems = [s for s in args.systems.split(",") if s]
-    if unknown := set(systems) - set(SYSTEMS):
-        raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
-    modes = [m for m in args.modes.split(",") if m]
-    if unknown := set(modes) - set(MODES):
-        raise SystemExit(f"unknown modes: {', '.join(sorted(unknown))}")
-    vllm = {"tokenwire-vllm", "vllm-openai"} & set(systems)
-    if vllm and not (args.dry_run or Path(args.vllm_python).exists()):
-        raise SystemExit(f"{args.vllm_python} is missing: run `make setup-vllm` first")
-    requests = dict(zip(CONCURRENCY, (int(x) for x in args.requests.split(",")), strict=True))
-    notes: list[str] = []
-    if set(LLAMACPP) & set(systems) and not (args.dry_run or llama_server(args).exists()):
-        systems = [s for s in systems if s not in LLAMACPP]
-        notes.append(f"llama.cpp left out: {llama_server(args)} is missing (`make setup-llamacpp` builds it, ~15 min)")
-    rows: list[Measure] = []
-    doc.log(f"starting {', '.join(s for s in systems if s not in GENERATE)} ...")
-    with started(systems, args, notes) as servers:
-        for r in range(args.repeats):
-            for system in systems:
-                for mode in (m for m in modes if system not in GENERATE or m == "greedy"):  # generate: greedy only
-                    for c in CONCURRENCY:
-                        server = servers.get(system)
-                        pid = server.proc.pid if server is not None else os.getpid()
-                        others = {s: tree_cpu_seconds(v.proc.pid) for s, v in servers.items() if s != system}
-                        cpu_before = tree_cpu_seconds(pid)
-                        m = measure(args, system, server, c, requests[c], DEFAULT_PROMPTS, mode)
-                        m.repeat = r
-                        if server is not None:
-                            m.cpu_s, m.rss_mb = tree_cpu_seconds(pid) - cpu_before, tree_rss_mb(pid)
-                        idle = {s: tree_cpu_seconds(servers[s].proc.pid) - before for s, before in others.items()}
-                        busiest = max(idle.items(), key=lambda kv: kv[1], default=("-", 0.0))
-                        rows.append(m)
-                        doc.log(f"  repeat {r + 1} {system:>14} {mode:>7} c={c:<2} {m.tokens_per_s:7.1f} tok/s  "
-                                f"TTFT p50 {m.ttft_p50 or 0:7.1f} ms"
-                                f"  ITL p50 {m.itl_p50 or 0:6.1f} ms  "
-                                f"(idle servers: at most {busiest[1]:.2f} CPU s, {busiest[0]})")  # fmt: skip
-                        if busiest[1] > 0.05 * (m.cpu_s or 1e9):
-                            notes.append(f"repeat {r + 1}, {system} {mode} c={c}: an idle server used "
-                                         f"{busiest[1]:.2f} CPU s meanwhile")  # fmt: skip
-        grpc_server = next((servers[s] for s in systems if s in BATCHED or s == "tokenwire-vllm"), None)
-        if grpc_server is not None and OPENAI_PROMPT_TOKENS:
-            notes += same_prompts(grpc_server.target, OPENAI_PROMPT_TOKENS)
-    LOADED.clear()
     setup = {"tokenwire batched": f"{torch.get_num_threads()} torch threads (`batched-1t`: 1)"}
     if vllm:
         setup["vLLM"] = ("vllm-cpu, " + ("eager" if args.eager else "compiled (`VLLM_USE_AOT_COMPILE=0`)")
@@ -414,6 +330,50 @@ def run(args: argparse.Namespace) -> doc.Section:
         setup["llama.cpp GGUFs"] = ("F32 and BF16 made by its `convert_hf_to_gguf.py` from the converted model "
                                     "tokenwire loads, Q8_0 by its `llama-quantize` from the F32; Q4_1: the GGUF "
                                     "the default model ships as")  # fmt: skip
+    return setup
+
+
+def run(args: argparse.Namespace) -> doc.Section:
+    from tokenwire.bench import DEFAULT_PROMPTS
+
+    systems, modes = [s for s in args.systems.split(",") if s], [m for m in args.modes.split(",") if m]
+    for kind, given, known in (("systems", systems, SYSTEMS), ("modes", modes, MODES)):
+        if unknown := set(given) - set(known):
+            raise SystemExit(f"unknown {kind}: {', '.join(sorted(unknown))}")
+    vllm = {"tokenwire-vllm", "vllm-openai"} & set(systems)
+    if vllm and not (args.dry_run or Path(args.vllm_python).exists()):
+        raise SystemExit(f"{args.vllm_python} is missing: run `make setup-vllm` first")
+    requests = dict(zip(CONCURRENCY, (int(x) for x in args.requests.split(",")), strict=True))
+    notes: list[str] = []
+    if set(LLAMACPP) & set(systems) and not (args.dry_run or llama_server(args).exists()):
+        systems = [s for s in systems if s not in LLAMACPP]
+        notes.append(f"llama.cpp left out: {llama_server(args)} is missing (`make setup-llamacpp` builds it, ~15 min)")
+    rows: list[Measure] = []
+    doc.log(f"starting {', '.join(s for s in systems if s not in GENERATE)} ...")
+    with started(systems, args, notes) as servers:
+        for r in range(args.repeats):
+            for system in systems:
+                for mode in (m for m in modes if system not in GENERATE or m == "greedy"):  # generate: greedy only
+                    for c in CONCURRENCY:
+                        before = {s: tree_usage(v.proc.pid)[0] for s, v in servers.items()}
+                        m = measure(args, system, servers.get(system), c, requests[c], DEFAULT_PROMPTS, mode)
+                        after = {s: tree_usage(v.proc.pid) for s, v in servers.items()}
+                        m.repeat = r
+                        if system in servers:
+                            m.cpu_s, m.rss_mb = after[system][0] - before[system], after[system][1]
+                        idle = {s: after[s][0] - cpu for s, cpu in before.items() if s != system}
+                        busiest = max(idle.items(), key=lambda kv: kv[1], default=("-", 0.0))
+                        rows.append(m)
+                        doc.log(f"  repeat {r + 1} {system:>14} {mode:>7} c={c:<2} {m.tokens_per_s:7.1f} tok/s  "
+                                f"TTFT p50 {m.ttft_p50 or 0:7.1f} ms  ITL p50 {m.itl_p50 or 0:6.1f} ms  "
+                                f"(idle servers: at most {busiest[1]:.2f} CPU s, {busiest[0]})")  # fmt: skip
+                        if busiest[1] > 0.05 * (m.cpu_s or 1e9):
+                            notes.append(f"repeat {r + 1}, {system} {mode} c={c}: an idle server used "
+                                         f"{busiest[1]:.2f} CPU s meanwhile")  # fmt: skip
+        grpc_server = next((servers[s] for s in systems if s in BATCHED or s == "tokenwire-vllm"), None)
+        if grpc_server is not None and OPENAI_PROMPT_TOKENS:
+            notes += same_prompts(grpc_server.target, OPENAI_PROMPT_TOKENS)
+    LOADED.clear()
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(m) for m in rows], indent=2))
-    return render(args, rows, requests, setup, notes)
+    return render(args, rows, requests, setup_notes(args, systems, bool(vllm)), notes)

@@ -1,11 +1,7 @@
 """What the prefix cache saves when requests share a long system prompt (`make bench-prefix`).
 
-`--prefix-cache on` and `off`, one chat after another (time to first token is the prompt's own
-cost): questions alone, then, after one that fills the cache, chats sharing a ~1,000-token
-system prompt; cached prompt tokens from each answer's usage, and the answers compared between
-the settings. Then, cache on, #38's sequence: 8 chats sharing the system prompt together, 8
-short unrelated chats together, the first 8 again; how many of the third pass find >= 960 tokens.
-Replaces the "prefix" section.
+`--prefix-cache on` and `off`, one chat after another, questions alone and sharing a ~1,000-token system prompt;
+then #38's three passes (shared, unrelated, shared again). Replaces the "prefix" section.
 """
 
 from __future__ import annotations
@@ -13,11 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tokenwire.v1 import generation_pb2 as pb
-
 from benchmarks import doc, load
 from benchmarks.launcher import serve
-from benchmarks.stats import median, p99, spread
+from benchmarks.stats import median, p99, ratios, spread
 
 SETTINGS = ("on", "off")
 RULES = " ".join(f"Rule {i}: answer politely, briefly and only about topic number {i}." for i in range(60))
@@ -29,23 +23,14 @@ def question(i: int) -> str:
     return f"Question {i}: what is {i} plus {2 * i}, and which colour is the sky at noon?"
 
 
-def ask(stub: Any, system: str | None, text: str, tokens: int) -> load.Stream:
-    return load.stream(stub, request(system, text, tokens), timeout=600)
-
-
-def request(system: str | None, text: str, tokens: int) -> Any:
-    messages = [pb.ChatMessage(role="system", content=system)] if system else []
-    messages.append(pb.ChatMessage(role="user", content=text))
-    return pb.GenerateRequest(chat=pb.Chat(messages=messages), stopping=pb.StoppingCriteria(max_new_tokens=tokens))
-
-
 def three_passes(stub: Any, count: int, tokens: int) -> list[int]:
     """Cached prompt tokens of each chat of the third pass: shared, unrelated, shared again."""
-    shared = [request(RULES, question(i), tokens) for i in range(count)]
-    unrelated = [request(None, f"Tell me a short fact about the number {i}.", tokens * 4) for i in range(count)]
-    for batch in (shared, unrelated):
-        load.streams(stub, batch, concurrency=count, timeout=600)
-    _, again = load.streams(stub, shared, concurrency=count, timeout=600)
+    shared = [load.request(question(i), tokens, system=RULES) for i in range(count)]
+    unrelated = [
+        load.request(f"Tell me a short fact about the number {i}.", tokens * 4, chat=True) for i in range(count)
+    ]
+    for batch in (shared, unrelated, shared):
+        _, again = load.streams(stub, batch, concurrency=count, timeout=600)
     return [s.usage.cached_prompt_tokens for s in again]
 
 
@@ -59,10 +44,14 @@ def run(args: argparse.Namespace) -> doc.Section:
         for setting in SETTINGS:
             with serve(args.dry_run, ["--model", args.model, "--prefix-cache", setting]) as server:
                 stub = load.stub(server.target)
-                ask(stub, None, "Hello!", args.tokens)  # warm
-                alone = [ask(stub, None, question(i), args.tokens).ttft for i in range(args.requests)]
-                ask(stub, RULES, question(999), args.tokens)  # the first: fills the cache
-                shared = [ask(stub, RULES, question(i), args.tokens) for i in range(args.requests)]
+
+                def ask(text: str, system: str = "", stub: Any = stub) -> load.Stream:
+                    return load.stream(stub, load.request(text, args.tokens, chat=True, system=system), timeout=600)
+
+                ask("Hello!")  # warm
+                alone = [ask(question(i)).ttft for i in range(args.requests)]
+                ask(question(999), RULES)  # the first: fills the cache
+                shared = [ask(question(i), RULES) for i in range(args.requests)]
                 if setting == "on":
                     third.append(three_passes(stub, min(8, args.requests), args.tokens))
             ttft.setdefault((setting, "alone"), []).append(alone)
@@ -80,9 +69,8 @@ def run(args: argparse.Namespace) -> doc.Section:
             p50s, every = [median(r) * 1000 for r in runs], [t * 1000 for run in runs for t in run]
             hits = f"{min(cached[setting])}–{max(cached[setting])}" if kind == "shared" else "-"
             rows.append([setting, prompt, spread(p50s, 0), f"{p99(every):.0f}", hits])
-    ratios = {
-        s: [median(a) / median(b) for a, b in zip(ttft[(s, "shared")], ttft[(s, "alone")], strict=True)]
-        for s in SETTINGS
+    shared_vs_alone = {
+        s: ratios(*([median(r) for r in ttft[(s, kind)]] for kind in ("shared", "alone"))) for s in SETTINGS
     }
     same = sum(a == b for a, b in zip(texts["on"], texts["off"], strict=True))
     return doc.section(
@@ -95,7 +83,7 @@ def run(args: argparse.Namespace) -> doc.Section:
         *doc.table("--prefix-cache | prompt | TTFT p50 (ms) | TTFT p99 (ms) | cached prompt tokens (min–max)", "llrrr",
                    rows),
         "",
-        *(f"- prefix cache {s}: TTFT p50 shared ÷ question alone {spread(ratios[s], 2)}×" for s in SETTINGS),
+        *(f"- prefix cache {s}: TTFT p50 shared ÷ question alone {spread(shared_vs_alone[s], 2)}×" for s in SETTINGS),
         f"- answers identical with the cache on and off: {same} of {len(texts['on'])} (first repeat)",
         f"- three passes (cache on; {len(third[0])} chats sharing the system prompt at once, {len(third[0])} short "
         f"unrelated ones, the first again): chats of the third pass finding >= 960 tokens, per repeat: "

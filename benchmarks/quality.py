@@ -1,11 +1,9 @@
 """How far each precision mode moves the default model's answers (`make bench-quality`).
 
-Each mode (``int8``: the server's own layers; ``bfloat16``: bf16 weights in the float32 pass,
-as the server runs them on a CPU, ``bf16_weights``) against float32 on this device: mean
-KL per token along float32's own greedy continuations, and how many greedy answers stay
-identical. The bar (issue #22): ``BAR``. Replaces the "quality" section and
-service/tokenwire_server/quality.json, which the server's start-up reads: a mode that misses
-the bar on this device kind is refused unless ``--allow-unmet-quality-bar``.
+Each mode against float32 on this device: mean KL per token along float32's own greedy continuations, and how many
+greedy answers stay identical, against ``BAR`` (issue #22). Replaces the "quality" section and
+service/tokenwire_server/quality.json, which the server's start-up reads: a mode that misses the bar on this device
+kind is refused unless ``--allow-unmet-quality-bar``.
 """
 
 from __future__ import annotations
@@ -115,38 +113,36 @@ def run(args: argparse.Namespace) -> doc.Section:
     from tokenwire_server.quantize import quantize_model
 
     loaded = load_model(args.model, device="cpu", dtype="float32")
-    reference, tokenizer = loaded.model, loaded.tokenizer
-    device = "cpu"
-    results: dict[str, dict[str, Any]] = {}
+    reference = loaded.model
     answers = reference_answers(
-        reference, tokenizer, args.kl_prompts, args.kl_tokens, args.greedy_prompts, args.greedy_tokens
+        reference, loaded.tokenizer, args.kl_prompts, args.kl_tokens, args.greedy_prompts, args.greedy_tokens
     )
+    results: dict[str, dict[str, Any]] = {}
     for mode in [m for m in args.modes.split(",") if m]:
         began = time.perf_counter()
         candidate = copy.deepcopy(reference)
         if mode == "bfloat16":  # as the server computes it on a CPU: bf16 weights, the rest float32
-            candidate = bf16_weights(candidate)
+            bf16_weights(candidate)
         else:
-            quantize_model(candidate, mode, torch.device(device))
+            quantize_model(candidate, mode, torch.device("cpu"))
         results[mode] = measure(reference, candidate, answers)
         results[mode]["meets_bar"] = meets(results[mode])
         doc.log(f"  {mode}: {results[mode]} ({time.perf_counter() - began:.0f} s)")
         del candidate
-
     info = doc.machine()
-    rows = [[mode, f"{r['kl']:.4f}", f"{r['kl_max']:.4f}", f"{r['identical']}/{r['of']}", f"{r['parted_median']:g}",
-             "yes" if r["meets_bar"] else "NO"] for mode, r in results.items()]  # fmt: skip
     if args.quality_file:
         path = Path(args.quality_file)
         table = json.loads(path.read_text()) if path.is_file() else {}
         table["bar"] = BAR
         for mode, r in results.items():
-            table.setdefault("modes", {}).setdefault(mode, {})[device] = {
+            table.setdefault("modes", {}).setdefault(mode, {})["cpu"] = {
                 **r,
                 "host": info["cpu"],
                 "measured": doc.now(),
             }
         path.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+    rows = [[mode, f"{r['kl']:.4f}", f"{r['kl_max']:.4f}", f"{r['identical']}/{r['of']}", f"{r['parted_median']:g}",
+             "yes" if r["meets_bar"] else "NO"] for mode, r in results.items()]  # fmt: skip
     return doc.section(
         "quality", "Quality of each precision mode on the default model (`make bench-quality`)", args.command,
         f"Host: {info['cpu']} ({info['instruction sets']}), torch {info['torch']}.",

@@ -1,10 +1,9 @@
 """Minutes of mixed traffic against one server, then its figures (`make soak`).
 
-Starts a server with three tenants (``--tenants``) or targets a running one (``--target``,
-loopback only; ``--pid`` for its memory and threads) and sends it the mix (``MIX``,
-``TENANT_MIX``; every kind once first), bursts past admission and a cancel storm, from one
-process at a bounded rate; what it checks and what passes: docs/reliability.md, whose "soak"
-section ``--write-doc`` replaces. Exits 1 when the run fails.
+Starts a server with three tenants (``--tenants``) and sends it the mix (``MIX``, ``TENANT_MIX``;
+every kind once first), bursts past admission and a cancel storm, from one process at a bounded
+rate; what it checks and what passes: docs/reliability.md, whose "soak" section ``--write-doc``
+replaces. Exits 1 when the run fails.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -22,7 +20,6 @@ import random
 import secrets
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,7 +29,7 @@ import grpc
 from tokenwire.v1 import generation_pb2 as pb
 
 from benchmarks import doc, load
-from benchmarks.launcher import process_status, serve
+from benchmarks.launcher import process_status, serve, tenant_flags
 from benchmarks.stats import ms
 from benchmarks.structured import CHOICES, QUESTIONS, REGEX, SCHEMAS, follows
 
@@ -40,8 +37,6 @@ OUT = None  # --write-doc: docs/reliability.md (--doc)
 HEADER = "# Reliability\n"
 FLAGS = {
     "server_arg": ([], "extra flag for the server this starts (repeatable)"),
-    "target": ("", "host:port of a running server instead (loopback only; no tenants)"),
-    "pid": (0, "with --target: the server's pid, for memory and threads"),
     "tenants": (True, "start the server with three tenants and bearer tokens, and mix in the tenants' kinds of call"),
     "minutes": (10.0, "how long to send traffic"), "rate": (1.5, "calls started per second"),
     "concurrency": (48, "most calls this client runs at once"),
@@ -75,7 +70,7 @@ MALFORMED = (
     pb.GenerateRequest(prompt="hi", resume=pb.Resume(generated_token_ids=[2**31], next_index=1)),
 )  # fmt: skip
 # The formats of the structured calls: (what it is, the format, a question that asks for it).
-# A "json_object" answer must parse as an object; the others as benchmarks.structured checks them.
+# An answer must follow its format as benchmarks.structured.follows checks it ("json_object": any object).
 FORMATS = (
     ("short", pb.ResponseFormat(json_schema=json.dumps(SCHEMAS["short"])), QUESTIONS["short"][0]),
     ("json_object", pb.ResponseFormat(json_object=True), "Describe a cat as a JSON object."),
@@ -122,48 +117,34 @@ class Call:
     detail: str = ""  # the structured call's format
 
 
-def write_tenants(folder: Path) -> tuple[list[str], dict[str, str]]:
-    """The tenants' config and tokens in ``folder``: the server's extra flags, each tenant's token."""
-    tokens = {name: f"soak-{name}-{secrets.token_hex(8)}" for name in ("interactive", "batch", "metered")}
-    (folder / "tenants.toml").write_text(TENANTS_TOML)
-    (folder / "tokens").write_text("".join(f"{token} {name}\n" for name, token in tokens.items()))
-    return ["--tenant-config", str(folder / "tenants.toml"), "--auth-token-file", str(folder / "tokens")], tokens
-
-
 def _pick(rng: random.Random, weighted: Sequence[tuple[Any, float]]) -> Any:
     return rng.choices([value for value, _ in weighted], [weight for _, weight in weighted])[0]
 
 
 class Traffic:
-    """Sends the mix and records what came back; thread-safe."""
+    """Sends the mix and records what came back; thread-safe (its lists only grow by ``append``)."""
 
     def __init__(
         self, stub: Any, args: argparse.Namespace, rng: random.Random, tokens: dict[str, str] | None = None
     ) -> None:
         self._stub, self._args, self._rng, self._tokens = stub, args, rng, tokens or {}
-        self._lock = threading.Lock()
         self.outcomes: list[Outcome] = []
         self.violations: list[str] = []  # structured answers or resumed streams that broke their contract
         self.skipped = 0
         self.kinds = [kind for kind, _ in MIX] + ([kind for kind, _ in TENANT_MIX] if self._tokens else []) + ["short"]
         self._first_round = list(self.kinds)
 
-    def _record(self, outcome: Outcome) -> None:
-        with self._lock:
-            self.outcomes.append(outcome)
-
-    def _violation(self, what: str) -> None:
-        with self._lock:
-            self.violations.append(what)
-
-    def _failed(self, kind: str, error: grpc.RpcError, ttft: float | None, tenant: str, request: Any) -> None:
-        """A call that ended with ``error``; one that ended UNKNOWN or INTERNAL is also listed with
-        its message and request, so that a failed soak says what to reproduce."""
-        code = error.code().name
-        self._record(Outcome(kind, code, ttft, tenant=tenant))
+    def _failed(self, kind: str, stream: load.Stream, tenant: str, request: Any) -> bool:
+        """Whether ``stream`` ended with an error, recorded; one that ended UNKNOWN or INTERNAL is also
+        listed with its message and request, so that a failed soak says what to reproduce."""
+        if stream.error is None:
+            return False
+        code = stream.error.code().name
+        self.outcomes.append(Outcome(kind, code, stream.ttft, tenant=tenant))
         if code in BAD_CODES:
             shown = str(request).replace("\n", " ")[:600]
-            self._violation(f"{kind}: {code} {error.details()!r} for {shown}")
+            self.violations.append(f"{kind}: {code} {stream.error.details()!r} for {shown}")
+        return True
 
     def auth(self, tenant: str) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self._tokens[tenant]}"),) if tenant in self._tokens else ()
@@ -172,12 +153,12 @@ class Traffic:
         """The tenant of an ordinary call, by weight; NO_TENANT on a server without tenants."""
         return _pick(self._rng, SENDERS) if self._tokens else NO_TENANT
 
-    def _generation(self, tokens: int, tenant: str = NO_TENANT) -> pb.GenerateRequest:
-        request = pb.GenerateRequest(
-            prompt=self._rng.choice(PROMPTS),
-            sampling=pb.SamplingParams(temperature=0.7, seed=self._rng.randrange(2**32)),
-            stopping=pb.StoppingCriteria(max_new_tokens=tokens),
-        )
+    def _generation(self, tokens: int, tenant: str = NO_TENANT, text: str = "", **fields: Any) -> pb.GenerateRequest:
+        """A sampled request for ``tokens``: a prompt of ``PROMPTS`` (or ``text``, as a chat), at a priority
+        ``tenant`` may ask for."""
+        text, chat = text or self._rng.choice(PROMPTS), bool(text)
+        sampling = {"temperature": 0.7, "seed": self._rng.randrange(2**32)}
+        request = load.request(text, tokens, chat=chat, sampling=sampling, **fields)
         if tenant in PRIORITIES:
             request.priority = _pick(self._rng, PRIORITIES[tenant])
         return request
@@ -203,19 +184,13 @@ class Traffic:
             return Call(kind, self._generation(a.long_tokens, tenant), timeout, tenant, auth)
         if kind == "structured":
             name, fmt, question = self._rng.choice(FORMATS)
-            request = pb.GenerateRequest(
-                chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=question)]),
-                sampling=pb.SamplingParams(temperature=0.7, seed=self._rng.randrange(2**32)),
-                stopping=pb.StoppingCriteria(max_new_tokens=a.long_tokens),
-                response_format=fmt,
-            )
+            request = self._generation(a.long_tokens, text=question, response_format=fmt)
             return Call(kind, request, 120.0, tenant, auth, detail=name)
         if kind == "unauthenticated":
             wrong = (("authorization", "Bearer not-a-token"),)
             return Call(kind, self._generation(a.short_tokens), 10.0, "wrong-token", wrong)
         if kind == "priority-above-cap":  # batch may ask for normal priority at most
-            request = self._generation(a.short_tokens)
-            request.priority = pb.PRIORITY_HIGH
+            request = self._generation(a.short_tokens, priority=pb.PRIORITY_HIGH)
             return Call(kind, request, 10.0, "batch", self.auth("batch"))
         if kind == "metered":
             return Call(kind, self._generation(a.short_tokens), 60.0, "metered", self.auth("metered"))
@@ -223,52 +198,29 @@ class Traffic:
 
     def run(self, call: Call) -> None:
         try:
-            if call.kind == "resume":
-                self.resume(call)
-            else:
-                self.run_one(call)
+            self.resume(call) if call.kind == "resume" else self.run_one(call)
         except Exception as exc:  # a bug here would vanish in the pool's future: count it
-            self._violation(f"{call.kind}: the soak's own client failed: {exc!r}")
+            self.violations.append(f"{call.kind}: the soak's own client failed: {exc!r}")
 
-    def _read(self, call: Call, request: Any, cut: int = 0) -> tuple[float | None, list[Any], grpc.RpcError | None]:
-        """(seconds to the first chunk, the chunks, the error it ended with); cancelled after ``cut`` chunks."""
-        started, ttft, chunks = time.monotonic(), None, []
-        stream = self._stub.Generate(request, timeout=call.timeout, metadata=call.metadata)
-        try:
-            for chunk in stream:
-                ttft = time.monotonic() - started if ttft is None else ttft
-                chunks.append(chunk)
-                if len(chunks) == cut:
-                    stream.cancel()
-                    break
-        except grpc.RpcError as error:
-            return ttft, chunks, error
-        return ttft, chunks, None
+    def _read(self, call: Call, request: Any, cut: int = 0) -> load.Stream:
+        """``request`` sent as ``call``, cancelled after ``cut`` chunks; the error it ended with kept."""
+        return load.stream(self._stub, request, call.timeout, call.metadata, cut, catch=True)
 
     def run_one(self, call: Call) -> None:
         cut = self._rng.randint(1, 6) if call.kind == "cancelled" else 0
-        ttft, chunks, error = self._read(call, call.request, cut)
-        if error is not None:
-            return self._failed(call.kind, error, ttft, call.tenant, call.request)
-        if cut and len(chunks) == cut:
-            return self._record(Outcome(call.kind, "CANCELLED", ttft, tenant=call.tenant))
-        tokens = next((c.usage.completion_tokens for c in reversed(chunks) if c.HasField("usage")), 0)
-        self._record(Outcome(call.kind, "OK", ttft, tokens, call.tenant))
-        if call.kind == "structured" and chunks and chunks[-1].finish_reason == pb.FINISH_REASON_EOS:
-            self._check_format(call.detail, "".join(c.text for c in chunks))
-
-    def _check_format(self, name: str, text: str) -> None:
-        """An answer that ended EOS is whole: it must follow its format (one cut by
-        max_new_tokens is only a prefix)."""
-        if name == "json_object":
-            try:
-                ok = isinstance(json.loads(text), dict)
-            except ValueError:
-                ok = False
-        else:
-            ok = follows(name, text)
-        if not ok:
-            self._violation(f"structured {name}: the answer {text[:200]!r} does not follow its format")
+        got = self._read(call, call.request, cut)
+        if self._failed(call.kind, got, call.tenant, call.request):
+            return
+        if cut and len(got.chunks) == cut:
+            return self.outcomes.append(Outcome(call.kind, "CANCELLED", got.ttft, tenant=call.tenant))
+        tokens = next((c.usage.completion_tokens for c in reversed(got.chunks) if c.HasField("usage")), 0)
+        self.outcomes.append(Outcome(call.kind, "OK", got.ttft, tokens, call.tenant))
+        if call.kind == "structured" and got.chunks and got.chunks[-1].finish_reason == pb.FINISH_REASON_EOS:
+            # An answer that ended EOS is whole: it must follow its format (one cut by max_new_tokens is a prefix).
+            if not follows(call.detail, got.text):
+                self.violations.append(
+                    f"structured {call.detail}: the answer {got.text[:200]!r} does not follow its format"
+                )
 
     def resume(self, call: Call) -> None:
         """Cut a stream after a few chunks, then resume it with the token ids received: the
@@ -276,30 +228,32 @@ class Traffic:
         request = pb.GenerateRequest()
         request.CopyFrom(call.request)
         request.output.token_ids = True  # one chunk per token, with its id
-        ttft, received, error = self._read(call, request, self._rng.randint(1, 6))
-        if error is not None:
-            return self._failed("resume-cut", error, ttft, call.tenant, call.request)
+        cut = self._read(call, request, self._rng.randint(1, 6))
+        if self._failed("resume-cut", cut, call.tenant, call.request):
+            return
+        received, ids = cut.chunks, cut.ids
         if not received or received[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED:  # it ended before the cut
             tokens = received[-1].usage.completion_tokens if received else 0
-            return self._record(Outcome("resume-cut", "OK", ttft, tokens, call.tenant))
-        self._record(Outcome("resume-cut", "CANCELLED", ttft, tenant=call.tenant))
-        ids = [t.id for c in received for t in c.tokens]
+            return self.outcomes.append(Outcome("resume-cut", "OK", cut.ttft, tokens, call.tenant))
+        self.outcomes.append(Outcome("resume-cut", "CANCELLED", cut.ttft, tenant=call.tenant))
         request.resume.generated_token_ids.extend(ids)
         request.resume.next_index = len(received)
         if received[0].HasField("seed"):
             request.sampling.seed = received[0].seed
-        ttft, rest, error = self._read(call, request)
-        if error is not None:
-            return self._failed("resume", error, ttft, call.tenant, request)
-        if not rest:
-            return self._violation(f"resume after {len(received)} chunks: an OK stream of no chunks")
-        used = rest[-1].usage.completion_tokens
-        self._record(Outcome("resume", "OK", ttft, used - len(ids), call.tenant))
-        indexes = [c.index for c in rest]
-        if indexes != list(range(len(received), len(received) + len(rest))):
-            self._violation(f"resume after {len(received)} chunks: the resumed stream's indexes are {indexes[:8]}")
-        if used != (total := len(ids) + sum(len(c.tokens) for c in rest)):
-            self._violation(f"resume after {len(ids)} tokens: usage says {used} tokens, the streams {total}")
+        rest = self._read(call, request)
+        if self._failed("resume", rest, call.tenant, request):
+            return
+        if not rest.chunks:
+            return self.violations.append(f"resume after {len(received)} chunks: an OK stream of no chunks")
+        used = rest.usage.completion_tokens
+        self.outcomes.append(Outcome("resume", "OK", rest.ttft, used - len(ids), call.tenant))
+        indexes = [c.index for c in rest.chunks]
+        if indexes != list(range(len(received), len(received) + len(indexes))):
+            self.violations.append(
+                f"resume after {len(received)} chunks: the resumed stream's indexes are {indexes[:8]}"
+            )
+        if used != (total := len(ids) + len(rest.ids)):
+            self.violations.append(f"resume after {len(ids)} tokens: usage says {used} tokens, the streams {total}")
 
     def burst(self, size: int) -> None:
         """Start ``size`` calls at once (past admission), then read them all."""
@@ -311,31 +265,28 @@ class Traffic:
         for tenant, stream in started:
             try:
                 chunks = list(stream)
-                self._record(Outcome("burst", "OK", None, chunks[-1].usage.completion_tokens if chunks else 0, tenant))
+                self.outcomes.append(
+                    Outcome("burst", "OK", None, chunks[-1].usage.completion_tokens if chunks else 0, tenant)
+                )
             except grpc.RpcError as error:
-                self._record(Outcome("burst", error.code().name, tenant=tenant))
+                self.outcomes.append(Outcome("burst", error.code().name, tenant=tenant))
 
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:
     """The run: the report ``render_doc`` writes."""
-    with tempfile.TemporaryDirectory(prefix="soak-") as folder, contextlib.ExitStack() as stack:
-        server, tokens = None, {}
-        if args.target:
-            target, pid = args.target, args.pid
-        else:
-            flags = ["--model", args.model, *args.server_arg]
-            if args.tenants:
-                extra, tokens = write_tenants(Path(folder))
-                flags += extra
-            doc.log(f"soak: starting tokenwire-server {' '.join(flags)}")
-            server = stack.enter_context(serve(args.dry_run, flags, ready_timeout=600, stop_timeout=120))
-            target, pid = server.target, None if args.dry_run else server.proc.pid  # the fake: no process of its own
-        return _drive(args, target, pid, server, tokens)
+    tokens = {name: f"soak-{name}-{secrets.token_hex(8)}" for name in ("interactive", "batch", "metered")}
+    tokens = tokens if args.tenants else {}
+    with tempfile.TemporaryDirectory(prefix="soak-") as folder:
+        flags = ["--model", args.model, *args.server_arg]
+        if tokens:
+            flags += tenant_flags(Path(folder), "".join(f"{t} {n}\n" for n, t in tokens.items()), TENANTS_TOML)
+        doc.log(f"soak: starting tokenwire-server {' '.join(flags)}")
+        with serve(args.dry_run, flags, ready_timeout=600, stop_timeout=120) as server:
+            return _drive(args, server, None if args.dry_run else server.proc.pid, tokens)  # the fake: no process
 
 
-def _drive(
-    args: argparse.Namespace, target: str, pid: int | None, server: Any, tokens: dict[str, str]
-) -> dict[str, Any]:
+def _drive(args: argparse.Namespace, server: Any, pid: int | None, tokens: dict[str, str]) -> dict[str, Any]:
+    target = server.target
     channel = grpc.insecure_channel(target)
     stub = load.stub(channel)
     traffic = Traffic(stub, args, random.Random(args.seed), tokens)
@@ -348,15 +299,12 @@ def _drive(
     tokenize = pb.TokenizeRequest(text="warm up " * 200)
     for future in [stub.Tokenize.future(tokenize, timeout=120, metadata=auth) for _ in range(8)]:
         future.result()
-    for _ in range(4):
-        traffic.run_one(Call("warm-up", traffic._generation(args.short_tokens), 120, metadata=auth))
-    for name, fmt, question in FORMATS:
-        request = pb.GenerateRequest(
-            prompt=question, stopping=pb.StoppingCriteria(max_new_tokens=2), response_format=fmt
-        )
+    warm_up = [(traffic._generation(args.short_tokens), "") for _ in range(4)]
+    warm_up += [(load.request(question, 2, response_format=fmt), name) for name, fmt, question in FORMATS]
+    for request, name in warm_up:
         traffic.run_one(Call("warm-up", request, 120, metadata=auth, detail=name))
     traffic.outcomes.clear()
-    warm_lines = len(server.find("request finished")) if server is not None else 0
+    warm_lines = len(server.find("request finished"))
     start_status = process_status(pid) if pid else {}
     doc.log(f"soak: {args.minutes:g} min at {args.rate:g} calls/s against {target} "
             f"({info.name}, {info.engine}, admission "
@@ -394,23 +342,20 @@ def _drive(
     storm = _cancel_storm(traffic, args, pid)
     time.sleep(2)  # let the server retire what was cancelled last
     end_status = process_status(pid) if pid else {}
-    finished = server.find("request finished")[warm_lines:] if server is not None else []
+    finished = server.find("request finished")[warm_lines:]
     server_codes = dict(collections.Counter(r.get("code", "?") for r in finished))
     server_ttfts = [r["ttft_ms"] / 1000 for r in finished if r.get("code") == "OK" and "ttft_ms" in r]
     # What a call that ended INTERNAL logged (its traceback), so that a failed soak says why.
     server_errors = [{"msg": r.get("msg"), "request_id": r.get("request_id"),
                       "exception": str(r.get("exception", ""))[-2000:]}
-                     for r in (server.records if server is not None else [])
-                     if r.get("level") == "error"][:10]  # fmt: skip
+                     for r in server.records if r.get("level") == "error"][:10]  # fmt: skip
     channel.close()
     outcomes = list(traffic.outcomes)
     by_code = collections.Counter(o.code for o in outcomes)
     ttfts = [o.ttft_s for o in outcomes if o.ttft_s is not None and o.code in ("OK", "CANCELLED")]
-    tokens_generated = sum(int(r.get("completion_tokens", 0)) for r in finished) if server is not None else None
     return {
         "date": datetime.date.today().isoformat(),
-        "host": f"{platform.machine()}, "
-                f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 0} CPUs",
+        "host": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs",
         "model": info.name, "engine": info.engine, "device": info.device,
         "admission": f"{info.max_active_streams} active + {info.max_queued_requests} queued",
         "tenants": sorted(tokens), "minutes": round(elapsed / 60, 2), "rate_per_s": args.rate, "calls": len(outcomes),
@@ -420,20 +365,15 @@ def _drive(
         "server_codes": server_codes,
         "server_errors": server_errors,
         "client_busy_skips": traffic.skipped,
-        "ttft_p50_ms": _ms(ttfts, 50), "ttft_p99_ms": _ms(ttfts, 99), "server_ttft_p99_ms": _ms(server_ttfts, 99),
-        "tokens_generated": tokens_generated if tokens_generated is not None else sum(o.tokens for o in outcomes),
+        "ttft_p50_ms": ms(ttfts, 50, 1), "ttft_p99_ms": ms(ttfts, 99, 1), "server_ttft_p99_ms": ms(server_ttfts, 99, 1),
+        "tokens_generated": sum(int(r.get("completion_tokens", 0)) for r in finished),
         "cancel_storm": storm,
         "start": start_status,
         "end": end_status,
         "bad": {code: by_code.get(code, 0) + server_codes.get(code, 0) for code in BAD_CODES},
         "violations": list(traffic.violations),
-        "server_alive": server is None or server.proc.poll() is None,
+        "server_alive": server.proc.poll() is None,
     }  # fmt: skip
-
-
-def _ms(seconds: Sequence[float], q: float) -> float | None:
-    value = ms(seconds, q)
-    return None if value is None else round(value, 1)
 
 
 def _tally(outcomes: Sequence[Outcome], key: Callable[[Outcome], str]) -> dict[str, dict[str, int]]:
@@ -455,8 +395,8 @@ def _cancel_storm(traffic: Traffic, args: argparse.Namespace, pid: int | None) -
         if time.monotonic() - started > args.cancel_storm_seconds:
             break
         call = Call("storm", traffic._generation(args.long_tokens), 60, metadata=traffic.auth("interactive"))
-        _, chunks, error = traffic._read(call, call.request, cut=1)
-        cancelled += bool(chunks) and error is None
+        got = traffic._read(call, call.request, cut=1)
+        cancelled += bool(got.chunks) and got.error is None
     seconds = time.monotonic() - started
     time.sleep(2)
     after = process_status(pid).get("threads") if pid else None
@@ -509,11 +449,8 @@ def render_doc(report: dict[str, Any], command: str = "python -m benchmarks soak
 
 
 def run(args: argparse.Namespace) -> doc.Section:
-    host = args.target.rsplit(":", 1)[0] if args.target else "127.0.0.1"
-    loopback = host in ("127.0.0.1", "localhost", "[::1]") or host.startswith("127.")
-    if not loopback or args.minutes <= 0 or args.rate <= 0 or args.concurrency < 1:
-        print("soak: --target must be a loopback address" if not loopback else
-              "soak: --minutes, --rate and --concurrency must be positive", file=sys.stderr)  # fmt: skip
+    if args.minutes <= 0 or args.rate <= 0 or args.concurrency < 1:
+        print("soak: --minutes, --rate and --concurrency must be positive", file=sys.stderr)
         raise SystemExit(2)
     report = soak(args)
     print(json.dumps(report, indent=2))
@@ -524,9 +461,3 @@ def run(args: argparse.Namespace) -> doc.Section:
     if not passed(report):
         doc.log(f"soak: FAIL: {report['bad']} violations={report['violations'][:5]} alive={report['server_alive']}")
     return doc.Section("soak", render_doc(report, args.command), passed(report))
-
-
-if __name__ == "__main__":  # `python -m benchmarks.soak`, as before `python -m benchmarks soak`
-    from benchmarks.__main__ import main
-
-    sys.exit(main(["soak", *sys.argv[1:]]))

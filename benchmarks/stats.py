@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from tokenwire.bench import percentile
 
-__all__ = ["median", "ms", "p99", "percentile", "ratios", "spread"]
+__all__ = ["cell", "median", "ms", "p99", "percentile", "ratios", "spread"]
 
 median = statistics.median
 
@@ -21,10 +21,10 @@ def p99(values: Sequence[float]) -> float:
     return value
 
 
-def ms(seconds: Sequence[float], q: float) -> float | None:
-    """The q-th percentile of ``seconds``, in milliseconds; None for none."""
+def ms(seconds: Sequence[float], q: float, digits: int | None = None) -> float | None:
+    """The q-th percentile of ``seconds``, in milliseconds (rounded to ``digits``, where given); None for none."""
     value = percentile(seconds, q)
-    return None if value is None else value * 1000
+    return None if value is None else value * 1000 if digits is None else round(value * 1000, digits)
 
 
 def ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
@@ -37,3 +37,8 @@ def spread(values: Sequence[float], digits: int = 1) -> str:
     if not values:
         return "-"
     return f"{median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def cell(value: float | None, digits: int = 1, scale: float = 1.0) -> str:
+    """A table cell: ``value * scale`` to ``digits`` places; "-" where it was not measured."""
+    return "-" if value is None else f"{value * scale:.{digits}f}"

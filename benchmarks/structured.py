@@ -1,8 +1,7 @@
 """Do constrained answers follow their format, and what do they cost? (`make bench-structured`)
 
-80 constrained requests (16 per JSON schema of ``SCHEMAS``, 8 regex, 8 choice) at c=16, every
-answer that ends checked, against unconstrained twins held to the same token counts; each
-format's cold compile and the sampler's own cost in process. Replaces the "structured" section.
+Constrained requests (``SCHEMAS``, a regex, a choice) at c=16 against unconstrained twins held to the same token
+counts; each format's cold compile and the sampler's own cost in process. Replaces the "structured" section.
 """
 
 from __future__ import annotations
@@ -92,26 +91,17 @@ QUESTIONS = {
 
 def requests(max_new_tokens: int) -> list[tuple[str, Any]]:
     """(what it is, request): 16 per schema, 8 regex, 8 choice; greedy and seeded top-p in turn."""
-
-    def request(kind: str, i: int, question: str, fmt: Any) -> tuple[str, Any]:
-        sampling = (
-            pb.SamplingParams(temperature=0.0)
-            if i % 2 == 0
-            else pb.SamplingParams(temperature=0.7, top_p=0.9, seed=1000 + i)
-        )
-        return kind, pb.GenerateRequest(request_id=f"{kind}-{i}",
-                                        chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=question)]),
-                                        sampling=sampling, stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens),
-                                        response_format=fmt)  # fmt: skip
-
-    out = [request(name, i, QUESTIONS[name][i % 4], pb.ResponseFormat(json_schema=json.dumps(schema)))
-           for name, schema in SCHEMAS.items() for i in range(16)]  # fmt: skip
+    asks = [(name, i, QUESTIONS[name][i % 4], {"json_schema": json.dumps(schema)})
+            for name, schema in SCHEMAS.items() for i in range(16)]  # fmt: skip
     for i in range(8):
-        out.append(request("regex", i, "Where and when were you born? City, Country Year.",
-                           pb.ResponseFormat(regex=REGEX)))  # fmt: skip
-        out.append(request("choice", i, f"Is this review positive? 'It broke after {i + 1} days.'",
-                           pb.ResponseFormat(choice=pb.Choice(options=CHOICES))))  # fmt: skip
-    return out
+        asks.append(("regex", i, "Where and when were you born? City, Country Year.", {"regex": REGEX}))
+        asks.append(
+            ("choice", i, f"Is this review positive? 'It broke after {i + 1} days.'", {"choice": {"options": CHOICES}})
+        )
+    greedy, top_p = {"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.9}
+    return [(kind, load.request(question, max_new_tokens, chat=True, request_id=f"{kind}-{i}", response_format=fmt,
+                                sampling={**top_p, "seed": 1000 + i} if i % 2 else greedy))
+            for kind, i, question, fmt in asks]  # fmt: skip
 
 
 def follows(kind: str, text: str) -> bool:
@@ -121,8 +111,8 @@ def follows(kind: str, text: str) -> bool:
         return re.fullmatch(REGEX, text) is not None
     if kind == "choice":
         return text in CHOICES
-    try:
-        jsonschema.validate(json.loads(text), SCHEMAS[kind])
+    try:  # json_object: any object
+        jsonschema.validate(json.loads(text), {"type": "object"} if kind == "json_object" else SCHEMAS[kind])
     except (ValueError, jsonschema.ValidationError):
         return False
     return True
@@ -132,12 +122,8 @@ def twins(todo: list[tuple[str, Any]], lengths: list[int]) -> list[Any]:
     """The same requests without a format, each held to its constrained answer's token count."""
     out = []
     for (_, request), length in zip(todo, lengths, strict=True):
-        twin = pb.GenerateRequest()
-        twin.CopyFrom(request)
-        twin.ClearField("response_format")
-        twin.request_id = request.request_id + "-free"
-        twin.stopping.max_new_tokens = max(1, length)
-        twin.stopping.ignore_eos = True
+        twin = pb.GenerateRequest(request_id=request.request_id + "-free", stopping={"max_new_tokens": max(1, length),
+                                  "ignore_eos": True}, chat=request.chat, sampling=request.sampling)  # fmt: skip
         out.append(twin)
     return out
 
@@ -188,9 +174,7 @@ def sampler_cost(loaded: Any, steps: int = 200) -> tuple[float, float]:
     sampler = Sampler(loaded.eos_token_ids)
 
     def row(i: int, constrained: bool) -> Generation:
-        sampling = (
-            SamplingOptions(temperature=0.0) if i % 2 == 0 else SamplingOptions(temperature=0.7, top_p=0.9, seed=i)
-        )
+        sampling = SamplingOptions(0.0) if i % 2 == 0 else SamplingOptions(temperature=0.7, top_p=0.9, seed=i)
         fmt = formats[i % len(formats)] if constrained else None
         request = GenerationRequest(f"s{i}", [1], sampling, 1_000_000, response_format=fmt)
         return Generation(request, RequestHandle(), lambda event: None, loaded.tokenizer, loaded.eos_token_ids,
@@ -201,16 +185,31 @@ def sampler_cost(loaded: Any, steps: int = 200) -> tuple[float, float]:
     times: dict[bool, list[float]] = {False: [], True: []}
     for step in range(steps):
         logits = torch.randn(CONCURRENCY, loaded.vocab_size) * 4
-        for constrained, seqs in ((False, free), (True, bound)) if step % 2 == 0 else ((True, bound), (False, free)):
+        for constrained, seqs in ((False, free), (True, bound))[:: 1 if step % 2 == 0 else -1]:
             started = time.perf_counter()
             picks = sampler(logits, seqs)
             times[constrained].append((time.perf_counter() - started) * 1000)
-            if constrained:
-                for i, (seq, (token, *_)) in enumerate(zip(seqs, picks, strict=True)):
+            for i, (seq, (token, *_)) in enumerate(zip(seqs, picks, strict=True)):
+                if constrained:
                     assert seq.constraint is not None and seq.constraint.accept(token)
                     if seq.constraint.terminated:
                         seqs[i] = row(i, True)
     return median(times[False]), median(times[True])
+
+
+def abba(stub: Any, passes: dict[str, list[Any]], repeat: int) -> tuple[dict[str, float], dict[str, list[Any]]]:
+    """Each pass's requests in ``SLICES`` slices (every fourth request), each slice run by every pass in ABBA
+    order (a burst of load from a neighbour lands on both kinds alike): (each pass's seconds, its streams)."""
+    seconds = dict.fromkeys(passes, 0.0)
+    results: dict[str, list[Any]] = {which: [None] * len(todo) for which, todo in passes.items()}
+    for part in range(SLICES):
+        picked = range(part, len(results["free"]), SLICES)
+        for which in list(passes)[:: 1 if (part + repeat) % 2 == 0 else -1]:
+            took, got = load.streams(stub, [passes[which][i] for i in picked], CONCURRENCY)
+            seconds[which] += took
+            for i, result in zip(picked, got, strict=True):
+                results[which][i] = result
+    return seconds, results
 
 
 def run(args: argparse.Namespace) -> doc.Section:
@@ -233,35 +232,22 @@ def run(args: argparse.Namespace) -> doc.Section:
         stub = load.stub(server.target)
         constrained = [r for _, r in todo]
         _, learned = load.streams(stub, constrained, CONCURRENCY)
-        free = twins(todo, [s.usage.completion_tokens for s in learned])
+        passes = {"constrained": constrained, "free": twins(todo, [s.usage.completion_tokens for s in learned])}
         for repeat in range(args.repeats):
-            # Four slices of 20 (every fourth request), each run constrained and unconstrained
-            # in ABBA order: a burst of load from a neighbour lands on both kinds alike.
-            seconds = {"constrained": 0.0, "free": 0.0}
-            results: dict[str, list[Any]] = {"constrained": [None] * len(todo), "free": [None] * len(todo)}
-            for part in range(SLICES):
-                picked = list(range(part, len(todo), SLICES))
-                for which in ("constrained", "free") if (part + repeat) % 2 == 0 else ("free", "constrained"):
-                    source = constrained if which == "constrained" else free
-                    took, got = load.streams(stub, [source[i] for i in picked], CONCURRENCY)
-                    seconds[which] += took
-                    for i, result in zip(picked, got, strict=True):
-                        results[which][i] = result
+            seconds, results = abba(stub, passes, repeat)
             for (kind, request), answer in zip(todo, results["constrained"], strict=True):
                 counts = ended.setdefault((kind, request.sampling.temperature == 0), [0, 0, 0])
-                counts[2] += 1
-                if answer.chunks[-1].finish_reason in (pb.FINISH_REASON_EOS, pb.FINISH_REASON_STOP_SEQUENCE):
-                    counts[0] += 1
-                    counts[1] += follows(kind, answer.text)
+                whole = answer.chunks[-1].finish_reason in (pb.FINISH_REASON_EOS, pb.FINISH_REASON_STOP_SEQUENCE)
+                counts[:] = [counts[0] + whole, counts[1] + (whole and follows(kind, answer.text)), counts[2] + 1]
             tokens = {which: sum(s.usage.completion_tokens for s in got) for which, got in results.items()}
             row = {f"{which}_tps": tokens[which] / seconds[which] for which in results}
             row |= {f"ttft_{which}": median(s.ttft for s in got) * 1000 for which, got in results.items()}
             row["ratio"] = row["constrained_tps"] / row["free_tps"]
             rows.append(row)
-            doc.log(f"repeat {repeat}: "
-                    f"constrained {row['constrained_tps']:.1f} tok/s ({tokens['constrained']} tokens), "
-                    f"unconstrained {row['free_tps']:.1f} tok/s ({tokens['free']} tokens), "
-                    f"ratio {row['ratio']:.3f}")  # fmt: skip
+            doc.log(
+                f"repeat {repeat}: constrained {row['constrained_tps']:.1f} tok/s ({tokens['constrained']} tokens), "
+                f"unconstrained {row['free_tps']:.1f} tok/s ({tokens['free']} tokens), ratio {row['ratio']:.3f}"
+            )
     formats = []
     for kind in [*SCHEMAS, "regex", "choice"]:
         cells = [f"{n}/{of}" for greedy in (True, False)
@@ -271,29 +257,26 @@ def run(args: argparse.Namespace) -> doc.Section:
     col = lambda key, digits=1: spread([r[key] for r in rows], digits)  # noqa: E731
     return doc.section(
         "structured", "Structured output (`make bench-structured`)", args.command,
-        f"{doc.host()}; engine `{args.engine}`, the default model, "
-        f"{CONCURRENCY} streams at a time over gRPC. 80 constrained requests per pass (16 per JSON schema, 8 regex, "
-        "8 choice; greedy and seeded top-p in turn) against their unconstrained twins (the same requests without a "
-        "format, each held to its constrained answer's token count with ignore_eos: the same work). "
-        f"Medians (min–max) over {args.repeats} repeats; each repeat runs four slices of 20 requests, each slice "
-        "constrained and unconstrained in ABBA order, and sums their times.",
+        f"{doc.host()}; engine `{args.engine}`, the default model, {CONCURRENCY} streams at a time over gRPC. 80 "
+        "constrained requests per pass (16 per JSON schema, 8 regex, 8 choice; greedy and seeded top-p in turn) "
+        "against their unconstrained twins (the same requests without a format, each held to its constrained answer's "
+        f"token count with ignore_eos: the same work). Medians (min–max) over {args.repeats} repeats; each repeat runs "
+        "four slices of 20 requests, each slice constrained and unconstrained in ABBA order, and sums their times.",
         "",
-        "Ended: the answer ended EOS or at a stop, not cut by max_new_tokens "
-        f"({args.max_new_tokens}); valid: of those, parsed and valid against the schema (`jsonschema`), or matching "
-        "the regex or the choice. All repeats together.",
+        f"Ended: the answer ended EOS or at a stop, not cut by max_new_tokens ({args.max_new_tokens}); valid: of "
+        "those, parsed and valid against the schema (`jsonschema`), or matching the regex or the choice. All repeats "
+        "together.",
         "",
         *doc.table("format | greedy: ended | greedy: valid | seeded top-p: ended | seeded top-p: valid | "
-                   "compile, cold (ms)",
-                   "lrrrrr", formats),
+                   "compile, cold (ms)", "lrrrrr", formats),
         "",
         *doc.table("pass | tokens/s at c=16 | TTFT p50 (ms)", "lrr", [
             ["all rows constrained", col("constrained_tps"), col("ttft_constrained", 0)],
             ["unconstrained twins", col("free_tps"), col("ttft_free", 0)],
             ["constrained ÷ unconstrained", col("ratio", 3), ""]]),
         "",
-        f"The sampler alone, in process, per step of {CONCURRENCY} rows (the only work a constrained step adds: "
-        "each row's bitmask filled and applied): "
-        f"{spread([free for free, _ in sampler_ms], 2)} ms unconstrained, "
-        f"{spread([bound for _, bound in sampler_ms], 2)} ms with every row constrained "
-        f"(constrained − unconstrained: {spread([bound - free for free, bound in sampler_ms], 2)} ms a step).",
+        f"The sampler alone, in process, per step of {CONCURRENCY} rows (the only work a constrained step adds: each "
+        f"row's bitmask filled and applied): {spread([free for free, _ in sampler_ms], 2)} ms unconstrained, "
+        f"{spread([bound for _, bound in sampler_ms], 2)} ms with every row constrained (constrained − unconstrained: "
+        f"{spread([bound - free for free, bound in sampler_ms], 2)} ms a step).",
     )  # fmt: skip

@@ -1,15 +1,13 @@
 """Does one tenant's backlog leave another tenant served, and do weights hold? (`make bench-tenants`)
 
-Two tenants told apart by their bearer tokens. Each repeat runs three servers: **fair**
-(weights 1:1): B's time to first token idle, then beside A's backlog of ``--backlog`` long
-streams, and A's throughput alone and beside B; **fcfs**: the same with both tokens in one
-tenant; **weights** (3:1): both saturating for ``--window`` seconds, each tenant's tokens.
-Every token is counted at the client as it arrives. Replaces the "tenants" section.
+Two tenants told apart by their bearer tokens, on three servers per repeat: **fair** (weights 1:1), **fcfs** (both
+tokens in one tenant) and **weights** (3:1). Replaces the "tenants" section.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import tempfile
 import threading
 import time
@@ -19,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from tokenwire.v1 import generation_pb2 as pb
 
 from benchmarks import doc, load
-from benchmarks.launcher import serve
+from benchmarks.launcher import serve, tenant_flags
 from benchmarks.stats import median, p99, spread
 
 FLAGS = {"repeats": 3, "max_active": (16, "the server's --max-active (its default)"),
@@ -46,10 +43,9 @@ class Load:
     def __init__(self, stub: Any, token: str, streams: int, new_tokens: int) -> None:
         self.arrivals: list[float] = []
         self.refused = 0
-        self._stop, self._lock, self._calls = threading.Event(), threading.Lock(), []
-        self._request = pb.GenerateRequest(prompt="Write a long story about a lighthouse keeper and the sea.",
-                                           stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True),
-                                           output=pb.OutputOptions(token_ids=True))  # fmt: skip
+        self._stop, self._calls = threading.Event(), []
+        self._request = load.request("Write a long story about a lighthouse keeper and the sea.", new_tokens,
+                                     ignore_eos=True, output={"token_ids": True})  # fmt: skip
         self._stub, self._token = stub, token
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
         for thread in self._threads:
@@ -58,8 +54,7 @@ class Load:
     def _run(self) -> None:
         while not self._stop.is_set():
             call = self._stub.Generate(self._request, metadata=auth(self._token))
-            with self._lock:
-                self._calls.append(call)
+            self._calls.append(call)
             try:
                 for chunk in call:
                     self.arrivals.extend([time.monotonic()] * len(chunk.tokens))
@@ -73,9 +68,8 @@ class Load:
 
     def stop(self) -> None:
         self._stop.set()
-        with self._lock:
-            for call in self._calls:
-                call.cancel()
+        for call in list(self._calls):
+            call.cancel()
         for thread in self._threads:
             thread.join(30)
 
@@ -83,46 +77,23 @@ class Load:
 def paced(stub: Any, args: argparse.Namespace) -> tuple[list[float], list[float], int]:
     """B's ``--b-calls`` short streams, one every ``--b-every`` seconds, each in its own thread:
     (TTFT of each that started, server queue time of each that finished, misses)."""
-    stopping = pb.StoppingCriteria(max_new_tokens=args.b_tokens, ignore_eos=True)
-    request = pb.GenerateRequest(prompt="The capital of France is", stopping=stopping)
-    ttft: list[float] = []
-    queue: list[float] = []
-    codes: list[str] = []
-    misses: list[int] = []
-
-    def one() -> None:
-        start, first = time.monotonic(), None
-        try:
-            for chunk in stub.Generate(request, metadata=auth("tok-b"), timeout=args.b_timeout):
-                first = first if first is not None else time.monotonic() - start
-                if chunk.HasField("usage"):
-                    queue.append(chunk.usage.queue_time_ms / 1000)
-        except grpc.RpcError as error:
-            codes.append(error.code().name)
-        if first is None:
-            misses.append(1)
-        else:
-            ttft.append(first)
-
-    threads = []
-    for _ in range(args.b_calls):
-        threads.append(threading.Thread(target=one, daemon=True))
-        threads[-1].start()
-        time.sleep(args.b_every)
-    for thread in threads:
-        thread.join(args.b_timeout + 5)
-    if codes:
-        doc.log(f"  B calls that failed: {', '.join(sorted(codes))}")
-    return ttft, queue, len(misses)
+    request = load.request("The capital of France is", args.b_tokens, ignore_eos=True)
+    with concurrent.futures.ThreadPoolExecutor(args.b_calls) as pool:
+        calls = []
+        for _ in range(args.b_calls):
+            calls.append(pool.submit(load.stream, stub, request, args.b_timeout, auth("tok-b"), catch=True))
+            time.sleep(args.b_every)
+        got = [call.result() for call in calls]
+    if codes := sorted(s.error.code().name for s in got if s.error is not None):
+        doc.log(f"  B calls that failed: {', '.join(codes)}")
+    ttft = [s.ttft for s in got if s.ttft is not None]
+    queue = [c.usage.queue_time_ms / 1000 for s in got for c in s.chunks if c.HasField("usage")]
+    return ttft, queue, len(got) - len(ttft)
 
 
 @contextmanager
 def server(folder: Path, args: argparse.Namespace, tokens: str, tenants: str | None) -> Iterator[Any]:
-    (folder / "tokens").write_text(tokens)
-    flags = ["--model", args.model, "--auth-token-file", str(folder / "tokens"), "--max-queue", str(args.backlog + 16)]
-    if tenants is not None:
-        (folder / "tenants.toml").write_text(tenants)
-        flags += ["--tenant-config", str(folder / "tenants.toml")]
+    flags = ["--model", args.model, "--max-queue", str(args.backlog + 16), *tenant_flags(folder, tokens, tenants)]
     with serve(args.dry_run, flags) as proc, grpc.insecure_channel(proc.target) as channel:
         yield load.stub(channel)
 
@@ -137,9 +108,7 @@ def fair_share(stub: Any, args: argparse.Namespace) -> dict[str, float]:
     loaded, queue, misses = paced(stub, args)
     t2 = time.monotonic()
     backlog.stop()
-    assert backlog.refused == 0, (
-        f"A was refused {backlog.refused} times: the server's queue is smaller than A's backlog"
-    )
+    assert not backlog.refused, f"A was refused {backlog.refused} times: the server's queue is smaller than its backlog"
     every = loaded + [args.b_timeout] * misses  # a miss counts as the whole wait
     return {
         "idle_p50": median(idle), "idle_p99": p99(idle), "loaded_p50": median(every), "loaded_p99": p99(every),
@@ -192,29 +161,27 @@ def run(args: argparse.Namespace) -> doc.Section:
     ratios = [r["ratio"] for r in weighted]
     return doc.section(
         "tenants", "Tenants: fair share, and weights (`make bench-tenants`)", args.command,
-        f"The default model over gRPC, batched engine, `--max-active {args.max_active}`, {doc.host()}. "
-        f"Tenant A keeps {args.max_active + args.backlog} "
-        f"streams of {args.a_tokens} tokens open ({args.backlog} waiting); "
-        f"tenant B sends one {args.b_tokens}-token stream "
-        f"every {args.b_every:g} s, {args.b_calls} in all. "
-        f"Median (min–max) over {args.repeats} repeats of each repeat's figure; "
-        f"a B stream that had not started after {args.b_timeout:.0f} s counts as that long.",
+        f"The default model over gRPC, batched engine, `--max-active {args.max_active}`, {doc.host()}. Tenant A keeps "
+        f"{args.max_active + args.backlog} streams of {args.a_tokens} tokens open ({args.backlog} waiting); tenant B "
+        f"sends one {args.b_tokens}-token stream every {args.b_every:g} s, {args.b_calls} in all. Median (min–max) "
+        f"over {args.repeats} repeats of each repeat's figure; a B stream that had not started after "
+        f"{args.b_timeout:.0f} s counts as that long.",
         "",
         *doc.table("admission | B TTFT idle p50 / p99 (ms) | B TTFT beside A's backlog p50 / p99 (ms) | "
                    "B server queue p99 (ms) | B misses | A tok/s alone | A tok/s beside B", "lllrrrr", rows),
         "",
         f"- B's TTFT p99 beside A's backlog ÷ on an idle server: tenants {spread(ttft_ratio, 2)}× (target ≤ 2×: "
         f"{'met' if median(ttft_ratio) <= 2 else 'missed'}); first come, first served {spread(fcfs_ratio, 1)}×",
-        f"- A's throughput beside B ÷ alone: {spread(a_share, 2)} "
-        f"(target ≥ 0.5: {'met' if median(a_share) >= 0.5 else 'missed'})",
+        f"- A's throughput beside B ÷ alone: {spread(a_share, 2)} (target ≥ 0.5: "
+        f"{'met' if median(a_share) >= 0.5 else 'missed'})",
         "",
         f"Weights 3:1, both tenants saturating ({(args.max_active + args.backlog + 16) // 2} streams each; refused: "
-        f"{sum(r['refused'] for r in weighted):.0f}), "
-        f"tokens over {args.window:.0f} s after {args.warmup:.0f} s of warm-up:",
+        f"{sum(r['refused'] for r in weighted):.0f}), tokens over {args.window:.0f} s after {args.warmup:.0f} s of "
+        "warm-up:",
         "",
         *doc.table("tenant | tok/s", "lr", [["A (weight 3)", spread([r["a"] for r in weighted], 1)],
                                            ["B (weight 1)", spread([r["b"] for r in weighted], 1)]]),
         "",
-        f"- A ÷ B: {spread(ratios, 2)} "
-        f"(target 3 ± 15 %, 2.55–3.45: {'met' if 2.55 <= median(ratios) <= 3.45 else 'missed'})",
+        f"- A ÷ B: {spread(ratios, 2)} (target 3 ± 15 %, 2.55–3.45: "
+        f"{'met' if 2.55 <= median(ratios) <= 3.45 else 'missed'})",
     )  # fmt: skip
