@@ -57,6 +57,8 @@ class FakeSeq:
             after_prompt=None,
         )
         self.handle = SimpleNamespace(cancelled=False)
+        self.adapter = None  # the base model: its prefix-cache chains start from b""
+        self.prefix_root = b""
         self.reader = None  # no stream behind it: never parked
         self.finished = False
         self.failed: tuple[ErrorKind, str] | None = None

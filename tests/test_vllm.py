@@ -411,6 +411,19 @@ def test_a_constrained_stream_on_vllm_is_refused_as_a_resume_but_served_whole(sm
     assert "response_format" in (caught.value.details() or "")  # type: ignore[attr-defined]
 
 
+def test_a_call_naming_a_lora_adapter_is_refused_on_vllm(small_server: ServerProcess) -> None:
+    """The vllm engine applies no LoRA adapters yet: a call naming one is FAILED_PRECONDITION
+    saying so, before any chunk (ModelInfo lists none)."""
+    with grpc.insecure_channel(small_server.target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        assert list(stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).adapters) == []
+        request = pb.GenerateRequest(prompt="Hi", adapter="sql", stopping=pb.StoppingCriteria(max_new_tokens=4))
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(request, timeout=60))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+    assert "does not apply LoRA adapters" in (caught.value.details() or "")  # type: ignore[attr-defined]
+
+
 @pytest.mark.e2e
 def test_the_default_model_answers_in_a_json_schema_on_vllm(default_model_dir: Path) -> None:
     import json

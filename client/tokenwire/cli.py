@@ -143,6 +143,7 @@ def _generation_parser() -> argparse.ArgumentParser:
         choices=("high", "normal", "low"),
         help="admission order among waiting calls (the server may cap it per tenant)",
     )
+    group.add_argument("--adapter", metavar="NAME", help="a LoRA adapter the server has loaded (`tokenwire info`)")
     group.add_argument("--system", metavar="TEXT", help="system message (chat)")
     group.add_argument(
         "--no-resume",
@@ -387,6 +388,8 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
         options["logprobs_of"] = list(args.logprobs_of)
     if getattr(args, "priority", None):
         options["priority"] = args.priority
+    if getattr(args, "adapter", None):
+        options["adapter"] = args.adapter
     fmt = _response_format(args)
     if fmt is not None:
         options["response_format"] = fmt

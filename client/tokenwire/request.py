@@ -64,6 +64,8 @@ class GenerateOptions(TypedDict, total=False):
     # "high", "normal" or "low" (or a tokenwire.v1.Priority value): admission order among
     # waiting calls; the server may cap it per tenant.
     priority: PriorityLike
+    # A LoRA adapter the server has loaded, by name (ModelInfo.adapters); unset: the base model.
+    adapter: str
 
 
 _SAMPLING = (
@@ -84,6 +86,7 @@ _KNOWN = frozenset(
         "response_format",
         "priority",
         "n",
+        "adapter",
     )
 )
 PriorityLike = Literal["high", "normal", "low"] | int
@@ -162,6 +165,8 @@ def build_generate_request(
         request.output.logprobs_of.extend(options["logprobs_of"])
     if "n" in options:
         request.n = options["n"]
+    if options.get("adapter"):
+        request.adapter = options["adapter"]
     if options.get("response_format") is not None:
         request.response_format.CopyFrom(response_format(options["response_format"]))
     if "priority" in options:

@@ -337,6 +337,10 @@ class ModelInfo:
     max_error_trailer_bytes: int | None = None
     # Weight quantization in force: "none", "int8", "int4", "fp8", or the checkpoint's own (e.g. "gptq").
     quantization: str = "none"
+    # The LoRA adapters a call may name (``generate(..., adapter=NAME)``), and their ranks.
+    adapters: dict[str, int] = dataclasses.field(default_factory=dict)
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
 
     @classmethod
     def from_proto(cls, info: pb.ModelInfo) -> ModelInfo:
@@ -387,6 +391,8 @@ class ModelInfo:
                 "max_error_trailer_bytes",
             ),
             quantization=info.quantization or "none",
+            adapters={adapter.name: adapter.rank for adapter in info.adapters},
+            **_published(published, "max_loras", "max_lora_rank"),
         )
 
     def to_dict(self) -> dict[str, Any]:

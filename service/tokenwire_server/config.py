@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,9 @@ class ServerConfig:
     device: str = "auto"
     dtype: str = "auto"
     quantization: str = "none"
+    lora: tuple[str, ...] = ()
+    max_loras: int = 8
+    max_lora_rank: int = 64
     allow_unmet_quality_bar: bool = False
     engine: str = "batched"
     host: str = "0.0.0.0"
@@ -94,6 +98,8 @@ class ServerConfig:
             max_stop_token_ids=self.max_stop_token_ids,
             max_logit_bias=self.max_logit_bias,
             max_n=self.max_n,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
             max_chat_messages=self.max_chat_messages,
             max_message_bytes=self.max_message_bytes,
             format_compile_timeout_s=self.format_compile_timeout_s,
@@ -123,6 +129,13 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         "already quantized (GPTQ, AWQ, bitsandbytes) loads as it is, on CUDA",
         ("none", "int8", "int4", "fp8"),
     ),
+    "lora": (
+        "batched engine: a LoRA adapter NAME=PATH (a PEFT folder: adapter_config.json and adapter_model.safetensors) "
+        "that a request may name in GenerateRequest.adapter; repeatable (the environment variable: comma-separated)",
+        None,
+    ),
+    "max_loras": ("most LoRA adapters loaded at once", None),
+    "max_lora_rank": ("highest LoRA rank loaded; an adapter of a higher rank is refused", None),
     "allow_unmet_quality_bar": (
         "serve a --quantization mode whose measured quality on this device kind misses "
         "the bar (make bench-quality: KL <= 0.02 nats/token and >= 14/16 greedy "
@@ -337,6 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
             value = _parse_bool(env) if env is not None else default
             parser.add_argument(flag, default=value, action=argparse.BooleanOptionalAction, help=help_text)
             continue
+        if isinstance(default, tuple):  # repeatable; the environment's value is comma-separated
+            listed = tuple(item for item in (env or "").split(",") if item) or default
+            parser.add_argument(flag, action="append", default=None, help=help_text)
+            parser.set_defaults(**{f"{field.name}_environment": listed})
+            continue
         kind = type(default)
         value = kind(env) if env is not None else default
         parser.add_argument(flag, type=kind, default=value, choices=choices, help=help_text)
@@ -353,6 +371,10 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     args.pop("prepare_only")
+    for field in dataclasses.fields(ServerConfig):
+        if isinstance(field.default, tuple):  # the flags given, else the environment's
+            listed = args.pop(f"{field.name}_environment")
+            args[field.name] = tuple(args[field.name]) if args[field.name] else listed
     config = ServerConfig(**args)
     errors = validate_config(config)
     if not errors:
@@ -375,8 +397,30 @@ def check_files(config: ServerConfig) -> list[str]:
     return []
 
 
+def parse_lora_flag(value: str) -> tuple[str, str]:
+    """``NAME=PATH`` of ``--lora``; ValueError naming the form when it is not one."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora {value!r}: expected NAME=PATH (a PEFT LoRA folder)")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+        raise ValueError(f"--lora {value!r}: a name is 1-64 letters, digits, '.', '_' or '-', starting alnum")
+    return name, path
+
+
 def validate_config(config: ServerConfig) -> list[str]:
     errors = []
+    names: list[str] = []
+    for value in config.lora:
+        try:
+            names.append(parse_lora_flag(value)[0])
+        except ValueError as exc:
+            errors.append(str(exc))
+    if len(set(names)) < len(names):
+        errors.append(f"--lora names one adapter twice: {sorted({n for n in names if names.count(n) > 1})}")
+    if len(config.lora) > config.max_loras:
+        errors.append(f"{len(config.lora)} --lora adapters, more than --max-loras {config.max_loras}")
+    if config.lora and config.engine != "batched":
+        errors.append(f"--lora: the {config.engine} engine does not apply LoRA adapters; use --engine batched")
     for name in (
         "workers",
         "tensor_parallel_size",
@@ -386,6 +430,8 @@ def validate_config(config: ServerConfig) -> list[str]:
         "max_new_tokens_limit",
         "max_message_bytes",
         "max_n",
+        "max_loras",
+        "max_lora_rank",
     ):
         if getattr(config, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be at least 1")

@@ -95,6 +95,8 @@ class RequestLimits:
     max_logit_bias: int = 300
     max_logprobs_of: int = 20
     max_n: int = 8  # GenerateRequest.n
+    max_loras: int = 0  # LoRA adapters loaded at once (--max-loras)
+    max_lora_rank: int = 0  # highest LoRA rank loaded (--max-lora-rank)
     # Longest prompt text, in characters, that could fit ``max_request_tokens`` (this tokenizer's
     # longest token times that); longer ones are refused before they are tokenized. 0: no bound
     # is known for this tokenizer (they are tokenized, cut one past the limit).
@@ -111,6 +113,15 @@ class RequestLimits:
         if self.kv_cache_tokens > 0:
             return min(self.context_length, self.kv_cache_tokens)
         return self.context_length
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterDescription:
+    """A loaded LoRA adapter, as ModelInfo lists it."""
+
+    name: str
+    rank: int
+    modules: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +142,7 @@ class ModelDescription:
     max_queue: int
     notes: tuple[str, ...] = ()
     quantization: str = "none"
+    adapters: tuple[AdapterDescription, ...] = ()
 
     @property
     def context_length(self) -> int:
@@ -190,6 +202,15 @@ class ResponseFormat:
 
 class NotSupported(ValueError):
     """A valid request this engine cannot serve (FAILED_PRECONDITION); the message says why and what to do."""
+
+
+class UnknownAdapter(LookupError):
+    """A request names a LoRA adapter this server has not loaded (NOT_FOUND naming ``adapter``)."""
+
+    def __init__(self, name: str, loaded: list[str]) -> None:
+        listed = ", ".join(loaded) if loaded else "none"
+        super().__init__(f"adapter {name!r} is not loaded here (loaded: {listed}; ModelInfo.adapters lists them)")
+        self.name = name
 
 
 class EmptyPrompt(ValueError):
@@ -296,6 +317,8 @@ class GenerationRequest:
     # once its prompt is read (or it ends), and the others, whose ``after_prompt`` it is, wait for it
     # before they are admitted, to find its keys and values in the prefix cache. None: alone.
     prompt_read: threading.Event | None = None
+    # A LoRA adapter by name (``--lora``); empty: the base model.
+    adapter: str = ""
     after_prompt: threading.Event | None = None
 
 

@@ -308,9 +308,36 @@ class TokenwireServer:
         )
         with phases("engine"):  # packing the weights, the compiled ops, the KV cache
             engine = self._create_engine(loaded, limits)
+        if config.lora:
+            with phases("adapters"):
+                self._load_adapters(engine, loaded)
         self.metrics.watch_gpu(gpu_memory_probe(loaded), nvml_probe())
         request_limits = config.request_limits(loaded.context_length, loaded.vocab_size, limits.kv_cache_tokens)
         return LocalBackend(loaded, engine, request_limits)
+
+    def _load_adapters(self, engine: Engine, loaded: LoadedModel) -> None:
+        """The --lora adapters, read and checked against the model, into the engine; a folder
+        that is not a matching adapter stops the start (a usage error naming it)."""
+        from pathlib import Path
+
+        from .adapters import AdapterError, read_adapter
+        from .config import parse_lora_flag
+        from .domain import NotSupported
+        from .engine.batched import BatchedEngine
+        from .model import ModelLoadError
+
+        assert isinstance(engine, BatchedEngine), "validate_config allows --lora on the batched engine only"
+        for value in self.config.lora:
+            name, path = parse_lora_flag(value)
+            try:
+                adapter = read_adapter(name, Path(path).expanduser(), loaded.model.config, self.config.max_lora_rank)
+                engine.add_adapter(adapter)
+            except (AdapterError, NotSupported) as exc:
+                raise ModelLoadError(f"--lora {name}: {exc}") from exc
+            log.info(
+                "lora adapter loaded",
+                extra={"adapter": name, "path": str(adapter.path), "rank": adapter.rank, "modules": adapter.modules},
+            )
 
     def _create_engine(self, loaded: LoadedModel, limits: EngineLimits) -> Engine:
         from .engine import create_engine

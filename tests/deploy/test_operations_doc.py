@@ -64,6 +64,8 @@ def doc_default(value: Any) -> str:
         return "true" if value else "false"
     if value == "":
         return '""'
+    if value is None:  # a repeatable flag (--lora) given no value
+        return "none"
     return str(value)
 
 

@@ -105,6 +105,7 @@ class GenerateRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id for this request, echoed in every chunk and in the server's logs.
     When empty, the `x-request-id` metadata is used; when that is absent too, the
@@ -133,6 +134,13 @@ class GenerateRequest(_message.Message):
     cancelling it cancels every sample. prompt_logprobs come with sample 0. Resume one
     sample of an n-call as a call of its own: n unset, sampling.seed that sample's seed,
     its tokens and next_index; a resume with n > 1 is INVALID_ARGUMENT.
+    """
+    adapter: _builtins.str
+    """A LoRA adapter to apply, by name (ModelInfo.adapters lists those loaded: the
+    server's --lora); empty: the base model. One this server has not loaded is
+    NOT_FOUND naming adapter, before the first chunk; on an engine that applies
+    none (simple, vllm) it is FAILED_PRECONDITION. A resume names the adapter of
+    the call it continues.
     """
     @_builtins.property
     def chat(self) -> Global___Chat:
@@ -198,10 +206,11 @@ class GenerateRequest(_message.Message):
         response_format: Global___ResponseFormat | None = ...,
         priority: Global___Priority.ValueType = ...,
         n: _builtins.int = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "output", b"output", "prompt", b"prompt", "response_format", b"response_format", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "n", b"n", "output", b"output", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "chat", b"chat", "input", b"input", "n", b"n", "output", b"output", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "resume", b"resume", "sampling", b"sampling", "stopping", b"stopping", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
@@ -1010,6 +1019,7 @@ class ModelInfo(_message.Message):
     LIMITS_FIELD_NUMBER: _builtins.int
     DEFAULT_SAMPLING_FIELD_NUMBER: _builtins.int
     QUANTIZATION_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name or path of the model."""
     context_length: _builtins.int
@@ -1057,6 +1067,10 @@ class ModelInfo(_message.Message):
     def default_sampling(self) -> Global___SamplingParams:
         """What unset SamplingParams fields take (the model's generation config)."""
 
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterInfo]:
+        """The LoRA adapters a request may name in GenerateRequest.adapter."""
+
     def __init__(
         self,
         *,
@@ -1077,16 +1091,49 @@ class ModelInfo(_message.Message):
         limits: Global___RequestLimits | None = ...,
         default_sampling: Global___SamplingParams | None = ...,
         quantization: _builtins.str = ...,
+        adapters: _abc.Iterable[Global___AdapterInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "default_sampling", b"default_sampling", "limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "default_sampling", b"default_sampling", "device", b"device", "dtype", b"dtype", "engine", b"engine", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "max_active_streams", b"max_active_streams", "max_new_tokens_limit", b"max_new_tokens_limit", "max_queued_requests", b"max_queued_requests", "name", b"name", "notes", b"notes", "quantization", b"quantization", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "adapters", b"adapters", "bos_token_id", b"bos_token_id", "context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "default_sampling", b"default_sampling", "device", b"device", "dtype", b"dtype", "engine", b"engine", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "max_active_streams", b"max_active_streams", "max_new_tokens_limit", b"max_new_tokens_limit", "max_queued_requests", b"max_queued_requests", "name", b"name", "notes", b"notes", "quantization", b"quantization", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bos_token_id: _TypeAlias = _typing.Literal["bos_token_id"]  # noqa: Y015
     _WhichOneofArgType__bos_token_id: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__bos_token_id) -> _WhichOneofReturnType__bos_token_id | None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class AdapterInfo(_message.Message):
+    """A LoRA adapter loaded on this server."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """What GenerateRequest.adapter names it by."""
+    rank: _builtins.int
+    """Its rank (at most RequestLimits.max_lora_rank)."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The projections it adapts, e.g. "q_proj", "down_proj"."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "rank", b"rank", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterInfo: _TypeAlias = AdapterInfo  # noqa: Y015
 
 @_typing.final
 class RequestLimits(_message.Message):
@@ -1117,6 +1164,8 @@ class RequestLimits(_message.Message):
     MAX_LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     MAX_LOGPROBS_OF_FIELD_NUMBER: _builtins.int
     MAX_N_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
     max_new_tokens_limit: _builtins.int
     """Cap on StoppingCriteria.max_new_tokens."""
     default_max_new_tokens: _builtins.int
@@ -1180,6 +1229,10 @@ class RequestLimits(_message.Message):
     """Most entries in OutputOptions.logprobs_of."""
     max_n: _builtins.int
     """Largest GenerateRequest.n."""
+    max_loras: _builtins.int
+    """Most LoRA adapters loaded at once (the server's --max-loras)."""
+    max_lora_rank: _builtins.int
+    """Highest rank of a LoRA adapter the server loads (--max-lora-rank)."""
     def __init__(
         self,
         *,
@@ -1204,10 +1257,12 @@ class RequestLimits(_message.Message):
         max_logit_bias: _builtins.int = ...,
         max_logprobs_of: _builtins.int = ...,
         max_n: _builtins.int = ...,
+        max_loras: _builtins.int = ...,
+        max_lora_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "max_chat_messages", b"max_chat_messages", "max_error_trailer_bytes", b"max_error_trailer_bytes", "max_format_chars", b"max_format_chars", "max_format_compile_ms", b"max_format_compile_ms", "max_json_schema_depth", b"max_json_schema_depth", "max_logit_bias", b"max_logit_bias", "max_logprobs_of", b"max_logprobs_of", "max_message_bytes", b"max_message_bytes", "max_n", b"max_n", "max_new_tokens_limit", b"max_new_tokens_limit", "max_prompt_chars", b"max_prompt_chars", "max_quoted_chars", b"max_quoted_chars", "max_request_id_chars", b"max_request_id_chars", "max_request_tokens", b"max_request_tokens", "max_stop_sequence_chars", b"max_stop_sequence_chars", "max_stop_sequences", b"max_stop_sequences", "max_stop_token_ids", b"max_stop_token_ids", "max_top_logprobs", b"max_top_logprobs", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "default_max_new_tokens", b"default_max_new_tokens", "max_chat_messages", b"max_chat_messages", "max_error_trailer_bytes", b"max_error_trailer_bytes", "max_format_chars", b"max_format_chars", "max_format_compile_ms", b"max_format_compile_ms", "max_json_schema_depth", b"max_json_schema_depth", "max_logit_bias", b"max_logit_bias", "max_logprobs_of", b"max_logprobs_of", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "max_message_bytes", b"max_message_bytes", "max_n", b"max_n", "max_new_tokens_limit", b"max_new_tokens_limit", "max_prompt_chars", b"max_prompt_chars", "max_quoted_chars", b"max_quoted_chars", "max_request_id_chars", b"max_request_id_chars", "max_request_tokens", b"max_request_tokens", "max_stop_sequence_chars", b"max_stop_sequence_chars", "max_stop_sequences", b"max_stop_sequences", "max_stop_token_ids", b"max_stop_token_ids", "max_top_logprobs", b"max_top_logprobs", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

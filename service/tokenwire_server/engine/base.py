@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from ..domain import (
     EventSink,
     GenerationRequest,
     NoObserver,
+    NotSupported,
     RequestHandle,
     StreamReader,
 )
@@ -104,13 +106,27 @@ class Engine(abc.ABC):
         loaded = self.loaded
         fmt = request.response_format
         constraint = self.grammars.constraint(fmt) if fmt is not None else None  # compiled already: a cache hit
+        adapter = self.adapter_of(request)
         seq = Generation(request, handle, sink, self.tokenizer, loaded.eos_token_ids, loaded.device, constraint, reader)
+        if adapter is not None:
+            seq.adapter, seq.prefix_root = adapter, adapter.root
         if seq.ended_at_cut is not None:  # a resume whose tokens already ended the stream: say how
             seq.finish(seq.ended_at_cut)
             return handle
         check = (lambda ahead: self._refuse_if_late(request, ahead)) if request.deadline is not None else None
         self.queue.put(seq, check)
         return handle
+
+    def adapter_of(self, request: GenerationRequest) -> Any:
+        """The request's LoRA adapter as this engine applies it (None: the base model);
+        UnknownAdapter for a name not loaded, NotSupported where the engine applies none."""
+        if request.adapter:
+            raise NotSupported(f"the {self.name} engine does not apply LoRA adapters; serve them with --engine batched")
+        return None
+
+    def adapters(self) -> list[Any]:
+        """The LoRA adapters loaded (``adapters.Adapter``-like: name, rank, modules)."""
+        return []
 
     def running(self) -> list[tuple[GenerationRequest, int]]:
         """The requests generating now, each with the tokens it has generated (for estimates)."""

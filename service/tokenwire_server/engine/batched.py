@@ -38,8 +38,10 @@ from typing import Any
 import torch
 
 from .. import handoff
-from ..domain import EngineObserver, EngineStats, ErrorKind, GenerationRequest
+from ..adapters import Adapter
+from ..domain import EngineObserver, EngineStats, ErrorKind, GenerationRequest, NotSupported, UnknownAdapter
 from ..model import LoadedModel, attention_shape
+from . import lora
 from .base import Engine, EngineLimits
 from .blocks import BLOCK_SIZE, BlockPool, blocks_for
 from .graphs import DecodeGraphs
@@ -150,6 +152,10 @@ class BatchedEngine(Engine):
                 compile_step=options.compile_step,
             )
         self.runner = ModelRunner(loaded, self._cache, native, graphs)
+        # LoRA adapters by name, as the native pass applies them (replaced whole on a change:
+        # the loop and submit read it without a lock).
+        self._adapters: dict[str, lora.PackedAdapter] = {}
+        self._adapter_sources: dict[str, Adapter] = {}
         threads, why_threads = resolved.threads, resolved.why_threads
         if len(threads) > 1 and native is not None and not native.compiled:
             # Stock torch ops may split one row's sums (a norm's mean) over the threads.
@@ -183,6 +189,29 @@ class BatchedEngine(Engine):
                 "why_threads": why_threads,
             },
         )
+
+    # -- LoRA adapters ---------------------------------------------------------------
+
+    def add_adapter(self, adapter: Adapter) -> None:
+        """Apply ``adapter`` to the requests that name it from now on (``adapters.read_adapter``
+        checked it against this model)."""
+        native = self.runner.native
+        if native is None:
+            raise NotSupported(f"LoRA adapters run in the native pass; this engine runs {self.forward}'s forward")
+        packed = lora.pack(adapter, native.packed, self.limits.max_active, native.device)
+        self._adapters = {**self._adapters, adapter.name: packed}
+        self._adapter_sources = {**self._adapter_sources, adapter.name: adapter}
+
+    def adapter_of(self, request: GenerationRequest) -> lora.PackedAdapter | None:
+        if not request.adapter:
+            return None
+        adapter = self._adapters.get(request.adapter)
+        if adapter is None:
+            raise UnknownAdapter(request.adapter, sorted(self._adapters))
+        return adapter
+
+    def adapters(self) -> list[Adapter]:
+        return [self._adapter_sources[name] for name in sorted(self._adapter_sources)]
 
     def _threads_changed(self, before: int, after: int, figures: dict[str, Any]) -> None:
         log.info("cpu step threads", extra={"threads_before": before, "threads": after, **figures})

@@ -64,11 +64,12 @@ def next_key(previous: bytes, block: Sequence[int]) -> bytes:
     return hashlib.blake2b(previous + array.array("q", block).tobytes(), digest_size=16).digest()
 
 
-def prefix_keys(tokens: Sequence[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
+def prefix_keys(tokens: Sequence[int], block_size: int = BLOCK_SIZE, root: bytes = b"") -> list[bytes]:
     """The key of every full block of ``tokens``: each hashes the block's tokens and the
-    key before it (BLAKE2b, 128 bits), so equal keys mean equal prefixes."""
+    key before it (BLAKE2b, 128 bits), so equal keys mean equal prefixes; the first hashes
+    ``root`` (a LoRA adapter's: equal keys then also mean the same adapter)."""
     keys: list[bytes] = []
-    key = b""
+    key = root
     for start in range(0, len(tokens) - block_size + 1, block_size):
         key = next_key(key, tokens[start : start + block_size])
         keys.append(key)

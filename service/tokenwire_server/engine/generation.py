@@ -48,6 +48,10 @@ class Generation:
         reader: StreamReader | None = None,
     ) -> None:
         self.request = request
+        # The request's LoRA adapter as its engine applies it (None: the base model), and the
+        # key its prefix-cache chains start from (each adapter's own: its K/V differ).
+        self.adapter: Any = None
+        self.prefix_root = b""
         # How far behind the caller is in reading this stream's events (None: it reads as they
         # come, e.g. a test's recorder): the engine parks the stream when it falls too far behind.
         self.reader = reader

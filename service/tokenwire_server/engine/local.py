@@ -13,6 +13,7 @@ import dataclasses
 
 from ..backend import ThreadedSubmission
 from ..domain import (
+    AdapterDescription,
     EngineStats,
     GenerationRequest,
     ModelDescription,
@@ -55,6 +56,7 @@ class LocalBackend(IntakeBackend):
             max_active=engine.limits.max_active,
             max_queue=engine.limits.max_queue,
             quantization=loaded.quantization,
+            adapters=tuple(AdapterDescription(a.name, a.rank, tuple(a.modules)) for a in engine.adapters()),
         )
 
     def submit(self, request: GenerationRequest) -> ThreadedSubmission:

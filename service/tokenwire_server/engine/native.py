@@ -46,7 +46,7 @@ import mmap
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +69,9 @@ from .ops import (
 )
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from .lora import StepAdapters
 
 SUPPORTED_TYPES = frozenset({"llama"})
 # A decoder layer's (attention, MLP) classes the pass reads: transformers' Llama, and the plain
@@ -508,33 +511,62 @@ class NativeForward:
         return hidden, cos, sin
 
     def _layers(
-        self, hidden: torch.Tensor, ops: TorchOps, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+        self,
+        hidden: torch.Tensor,
+        ops: TorchOps,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Attend,
+        lora: StepAdapters | None = None,
     ) -> torch.Tensor:
         """Every decoder layer over the step's tokens. ``attend(index, qkv, q, k, v)`` stores the
         layer's keys and values and returns its attention ``[tokens, heads, dim]``: the eager
-        step (segments) and the fixed-shape one (``decode_step``) differ there alone."""
+        step (segments) and the fixed-shape one (``decode_step``) differ there alone. ``lora``:
+        the step's tokens by LoRA adapter, each adding its delta after each GEMM (``engine.lora``)."""
         tokens = int(hidden.shape[0])
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        width, inner = int(hidden.shape[1]), self.intermediate
         for index, layer in enumerate(self.layers):
             normed = ops.rms_norm(hidden, layer.input_norm)
             qkv = layer.qkv(normed)
+            if lora is not None:
+                lora.add(qkv, normed, index, self.qkv_columns)
             qk = ops.rope(
                 qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin
             )  # q and k at once
             v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
-            attended = attend(index, qkv, qk[:, :heads], qk[:, heads:], v)
-            hidden = layer.out.plus(attended.reshape(tokens, heads * dim), hidden)
+            attended = attend(index, qkv, qk[:, :heads], qk[:, heads:], v).reshape(tokens, heads * dim)
+            hidden = layer.out.plus(attended, hidden)
+            if lora is not None:
+                lora.add(hidden, attended, index, (("o_proj", 0, width),))
             normed = ops.rms_norm(hidden, layer.post_norm)
-            hidden = layer.down.plus(ops.silu_mul(layer.gate_up(normed)), hidden)
+            gate_up = layer.gate_up(normed)
+            if lora is not None:
+                lora.add(gate_up, normed, index, (("gate_proj", 0, inner), ("up_proj", inner, 2 * inner)))
+            activated = ops.silu_mul(gate_up)
+            hidden = layer.down.plus(activated, hidden)
+            if lora is not None:
+                lora.add(hidden, activated, index, (("down_proj", 0, width),))
         return hidden
+
+    @property
+    def qkv_columns(self) -> tuple[tuple[str, int, int], ...]:
+        """Where q, k and v sit in the fused projection's output."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv))
 
     @torch.inference_mode()
     def __call__(
-        self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment], emit: list[int]
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        segments: list[Segment],
+        emit: list[int],
+        lora: StepAdapters | None = None,
     ) -> torch.Tensor:
         """Run one step. ``ids``/``positions``: ``[tokens]`` (segment after segment, one-token
         segments first); ``emit``: the token indices whose next-token logits are returned
-        (``[len(emit), vocab]``, fp32)."""
+        (``[len(emit), vocab]``, fp32); ``lora``: the tokens' LoRA adapters (None: none)."""
         device = self.device
         ids = to_device(ids, device)
         positions = to_device(positions, device)
@@ -577,7 +609,7 @@ class NativeForward:
                 offset += segment.count
             return attended[0] if len(attended) == 1 else torch.cat(attended)
 
-        hidden = self._layers(hidden, ops, cos, sin, attend)
+        hidden = self._layers(hidden, ops, cos, sin, attend, lora)
         picked = (
             hidden if emit == list(range(tokens)) else hidden.index_select(0, host_tensor(emit, torch.long, device))
         )

@@ -40,6 +40,7 @@ from ..transfer import host_tensor, to_device
 from .blocks import blocks_for
 from .graphs import DecodeGraphs
 from .kv import PagedCache, places, table_tensor
+from .lora import PackedAdapter, StepAdapters
 from .native import NativeForward
 from .ops import Segment
 from .sampling import Drawn, Sampler
@@ -159,9 +160,11 @@ class ModelRunner:
 
     def _graphed(self, plan: Plan) -> torch.Tensor | None:
         """A step of decode rows alone through ``graphs`` (None: no graphs, a prompt chunk in the
-        step, or more rows than the largest bucket)."""
+        step, a row with a LoRA adapter, or more rows than the largest bucket)."""
         parts = plan.parts
         if self.graphs is None or not parts or not all(part.decodes for part in parts):
+            return None
+        if any(part.row.seq.adapter is not None for part in parts):  # the fixed-shape step applies none
             return None
         return self.graphs.run(
             [part.row.last for part in parts], [part.start for part in parts], [part.row.table for part in parts]
@@ -176,10 +179,12 @@ class ModelRunner:
         emit: list[int] = []
         scored: list[tuple[int, int, int]] = []  # (part index, first token index, count)
         extra: list[int] = []
+        adapters: list[PackedAdapter | None] = []
         for index, part in enumerate(plan.parts):
             segments.append(Segment(tuple(part.row.table), part.start, part.count))
             base = len(ids)
             ids.extend(part.ids)
+            adapters.extend([part.row.seq.adapter] * part.count)
             positions.extend(range(part.start, part.start + part.count))
             if part.emits:
                 emit.append(len(ids) - 1)
@@ -187,7 +192,11 @@ class ModelRunner:
                 scored.append((index, len(extra), len(part.scored)))
                 extra.extend(base + p - part.start for p in part.scored)
         logits = self.native(
-            torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), segments, emit + extra
+            torch.tensor(ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            segments,
+            emit + extra,
+            StepAdapters.of(adapters, self.native.device),
         )
         if not extra:
             return logits

@@ -178,7 +178,7 @@ class Scheduler:
                 return True
             # A resumed stream reads its prompt and the tokens it already has (``context_ids``):
             # the prompt's blocks are often still cached from before the cut.
-            keys = prefix_keys(seq.context_ids, pool.block_size) if pool.prefix_cache else []
+            keys = prefix_keys(seq.context_ids, pool.block_size, seq.prefix_root) if pool.prefix_cache else []
             # A row that scores its prompt reads all of it (a cached block has no logits); it still
             # publishes its blocks for others.
             lease = pool.lease(seq.budget_tokens, [] if seq.scores_prompt else keys, seq.context_len)
@@ -326,7 +326,8 @@ class Scheduler:
             start, end = first * size, full * size
             tokens = prompt[start:end] + generated[max(0, start - len(prompt)) : max(0, end - len(prompt))]
             for i in range(full - first):
-                row.keys.append(next_key(row.keys[-1] if row.keys else b"", tokens[i * size : (i + 1) * size]))
+                previous = row.keys[-1] if row.keys else row.seq.prefix_root
+                row.keys.append(next_key(previous, tokens[i * size : (i + 1) * size]))
         while row.published < full:
             pool.publish(row.lease, row.published, row.keys[row.published])
             row.published += 1

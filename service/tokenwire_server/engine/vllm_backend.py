@@ -237,6 +237,11 @@ class VllmBackend(IntakeBackend):
 
     def submit(self, request: GenerationRequest) -> VllmSubmission:
         settings = self._settings
+        if request.adapter:
+            raise NotSupported(
+                "the vllm engine does not apply LoRA adapters here yet (GenerateRequest.adapter); "
+                "serve them with --engine batched"
+            )
         if request.logprobs_of:
             raise NotSupported(
                 "the vllm engine does not report the log-probabilities of named tokens (OutputOptions.logprobs_of: "

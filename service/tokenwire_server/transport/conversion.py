@@ -223,6 +223,7 @@ def generation_request(
         arrival=arrival,
         resume_ids=resume,
         response_format=response_format(request),
+        adapter=request.adapter,
     )
 
 
@@ -397,8 +398,13 @@ def model_info(description: ModelDescription) -> pb.ModelInfo:
             max_logit_bias=limits.max_logit_bias,
             max_logprobs_of=limits.max_logprobs_of,
             max_n=limits.max_n,
+            max_loras=limits.max_loras,
+            max_lora_rank=limits.max_lora_rank,
         ),
         default_sampling=sampling_params(description.default_sampling),
+        adapters=[
+            pb.AdapterInfo(name=a.name, rank=a.rank, target_modules=list(a.modules)) for a in description.adapters
+        ],
     )
     if description.bos_token_id is not None:
         info.bos_token_id = description.bos_token_id

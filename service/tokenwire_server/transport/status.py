@@ -28,6 +28,7 @@ from ..domain import (
     NotSupported,
     PromptTooLong,
     TenantOverLimit,
+    UnknownAdapter,
 )
 
 ERROR_CODES = {
@@ -164,6 +165,8 @@ def failure_of(exc: BaseException, input_field: str = "input") -> RpcFailure | N
         return RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, Rule.NO_CHAT_TEMPLATE.error())
     if isinstance(exc, NotSupported):
         return RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    if isinstance(exc, UnknownAdapter):
+        return RpcFailure(grpc.StatusCode.NOT_FOUND, str(exc))
     if isinstance(exc, EmptyPrompt):
         return invalid_argument([FieldViolation(input_field, "encodes to no tokens: there is nothing to continue")])
     if isinstance(exc, InvalidResume | InvalidResponseFormat):

@@ -1,0 +1,337 @@
+"""LoRA adapters (#41): PEFT folders read with safetensors and checked against the model
+(``tokenwire_server.adapters``), applied per row in the batched engine's native pass
+(``engine/lora.py``): exact against PEFT's unmerged model, batch-invariant across adapters, and
+never sharing prefix-cache blocks between adapters."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_support import Recorder, kernel_choices, run_all
+from tokenwire_server.adapters import AdapterError, read_adapter
+from tokenwire_server.config import parse_lora_flag
+from tokenwire_server.domain import FinishEvent, GenerationRequest, NotSupported, SamplingOptions, UnknownAdapter
+from tokenwire_server.engine import create_engine
+from tokenwire_server.engine.base import EngineLimits
+from tokenwire_server.model import load_model
+
+KERNELS = kernel_choices()
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base: Path, target: Path, rank: int, modules: list[str], seed: int, **settings: Any) -> Path:
+    """A PEFT LoRA adapter over ``base`` with random A and B (B scaled up so that it moves the
+    tiny model's greedy picks), saved as PEFT saves it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=modules, lora_dropout=0.0, init_lora_weights=False, **settings
+    )
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(4.0)
+    peft_model.save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "attn8": make_adapter(tiny_model_dir, root / "attn8", 8, ATTENTION, seed=1),
+        "mlp16": make_adapter(tiny_model_dir, root / "mlp16", 16, MLP, seed=2),
+        "all8": make_adapter(tiny_model_dir, root / "all8", 8, ATTENTION + MLP, seed=3),
+    }
+
+
+def engine_with(loaded: Any, adapters: dict[str, Path], **options: Any) -> Any:
+    engine = create_engine("batched", loaded, EngineLimits(16, 32, 16 * 1024), **options)
+    for name, folder in adapters.items():
+        engine.add_adapter(read_adapter(name, folder, loaded.model.config, 64))
+    engine.start()
+    return engine
+
+
+def prompts_of(tokenizer: Any) -> list[list[int]]:
+    texts = ["Once upon a time", "The weather today is", "Hello there", "List three colors:", "A haiku:", "Why?"]
+    return [tokenizer(text)["input_ids"] for text in texts]
+
+
+def request(rid: str, prompt: list[int], tokens: int, adapter: str = "", sampling: Any = None) -> GenerationRequest:
+    return GenerationRequest(
+        rid, list(prompt), sampling or SamplingOptions(temperature=0.0), tokens,
+        min_new_tokens=tokens, want_tokens=True, adapter=adapter,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_greedy_tokens_with_an_adapter_are_peft_unmerged_models(
+    tiny_model_dir: Path, adapters: dict[str, Path], kernels: str
+) -> None:
+    """Each adapter (rank 8 and 16; attention, MLP, both) gives the greedy tokens PEFT's
+    unmerged model gives in-process; without one, the base model's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+    prompts = prompts_of(loaded.tokenizer)[:3]
+    engine = engine_with(loaded, adapters, kernels=kernels)
+    try:
+        names = ["", *adapters]
+        ours = run_all(engine, [request(f"{n}-{i}", p, 16, n) for n in names for i, p in enumerate(prompts)], 120)
+    finally:
+        engine.close()
+    got = {(rec.request.adapter, i % len(prompts)): rec.token_ids for i, rec in enumerate(ours)}
+    assert all(isinstance(rec.last, FinishEvent) for rec in ours)
+    for name in names:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        if name:
+            model = PeftModel.from_pretrained(model, adapters[name])
+        model.eval()
+        for i, prompt in enumerate(prompts):
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                    pad_token_id=loaded.pad_token_id,
+                )  # fmt: skip
+            assert got[(name, i)] == out[0, len(prompt) :].tolist(), (name, i)
+    for name in adapters:  # each adapter moves the answers: it is applied
+        assert any(got[(name, i)] != got[("", i)] for i in range(len(prompts))), name
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_a_batch_over_three_adapters_and_none_gives_each_row_its_tokens_alone(
+    tiny_model_dir: Path, adapters: dict[str, Path], kernels: str
+) -> None:
+    """Twelve rows, greedy and seeded, spread over three adapters and the base model: each gets
+    in the batch the tokens it gets alone."""
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+    prompts = prompts_of(loaded.tokenizer)
+    names = ["", *adapters]
+    kinds = [SamplingOptions(temperature=0.0), SamplingOptions(temperature=0.9, top_p=0.95, seed=7)]
+    requests = [
+        request(f"r{i}", prompts[i % len(prompts)], 12 + i % 3 * 4, names[i % 4], kinds[i // 4 % 2]) for i in range(12)
+    ]
+    engine = engine_with(loaded, adapters, kernels=kernels)
+    try:
+        alone = [run_all(engine, [req], 120)[0] for req in requests]
+        together = run_all(engine, requests, 120)
+    finally:
+        engine.close()
+    for req, a, t in zip(requests, alone, together, strict=True):
+        assert isinstance(t.last, FinishEvent), t.last
+        assert t.token_ids == a.token_ids, (req.adapter, req.sampling)
+        assert len(t.token_ids) == req.max_new_tokens
+
+
+def test_two_adapters_over_one_prompt_never_share_kv_blocks(tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+    """The prefix cache keys blocks by adapter: the same 64-token prompt finds its blocks cached
+    under its own adapter, never under another's or the base model's."""
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+    prompt = list(range(100, 164))
+    engine = engine_with(loaded, adapters, prefix_cache=True)
+    try:
+        cached = {}
+        for step, name in enumerate(["", "attn8", "mlp16", "attn8", "", "mlp16"]):
+            [rec] = run_all(engine, [request(f"s{step}", prompt, 4, name)], 60)
+            cached[step] = rec.last.usage.cached_prompt_tokens
+    finally:
+        engine.close()
+    assert [cached[s] for s in range(3)] == [0, 0, 0]  # first read under each: nothing shared
+    assert [cached[s] for s in range(3, 6)] == [48, 48, 48]  # again under each: its own 3 full blocks
+
+
+def test_an_unknown_adapter_is_refused_at_submit(tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+    engine = engine_with(loaded, {"attn8": adapters["attn8"]})
+    try:
+        with pytest.raises(UnknownAdapter, match=r"adapter 'nope' is not loaded here \(loaded: attn8"):
+            engine.submit(request("u", [1, 2, 3], 4, "nope"), Recorder())
+    finally:
+        engine.close()
+    simple = create_engine("simple", loaded, EngineLimits(2, 2, 2048))
+    with pytest.raises(NotSupported, match="simple engine does not apply LoRA adapters"):
+        simple.submit(request("s", [1, 2, 3], 4, "attn8"), Recorder())
+
+
+def test_rank_over_the_limit_is_refused(tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+    with pytest.raises(AdapterError, match=r"adapter_config.json: rank 16 is over --max-lora-rank 8"):
+        read_adapter("m", adapters["mlp16"], loaded.model.config, 8)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("wrong-shape", r"q_proj.lora_A.weight' is \(8, 32\), the model's q_proj with rank 8 takes \(8, 64\)"),
+        ("dora", r"use_dora = True is not applied"),
+        ("not-lora", r"peft_type 'PREFIX_TUNING'; only LORA"),
+        ("no-config", r"adapter_config.json: no such file"),
+        ("bin-weights", r"adapter_model.safetensors: no such file"),
+        ("unknown-target", r"target_modules \['lm_head'\] are not projections"),
+    ],
+)
+def test_a_folder_that_is_not_a_matching_adapter_names_the_file_and_why(
+    tiny_model_dir: Path, adapters: dict[str, Path], tmp_path: Path, change: str, message: str
+) -> None:
+    from transformers import AutoConfig
+
+    folder = tmp_path / "adapter"
+    if change == "wrong-shape":  # made for a model of another width
+        from safetensors.torch import load_file, save_file
+
+        shutil.copytree(adapters["attn8"], folder)
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        tensors = {
+            k: torch.zeros(8, 32) if k.endswith("0.self_attn.q_proj.lora_A.weight") else v for k, v in tensors.items()
+        }
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+    else:
+        shutil.copytree(adapters["attn8"], folder)
+        settings = json.loads((folder / "adapter_config.json").read_text())
+        if change == "dora":
+            settings["use_dora"] = True
+        elif change == "not-lora":
+            settings["peft_type"] = "PREFIX_TUNING"
+        elif change == "unknown-target":
+            settings["target_modules"] = ["q_proj", "lm_head"]
+        (folder / "adapter_config.json").write_text(json.dumps(settings))
+        if change == "no-config":
+            (folder / "adapter_config.json").unlink()
+        if change == "bin-weights":
+            (folder / "adapter_model.safetensors").rename(folder / "adapter_model.bin")
+    with pytest.raises(AdapterError, match=message):
+        read_adapter("x", folder, AutoConfig.from_pretrained(tiny_model_dir), 64)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("a", "expected NAME=PATH"), ("=p", "expected NAME=PATH"), ("a b=p", "a name is"), ("-x=p", "a name is")],
+)
+def test_the_lora_flag_is_name_equals_path(value: str, message: str) -> None:
+    assert parse_lora_flag("sql-v2=/adapters/sql") == ("sql-v2", "/adapters/sql")
+    with pytest.raises(ValueError, match=message):
+        parse_lora_flag(value)
+
+
+@pytest.mark.parametrize("sampling", [SamplingOptions(temperature=0.0), SamplingOptions(temperature=0.9, seed=11)])
+def test_a_resumed_adapter_stream_continues_exactly(
+    tiny_model_dir: Path, adapters: dict[str, Path], sampling: SamplingOptions
+) -> None:
+    """A stream cut after 9 tokens and resumed (on a fresh engine: another replica) with its
+    adapter gives the tokens the uncut stream gave."""
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+    prompt = prompts_of(loaded.tokenizer)[0]
+    engine = engine_with(loaded, adapters)
+    try:
+        [whole] = run_all(engine, [request("w", prompt, 24, "all8", sampling)], 60)
+    finally:
+        engine.close()
+    cut = whole.token_ids[:9]
+    fresh = engine_with(loaded, adapters)
+    try:
+        resumed = dataclasses.replace(request("r", prompt, 24, "all8", sampling), resume_ids=tuple(cut))
+        [rest] = run_all(fresh, [resumed], 60)
+    finally:
+        fresh.close()
+    assert cut + rest.token_ids == whole.token_ids
+
+
+def run_server(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "tokenwire_server", "--port", "0", "--host", "127.0.0.1", "--log-format", "text"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=180)
+
+
+def test_a_server_serves_its_adapters_and_refuses_an_unknown_one(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """``--lora`` at start: ModelInfo lists the adapters and the limits, a call with an adapter
+    gets the engine's tokens for it, and a name not loaded is NOT_FOUND naming it, before any chunk."""
+    import grpc
+    from servers import ServerProcess
+    from tokenwire.v1 import generation_pb2 as pb
+    from tokenwire.v1 import generation_pb2_grpc
+
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+    prompt = prompts_of(loaded.tokenizer)[1]
+    engine = engine_with(loaded, {"mlp16": adapters["mlp16"]})
+    try:
+        [expected] = run_all(engine, [request("e", prompt, 12, "mlp16")], 60)
+    finally:
+        engine.close()
+    flags = ["--lora", f"mlp16={adapters['mlp16']}", "--lora", f"attn8={adapters['attn8']}", "--max-loras", "4"]
+    with ServerProcess(["--model", str(tiny_model_dir), "--dtype", "float32", *flags]) as server:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = generation_pb2_grpc.TextGenerationStub(channel)
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+            assert [(a.name, a.rank) for a in info.adapters] == [("attn8", 8), ("mlp16", 16)]
+            assert sorted(info.adapters[0].target_modules) == sorted(ATTENTION)
+            assert (info.limits.max_loras, info.limits.max_lora_rank) == (4, 64)
+            call = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt),
+                sampling=pb.SamplingParams(temperature=0.0),
+                stopping=pb.StoppingCriteria(max_new_tokens=12, min_new_tokens=12),
+                output=pb.OutputOptions(token_ids=True),
+                adapter="mlp16",
+            )
+            chunks = list(stub.Generate(call, timeout=60))
+            assert [t.id for c in chunks for t in c.tokens] == expected.token_ids
+            call.adapter = "nope"
+            received = []
+            with pytest.raises(grpc.RpcError) as caught:
+                for chunk in stub.Generate(call, timeout=60):
+                    received.append(chunk)
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "adapter 'nope' is not loaded here (loaded: attn8, mlp16" in caught.value.details()
+            assert received == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lora", "x={missing}"], "--lora x: {missing}/adapter_config.json: no such file"),
+        (["--lora", "m={mlp16}", "--max-lora-rank", "8"], "--lora m: {mlp16}/adapter_config.json: rank 16 is over"),
+        (["--lora", "m={mlp16}", "--engine", "simple"], "the simple engine does not apply LoRA adapters"),
+        (["--lora", "m={mlp16}", "--lora", "m={mlp16}"], "--lora names one adapter twice: ['m']"),
+        (["--lora", "a={mlp16}", "--lora", "b={mlp16}", "--max-loras", "1"], "more than --max-loras 1"),
+        (["--lora", "m={mlp16}", "--forward", "transformers"], "LoRA adapters run in the native pass"),
+    ],
+    ids=["missing", "rank", "simple-engine", "twice", "max-loras", "transformers-forward"],
+)
+def test_an_adapter_the_server_cannot_apply_stops_it_with_status_2(
+    tiny_model_dir: Path, adapters: dict[str, Path], tmp_path: Path, flags: list[str], message: str
+) -> None:
+    paths = {"missing": str(tmp_path / "missing"), "mlp16": str(adapters["mlp16"])}
+    result = run_server("--model", str(tiny_model_dir), *(flag.format(**paths) for flag in flags))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message.format(**paths) in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_the_client_names_the_adapter_and_reads_the_servers_list() -> None:
+    from tokenwire.request import build_generate_request
+    from tokenwire.results import ModelInfo
+    from tokenwire.v1 import generation_pb2 as pb
+
+    assert build_generate_request("hi", options={"adapter": "sql"}).adapter == "sql"
+    assert build_generate_request("hi").adapter == ""
+    info = pb.ModelInfo(
+        adapters=[pb.AdapterInfo(name="sql", rank=8, target_modules=["q_proj"])],
+        limits=pb.RequestLimits(max_json_schema_depth=32, max_loras=4, max_lora_rank=64),
+    )
+    parsed = ModelInfo.from_proto(info)
+    assert (parsed.adapters, parsed.max_loras, parsed.max_lora_rank) == ({"sql": 8}, 4, 64)
