@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -335,3 +336,241 @@ def test_the_client_names_the_adapter_and_reads_the_servers_list() -> None:
     )
     parsed = ModelInfo.from_proto(info)
     assert (parsed.adapters, parsed.max_loras, parsed.max_lora_rank) == ({"sql": 8}, 4, 64)
+
+
+def test_a_tenant_may_name_only_the_adapters_its_configuration_lists(
+    tiny_model_dir: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """``adapters = ["attn8"]`` in a tenant's table: its calls may name attn8 (and the base
+    model), another adapter is PERMISSION_DENIED naming it, before any chunk; a tenant without
+    the key may name any loaded adapter."""
+    import grpc
+    from servers import ServerProcess
+    from tokenwire.v1 import generation_pb2 as pb
+    from tokenwire.v1 import generation_pb2_grpc
+
+    from benchmarks.launcher import tenant_flags
+
+    tenants = '[tenants.team]\nadapters = ["attn8"]\n\n[tenants.platform]\nweight = 1\n'
+    flags = tenant_flags(tmp_path, "team-token team\nplatform-token platform\n", tenants)
+    loras = ["--lora", f"attn8={adapters['attn8']}", "--lora", f"mlp16={adapters['mlp16']}"]
+    with ServerProcess(["--model", str(tiny_model_dir), *flags, *loras]) as server:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = generation_pb2_grpc.TextGenerationStub(channel)
+
+            def call(token: str, adapter: str) -> list[pb.TokenChunk]:
+                request = pb.GenerateRequest(
+                    prompt="Hi", adapter=adapter, stopping=pb.StoppingCriteria(max_new_tokens=3)
+                )
+                return list(stub.Generate(request, timeout=60, metadata=[("authorization", f"Bearer {token}")]))
+
+            assert call("team-token", "attn8")[-1].usage.completion_tokens == 3
+            assert call("team-token", "")[-1].usage.completion_tokens == 3
+            assert call("platform-token", "mlp16")[-1].usage.completion_tokens == 3
+            with pytest.raises(grpc.RpcError) as caught:
+                call("team-token", "mlp16")
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert caught.value.details() == "adapter: tenant 'team' may not use adapter 'mlp16' (its adapters: attn8)"
+
+
+def test_the_adapters_key_must_list_names() -> None:
+    from tokenwire_server.tenancy import TenantConfigError, tenants_from_mapping
+
+    policy = tenants_from_mapping({"tenants": {"t": {"adapters": ["a", "b"]}}}).policy("t")
+    assert (policy.may_use("a"), policy.may_use("c"), policy.may_use("")) == (True, False, True)
+    assert tenants_from_mapping({"tenants": {"u": {"weight": 2}}}).policy("u").may_use("anything")
+    with pytest.raises(TenantConfigError, match=r"\[tenants.t\]: adapters must be a list of adapter names"):
+        tenants_from_mapping({"tenants": {"t": {"adapters": "a"}}})
+
+
+def test_unloading_lets_the_streams_in_flight_finish_and_refuses_new_calls(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """remove_adapter with a stream running on the adapter: the stream finishes with it, token
+    for token what it gives uncut; a new request naming it is refused; it can be loaded again."""
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+    prompt = prompts_of(loaded.tokenizer)[2]
+    long = request("long", prompt, 400, "attn8")
+    engine = engine_with(loaded, {"attn8": adapters["attn8"]})
+    try:
+        [reference] = run_all(engine, [long], 120)
+        running = Recorder()
+        running.request = long
+        engine.submit(dataclasses.replace(long, request_id="running"), running)
+        deadline = time.monotonic() + 60
+        while not running.events and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engine.remove_adapter("attn8") == 1
+        with pytest.raises(UnknownAdapter):
+            engine.submit(request("after", prompt, 4, "attn8"), Recorder())
+        assert running.done.wait(120) and isinstance(running.last, FinishEvent)
+        assert running.token_ids == reference.token_ids
+        with pytest.raises(UnknownAdapter):
+            engine.remove_adapter("attn8")
+        engine.add_adapter(read_adapter("attn8", adapters["attn8"], loaded.model.config, 64))
+        [again] = run_all(engine, [long], 120)
+        assert again.token_ids == reference.token_ids
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def adapter_server(tiny_model_dir: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A server with --lora-dir (adapters attn8 and mlp16 in it, a bad one, a symlink out), and
+    tenants: ``admin`` may manage adapters, ``user`` may not."""
+    from servers import ServerProcess
+
+    from benchmarks.launcher import tenant_flags
+
+    root = tmp_path_factory.mktemp("lora-server")
+    lora_dir = root / "adapters"
+    lora_dir.mkdir()
+    for name in ("attn8", "mlp16"):
+        shutil.copytree(adapters[name], lora_dir / name)
+    shutil.copytree(adapters["attn8"], lora_dir / "dora")
+    settings = json.loads((lora_dir / "dora" / "adapter_config.json").read_text())
+    (lora_dir / "dora" / "adapter_config.json").write_text(json.dumps({**settings, "use_dora": True}))
+    shutil.copytree(adapters["all8"], root / "outside")
+    (lora_dir / "escape").symlink_to(root / "outside")
+    tenants = "[tenants.admin]\nmanage_adapters = true\n\n[tenants.user]\nweight = 1\n"
+    flags = tenant_flags(root, "admin-token admin\nuser-token user\n", tenants)
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        *flags,
+        "--lora-dir",
+        str(lora_dir),
+        "--max-loras",
+        "2",
+    ]
+    with ServerProcess(args) as server:
+        yield server, root
+
+
+def test_the_adapters_service_loads_lists_serves_and_unloads(adapter_server: Any, tiny_model_dir: Path) -> None:
+    from tokenwire import Client
+    from tokenwire.errors import NotFound
+
+    server, _ = adapter_server
+    admin = Client(server.target, token="admin-token")
+    user = Client(server.target, token="user-token")
+    try:
+        assert admin.adapters() == {}
+        assert admin.load_adapter("sql", "attn8") == 8
+        assert admin.adapters() == {"sql": 8} and user.model_info().adapters == {"sql": 8}
+        loaded = load_model(str(tiny_model_dir), dtype="float32")
+        prompt = prompts_of(loaded.tokenizer)[0]
+        engine = engine_with(loaded, {"sql": adapters_of(admin, server)})
+        try:
+            [expected] = run_all(engine, [request("e", prompt, 10, "sql")], 60)
+        finally:
+            engine.close()
+        chunks = list(user.generate(input_ids=prompt, adapter="sql", temperature=0, max_new_tokens=10,
+                                    min_new_tokens=10, token_ids=True))  # fmt: skip
+        assert [t.id for c in chunks for t in c.tokens] == expected.token_ids
+        assert admin.unload_adapter("sql") == 0
+        assert admin.adapters() == {} and user.model_info().adapters == {}
+        with pytest.raises(NotFound, match="adapter 'sql' is not loaded"):
+            list(user.generate(input_ids=prompt, adapter="sql", max_new_tokens=4))
+    finally:
+        admin.close()
+        user.close()
+    assert server.find("lora adapter loaded") and server.find("lora adapter unloaded")
+
+
+def adapters_of(client: Any, server: Any) -> Path:
+    """The folder the server loaded as "sql" (attn8's copy in its --lora-dir)."""
+    [line] = server.find("lora adapter loaded")
+    return Path(line["path"])
+
+
+@pytest.mark.parametrize(
+    ("who", "name", "path", "code", "message"),
+    [
+        ("user-token", "x", "attn8", "PERMISSION_DENIED", "tenant 'user' may not manage adapters"),
+        ("admin-token", "x", "../outside", "PERMISSION_DENIED", "resolves outside the server's --lora-dir"),
+        ("admin-token", "x", "escape", "PERMISSION_DENIED", "resolves outside the server's --lora-dir"),
+        ("admin-token", "x", "/etc", "PERMISSION_DENIED", "resolves outside the server's --lora-dir"),
+        ("admin-token", "x", "dora", "INVALID_ARGUMENT", "use_dora = True is not applied"),
+        ("admin-token", "x", "nothing-here", "INVALID_ARGUMENT", "adapter_config.json: no such file"),
+        ("admin-token", "bad name", "attn8", "INVALID_ARGUMENT", "an adapter name is 1-64 letters"),
+    ],
+    ids=["not-a-manager", "dot-dot", "symlink-out", "absolute", "mismatched", "missing", "bad-name"],
+)
+def test_a_load_the_server_refuses_says_why(
+    adapter_server: Any, who: str, name: str, path: str, code: str, message: str
+) -> None:
+    import grpc
+    from tokenwire.v1 import generation_pb2 as pb
+    from tokenwire.v1 import generation_pb2_grpc
+
+    server, _ = adapter_server
+    with grpc.insecure_channel(server.target) as channel:
+        stub = generation_pb2_grpc.AdaptersStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.LoadAdapter(
+                pb.LoadAdapterRequest(name=name, path=path), timeout=60, metadata=[("authorization", f"Bearer {who}")]
+            )
+    assert caught.value.code().name == code
+    assert message in caught.value.details()
+    if path in ("../outside", "escape", "/etc"):
+        assert any(line.get("path") == path for line in server.find("adapter path outside --lora-dir refused"))
+
+
+def test_loading_past_max_loras_is_resource_exhausted_and_twice_already_exists(adapter_server: Any) -> None:
+    import grpc
+    from tokenwire.v1 import generation_pb2 as pb
+    from tokenwire.v1 import generation_pb2_grpc
+
+    server, _ = adapter_server
+    auth = [("authorization", "Bearer admin-token")]
+    with grpc.insecure_channel(server.target) as channel:
+        stub = generation_pb2_grpc.AdaptersStub(channel)
+        try:
+            stub.LoadAdapter(pb.LoadAdapterRequest(name="a", path="attn8"), timeout=60, metadata=auth)
+            with pytest.raises(grpc.RpcError) as twice:
+                stub.LoadAdapter(pb.LoadAdapterRequest(name="a", path="mlp16"), timeout=60, metadata=auth)
+            stub.LoadAdapter(pb.LoadAdapterRequest(name="b", path="mlp16"), timeout=60, metadata=auth)
+            with pytest.raises(grpc.RpcError) as full:
+                stub.LoadAdapter(pb.LoadAdapterRequest(name="c", path="attn8"), timeout=60, metadata=auth)
+        finally:
+            for name in ("a", "b"):
+                stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=60, metadata=auth)
+    assert twice.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "adapter 'a' is loaded already" in twice.value.details()
+    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "2 adapters are loaded, the server's most (--max-loras 2)" in full.value.details()
+
+
+def test_the_adapters_service_is_off_without_credentials_unless_the_flag_opens_it(
+    tiny_model_dir: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """No tokens, no mutual TLS: --lora-dir alone leaves the service off (UNIMPLEMENTED, and a
+    warning says why); --adapter-service-without-auth opens it to every caller, with a warning,
+    and ``tokenwire adapters`` drives it."""
+    import grpc
+    from servers import ServerProcess
+    from tokenwire.v1 import generation_pb2 as pb
+    from tokenwire.v1 import generation_pb2_grpc
+
+    shutil.copytree(adapters["mlp16"], tmp_path / "mlp16")
+    base = ["--model", str(tiny_model_dir), "--lora-dir", str(tmp_path)]
+    with ServerProcess(base) as server:
+        with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as caught:
+            generation_pb2_grpc.AdaptersStub(channel).ListAdapters(pb.ListAdaptersRequest(), timeout=30)
+        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        [off] = server.find("adapters service off")
+        assert off["why"].startswith("--lora-dir is set but no caller can be told apart")
+    with ServerProcess([*base, "--adapter-service-without-auth"]) as server:
+        [opened] = server.find("adapters service open to every caller")
+        assert opened["why"].startswith("--adapter-service-without-auth: anyone who can reach this port")
+        cli = [sys.executable, "-m", "tokenwire.cli", "adapters"]
+        common = ["--target", server.target]
+        loaded = subprocess.run([*cli, "load", "m", "mlp16", *common], capture_output=True, text=True, timeout=60)
+        assert loaded.returncode == 0 and loaded.stdout.strip() == "loaded m (rank 16)", loaded.stderr
+        listed = subprocess.run([*cli, "list", *common], capture_output=True, text=True, timeout=60)
+        assert listed.stdout.strip() == "m\trank 16"
+        gone = subprocess.run([*cli, "unload", "m", *common], capture_output=True, text=True, timeout=60)
+        assert gone.stdout.strip() == "unloaded m (0 streams in flight finish with it)"

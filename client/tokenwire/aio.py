@@ -121,6 +121,7 @@ class AsyncClient(ClientBase):
         )
         self._stub = pb_grpc.TextGenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._adapters = pb_grpc.AdaptersStub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -196,6 +197,20 @@ class AsyncClient(ClientBase):
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         return await self._unary(self._stub.GetModelInfo, self._model_info_call(timeout))
+
+    async def adapters(self, *, timeout: float | None = None) -> dict[str, int]:
+        """The LoRA adapters the server has loaded, each with its rank (the Adapters service:
+        its ``manage_adapters`` tenants; ``model_info().adapters`` is open to every caller)."""
+        return await self._unary(self._adapters.ListAdapters, self._list_adapters_call(timeout))
+
+    async def load_adapter(self, name: str, path: str, *, timeout: float | None = None) -> int:
+        """Load the PEFT LoRA folder ``path`` (relative to the server's --lora-dir) as ``name``;
+        its rank. Calls may name it in ``generate(..., adapter=name)`` once this returns."""
+        return await self._unary(self._adapters.LoadAdapter, self._load_adapter_call(name, path, timeout))
+
+    async def unload_adapter(self, name: str, *, timeout: float | None = None) -> int:
+        """Unload ``name``: new calls naming it fail NotFound, the streams using it finish; how many run."""
+        return await self._unary(self._adapters.UnloadAdapter, self._unload_adapter_call(name, timeout))
 
     async def health(self, service: str = "", *, timeout: float | None = 5.0) -> HealthStatus:
         """As ``Client.health``."""

@@ -97,6 +97,11 @@ class GenerateCall:
         return start, self.attempts
 
 
+def adapter_ranks(response: pb.ListAdaptersResponse) -> dict[str, int]:
+    """The adapters a ListAdapters response names, each with its rank."""
+    return {adapter.name: adapter.rank for adapter in response.adapters}
+
+
 @dataclasses.dataclass(frozen=True)
 class UnaryCall(Generic[_Response, _Result]):
     """A unary call, checked and built: its request (sent as it is on every attempt),
@@ -298,6 +303,17 @@ class ClientBase(abc.ABC):
 
     def _model_info_call(self, timeout: float | None) -> UnaryCall[pb.ModelInfo, ModelInfo]:
         return self._unary_call(pb.GetModelInfoRequest(), timeout, ModelInfo.from_proto)
+
+    def _list_adapters_call(self, timeout: float | None) -> UnaryCall[pb.ListAdaptersResponse, dict[str, int]]:
+        return self._unary_call(pb.ListAdaptersRequest(), timeout, adapter_ranks)
+
+    def _load_adapter_call(self, name: str, path: str, timeout: float | None) -> UnaryCall[pb.AdapterInfo, int]:
+        return self._unary_call(pb.LoadAdapterRequest(name=name, path=path), timeout, lambda info: int(info.rank))
+
+    def _unload_adapter_call(self, name: str, timeout: float | None) -> UnaryCall[pb.UnloadAdapterResponse, int]:
+        return self._unary_call(
+            pb.UnloadAdapterRequest(name=name), timeout, lambda response: int(response.streams_in_flight)
+        )
 
     def _unary_call(
         self, request: Message, timeout: float | None, result: Callable[[_Response], _Result]

@@ -238,6 +238,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     info.add_argument("--json", action="store_true")
 
+    adapters = commands.add_parser(
+        "adapters",
+        parents=[connection],
+        epilog=EPILOG,
+        formatter_class=formatter,
+        help="list, load or unload LoRA adapters (the server's Adapters service)",
+    )
+    adapters.add_argument("action", choices=("list", "load", "unload"))
+    adapters.add_argument("name", nargs="?", help="the adapter's name (load, unload)")
+    adapters.add_argument("path", nargs="?", help="load: its folder, relative to the server's --lora-dir")
+
     tok = commands.add_parser(
         "tokenize", parents=[connection], epilog=EPILOG, formatter_class=formatter, help="show the token ids of a text"
     )
@@ -655,6 +666,23 @@ def cmd_info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_adapters(args: argparse.Namespace) -> int:
+    if args.action != "list" and not args.name:
+        raise UsageError(f"adapters {args.action} needs the adapter's NAME")
+    if args.action == "load" and not args.path:
+        raise UsageError("adapters load needs NAME and PATH (relative to the server's --lora-dir)")
+    with _client(args) as client:
+        if args.action == "list":
+            for name, rank in client.adapters().items():
+                print(f"{name}\trank {rank}")
+        elif args.action == "load":
+            print(f"loaded {args.name} (rank {client.load_adapter(args.name, args.path)})")
+        else:
+            running = client.unload_adapter(args.name)
+            print(f"unloaded {args.name} ({running} streams in flight finish with it)")
+    return EXIT_OK
+
+
 def cmd_tokenize(args: argparse.Namespace) -> int:
     text = _read_arg(args.text)
     with _client(args) as client:
@@ -721,6 +749,7 @@ COMMANDS: dict[str, Any] = {
     "generate": cmd_generate,
     "chat": cmd_chat,
     "info": cmd_info,
+    "adapters": cmd_adapters,
     "tokenize": cmd_tokenize,
     "score": cmd_score,
     "health": cmd_health,

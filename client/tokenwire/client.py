@@ -152,6 +152,7 @@ class Client(ClientBase):
         )
         self._stub = pb_grpc.TextGenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._adapters = pb_grpc.AdaptersStub(self._channel)
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -237,6 +238,20 @@ class Client(ClientBase):
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """The model being served and the server's limits."""
         return self._unary(self._stub.GetModelInfo, self._model_info_call(timeout))
+
+    def adapters(self, *, timeout: float | None = None) -> dict[str, int]:
+        """The LoRA adapters the server has loaded, each with its rank (the Adapters service:
+        its ``manage_adapters`` tenants; ``model_info().adapters`` is open to every caller)."""
+        return self._unary(self._adapters.ListAdapters, self._list_adapters_call(timeout))
+
+    def load_adapter(self, name: str, path: str, *, timeout: float | None = None) -> int:
+        """Load the PEFT LoRA folder ``path`` (relative to the server's --lora-dir) as ``name``;
+        its rank. Calls may name it in ``generate(..., adapter=name)`` once this returns."""
+        return self._unary(self._adapters.LoadAdapter, self._load_adapter_call(name, path, timeout))
+
+    def unload_adapter(self, name: str, *, timeout: float | None = None) -> int:
+        """Unload ``name``: new calls naming it fail NotFound, the streams using it finish; how many run."""
+        return self._unary(self._adapters.UnloadAdapter, self._unload_adapter_call(name, timeout))
 
     def health(self, service: str = "", *, timeout: float | None = 5.0) -> HealthStatus:
         """The grpc.health.v1 status of ``service`` ("" is the whole server).

@@ -23,10 +23,12 @@ import asyncio
 import collections
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from . import handoff
 from .domain import (
+    AdapterDescription,
     Encoding,
     EngineStats,
     ErrorEvent,
@@ -94,6 +96,21 @@ class GenerationBackend(Protocol):
 
     async def close(self) -> None:
         """End what runs, join the engine's threads, free the model."""
+        ...
+
+
+@runtime_checkable
+class AdapterHost(Protocol):
+    """A backend that loads and unloads LoRA adapters while serving (the Adapters service)."""
+
+    def load_adapter(self, name: str, folder: Path) -> AdapterDescription:
+        """Read ``folder`` and apply it to requests naming ``name`` (blocking: call it off the
+        loop). Raises InvalidAdapter, AdapterExists, AdapterLimit, or NotSupported."""
+        ...
+
+    def unload_adapter(self, name: str) -> int:
+        """Stop new requests from naming ``name`` (UnknownAdapter when it is not loaded); return
+        the streams still running with it."""
         ...
 
 

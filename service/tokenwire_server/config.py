@@ -12,9 +12,10 @@ import dataclasses
 import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from .domain import RequestLimits
+from .domain import ADAPTER_NAME, RequestLimits
 from .engine import FORWARDS, KERNEL_CHOICES, OVERLAP_MODES, STEP_GRAPH_MODES
 
 ENV_PREFIX = "TOKENWIRE_"
@@ -29,6 +30,8 @@ class ServerConfig:
     lora: tuple[str, ...] = ()
     max_loras: int = 8
     max_lora_rank: int = 64
+    lora_dir: str = ""
+    adapter_service_without_auth: bool = False
     allow_unmet_quality_bar: bool = False
     engine: str = "batched"
     host: str = "0.0.0.0"
@@ -136,6 +139,16 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     ),
     "max_loras": ("most LoRA adapters loaded at once", None),
     "max_lora_rank": ("highest LoRA rank loaded; an adapter of a higher rank is refused", None),
+    "lora_dir": (
+        "batched engine: the folder LoRA adapters are loaded from while serving (the Adapters service: "
+        "LoadAdapter's path resolves inside it, never outside); empty: the service is off",
+        None,
+    ),
+    "adapter_service_without_auth": (
+        "with --lora-dir and no --auth-token-file / mutual TLS: serve the Adapters service to every caller "
+        "(a start-up warning says so); otherwise only tenants with manage_adapters = true may call it",
+        None,
+    ),
     "allow_unmet_quality_bar": (
         "serve a --quantization mode whose measured quality on this device kind misses "
         "the bar (make bench-quality: KL <= 0.02 nats/token and >= 14/16 greedy "
@@ -389,6 +402,8 @@ def check_files(config: ServerConfig) -> list[str]:
     from .security import read_tokens
     from .tenancy import TenantConfigError, tenants_of
 
+    if config.lora_dir and not Path(config.lora_dir).is_dir():
+        return [f"--lora-dir {config.lora_dir}: not a folder"]
     try:
         tokens = read_tokens(config.auth_token_file) if config.auth_token_file else {}
         tenants_of(config, tokens.values())
@@ -402,7 +417,7 @@ def parse_lora_flag(value: str) -> tuple[str, str]:
     name, sep, path = value.partition("=")
     if not sep or not name or not path:
         raise ValueError(f"--lora {value!r}: expected NAME=PATH (a PEFT LoRA folder)")
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+    if not re.fullmatch(ADAPTER_NAME, name):
         raise ValueError(f"--lora {value!r}: a name is 1-64 letters, digits, '.', '_' or '-', starting alnum")
     return name, path
 
@@ -419,6 +434,10 @@ def validate_config(config: ServerConfig) -> list[str]:
         errors.append(f"--lora names one adapter twice: {sorted({n for n in names if names.count(n) > 1})}")
     if len(config.lora) > config.max_loras:
         errors.append(f"{len(config.lora)} --lora adapters, more than --max-loras {config.max_loras}")
+    if config.lora_dir and config.engine != "batched":
+        errors.append(f"--lora-dir: the {config.engine} engine does not apply LoRA adapters; use --engine batched")
+    if config.adapter_service_without_auth and not config.lora_dir:
+        errors.append("--adapter-service-without-auth needs --lora-dir (the folder adapters are loaded from)")
     if config.lora and config.engine != "batched":
         errors.append(f"--lora: the {config.engine} engine does not apply LoRA adapters; use --engine batched")
     for name in (

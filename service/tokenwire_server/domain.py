@@ -209,8 +209,25 @@ class UnknownAdapter(LookupError):
 
     def __init__(self, name: str, loaded: list[str]) -> None:
         listed = ", ".join(loaded) if loaded else "none"
-        super().__init__(f"adapter {name!r} is not loaded here (loaded: {listed}; ModelInfo.adapters lists them)")
+        super().__init__(f"adapter {name[:64]!r} is not loaded here (loaded: {listed}; ModelInfo.adapters lists them)")
         self.name = name
+
+
+class InvalidAdapter(ValueError):
+    """A folder LoadAdapter cannot apply to this model (INVALID_ARGUMENT naming ``path``); the
+    message names the file and why."""
+
+
+class AdapterExists(ValueError):
+    """LoadAdapter under a name already loaded (ALREADY_EXISTS: unload it first)."""
+
+
+class AdapterLimit(Exception):
+    """LoadAdapter past ``--max-loras`` (RESOURCE_EXHAUSTED)."""
+
+
+# What a LoRA adapter may be named (``--lora NAME=PATH``, LoadAdapterRequest.name).
+ADAPTER_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 
 
 class EmptyPrompt(ValueError):

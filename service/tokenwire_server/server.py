@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -37,6 +38,8 @@ from .metrics import Metrics, nvml_probe
 from .security import BearerTokenInterceptor, Identities, read_tokens, server_credentials
 from .tenancy import tenants_of
 from .tracing import create_tracing
+from .transport.adapters import SERVICE_NAME as ADAPTERS_SERVICE_NAME
+from .transport.adapters import AdaptersServicer
 from .transport.servicer import SERVICE_NAME, TextGenerationServicer
 
 if TYPE_CHECKING:
@@ -125,6 +128,36 @@ class TokenwireServer:
         self.phases = StartupPhases()
         self._preparing: asyncio.Future[None] | None = None  # prepare_formats, after readiness
 
+    def _adapter_service(self, server: grpc.aio.Server) -> bool:
+        """Register the Adapters service where the configuration allows it; whether it did."""
+        config = self.config
+        if not config.lora_dir:
+            return False
+        authenticated = bool(config.auth_token_file or config.tls_client_ca)
+        if not authenticated and not config.adapter_service_without_auth:
+            log.warning(
+                "adapters service off",
+                extra={
+                    "why": "--lora-dir is set but no caller can be told apart (no --auth-token-file or mutual TLS); "
+                    "add them and a tenant with manage_adapters = true, or --adapter-service-without-auth to "
+                    "serve it to every caller"
+                },
+            )
+            return False
+        if config.adapter_service_without_auth and not authenticated:
+            log.warning(
+                "adapters service open to every caller",
+                extra={
+                    "why": "--adapter-service-without-auth: anyone who can reach this port may load and unload "
+                    "LoRA adapters from --lora-dir",
+                    "lora_dir": config.lora_dir,
+                },
+            )
+        open_to_all = config.adapter_service_without_auth and not authenticated
+        AdaptersServicer(self._servicer, Path(config.lora_dir), open_to_all=open_to_all).add_to_server(server)
+        log.info("adapters service", extra={"lora_dir": config.lora_dir, "open_to_all": open_to_all})
+        return True
+
     async def start(self) -> None:
         config = self.config
         interceptors = []
@@ -138,10 +171,13 @@ class TokenwireServer:
         ]
         server = grpc.aio.server(interceptors=interceptors, options=options)
         self._servicer.add_to_server(server)
+        services = [SERVICE_NAME]
+        if self._adapter_service(server):
+            services.append(ADAPTERS_SERVICE_NAME)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         reflection.enable_server_reflection(
             (
-                SERVICE_NAME,
+                *services,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
@@ -318,8 +354,6 @@ class TokenwireServer:
     def _load_adapters(self, engine: Engine, loaded: LoadedModel) -> None:
         """The --lora adapters, read and checked against the model, into the engine; a folder
         that is not a matching adapter stops the start (a usage error naming it)."""
-        from pathlib import Path
-
         from .adapters import AdapterError, read_adapter
         from .config import parse_lora_flag
         from .domain import NotSupported

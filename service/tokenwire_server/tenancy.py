@@ -9,7 +9,10 @@ what the request says. ``--tenant-config FILE`` (TOML) gives each tenant:
 - ``max_active`` / ``max_queued``: the most streams it may run / have waiting at once
   (0: only the server's own limits);
 - ``tokens_per_minute``: prompt + completion tokens over the last 60 s (0: none);
-- ``max_priority``: the highest ``GenerateRequest.priority`` it may ask for.
+- ``max_priority``: the highest ``GenerateRequest.priority`` it may ask for;
+- ``adapters``: the LoRA adapters it may name in ``GenerateRequest.adapter`` (unset: any
+  the server has loaded; ``[]``: none); another is PERMISSION_DENIED naming it;
+- ``manage_adapters``: whether it may call the Adapters service (load and unload adapters).
 
 A name not in the configuration (a certificate nobody configured) is served as the
 ``default`` tenant, so metric label values stay bounded by the configuration.
@@ -43,9 +46,15 @@ class TenantPolicy:
     max_queued: int = 0  # 0: the server's --max-queue
     tokens_per_minute: int = 0  # 0: no quota
     max_priority: Priority = Priority.HIGH
+    adapters: tuple[str, ...] | None = None  # None: any loaded adapter
+    manage_adapters: bool = False  # may call the Adapters service
 
     def allows(self, priority: Priority) -> bool:
         return priority >= self.max_priority  # a lower value is more urgent
+
+    def may_use(self, adapter: str) -> bool:
+        """Whether calls of this tenant may name LoRA ``adapter`` (empty: the base model, always)."""
+        return not adapter or self.adapters is None or adapter in self.adapters
 
 
 class TenantConfigError(ValueError):
@@ -81,7 +90,7 @@ class Tenants:
         return len(self._policies)
 
 
-_KEYS = {"weight", "max_active", "max_queued", "tokens_per_minute", "max_priority"}
+_KEYS = {"weight", "max_active", "max_queued", "tokens_per_minute", "max_priority", "adapters", "manage_adapters"}
 
 
 def load_tenant_config(path: str) -> Tenants:
@@ -131,7 +140,24 @@ def tenants_from_mapping(data: Mapping[str, object], source: str = "tenant confi
             raise TenantConfigError(
                 f"{where}: max_priority must be one of {sorted(PRIORITY_NAMES)}, got {priority_name!r}"
             )
-        policies.append(TenantPolicy(name, float(weight), max_priority=PRIORITY_NAMES[str(priority_name)], **counts))
+        adapters = table.get("adapters")
+        if adapters is not None and (
+            not isinstance(adapters, list) or not all(isinstance(a, str) and a for a in adapters)
+        ):
+            raise TenantConfigError(f"{where}: adapters must be a list of adapter names, got {adapters!r}")
+        manage = table.get("manage_adapters", False)
+        if not isinstance(manage, bool):
+            raise TenantConfigError(f"{where}: manage_adapters must be true or false, got {manage!r}")
+        policies.append(
+            TenantPolicy(
+                name,
+                float(weight),
+                max_priority=PRIORITY_NAMES[str(priority_name)],
+                adapters=None if adapters is None else tuple(adapters),
+                manage_adapters=manage,
+                **counts,
+            )
+        )
     return Tenants(policies)
 
 

@@ -190,3 +190,181 @@ class TextGeneration:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdaptersStub:
+    """LoRA adapters loaded and unloaded while the server runs. Served only where the
+    server allows it (--lora-dir, and a tenant whose configuration says
+    manage_adapters = true; docs/operations.md, "LoRA adapters"): elsewhere its calls
+    are UNIMPLEMENTED, and a tenant without the permission gets PERMISSION_DENIED.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListAdapters = channel.unary_unary(
+                '/tokenwire.v1.Adapters/ListAdapters',
+                request_serializer=tokenwire_dot_v1_dot_generation__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=tokenwire_dot_v1_dot_generation__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/tokenwire.v1.Adapters/LoadAdapter',
+                request_serializer=tokenwire_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=tokenwire_dot_v1_dot_generation__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/tokenwire.v1.Adapters/UnloadAdapter',
+                request_serializer=tokenwire_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=tokenwire_dot_v1_dot_generation__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+
+
+class AdaptersServicer:
+    """LoRA adapters loaded and unloaded while the server runs. Served only where the
+    server allows it (--lora-dir, and a tenant whose configuration says
+    manage_adapters = true; docs/operations.md, "LoRA adapters"): elsewhere its calls
+    are UNIMPLEMENTED, and a tenant without the permission gets PERMISSION_DENIED.
+    """
+
+    def ListAdapters(self, request, context):
+        """ListAdapters names the adapters loaded now (as ModelInfo.adapters does).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadAdapter(self, request, context):
+        """LoadAdapter reads a PEFT LoRA folder inside the server's --lora-dir and makes it
+        available to GenerateRequest.adapter. A path outside --lora-dir is
+        PERMISSION_DENIED; a folder that is not an adapter for this model is
+        INVALID_ARGUMENT naming the file and why; a name already loaded is ALREADY_EXISTS;
+        past --max-loras, RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """UnloadAdapter stops new calls from naming the adapter (they get NOT_FOUND); the
+        streams already using it finish with it, and it is freed after the last one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdaptersServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=tokenwire_dot_v1_dot_generation__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=tokenwire_dot_v1_dot_generation__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=tokenwire_dot_v1_dot_generation__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=tokenwire_dot_v1_dot_generation__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=tokenwire_dot_v1_dot_generation__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=tokenwire_dot_v1_dot_generation__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tokenwire.v1.Adapters', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tokenwire.v1.Adapters', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Adapters:
+    """LoRA adapters loaded and unloaded while the server runs. Served only where the
+    server allows it (--lora-dir, and a tenant whose configuration says
+    manage_adapters = true; docs/operations.md, "LoRA adapters"): elsewhere its calls
+    are UNIMPLEMENTED, and a tenant without the permission gets PERMISSION_DENIED.
+    """
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenwire.v1.Adapters/ListAdapters',
+            tokenwire_dot_v1_dot_generation__pb2.ListAdaptersRequest.SerializeToString,
+            tokenwire_dot_v1_dot_generation__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenwire.v1.Adapters/LoadAdapter',
+            tokenwire_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+            tokenwire_dot_v1_dot_generation__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenwire.v1.Adapters/UnloadAdapter',
+            tokenwire_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+            tokenwire_dot_v1_dot_generation__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -104,3 +104,91 @@ class TextGenerationServicer(metaclass=_abc_1.ABCMeta):
         """GetModelInfo describes the model being served and the server's limits."""
 
 def add_TextGenerationServicer_to_server(servicer: TextGenerationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class AdaptersStub:
+    """LoRA adapters loaded and unloaded while the server runs. Served only where the
+    server allows it (--lora-dir, and a tenant whose configuration says
+    manage_adapters = true; docs/operations.md, "LoRA adapters"): elsewhere its calls
+    are UNIMPLEMENTED, and a tenant without the permission gets PERMISSION_DENIED.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> AdaptersAsyncStub: ...
+    ListAdapters: _grpc.UnaryUnaryMultiCallable[_generation_pb2.ListAdaptersRequest, _generation_pb2.ListAdaptersResponse]
+    """ListAdapters names the adapters loaded now (as ModelInfo.adapters does)."""
+    LoadAdapter: _grpc.UnaryUnaryMultiCallable[_generation_pb2.LoadAdapterRequest, _generation_pb2.AdapterInfo]
+    """LoadAdapter reads a PEFT LoRA folder inside the server's --lora-dir and makes it
+    available to GenerateRequest.adapter. A path outside --lora-dir is
+    PERMISSION_DENIED; a folder that is not an adapter for this model is
+    INVALID_ARGUMENT naming the file and why; a name already loaded is ALREADY_EXISTS;
+    past --max-loras, RESOURCE_EXHAUSTED.
+    """
+    UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_generation_pb2.UnloadAdapterRequest, _generation_pb2.UnloadAdapterResponse]
+    """UnloadAdapter stops new calls from naming the adapter (they get NOT_FOUND); the
+    streams already using it finish with it, and it is freed after the last one.
+    """
+
+@_typing.type_check_only
+class AdaptersAsyncStub(AdaptersStub):
+    """LoRA adapters loaded and unloaded while the server runs. Served only where the
+    server allows it (--lora-dir, and a tenant whose configuration says
+    manage_adapters = true; docs/operations.md, "LoRA adapters"): elsewhere its calls
+    are UNIMPLEMENTED, and a tenant without the permission gets PERMISSION_DENIED.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    ListAdapters: _aio.UnaryUnaryMultiCallable[_generation_pb2.ListAdaptersRequest, _generation_pb2.ListAdaptersResponse]  # type: ignore[assignment]
+    """ListAdapters names the adapters loaded now (as ModelInfo.adapters does)."""
+    LoadAdapter: _aio.UnaryUnaryMultiCallable[_generation_pb2.LoadAdapterRequest, _generation_pb2.AdapterInfo]  # type: ignore[assignment]
+    """LoadAdapter reads a PEFT LoRA folder inside the server's --lora-dir and makes it
+    available to GenerateRequest.adapter. A path outside --lora-dir is
+    PERMISSION_DENIED; a folder that is not an adapter for this model is
+    INVALID_ARGUMENT naming the file and why; a name already loaded is ALREADY_EXISTS;
+    past --max-loras, RESOURCE_EXHAUSTED.
+    """
+    UnloadAdapter: _aio.UnaryUnaryMultiCallable[_generation_pb2.UnloadAdapterRequest, _generation_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
+    """UnloadAdapter stops new calls from naming the adapter (they get NOT_FOUND); the
+    streams already using it finish with it, and it is freed after the last one.
+    """
+
+class AdaptersServicer(metaclass=_abc_1.ABCMeta):
+    """LoRA adapters loaded and unloaded while the server runs. Served only where the
+    server allows it (--lora-dir, and a tenant whose configuration says
+    manage_adapters = true; docs/operations.md, "LoRA adapters"): elsewhere its calls
+    are UNIMPLEMENTED, and a tenant without the permission gets PERMISSION_DENIED.
+    """
+
+    @_abc_1.abstractmethod
+    def ListAdapters(
+        self,
+        request: _generation_pb2.ListAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generation_pb2.ListAdaptersResponse, _abc.Awaitable[_generation_pb2.ListAdaptersResponse]]:
+        """ListAdapters names the adapters loaded now (as ModelInfo.adapters does)."""
+
+    @_abc_1.abstractmethod
+    def LoadAdapter(
+        self,
+        request: _generation_pb2.LoadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generation_pb2.AdapterInfo, _abc.Awaitable[_generation_pb2.AdapterInfo]]:
+        """LoadAdapter reads a PEFT LoRA folder inside the server's --lora-dir and makes it
+        available to GenerateRequest.adapter. A path outside --lora-dir is
+        PERMISSION_DENIED; a folder that is not an adapter for this model is
+        INVALID_ARGUMENT naming the file and why; a name already loaded is ALREADY_EXISTS;
+        past --max-loras, RESOURCE_EXHAUSTED.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadAdapter(
+        self,
+        request: _generation_pb2.UnloadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generation_pb2.UnloadAdapterResponse, _abc.Awaitable[_generation_pb2.UnloadAdapterResponse]]:
+        """UnloadAdapter stops new calls from naming the adapter (they get NOT_FOUND); the
+        streams already using it finish with it, and it is freed after the last one.
+        """
+
+def add_AdaptersServicer_to_server(servicer: AdaptersServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

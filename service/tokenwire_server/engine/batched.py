@@ -202,6 +202,17 @@ class BatchedEngine(Engine):
         self._adapters = {**self._adapters, adapter.name: packed}
         self._adapter_sources = {**self._adapter_sources, adapter.name: adapter}
 
+    def remove_adapter(self, name: str) -> int:
+        """New requests may no longer name ``name`` (UnknownAdapter); those admitted already keep
+        it (their ``Generation`` holds it) and finish with it, and it is freed after the last.
+        Its prefix-cache blocks are keyed under its own root: no later request finds them, and
+        they go as the cache reuses blocks. Returns the streams running with it now."""
+        if name not in self._adapters:
+            raise UnknownAdapter(name, sorted(self._adapters))
+        self._adapters = {key: value for key, value in self._adapters.items() if key != name}
+        self._adapter_sources = {key: value for key, value in self._adapter_sources.items() if key != name}
+        return sum(1 for request, _ in self.scheduler.running() if request.adapter == name)
+
     def adapter_of(self, request: GenerationRequest) -> lora.PackedAdapter | None:
         if not request.adapter:
             return None

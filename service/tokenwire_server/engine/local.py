@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
+from pathlib import Path
 
 from ..backend import ThreadedSubmission
 from ..domain import (
     AdapterDescription,
+    AdapterExists,
+    AdapterLimit,
     EngineStats,
     GenerationRequest,
+    InvalidAdapter,
     ModelDescription,
+    NotSupported,
     RequestLimits,
+    UnknownAdapter,
 )
 from ..intake import Intake, IntakeBackend
 from ..model import LoadedModel
@@ -29,6 +36,7 @@ class LocalBackend(IntakeBackend):
     def __init__(self, loaded: LoadedModel, engine: Engine, limits: RequestLimits, encode_threads: int = 2) -> None:
         self.loaded = loaded
         self.engine = engine
+        self._adapter_lock = threading.Lock()
         self.encoder = PromptEncoder(engine.tokenizer)
         # What a prompt that fits may be long, in characters, on this tokenizer (published).
         self._limits = dataclasses.replace(limits, max_prompt_chars=self.encoder.max_chars(limits.max_request_tokens))
@@ -58,6 +66,40 @@ class LocalBackend(IntakeBackend):
             quantization=loaded.quantization,
             adapters=tuple(AdapterDescription(a.name, a.rank, tuple(a.modules)) for a in engine.adapters()),
         )
+
+    def load_adapter(self, name: str, folder: Path) -> AdapterDescription:
+        from ..adapters import AdapterError, read_adapter
+        from .batched import BatchedEngine
+
+        engine = self.engine
+        if not isinstance(engine, BatchedEngine):
+            raise NotSupported(
+                f"the {engine.name} engine does not apply LoRA adapters; serve them with --engine batched"
+            )
+        with self._adapter_lock:  # one load at a time: the limit and the name hold across loads
+            loaded = [adapter.name for adapter in engine.adapters()]
+            if name in loaded:
+                raise AdapterExists(f"adapter {name!r} is loaded already; unload it first (UnloadAdapter)")
+            if len(loaded) >= self._limits.max_loras:
+                raise AdapterLimit(
+                    f"{len(loaded)} adapters are loaded, the server's most (--max-loras {self._limits.max_loras}); "
+                    "unload one first"
+                )
+            try:
+                adapter = read_adapter(name, folder, self.loaded.model.config, self._limits.max_lora_rank)
+            except AdapterError as exc:
+                raise InvalidAdapter(str(exc)) from exc
+            engine.add_adapter(adapter)
+        return AdapterDescription(adapter.name, adapter.rank, tuple(adapter.modules))
+
+    def unload_adapter(self, name: str) -> int:
+        from .batched import BatchedEngine
+
+        engine = self.engine
+        if not isinstance(engine, BatchedEngine):
+            raise UnknownAdapter(name, [])
+        with self._adapter_lock:
+            return engine.remove_adapter(name)
 
     def submit(self, request: GenerationRequest) -> ThreadedSubmission:
         submission = ThreadedSubmission(asyncio.get_running_loop())

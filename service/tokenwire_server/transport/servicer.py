@@ -36,6 +36,7 @@ from ..domain import (
     PromptTooLong,
     TenantOverLimit,
     TextEvent,
+    UnknownAdapter,
 )
 from ..metrics import Metrics
 from ..security import Identities
@@ -164,6 +165,22 @@ class TextGenerationServicer:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
+    def refresh(self) -> None:
+        """What the backend serves changed (an adapter loaded or unloaded): describe it again."""
+        if self._backend is not None:
+            self._description = self._backend.describe()
+
+    @property
+    def tenants(self) -> Tenants:
+        return self._tenants
+
+    def tenant_of(self, context: Context) -> str:
+        return self._identities.tenant_of(context)
+
+    def serving(self) -> tuple[GenerationBackend, ModelDescription]:
+        """The backend and its description; UNAVAILABLE while loading or draining."""
+        return self._serving()
+
     def _serving(self) -> tuple[GenerationBackend, ModelDescription]:
         if self._draining:
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, DRAINING)
@@ -201,6 +218,17 @@ class TextGenerationServicer:
                     )
                 ]
             )
+        if request.adapter:
+            call.fields["adapter"] = request.adapter[:64]
+            if not policy.may_use(request.adapter):
+                raise RpcFailure(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"adapter: tenant {tenant!r} may not use adapter {request.adapter[:64]!r} "
+                    f"(its adapters: {', '.join(policy.adapters or ()) or 'none'})",
+                )
+            loaded = [adapter.name for adapter in description.adapters]
+            if request.adapter not in loaded and description.engine == "batched":
+                raise UnknownAdapter(request.adapter[:64], loaded)
         self._refused_for_tenant(self._quota.check, tenant)
         limits = description.limits
         # Bounded: a prompt that cannot fit is refused unread, or read only one token past the limit.

@@ -17,11 +17,14 @@ from grpc_status import rpc_status
 from tokenwire.validation import FieldViolation, Rule
 
 from ..domain import (
+    AdapterExists,
+    AdapterLimit,
     EmptyPrompt,
     EngineClosed,
     EngineFaulted,
     EngineOverloaded,
     ErrorKind,
+    InvalidAdapter,
     InvalidResponseFormat,
     InvalidResume,
     NoChatTemplate,
@@ -167,6 +170,12 @@ def failure_of(exc: BaseException, input_field: str = "input") -> RpcFailure | N
         return RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
     if isinstance(exc, UnknownAdapter):
         return RpcFailure(grpc.StatusCode.NOT_FOUND, str(exc))
+    if isinstance(exc, AdapterExists):
+        return RpcFailure(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+    if isinstance(exc, AdapterLimit):
+        return RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, InvalidAdapter):
+        return invalid_argument([FieldViolation("path", str(exc))])
     if isinstance(exc, EmptyPrompt):
         return invalid_argument([FieldViolation(input_field, "encodes to no tokens: there is nothing to continue")])
     if isinstance(exc, InvalidResume | InvalidResponseFormat):
