@@ -28,7 +28,7 @@ SERVER_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.tokenwire-setup
 
-.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-quality bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-structured bench-tenants bench-score bench-startup soak clean setup-vllm test-vllm setup-llamacpp js-deps test-gpu gpu-wheels
+.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-quality bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-structured bench-tenants bench-score bench-startup bench-lora soak clean setup-vllm test-vllm setup-llamacpp js-deps test-gpu gpu-wheels
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -120,7 +120,7 @@ lint: $(STAMP) ## ruff format and check (120 columns), mypy strict (client and s
 # One rule for every suite of `python -m benchmarks` (`python -m benchmarks list`): `make bench`
 # runs the suite `bench` with $(BENCH_ARGS), `make bench-X` the suite X with $(X_ARGS); each
 # writes its section of docs/benchmarks.md. Extra prerequisites below (kernels; the vllm venv).
-BENCH_SUITES := bench bench-quality bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-tenants bench-structured bench-score bench-peers bench-startup
+BENCH_SUITES := bench bench-quality bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-tenants bench-structured bench-score bench-peers bench-startup bench-lora
 bench: ## benchmark in-process generate vs the simple and batched engines (BENCH_ARGS="--engines simple,batched,vllm"); writes its section of docs/benchmarks.md
 bench-quality: ## how far int8 weights and bf16 move the default model's answers (KL per token, greedy answers unchanged) against the bar; writes its section of docs/benchmarks.md and the server's quality.json
 bench-levers: ## do torch.compile / int8 weights pay on this CPU? decode-step speed and int8 quality; writes its section of docs/benchmarks.md
@@ -131,6 +131,7 @@ bench-resume: ## cut streams resumed on a fresh server: exact or not per engine 
 bench-tenants: ## two tenants on one server: B's time to first token beside A's backlog of 64 (fair share vs first come, first served), and weights 3:1 at saturation, 3 repeats; writes its section of docs/benchmarks.md
 bench-score: ## scoring a 1,000-token prompt (max_new_tokens 0, prompt_logprobs) beside its prefill, interleaved pairs, 3 repeats; writes its section of docs/benchmarks.md
 bench-structured: ## constrained answers (4 JSON schemas, regex, choice) at c=16: how many are valid, and tokens/s against unconstrained twins; writes its section of docs/benchmarks.md
+bench-lora: kernels ## four LoRA adapters mixed at c=16 vs the base model, and c=1 with and without an adapter, 3 repeats; writes its section of docs/benchmarks.md
 bench-startup: kernels ## exec to readiness SERVING on the default model, 5 fresh starts, and each start-up phase's seconds; writes its section of docs/benchmarks.md
 $(BENCH_SUITES): bench%: model
 	VLLM_PYTHON=$(VLLM_PY) $(PY) -m benchmarks $(or $(*:-%=%),bench) $($(shell echo '$(or $(*:-%=%),bench)' | tr a-z A-Z)_ARGS)

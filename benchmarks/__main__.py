@@ -17,7 +17,7 @@ from typing import Any
 
 from benchmarks.doc import HEADER, replace_section
 
-NAMES = "bench peers quality levers kernels neighbour prefix resume tenants structured score startup ab soak gpu"
+NAMES = "bench peers quality levers kernels neighbour prefix resume tenants structured score startup lora ab soak gpu"
 MODULES = {"levers": "cpu_levers", "kernels": "cpu_kernels", "gpu": "gpu_bench"}  # where the names differ
 SUITES = {name: f"benchmarks.{MODULES.get(name, name)}" for name in NAMES.split()}
 DOC = Path("docs/benchmarks.md")

@@ -29,9 +29,11 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(base: Path, target: Path, rank: int, modules: list[str], seed: int, **settings: Any) -> Path:
-    """A PEFT LoRA adapter over ``base`` with random A and B (B scaled up so that it moves the
-    tiny model's greedy picks), saved as PEFT saves it."""
+def make_adapter(
+    base: Path, target: Path, rank: int, modules: list[str], seed: int, scale: float = 4.0, **settings: Any
+) -> Path:
+    """A PEFT LoRA adapter over ``base`` with random A and B (B times ``scale``, so that it moves
+    the tiny model's greedy picks), saved as PEFT saves it."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -44,7 +46,7 @@ def make_adapter(base: Path, target: Path, rank: int, modules: list[str], seed: 
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():
             if "lora_B" in name:
-                parameter.mul_(4.0)
+                parameter.mul_(scale)
     peft_model.save_pretrained(target)
     return target
 
@@ -574,3 +576,37 @@ def test_the_adapters_service_is_off_without_credentials_unless_the_flag_opens_i
         assert listed.stdout.strip() == "m\trank 16"
         gone = subprocess.run([*cli, "unload", "m", *common], capture_output=True, text=True, timeout=60)
         assert gone.stdout.strip() == "unloaded m (0 streams in flight finish with it)"
+
+
+@pytest.mark.e2e
+def test_the_default_model_with_a_peft_adapter_answers_as_peft_does(
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A rank-16 PEFT adapter over attention and MLP on the real model: greedy tokens equal PEFT's
+    unmerged model's (float32, the native pass on its compiled ops), and differ from the base's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder = make_adapter(
+        default_model_dir, tmp_path_factory.mktemp("default-lora") / "a", 16, ATTENTION + MLP, seed=4, scale=1.0
+    )
+    loaded = load_model(str(default_model_dir), dtype="float32")
+    tok = loaded.tokenizer
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)
+        for q in ("What is the capital of France?", "Name a color.")
+    ]
+    engine = engine_with(loaded, {"a": folder})
+    try:
+        ours = run_all(engine, [request(f"{n}{i}", p, 16, n) for n in ("", "a") for i, p in enumerate(prompts)], 120)
+    finally:
+        engine.close()
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32), folder
+    )
+    model.eval()
+    for rec, prompt in zip(ours[2:], prompts, strict=True):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert rec.token_ids == out[0, len(prompt) :].tolist()
+    assert [r.token_ids for r in ours[:2]] != [r.token_ids for r in ours[2:]]

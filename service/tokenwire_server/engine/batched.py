@@ -198,7 +198,7 @@ class BatchedEngine(Engine):
         native = self.runner.native
         if native is None:
             raise NotSupported(f"LoRA adapters run in the native pass; this engine runs {self.forward}'s forward")
-        packed = lora.pack(adapter, native.packed, self.limits.max_active, native.device)
+        packed = lora.pack(adapter, native.columns, native.widths, native.packed, self.limits.max_active, native.device)
         self._adapters = {**self._adapters, adapter.name: packed}
         self._adapter_sources = {**self._adapter_sources, adapter.name: adapter}
 

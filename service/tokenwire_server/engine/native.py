@@ -525,12 +525,11 @@ class NativeForward:
         the step's tokens by LoRA adapter, each adding its delta after each GEMM (``engine.lora``)."""
         tokens = int(hidden.shape[0])
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        width, inner = int(hidden.shape[1]), self.intermediate
         for index, layer in enumerate(self.layers):
             normed = ops.rms_norm(hidden, layer.input_norm)
             qkv = layer.qkv(normed)
             if lora is not None:
-                lora.add(qkv, normed, index, self.qkv_columns)
+                qkv = lora.add(qkv, normed, index, "qkv")
             qk = ops.rope(
                 qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin
             )  # q and k at once
@@ -538,22 +537,33 @@ class NativeForward:
             attended = attend(index, qkv, qk[:, :heads], qk[:, heads:], v).reshape(tokens, heads * dim)
             hidden = layer.out.plus(attended, hidden)
             if lora is not None:
-                lora.add(hidden, attended, index, (("o_proj", 0, width),))
+                hidden = lora.add(hidden, attended, index, "o")
             normed = ops.rms_norm(hidden, layer.post_norm)
             gate_up = layer.gate_up(normed)
             if lora is not None:
-                lora.add(gate_up, normed, index, (("gate_proj", 0, inner), ("up_proj", inner, 2 * inner)))
+                gate_up = lora.add(gate_up, normed, index, "gate_up")
             activated = ops.silu_mul(gate_up)
             hidden = layer.down.plus(activated, hidden)
             if lora is not None:
-                lora.add(hidden, activated, index, (("down_proj", 0, width),))
+                hidden = lora.add(hidden, activated, index, "down")
         return hidden
 
     @property
-    def qkv_columns(self) -> tuple[tuple[str, int, int], ...]:
-        """Where q, k and v sit in the fused projection's output."""
+    def columns(self) -> dict[str, tuple[int, int]]:
+        """Each projection's columns of its GEMM's output: q, k, v in the fused q/k/v, gate and
+        up in the fused gate/up, o and down whole (``engine.lora``)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv))
+        inner, width = self.intermediate, int(self.norm.shape[0])
+        return {
+            "q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv), "o_proj": (0, width),
+            "gate_proj": (0, inner), "up_proj": (inner, 2 * inner), "down_proj": (0, width),
+        }  # fmt: skip
+
+    @property
+    def widths(self) -> dict[str, int]:
+        """Each GEMM's output width: the fused q/k/v, o, the fused gate/up, down."""
+        q, kv, width = self.heads * self.head_dim, self.kv_heads * self.head_dim, int(self.norm.shape[0])
+        return {"qkv": q + 2 * kv, "o": width, "gate_up": 2 * self.intermediate, "down": width}
 
     @torch.inference_mode()
     def __call__(
