@@ -437,16 +437,9 @@ def adapter_server(tiny_model_dir: Path, adapters: dict[str, Path], tmp_path_fac
     tenants = "[tenants.admin]\nmanage_adapters = true\n\n[tenants.user]\nweight = 1\n"
     flags = tenant_flags(root, "admin-token admin\nuser-token user\n", tenants)
     args = [
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        *flags,
-        "--lora-dir",
-        str(lora_dir),
-        "--max-loras",
-        "2",
-    ]
+        "--model", str(tiny_model_dir), "--dtype", "float32", *flags, "--lora-dir", str(lora_dir), "--max-loras", "2",
+        "--metrics-port", "-1",
+    ]  # fmt: skip
     with ServerProcess(args) as server:
         yield server, root
 
@@ -610,3 +603,25 @@ def test_the_default_model_with_a_peft_adapter_answers_as_peft_does(
             out = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
         assert rec.token_ids == out[0, len(prompt) :].tolist()
     assert [r.token_ids for r in ours[:2]] != [r.token_ids for r in ours[2:]]
+
+
+def test_each_adapters_tokens_and_streams_are_counted(adapter_server: Any) -> None:
+    """tokenwire_adapter_tokens_total{adapter} counts each adapter's completion tokens, and the
+    active-streams gauge comes back to 0 once its calls end."""
+    import urllib.request
+
+    from tokenwire import Client
+
+    server, _ = adapter_server
+    admin = Client(server.target, token="admin-token")
+    try:
+        admin.load_adapter("counted", "mlp16")
+        for _ in range(2):
+            list(admin.generate("Hi", adapter="counted", max_new_tokens=5, ignore_eos=True))
+        list(admin.generate("Hi", max_new_tokens=3, ignore_eos=True))
+    finally:
+        admin.unload_adapter("counted")
+        admin.close()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    assert 'tokenwire_adapter_tokens_total{adapter="counted"} 10.0' in text
+    assert 'tokenwire_adapter_active_streams{adapter="counted"} 0.0' in text

@@ -203,6 +203,20 @@ class Metrics:
             ["tenant", "priority", "kind"],
             registry=r,
         )
+        # Per LoRA adapter: label values are the adapters loaded (--lora, LoadAdapter; at most
+        # --max-loras at once).
+        self.adapter_tokens = Counter(
+            "tokenwire_adapter_tokens",
+            "Completion tokens of finished calls that named a LoRA adapter, per adapter",
+            ["adapter"],
+            registry=r,
+        )
+        self.adapter_streams = Gauge(
+            "tokenwire_adapter_active_streams",
+            "Streams in flight (queued or generating) that named a LoRA adapter, per adapter",
+            ["adapter"],
+            registry=r,
+        )
         self.tenant_preemptions = Counter(
             "tokenwire_tenant_preemptions",
             "Running streams that gave their slot to a more urgent or fairer one "

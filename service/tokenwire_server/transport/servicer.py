@@ -288,6 +288,9 @@ class TextGenerationServicer:
         if self._handing_off:  # it got past the drain's refusal just before the hand-off
             for submission in submissions:
                 submission.end(ErrorEvent(ErrorKind.HANDOFF, HANDOFF))
+        adapter = generation.adapter  # a loaded adapter's name: label values bounded by --max-loras
+        if adapter:
+            metrics.adapter_streams.labels(adapter).inc(len(submissions))
         try:
             async with contextlib.aclosing(_merged(submissions)) as events:
                 async for number, event in events:
@@ -315,6 +318,8 @@ class TextGenerationServicer:
                         new_tokens = max(0, u.completion_tokens - len(generation.resume_ids))
                         metrics.generated_tokens.inc(new_tokens)
                         metrics.tenant_tokens.labels(tenant, priority.label, "completion").inc(new_tokens)
+                        if adapter:
+                            metrics.adapter_tokens.labels(adapter).inc(new_tokens)
                         sample.generated = new_tokens
                         metrics.prefix_hit_tokens.inc(u.cached_prompt_tokens)
                         completion_tokens += u.completion_tokens
@@ -341,6 +346,8 @@ class TextGenerationServicer:
                     )  # fmt: skip
                     sample.index += 1
         finally:
+            if adapter:
+                metrics.adapter_streams.labels(adapter).dec(len(submissions))
             self._quota.charge(tenant, sum(sample.generated for sample in samples))
             for submission in submissions:
                 self._streams.discard(submission)
