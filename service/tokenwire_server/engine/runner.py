@@ -191,13 +191,9 @@ class ModelRunner:
             if part.scored:
                 scored.append((index, len(extra), len(part.scored)))
                 extra.extend(base + p - part.start for p in part.scored)
-        logits = self.native(
-            torch.tensor(ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
-            segments,
-            emit + extra,
-            StepAdapters.of(adapters, self.native.device),
-        )
+        step = (torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), segments, emit + extra)
+        lora = StepAdapters.of(adapters, self.loaded.device)
+        logits = self.native(*step) if lora is None else self.native(*step, lora=lora)
         if not extra:
             return logits
         rows = len(emit)
