@@ -4,10 +4,11 @@ An adapter (``adapters.Adapter``) is packed once into the pass's ``Linear`` laye
 (layer, GEMM). A step groups its tokens by adapter (``StepAdapters``); after each of a
 layer's GEMMs, the tokens of each group get ``s·(x·Aᵀ)·Bᵀ`` added to their own rows of its
 output: the fused q/k/v and gate/up outputs in each projection's columns, o and down on the
-residual sum they write. Rows without an adapter are not touched, so the base model's rows keep
-their bits whatever adapters share the step, and an adapter row's delta is computed from that
-row alone through the same packed GEMMs as the base (one row runs as the pass runs one row), so
-batch invariance holds as it does for the base layers.
+residual sum they write. A row without the group's adapter gets ``+ 0.0`` (its low-rank row
+is masked to zero), so the base model's rows keep their bits whatever adapters share the step,
+and an adapter row's delta is computed from that row alone through oneDNN's packed GEMMs,
+which give a row the same bits at any row count (as the base layers rely on): batch
+invariance holds as it does for the base model.
 
 A GEMM's adapted projections share one A GEMM (their A stacked: the fused q/k/v and
 gate/up read the same input) and one B GEMM (their B times the scaling, block by block in the
@@ -32,8 +33,8 @@ from .native import Linear
 _SERIALS = itertools.count(1)
 
 
-# Where each projection's output sits in the pass: its GEMM ("site") and the columns of
-# that GEMM's output it writes; ``columns(native)`` fills in the widths.
+# The GEMM ("site") each projection's output comes from in the pass; the columns it writes
+# there come from ``NativeForward.columns``, each GEMM's width from ``NativeForward.widths``.
 SITES = {
     "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
     "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down",
