@@ -22,18 +22,11 @@ from typing import Any
 
 import torch
 
+from . import checkpoint
 from .model import attention_shape
 
 # The projections an adapter may target, and the sub-module each sits in.
-TARGETS = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
+TARGETS = checkpoint.PROJECTIONS
 _TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # adapter_config.json fields that change what the adapter computes; refused unless at these values.
 _REFUSED = {
@@ -70,16 +63,9 @@ class Adapter:
 def projection_shapes(config: Any) -> dict[str, tuple[int, int]]:
     """``(out, in)`` of each projection an adapter may target, from the base model's config."""
     heads, kv_heads, head_dim = attention_shape(config)
-    hidden, inner = int(config.hidden_size), int(config.intermediate_size)
-    return {
-        "q_proj": (heads * head_dim, hidden),
-        "k_proj": (kv_heads * head_dim, hidden),
-        "v_proj": (kv_heads * head_dim, hidden),
-        "o_proj": (hidden, heads * head_dim),
-        "gate_proj": (inner, hidden),
-        "up_proj": (inner, hidden),
-        "down_proj": (hidden, inner),
-    }
+    return checkpoint.projection_shapes(
+        int(config.hidden_size), int(config.intermediate_size), heads, kv_heads, head_dim
+    )
 
 
 def _settings(folder: Path) -> dict[str, Any]:

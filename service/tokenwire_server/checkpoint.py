@@ -33,17 +33,19 @@ import torch
 log = logging.getLogger("tokenwire.model")
 
 ARCHITECTURE = "LlamaForCausalLM"
-_LAYER_WEIGHTS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-    "input_layernorm",
-    "post_attention_layernorm",
-)
+# A Llama decoder layer's projections, each with the sub-module that holds it (what a LoRA
+# adapter may target too: ``adapters``).
+PROJECTIONS = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+_NORMS = ("input_layernorm", "post_attention_layernorm")
+_LAYER_WEIGHTS = (*(f"{owner}.{name}" for name, owner in PROJECTIONS.items()), *_NORMS)
 
 
 # LlamaConfig's defaults, for what a config.json leaves out (tests/test_checkpoint.py holds them to it).
@@ -86,49 +88,50 @@ def _rope_theta(config: dict[str, Any]) -> float:
     return float(parameters.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
-def _shards(folder: Path) -> dict[str, Path] | None:
-    """Each tensor name's safetensors file (one file, or an index's shards); None: no safetensors."""
+def _index(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]] | None:
+    """Each tensor's safetensors file (one file, or an index's shards) and shape, from the
+    files' headers (no tensor is read); None: no safetensors."""
+    from safetensors import safe_open
+
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    single = folder / "model.safetensors"
-    if not single.is_file():
+        files = sorted({folder / file for file in weight_map.values()})
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
         return None
-    from safetensors import safe_open
-
-    with safe_open(str(single), "pt") as handle:
-        return dict.fromkeys(handle.keys(), single)
-
-
-def _shapes(shards: dict[str, Path]) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape, from the files' headers (nothing is read)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(set(shards.values())):
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for file in files:
         with safe_open(str(file), "pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
+                found[name] = (file, tuple(handle.get_slice(name).get_shape()))
+    return found
+
+
+def projection_shapes(hidden: int, inner: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, tuple[int, int]]:
+    """``(out, in)`` of each of a Llama layer's projections (``PROJECTIONS``)."""
+    queries, keys = heads * head_dim, kv_heads * head_dim
+    return {
+        "q_proj": (queries, hidden),
+        "k_proj": (keys, hidden),
+        "v_proj": (keys, hidden),
+        "o_proj": (hidden, queries),
+        "gate_proj": (inner, hidden),
+        "up_proj": (inner, hidden),
+        "down_proj": (hidden, inner),
+    }
 
 
 def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The tensors a Llama checkpoint of this config holds, and their shapes (the head only when untied)."""
-    hidden, inter, vocab = int(config["hidden_size"]), int(config["intermediate_size"]), int(config["vocab_size"])
-    head_dim = int(config["head_dim"])
-    queries, keys = int(config["num_attention_heads"]) * head_dim, int(config["num_key_value_heads"]) * head_dim
-    layer = {
-        "self_attn.q_proj": (queries, hidden),
-        "self_attn.k_proj": (keys, hidden),
-        "self_attn.v_proj": (keys, hidden),
-        "self_attn.o_proj": (hidden, queries),
-        "mlp.gate_proj": (inter, hidden),
-        "mlp.up_proj": (inter, hidden),
-        "mlp.down_proj": (hidden, inter),
-        "input_layernorm": (hidden,),
-        "post_attention_layernorm": (hidden,),
-    }
+    hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
+    projections = projection_shapes(
+        hidden, int(config["intermediate_size"]), int(config["num_attention_heads"]),
+        int(config["num_key_value_heads"]), int(config["head_dim"]),
+    )  # fmt: skip
+    layer: dict[str, tuple[int, ...]] = {f"{PROJECTIONS[name]}.{name}": shape for name, shape in projections.items()}
+    layer.update(dict.fromkeys(_NORMS, (hidden,)))
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     for index in range(int(config["num_hidden_layers"])):
         shapes.update({f"model.layers.{index}.{weight}.weight": shape for weight, shape in layer.items()})
@@ -160,12 +163,12 @@ def refusal(folder: Path) -> str | None:
     if (folder / "adapter_config.json").is_file() or config.get("auto_map"):
         return "an adapter or custom code"
     try:
-        shards = _shards(folder)
+        found = _index(folder)
     except (OSError, ValueError, KeyError) as exc:
         return f"the safetensors index: {exc}"
-    if shards is None:
+    if found is None:
         return "no model.safetensors"
-    names = set(shards)
+    names = set(found)
     shapes = expected_shapes(config)
     expected = set(shapes)
     # A tied checkpoint may still carry the head's copy (transformers ignores it when tying).
@@ -173,8 +176,7 @@ def refusal(folder: Path) -> str | None:
     if expected - names or extra:
         missing = sorted(expected - names)[:3]
         return f"tensor names: missing {missing}, unexpected {sorted(extra)[:3]}"
-    found = _shapes(shards)
-    wrong = [f"{name} {found[name]} (config: {shape})" for name, shape in shapes.items() if found[name] != shape]
+    wrong = [f"{name} {found[name][1]} (config: {shape})" for name, shape in shapes.items() if found[name][1] != shape]
     if wrong:
         return f"shapes that do not match config.json: {', '.join(wrong[:2])}"
     return None
@@ -294,8 +296,9 @@ def _tensors(shards: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
 def _weights(folder: Path, dtype: torch.dtype, cache_root: Path | None) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint in ``dtype``: mapped from the file where it is in that
     dtype (the checkpoint's, or the converted copy), else converted once and the copy kept."""
-    shards = _shards(folder)
-    assert shards is not None, "refusal() checks for safetensors first"
+    found = _index(folder)
+    assert found is not None, "refusal() checks for safetensors first"
+    shards = {name: file for name, (file, _) in found.items()}
     kept = _converted_path(folder, dtype, cache_root)
     if kept is not None and kept.is_file() and kept.stat().st_mtime >= max(p.stat().st_mtime for p in shards.values()):
         return dict(_tensors(dict.fromkeys(shards, kept)))

@@ -537,6 +537,21 @@ def resolve_model_path(model: str, cache_dir: str = "") -> tuple[Path, str | Non
     return path, None, path.name
 
 
+def _why_transformers(
+    folder: Path, gguf_file: str | None, device: str, quantization: str, native_only: bool
+) -> str | None:
+    """Why transformers reads the weights with its model code (None: ``checkpoint`` reads them)."""
+    if not native_only:
+        return "the engine may run transformers' forward"
+    if device != "cpu":
+        return f"device {device}"
+    if quantization != "none":
+        return f"--quantization {quantization}"
+    if gguf_file:
+        return "a GGUF file"
+    return checkpoint.refusal(folder)
+
+
 def load_tokenizer(folder: Path, gguf_file: str | None = None) -> Any:
     """``AutoTokenizer.from_pretrained(folder)``. A Llama folder whose tokenizer_config.json
     names transformers' generic ``TokenizersBackend`` gets that class directly: AutoTokenizer
@@ -666,17 +681,10 @@ def load_model(
             tokenizer = load_tokenizer(folder, gguf_file)
     except Exception as exc:  # transformers raises many kinds here
         raise ModelLoadError(f"cannot load the tokenizer from {folder}: {exc}") from exc
-    plain = (
-        "the engine may run transformers' forward"
-        if not native_only
-        else (f"device {device_name}" if device_name != "cpu" else None)
-        or (f"--quantization {quantization}" if quantization != "none" else None)
-        or ("a GGUF file" if gguf_file else None)
-        or checkpoint.refusal(folder)
-    )
+    by_transformers = _why_transformers(folder, gguf_file, device_name, quantization, native_only)
     try:
         with phase("weights"):  # with the model's own code (transformers imports it on first use)
-            if plain is None:
+            if by_transformers is None:
                 lm = checkpoint.load(folder, torch_dtype, default_cache_dir(cache_dir))
             else:
                 lm = transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
@@ -684,7 +692,10 @@ def load_model(
                     lm.to(device_name)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the model from {folder}: {exc}") from exc
-    log.info("weights read", extra={"by": "tokenwire" if plain is None else "transformers", "why": plain})
+    log.info(
+        "weights read",
+        extra={"by": "tokenwire" if by_transformers is None else "transformers", "why": by_transformers},
+    )
     lm.eval()
     vocab_size_loaded = (
         int(lm.get_output_embeddings().weight.shape[0]) if lm.get_output_embeddings() is not None else None

@@ -45,6 +45,7 @@ from .transport.servicer import SERVICE_NAME, TextGenerationServicer
 if TYPE_CHECKING:
     from .backend import GenerationBackend
     from .engine.base import Engine, EngineLimits
+    from .engine.local import LocalBackend
     from .model import LoadedModel
 
 log = logging.getLogger("tokenwire.server")
@@ -344,33 +345,30 @@ class TokenwireServer:
         )
         with phases("engine"):  # packing the weights, the compiled ops, the KV cache
             engine = self._create_engine(loaded, limits)
-        if config.lora:
-            with phases("adapters"):
-                self._load_adapters(engine, loaded)
         self.metrics.watch_gpu(gpu_memory_probe(loaded), nvml_probe())
         request_limits = config.request_limits(loaded.context_length, loaded.vocab_size, limits.kv_cache_tokens)
-        return LocalBackend(loaded, engine, request_limits)
+        backend = LocalBackend(loaded, engine, request_limits)
+        if config.lora:
+            with phases("adapters"):
+                self._load_adapters(backend)
+        return backend
 
-    def _load_adapters(self, engine: Engine, loaded: LoadedModel) -> None:
-        """The --lora adapters, read and checked against the model, into the engine; a folder
-        that is not a matching adapter stops the start (a usage error naming it)."""
-        from .adapters import AdapterError, read_adapter
+    def _load_adapters(self, backend: LocalBackend) -> None:
+        """The --lora adapters, as LoadAdapter loads them; one that cannot be applied stops the
+        start (a usage error naming it)."""
         from .config import parse_lora_flag
-        from .domain import NotSupported
-        from .engine.batched import BatchedEngine
+        from .domain import AdapterLimit, InvalidAdapter, NotSupported
         from .model import ModelLoadError
 
-        assert isinstance(engine, BatchedEngine), "validate_config allows --lora on the batched engine only"
         for value in self.config.lora:
             name, path = parse_lora_flag(value)
             try:
-                adapter = read_adapter(name, Path(path).expanduser(), loaded.model.config, self.config.max_lora_rank)
-                engine.add_adapter(adapter)
-            except (AdapterError, NotSupported) as exc:
+                adapter = backend.load_adapter(name, Path(path).expanduser())
+            except (InvalidAdapter, NotSupported, AdapterLimit) as exc:
                 raise ModelLoadError(f"--lora {name}: {exc}") from exc
             log.info(
                 "lora adapter loaded",
-                extra={"adapter": name, "path": str(adapter.path), "rank": adapter.rank, "modules": adapter.modules},
+                extra={"adapter": name, "path": path, "rank": adapter.rank, "modules": list(adapter.modules)},
             )
 
     def _create_engine(self, loaded: LoadedModel, limits: EngineLimits) -> Engine:

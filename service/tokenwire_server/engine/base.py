@@ -33,6 +33,7 @@ from ..domain import (
     NotSupported,
     RequestHandle,
     StreamReader,
+    UnknownAdapter,
 )
 from ..model import LoadedModel
 from ..structured import Grammars
@@ -117,15 +118,28 @@ class Engine(abc.ABC):
         self.queue.put(seq, check)
         return handle
 
+    # -- LoRA adapters: the batched engine applies them; this engine applies none ----------
+
+    def _no_adapters(self) -> NotSupported:
+        return NotSupported(f"the {self.name} engine does not apply LoRA adapters; serve them with --engine batched")
+
+    def add_adapter(self, adapter: Any) -> None:
+        """Apply ``adapter`` (``adapters.read_adapter``'s) to the requests that name it from now on."""
+        raise self._no_adapters()
+
+    def remove_adapter(self, name: str) -> int:
+        """Stop new requests from naming ``name``; the streams running with it now."""
+        raise UnknownAdapter(name, [])
+
     def adapter_of(self, request: GenerationRequest) -> Any:
         """The request's LoRA adapter as this engine applies it (None: the base model);
         UnknownAdapter for a name not loaded, NotSupported where the engine applies none."""
         if request.adapter:
-            raise NotSupported(f"the {self.name} engine does not apply LoRA adapters; serve them with --engine batched")
+            raise self._no_adapters()
         return None
 
     def adapters(self) -> list[Any]:
-        """The LoRA adapters loaded (``adapters.Adapter``-like: name, rank, modules)."""
+        """The LoRA adapters loaded (name, rank, modules)."""
         return []
 
     def running(self) -> list[tuple[GenerationRequest, int]]:

@@ -155,7 +155,6 @@ class BatchedEngine(Engine):
         # LoRA adapters by name, as the native pass applies them (replaced whole on a change:
         # the loop and submit read it without a lock).
         self._adapters: dict[str, lora.PackedAdapter] = {}
-        self._adapter_sources: dict[str, Adapter] = {}
         threads, why_threads = resolved.threads, resolved.why_threads
         if len(threads) > 1 and native is not None and not native.compiled:
             # Stock torch ops may split one row's sums (a norm's mean) over the threads.
@@ -200,7 +199,6 @@ class BatchedEngine(Engine):
             raise NotSupported(f"LoRA adapters run in the native pass; this engine runs {self.forward}'s forward")
         packed = lora.pack(adapter, native.columns, native.widths, native.packed, self.limits.max_active, native.device)
         self._adapters = {**self._adapters, adapter.name: packed}
-        self._adapter_sources = {**self._adapter_sources, adapter.name: adapter}
 
     def remove_adapter(self, name: str) -> int:
         """New requests may no longer name ``name`` (UnknownAdapter); those admitted already keep
@@ -210,7 +208,6 @@ class BatchedEngine(Engine):
         if name not in self._adapters:
             raise UnknownAdapter(name, sorted(self._adapters))
         self._adapters = {key: value for key, value in self._adapters.items() if key != name}
-        self._adapter_sources = {key: value for key, value in self._adapter_sources.items() if key != name}
         return sum(1 for request, _ in self.scheduler.running() if request.adapter == name)
 
     def adapter_of(self, request: GenerationRequest) -> lora.PackedAdapter | None:
@@ -221,8 +218,8 @@ class BatchedEngine(Engine):
             raise UnknownAdapter(request.adapter, sorted(self._adapters))
         return adapter
 
-    def adapters(self) -> list[Adapter]:
-        return [self._adapter_sources[name] for name in sorted(self._adapter_sources)]
+    def adapters(self) -> list[lora.PackedAdapter]:
+        return [self._adapters[name] for name in sorted(self._adapters)]
 
     def _threads_changed(self, before: int, after: int, figures: dict[str, Any]) -> None:
         log.info("cpu step threads", extra={"threads_before": before, "threads": after, **figures})

@@ -22,9 +22,7 @@ from ..domain import (
     GenerationRequest,
     InvalidAdapter,
     ModelDescription,
-    NotSupported,
     RequestLimits,
-    UnknownAdapter,
 )
 from ..intake import Intake, IntakeBackend
 from ..model import LoadedModel
@@ -68,14 +66,11 @@ class LocalBackend(IntakeBackend):
         )
 
     def load_adapter(self, name: str, folder: Path) -> AdapterDescription:
+        """Read ``folder``, check it against the model and the limits, and apply it to the requests
+        naming ``name`` (at start, ``--lora``, and while serving, LoadAdapter)."""
         from ..adapters import AdapterError, read_adapter
-        from .batched import BatchedEngine
 
         engine = self.engine
-        if not isinstance(engine, BatchedEngine):
-            raise NotSupported(
-                f"the {engine.name} engine does not apply LoRA adapters; serve them with --engine batched"
-            )
         with self._adapter_lock:  # one load at a time: the limit and the name hold across loads
             loaded = [adapter.name for adapter in engine.adapters()]
             if name in loaded:
@@ -93,13 +88,8 @@ class LocalBackend(IntakeBackend):
         return AdapterDescription(adapter.name, adapter.rank, tuple(adapter.modules))
 
     def unload_adapter(self, name: str) -> int:
-        from .batched import BatchedEngine
-
-        engine = self.engine
-        if not isinstance(engine, BatchedEngine):
-            raise UnknownAdapter(name, [])
         with self._adapter_lock:
-            return engine.remove_adapter(name)
+            return self.engine.remove_adapter(name)
 
     def submit(self, request: GenerationRequest) -> ThreadedSubmission:
         submission = ThreadedSubmission(asyncio.get_running_loop())

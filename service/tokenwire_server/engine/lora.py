@@ -54,10 +54,12 @@ class Site:
 
 @dataclasses.dataclass(frozen=True)
 class PackedAdapter:
-    """An adapter as the pass applies it: ``sites[(layer, site)]``, and its rank."""
+    """An adapter as the pass applies it: ``sites[(layer, site)]``; its rank and the projections
+    it adapts (as ModelInfo lists them)."""
 
     name: str
     rank: int
+    modules: tuple[str, ...]
     sites: dict[tuple[int, str], Site]
     # The first key of its rows' prefix-cache chains: its name and this load's serial, so a
     # reload under the same name starts afresh.
@@ -94,7 +96,7 @@ def pack(
         )
     serial = next(_SERIALS)
     root = hashlib.blake2b(f"lora\0{adapter.name}\0{serial}".encode(), digest_size=16).digest()
-    return PackedAdapter(adapter.name, adapter.rank, sites, root)
+    return PackedAdapter(adapter.name, adapter.rank, tuple(adapter.modules), sites, root)
 
 
 class StepAdapters:

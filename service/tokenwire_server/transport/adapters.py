@@ -21,7 +21,7 @@ from tokenwire.validation import FieldViolation
 
 from ..backend import AdapterHost
 from ..domain import ADAPTER_NAME, AdapterDescription, NotSupported
-from .calls import Call, check_decoded, lenient
+from .calls import Call, check_decoded, lenient, register
 from .status import RpcFailure, invalid_argument
 
 if TYPE_CHECKING:
@@ -69,8 +69,7 @@ class AdaptersServicer:
                 response_serializer=pb.UnloadAdapterResponse.SerializeToString,
             ),
         }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-        server.add_registered_method_handlers(SERVICE_NAME, handlers)
+        register(server, SERVICE_NAME, handlers)
 
     def _host(self, context: Context, call: Call) -> AdapterHost:
         """The backend, once the caller may manage adapters (PERMISSION_DENIED otherwise)."""

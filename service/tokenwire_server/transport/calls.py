@@ -59,6 +59,12 @@ def lenient(message_type: type[Message]) -> Callable[[bytes], Any]:
     return parse
 
 
+def register(server: grpc.aio.Server, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]) -> None:
+    """Serve ``handlers`` (method name -> handler) as ``service`` on ``server``."""
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
 def check_decoded(request: object) -> None:
     if isinstance(request, Undecodable):
         raise invalid_argument([FieldViolation("request", f"is not a valid {request.type_name}: {request.error}")])

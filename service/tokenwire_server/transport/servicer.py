@@ -42,7 +42,7 @@ from ..metrics import Metrics
 from ..security import Identities
 from ..tenancy import QuotaLedger, Tenants
 from . import conversion
-from .calls import Call, Calls, check_decoded, lenient
+from .calls import Call, Calls, check_decoded, lenient, register
 from .status import DRAINING, HANDOFF, RpcFailure, from_error, invalid_argument
 
 if TYPE_CHECKING:
@@ -162,8 +162,7 @@ class TextGenerationServicer:
                 response_serializer=pb.ModelInfo.SerializeToString,
             ),
         }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-        server.add_registered_method_handlers(SERVICE_NAME, handlers)
+        register(server, SERVICE_NAME, handlers)
 
     def refresh(self) -> None:
         """What the backend serves changed (an adapter loaded or unloaded): describe it again."""
@@ -179,9 +178,6 @@ class TextGenerationServicer:
 
     def serving(self) -> tuple[GenerationBackend, ModelDescription]:
         """The backend and its description; UNAVAILABLE while loading or draining."""
-        return self._serving()
-
-    def _serving(self) -> tuple[GenerationBackend, ModelDescription]:
         if self._draining:
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, DRAINING)
         if self._backend is None or self._description is None:
@@ -196,7 +192,7 @@ class TextGenerationServicer:
         check_decoded(request)
         if self._log_prompts:
             call.fields["prompt"] = conversion.prompt_for_log(request)
-        backend, description = self._serving()
+        backend, description = self.serving()
         violations = validate_generate_request(request, conversion.validation_limits(description))
         if violations:
             raise invalid_argument(violations)
@@ -376,7 +372,7 @@ class TextGenerationServicer:
 
     async def _tokenize(self, request: pb.TokenizeRequest, context: Context, call: Call) -> pb.TokenizeResponse:
         check_decoded(request)
-        backend, description = self._serving()
+        backend, description = self.serving()
         violations = validate_tokenize_request(request, conversion.validation_limits(description))
         if violations:
             raise invalid_argument(violations)
@@ -394,5 +390,5 @@ class TextGenerationServicer:
 
     async def _model_info(self, request: pb.GetModelInfoRequest, context: Context, call: Call) -> pb.ModelInfo:
         check_decoded(request)
-        _, description = self._serving()
+        _, description = self.serving()
         return conversion.model_info(description)
