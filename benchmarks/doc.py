@@ -17,7 +17,7 @@ HEADER = """# Benchmarks
 Written by the benchmarks, not by hand: each section below belongs to one command
 (`make bench`, `make bench-peers`, `make bench-quality`, `make bench-levers`, `make bench-kernels`, \
 `make bench-neighbour`, `make bench-prefix`, `make bench-resume`,
-`make bench-structured`, `make bench-tenants`, `make bench-score`, `make bench-startup`, \
+`make bench-structured`, `make bench-tenants`, `make bench-score`, `make bench-startup`, `make bench-lora`, \
 `python -m benchmarks ab --section`), which replaces only its own
 section and records its exact invocation. Every figure in a section comes from one run
 of that command on one machine; the machine is shared and noisy, so compare the rows
@@ -57,7 +57,9 @@ def replace_section(path: Path, name: str, text: str, header: str = HEADER) -> N
     block = f"{begin}\n{text.rstrip()}\n{end}\n"
     old = path.read_text() if path.exists() else ""
     if not old.startswith(header):
-        old = header  # a file from before the sections (or none): start again
+        # Another header (older, or edited by hand): the header is renewed, every section kept.
+        first = old.find("<!-- ")
+        old = header + ("\n" + old[first:] if first >= 0 else "")
     if begin in old and end in old:
         head, rest = old.split(begin, 1)
         new = head + block + rest.split(end, 1)[1].lstrip("\n")

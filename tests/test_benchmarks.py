@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,6 +31,28 @@ def test_each_command_replaces_only_its_own_section(tmp_path: Path) -> None:
     assert "first" not in text and "second" in text and "A" in text
     assert text.index("## bench") < text.index("## peers")  # a section keeps its place
     assert text.count("<!-- bench: begin -->") == 1 and text.count("<!-- peers: end -->") == 1
+
+
+def test_a_file_under_another_header_keeps_every_section_and_gets_the_current_header(tmp_path: Path) -> None:
+    """A header edited by hand (or written by an older version) is renewed; no section is lost."""
+    doc = tmp_path / "benchmarks.md"
+    replace_section(doc, "bench", "## bench\nfirst\n")
+    replace_section(doc, "peers", "## peers\nA\n")
+    doc.write_text(doc.read_text().replace("Written by the benchmarks", "Written, mostly, by the benchmarks"))
+    replace_section(doc, "lora", "## lora\nB\n")
+    text = doc.read_text()
+    assert text.startswith(HEADER) and "mostly" not in text
+    assert all(part in text for part in ("## bench\nfirst", "## peers\nA", "## lora\nB"))
+    assert text.count("<!-- bench: begin -->") == 1 and text.count("<!-- lora: end -->") == 1
+
+
+def test_the_header_names_every_suite_that_writes_a_section() -> None:
+    """Each make target that writes docs/benchmarks.md is in the header, which the file starts with."""
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    suites = re.search(r"^BENCH_SUITES := (.*)$", makefile, re.M)
+    assert suites is not None
+    assert all(f"`make {suite}`" in HEADER for suite in suites.group(1).split())
+    assert (Path(__file__).parents[1] / "docs" / "benchmarks.md").read_text().startswith(HEADER)
 
 
 def _sse(record: dict[str, object]) -> bytes:

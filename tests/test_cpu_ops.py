@@ -9,6 +9,9 @@
 - ``rms_norm``, ``silu_mul``, ``rope_``: transformers' Llama RMSNorm, SiLU(gate)*up and
   ``apply_rotary_pos_emb``, to float32 rounding, on sizes with and without a tail past
   the 8-lane vectors; each row alone gives the same bits as among others.
+- ``lora_add_``: each token's ``(x·Aᵀ)·Bᵀ`` over its adapter's spans, added to its row in
+  place, to float32 rounding of the dense product; rows without an adapter keep their bits,
+  and a row gets the same bits alone, among other adapters' rows and in any tile of its own.
 - Bad arguments are errors with a reason, never a crash.
 - ``--kernels auto`` keeps stock torch ops where the library is unavailable and says
   why; ``compiled`` refuses to start without it; ``torch`` never takes it.
@@ -300,6 +303,96 @@ def test_bad_arguments_to_the_row_wise_ops_are_errors_that_say_which(call, messa
     ops = compiled_ops()
     with pytest.raises(RuntimeError, match=message):
         call(ops)
+
+
+# -- lora_add_ ----------------------------------------------------------------------------
+
+
+def lora_case(ranks: list[int], spans: list[tuple[int, int]], width: int, inputs: int, seed: int):
+    """One adapter in ``lora_add_``'s layout (down, flat up, segments) and its dense ``[width, Σ rank]`` B."""
+    generator = torch.Generator().manual_seed(seed)
+    down = torch.randn(sum(ranks), inputs, generator=generator)
+    dense = torch.zeros(width, sum(ranks))
+    ups, segments, low = [], [], 0
+    for rank, (first, end) in zip(ranks, spans, strict=True):
+        block = torch.randn(end - first, rank, generator=generator)
+        dense[first:end, low : low + rank] = block
+        ups.append(block.T.contiguous().flatten())
+        segments.append((first, end, low, low + rank))
+        low += rank
+    return down, torch.cat(ups), torch.tensor(segments), dense
+
+
+# Widths and spans off the 8- and 16-column steps, a rank-0 (absent) adapter, tiles of 1-4+.
+LORA_ADAPTERS = [
+    ([8, 8, 8], [(0, 40), (40, 56), (56, 72)], 72),
+    ([16], [(0, 72)], 72),
+    ([4, 12], [(3, 37), (45, 70)], 72),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_add_is_each_rows_low_rank_product_and_leaves_other_rows_alone(dtype: torch.dtype) -> None:
+    """To float32 rounding of the dense product over weights in ``dtype`` (bf16: widened as read)."""
+    ops = compiled_ops()
+    inputs, width, tokens = 45, 72, 19
+    cases = [lora_case(r, s, w, inputs, seed) for seed, (r, s, w) in enumerate(LORA_ADAPTERS)]
+    cases = [(down.to(dtype), up.to(dtype), spans, dense.to(dtype).float()) for down, up, spans, dense in cases]
+    none = torch.empty(0)
+    downs, ups = [c[0] for c in cases] + [none], [c[1] for c in cases] + [none]
+    spans = [c[2] for c in cases] + [none]
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(tokens, inputs, generator=generator)
+    base = torch.randn(tokens, width, generator=generator)
+    slots = torch.tensor([(-1, 0, 1, 0, 2, 3, 0, 0, 0, 0, 1)[t % 11] for t in range(tokens)])
+    out = base.clone()
+    ops.lora_add_(out, x, slots, downs, ups, spans)
+    for t in range(tokens):
+        slot = int(slots[t])
+        if slot in (-1, 3):  # no adapter, or one with nothing at this site: the row's bits unchanged
+            assert torch.equal(out[t], base[t]), t
+            continue
+        down, _, _, dense = cases[slot]
+        expected = base[t] + (x[t] @ down.float().T) @ dense.T
+        torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=1e-5)
+        alone = base[t : t + 1].clone()  # alone, and as a tile's only row
+        ops.lora_add_(alone, x[t : t + 1].clone(), slots[t : t + 1].clone(), downs, ups, spans)
+        assert torch.equal(alone[0], out[t]), t
+    untouched = [c for c in range(width) if not 3 <= c < 37 and not 45 <= c < 70]
+    assert torch.equal(out[slots == 2][:, untouched], base[slots == 2][:, untouched])  # outside its segments
+    for count in (2, 3, 4, 5, 9):  # the same adapter's rows in tiles of every size
+        rows = torch.nonzero(slots == 0).flatten()[:count]
+        some = base[rows].clone()
+        ops.lora_add_(some, x[rows].contiguous(), torch.zeros(len(rows), dtype=torch.long), downs, ups, spans)
+        assert torch.equal(some, out[rows]), count
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"slots": torch.tensor([4, 0])}, "slot past the adapters"),
+        ({"slots": torch.tensor([0])}, "a row per token|slots"),
+        ({"x": torch.randn(2, 7)}, "down is \\[rank, in\\]"),
+        ({"spans": [torch.tensor([[0, 99, 0, 8]])]}, "inside the output"),
+        ({"spans": [torch.tensor([[0, 8, 0, 4], [4, 16, 4, 8]])]}, "disjoint"),
+        ({"spans": [torch.tensor([[0, 16, 0, 4]])]}, "cover the down's rank rows"),
+        ({"spans": [torch.tensor([0, 16, 0, 8])]}, "int64 \\[segments, 4\\]"),
+        ({"ups": [torch.zeros(3)]}, "cover the down's rank rows and the up"),
+        ({"ups": [torch.zeros(128, dtype=torch.bfloat16)]}, "in its down's dtype"),
+        ({"downs": [torch.randn(6, 8).t()]}, "contiguous float32 or bf16"),
+        ({"extra": True}, "one down, up and spans per adapter"),
+    ],
+)
+def test_bad_arguments_to_lora_add_are_errors_that_say_which(change: dict, message: str) -> None:
+    ops = compiled_ops()
+    down, up, spans, _ = lora_case([8], [(0, 16)], 16, 6, 0)
+    args = {"out": torch.zeros(2, 16), "x": torch.randn(2, 6), "slots": torch.tensor([0, -1])}
+    args |= {"downs": [down], "ups": [up], "spans": [spans]}
+    if change.pop("extra", False):
+        args["ups"] = [up, up]
+    args |= change
+    with pytest.raises(RuntimeError, match=message):
+        ops.lora_add_(args["out"], args["x"], args["slots"], args["downs"], args["ups"], args["spans"])
 
 
 # -- where the ops cannot be used: the log line says why -----------------------------------

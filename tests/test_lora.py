@@ -20,7 +20,7 @@ from engine_support import Recorder, kernel_choices, run_all
 from tokenwire_server.adapters import AdapterError, read_adapter
 from tokenwire_server.config import parse_lora_flag
 from tokenwire_server.domain import FinishEvent, GenerationRequest, NotSupported, SamplingOptions, UnknownAdapter
-from tokenwire_server.engine import create_engine
+from tokenwire_server.engine import create_engine, lora
 from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.model import load_model
 
@@ -130,6 +130,9 @@ def test_a_batch_over_three_adapters_and_none_gives_each_row_its_tokens_alone(
         request(f"r{i}", prompts[i % len(prompts)], 12 + i % 3 * 4, names[i % 4], kinds[i // 4 % 2]) for i in range(12)
     ]
     engine = engine_with(loaded, adapters, kernels=kernels)
+    # The compiled ops apply adapters in one lora_add_ per site, stock torch ops as masked GEMMs.
+    way = lora.RowSite if kernels == "compiled" else lora.Site
+    assert all(isinstance(site, way) for adapter in engine.adapters() for site in adapter.sites.values())
     try:
         alone = [run_all(engine, [req], 120)[0] for req in requests]
         together = run_all(engine, requests, 120)

@@ -197,7 +197,7 @@ class BatchedEngine(Engine):
         native = self.runner.native
         if native is None:
             raise NotSupported(f"LoRA adapters run in the native pass; this engine runs {self.forward}'s forward")
-        packed = lora.pack(adapter, native.columns, native.widths, native.packed, self.limits.max_active, native.device)
+        packed = lora.pack(adapter, native, self.limits.max_active)
         self._adapters = {**self._adapters, adapter.name: packed}
 
     def remove_adapter(self, name: str) -> int:

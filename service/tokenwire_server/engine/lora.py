@@ -1,19 +1,28 @@
 """LoRA adapters in the native pass: each row's adapter, applied to its own tokens.
 
-An adapter (``adapters.Adapter``) is packed once into the pass's ``Linear`` layers, per
-(layer, GEMM). A step groups its tokens by adapter (``StepAdapters``); after each of a
-layer's GEMMs, the tokens of each group get ``s·(x·Aᵀ)·Bᵀ`` added to their own rows of its
-output: the fused q/k/v and gate/up outputs in each projection's columns, o and down on the
-residual sum they write. A row without the group's adapter gets ``+ 0.0`` (its low-rank row
-is masked to zero), so the base model's rows keep their bits whatever adapters share the step,
-and an adapter row's delta is computed from that row alone through oneDNN's packed GEMMs,
-which give a row the same bits at any row count (as the base layers rely on): batch
-invariance holds as it does for the base model.
+An adapter (``adapters.Adapter``) is packed once for the pass, per (layer, GEMM) ("site").
+A step groups its tokens by adapter (``StepAdapters``); after each of a layer's GEMMs, each
+token with an adapter gets ``s·(x·Aᵀ)·Bᵀ`` added to its own row of the output: the fused
+q/k/v and gate/up outputs in each projection's columns, o and down on the residual sum they
+write. A token without an adapter keeps the base model's bits, and an adapter token's delta
+is computed from its own row alone, whatever shares the step: batch invariance holds as it
+does for the base model. Two ways, picked when the adapter is packed:
 
-A GEMM's adapted projections share one A GEMM (their A stacked: the fused q/k/v and
-gate/up read the same input) and one B GEMM (their B times the scaling, block by block in the
-projections' columns), whose add rides on the GEMM (oneDNN's post-op): two calls per GEMM
-and adapter. The step's other tokens are masked to zero before B rather than gathered out.
+- **Compiled** (``RowSite``, where the pass runs the compiled CPU ops in float32): one call
+  per site, ``lora_add_`` (``kernels/cpu_ops.cpp``), for every token and adapter of the step
+  at once: each token's low-rank vector from its adapter's A rows, then each output column's
+  ``Σ_r h[r]·B[r][c]`` over its projection's rank rows alone, added in place. Rows of one
+  adapter share each read of its weights; rows without one are not touched. The weights are
+  held in bf16 where the base layers' are (a decode step reads every adapter weight of its
+  rows once: half the bytes), else float32.
+- **GEMMs** (``Site``, elsewhere: CUDA, bf16 activations, stock torch ops): per site and
+  adapter, one A GEMM (the projections' A stacked: the fused q/k/v and gate/up read the same
+  input) and one B GEMM (their B times the scaling, block by block in the projections'
+  columns) whose add rides on it (oneDNN's post-op). Every token's A runs and the other
+  tokens' low-rank rows are masked to zero, so a row outside the adapter gets ``+ 0.0``;
+  oneDNN's packed GEMM gives a row the same bits at any row count, as the base layers rely on.
+  Two calls per site and adapter (four adapters over every projection: ~1,000 small GEMMs a
+  step), which is why the compiled way exists.
 
 Each loaded adapter has a prefix-cache root of its own (``root``): its blocks' keys start from
 it, so two adapters over the same prompt never share keys and values.
@@ -21,14 +30,19 @@ it, so two adapters over the same prompt never share keys and values.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
+import mmap
+from typing import Any
 
 import torch
 
 from ..adapters import Adapter
-from .native import Linear
+from .native import Linear, NativeForward
+from .ops import CompiledOps
 
 _SERIALS = itertools.count(1)
 
@@ -52,6 +66,24 @@ class Site:
     up: Linear
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowSite:
+    """One GEMM's adapter work in one layer as the compiled ``lora_add_`` takes it, in the base
+    weights' dtype where that is bf16 (as its GEMMs read them), else float32: ``down``, the A of
+    every projection it adapts stacked (``[Σ rank, in]``); ``up``, per projection in turn, its B
+    times the scaling as ``[rank, its columns]``, flat; ``spans``, per projection, (first column,
+    end column, first rank row, end rank row)."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    spans: torch.Tensor
+
+    @functools.cached_property
+    def alone(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """``lora_add_``'s lists for a step with this adapter alone (built once, not per call)."""
+        return [self.down], [self.up], [self.spans]
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedAdapter:
     """An adapter as the pass applies it: ``sites[(layer, site)]``; its rank and the projections
@@ -60,76 +92,154 @@ class PackedAdapter:
     name: str
     rank: int
     modules: tuple[str, ...]
-    sites: dict[tuple[int, str], Site]
+    sites: dict[tuple[int, str], Site | RowSite]
+    # The compiled ops (``torch.ops.tokenwire``) where its sites are RowSites, else None.
+    library: Any | None
     # The first key of its rows' prefix-cache chains: its name and this load's serial, so a
     # reload under the same name starts afresh.
     root: bytes
 
 
-def pack(
-    adapter: Adapter,
-    columns: dict[str, tuple[int, int]],
-    widths: dict[str, int],
-    packed: bool,
-    batch_hint: int,
-    device: torch.device,
-) -> PackedAdapter:
-    """``adapter``'s weights as the pass's layers (oneDNN-packed where the base layers are);
-    ``columns``: each projection's columns of its GEMM's output, ``widths``: each GEMM's
-    output width (``NativeForward.columns`` / ``widths``)."""
+def pack(adapter: Adapter, native: NativeForward, batch_hint: int) -> PackedAdapter:
+    """``adapter``'s weights as ``native`` applies them: RowSites where it runs the compiled CPU
+    ops in float32, else pairs of GEMMs (oneDNN-packed where the base layers are)."""
+    columns, widths = native.columns, native.widths
+    library = native.ops.library if isinstance(native.ops, CompiledOps) and native.dtype == torch.float32 else None
     by_site: dict[tuple[int, str], list[str]] = {}
     for layer, module in adapter.weights:
         by_site.setdefault((layer, SITES[module]), []).append(module)
-    sites = {}
+    sites: dict[tuple[int, str], Site | RowSite] = {}
+    rows: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for (layer, site), modules in by_site.items():
         modules.sort(key=lambda m: columns[m][0])
-        ranks = [adapter.weights[(layer, m)][0].shape[0] for m in modules]
-        down = torch.cat([adapter.weights[(layer, m)][0] for m in modules])
-        up = torch.zeros(widths[site], sum(ranks), dtype=torch.float32)
+        down = torch.cat([adapter.weights[(layer, m)][0] for m in modules]).float().contiguous()
+        blocks = [(columns[m], adapter.weights[(layer, m)][1].float() * adapter.scaling) for m in modules]
+        if library is not None:
+            ups, spans, low = [], [], 0
+            for (first, end), up in blocks:
+                ups.append(up.T.contiguous().flatten())  # [rank, columns]: a rank row's B column over its columns
+                spans.append((first, end, low, low + up.shape[1]))
+                low += up.shape[1]
+            rows[(layer, site)] = (down, torch.cat(ups), torch.tensor(spans))
+            continue
+        dense = torch.zeros(widths[site], int(down.shape[0]), dtype=torch.float32)
         low = 0
-        for module, rank in zip(modules, ranks, strict=True):
-            first, end = columns[module]
-            up[first:end, low : low + rank] = adapter.weights[(layer, module)][1] * adapter.scaling
-            low += rank
+        for (first, end), up in blocks:
+            dense[first:end, low : low + up.shape[1]] = up
+            low += up.shape[1]
         sites[(layer, site)] = Site(
-            Linear(down.to(device), None, packed, batch_hint), Linear(up.to(device), None, packed, batch_hint)
+            Linear(down.to(native.device), None, native.packed, batch_hint),
+            Linear(dense.to(native.device), None, native.packed, batch_hint),
         )
+    if rows:
+        dtype = torch.bfloat16 if native.weight_dtype == torch.bfloat16 else torch.float32
+        held = arena([t for down, up, _ in rows.values() for t in (down, up)], dtype)
+        for index, (key, (_, _, segments)) in enumerate(rows.items()):
+            sites[key] = RowSite(held[2 * index], held[2 * index + 1], segments)
     serial = next(_SERIALS)
     root = hashlib.blake2b(f"lora\0{adapter.name}\0{serial}".encode(), digest_size=16).digest()
-    return PackedAdapter(adapter.name, adapter.rank, tuple(adapter.modules), sites, root)
+    return PackedAdapter(adapter.name, adapter.rank, tuple(adapter.modules), sites, library, root)
+
+
+def arena(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """``tensors`` in ``dtype``, copied into one block of memory backed by huge pages where the
+    kernel gives them (``MADV_HUGEPAGE``: the host's transparent huge pages are often "madvise").
+    A decode step's GEMMs stream the base model's weights through the caches and the TLB between
+    two ``lora_add_`` calls, so each call finds its adapter's pages cold: one 2 MB page covers
+    what 512 small ones do (measured: ~10 % of the adapter's time on a decode step). The block
+    lives as long as any tensor in it."""
+    sizes = [t.numel() * dtype.itemsize for t in tensors]
+    starts = list(itertools.accumulate((-(-size // 64) * 64 for size in sizes), initial=0))
+    huge = 2 << 20
+    block = mmap.mmap(-1, starts[-1] + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: small pages
+            block.madvise(mmap.MADV_HUGEPAGE)
+    memory = torch.frombuffer(block, dtype=torch.uint8)
+    skip = -memory.data_ptr() % huge  # start on a huge page's boundary
+    out = []
+    for tensor, start, size in zip(tensors, starts, sizes, strict=False):
+        view = memory[skip + start : skip + start + size].view(dtype).view(tensor.shape)
+        view.copy_(tensor)
+        out.append(view)
+    return out
+
+
+_NONE = torch.empty(0)
 
 
 class StepAdapters:
-    """A step's tokens by adapter: ``(adapter, mask)`` per adapter present, the mask ``[tokens, 1]``
-    1.0 on its tokens and 0.0 elsewhere (None: the adapter's tokens are every token)."""
+    """A step's tokens by adapter, applied after each GEMM (``add``): through the compiled op
+    (``RowAdapters``) or masked GEMMs (``MaskedAdapters``), as the adapters were packed."""
 
-    def __init__(self, groups: list[tuple[PackedAdapter, torch.Tensor | None]]) -> None:
-        self.groups = groups
-
-    @classmethod
-    def of(cls, per_token: list[PackedAdapter | None], device: torch.device) -> StepAdapters | None:
-        """The groups of a step whose i-th token belongs to ``per_token[i]`` (None: the base
-        model); None when no token has an adapter."""
-        members: dict[int, PackedAdapter] = {id(a): a for a in per_token if a is not None}
-        if not members:
+    @staticmethod
+    def of(per_token: list[PackedAdapter | None], device: torch.device) -> StepAdapters | None:
+        """The step whose i-th token belongs to ``per_token[i]`` (None: the base model); None
+        when no token has an adapter."""
+        present: dict[int, PackedAdapter] = {id(a): a for a in per_token if a is not None}
+        if not present:
             return None
-        if len(members) == 1 and all(a is not None for a in per_token):
-            return cls([(next(iter(members.values())), None)])
-        groups: list[tuple[PackedAdapter, torch.Tensor | None]] = []
-        for adapter in members.values():
-            mask = torch.tensor([[1.0 if a is adapter else 0.0] for a in per_token], dtype=torch.float32)
-            groups.append((adapter, mask.to(device)))
-        return cls(groups)
+        adapters = list(present.values())
+        if all(adapter.library is not None for adapter in adapters):
+            return RowAdapters(adapters, per_token)
+        return MaskedAdapters(adapters, per_token, device)
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> torch.Tensor:
-        """``out`` (the output of ``layer``'s ``site`` GEMM over ``x``) plus each group's
-        ``s·(x·Aᵀ)·Bᵀ`` on its tokens. Every token's A runs, the others' low-rank rows are
-        zeroed: a token outside the group gets ``+ 0.0`` (its bits unchanged), and a token's
-        delta comes from its own row alone, whatever shares the step."""
+        """``out`` (the output of ``layer``'s ``site`` GEMM over ``x``) plus each token's adapter delta."""
+        raise NotImplementedError
+
+
+class RowAdapters(StepAdapters):
+    """One ``lora_add_`` per site for all the step's tokens: ``slots``, each token's index in
+    ``adapters`` (-1: none)."""
+
+    def __init__(self, adapters: list[PackedAdapter], per_token: list[PackedAdapter | None]) -> None:
+        self.adapters = adapters
+        self.library: Any = adapters[0].library
+        index = {id(adapter): slot for slot, adapter in enumerate(adapters)}
+        self.slots = torch.tensor([-1 if a is None else index[id(a)] for a in per_token], dtype=torch.long)
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> torch.Tensor:
+        if len(self.adapters) == 1:
+            alone = self.adapters[0].sites.get((layer, site))
+            if alone is not None:
+                assert isinstance(alone, RowSite)
+                self.library.lora_add_(out, x.contiguous(), self.slots, *alone.alone)
+            return out
+        works = [adapter.sites.get((layer, site)) for adapter in self.adapters]
+        if all(work is None for work in works):
+            return out
+        downs, ups, spans = [], [], []
+        for work in works:
+            assert work is None or isinstance(work, RowSite)
+            downs.append(_NONE if work is None else work.down)
+            ups.append(_NONE if work is None else work.up)
+            spans.append(_NONE if work is None else work.spans)
+        self.library.lora_add_(out, x.contiguous(), self.slots, downs, ups, spans)
+        return out
+
+
+class MaskedAdapters(StepAdapters):
+    """Per adapter, ``(adapter, mask)``: the mask ``[tokens, 1]`` 1.0 on its tokens and 0.0
+    elsewhere (None: the adapter's tokens are every token)."""
+
+    def __init__(self, adapters: list[PackedAdapter], per_token: list[PackedAdapter | None], device: torch.device):
+        if len(adapters) == 1 and all(a is not None for a in per_token):
+            self.groups: list[tuple[PackedAdapter, torch.Tensor | None]] = [(adapters[0], None)]
+            return
+        self.groups = []
+        for adapter in adapters:
+            mask = torch.tensor([[1.0 if a is adapter else 0.0] for a in per_token], dtype=torch.float32)
+            self.groups.append((adapter, mask.to(device)))
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> torch.Tensor:
+        """Every token's A runs, the others' low-rank rows are zeroed: a token outside the group
+        gets ``+ 0.0`` (its bits unchanged), and a token's delta comes from its own row alone."""
         for adapter, mask in self.groups:
             work = adapter.sites.get((layer, site))
             if work is None:
                 continue
+            assert isinstance(work, Site)
             low = work.down(x)
             if mask is not None:
                 low = low * mask

@@ -10,7 +10,9 @@
 - ``rms_norm``, ``silu_mul``, ``rope_`` and ``store_kv``: Llama's RMSNorm, SiLU(gate)*up,
   the rotary embedding and the K/V cache write, which stock torch runs as 2-8 small ops
   each (with a dispatch, an allocation and often a strided copy apiece): ~2,000 ops a
-  step at 16 rows.
+  step at 16 rows;
+- ``lora_add_``: each row's LoRA adapter delta after a GEMM, every row and adapter of the
+  step in one call (``engine/lora.py``), where stock torch would run two GEMMs per adapter.
 
 The source is compiled on first use (about 15 s on 2 cores) into
 ``<cache>/kernels/<key>/`` (``$TOKENWIRE_KERNEL_DIR``, else ``$TOKENWIRE_CACHE_DIR`` or the
