@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tokenwire_server.domain import ErrorEvent, FinishEvent, GenerationRequest
@@ -124,3 +125,26 @@ def slot_segment(slot: int, start: int, count: int, capacity: int = 256) -> Any:
     from tokenwire_server.engine.ops import Segment
 
     return Segment(slot_table(slot, capacity), start, count)
+
+
+def make_adapter(
+    base: Path, target: Path, rank: int, modules: list[str], seed: int, scale: float = 4.0, **settings: Any
+) -> Path:
+    """A PEFT LoRA adapter over ``base`` with random A and B (B times ``scale``, so that it moves
+    the tiny model's greedy picks), saved as PEFT saves it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=modules, lora_dropout=0.0, init_lora_weights=False, **settings
+    )
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(scale)
+    peft_model.save_pretrained(target)
+    return target

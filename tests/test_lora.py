@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_support import Recorder, kernel_choices, run_all
+from engine_support import Recorder, kernel_choices, make_adapter, run_all
 from tokenwire_server.adapters import AdapterError, read_adapter
 from tokenwire_server.config import parse_lora_flag
 from tokenwire_server.domain import FinishEvent, GenerationRequest, NotSupported, SamplingOptions, UnknownAdapter
@@ -27,28 +27,6 @@ from tokenwire_server.model import load_model
 KERNELS = kernel_choices()
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(
-    base: Path, target: Path, rank: int, modules: list[str], seed: int, scale: float = 4.0, **settings: Any
-) -> Path:
-    """A PEFT LoRA adapter over ``base`` with random A and B (B times ``scale``, so that it moves
-    the tiny model's greedy picks), saved as PEFT saves it."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    torch.manual_seed(seed)
-    config = LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=modules, lora_dropout=0.0, init_lora_weights=False, **settings
-    )
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.mul_(scale)
-    peft_model.save_pretrained(target)
-    return target
 
 
 @pytest.fixture(scope="module")
@@ -315,8 +293,9 @@ def test_a_server_serves_its_adapters_and_refuses_an_unknown_one(
         (["--lora", "m={mlp16}", "--lora", "m={mlp16}"], "--lora names one adapter twice: ['m']"),
         (["--lora", "a={mlp16}", "--lora", "b={mlp16}", "--max-loras", "1"], "more than --max-loras 1"),
         (["--lora", "m={mlp16}", "--forward", "transformers"], "LoRA adapters run in the native pass"),
+        (["--lora", "m={mlp16}", "--engine", "vllm", "--max-lora-rank", "1024"], "vLLM takes ranks up to 512"),
     ],
-    ids=["missing", "rank", "simple-engine", "twice", "max-loras", "transformers-forward"],
+    ids=["missing", "rank", "simple-engine", "twice", "max-loras", "transformers-forward", "vllm-rank"],
 )
 def test_an_adapter_the_server_cannot_apply_stops_it_with_status_2(
     tiny_model_dir: Path, adapters: dict[str, Path], tmp_path: Path, flags: list[str], message: str
@@ -624,3 +603,13 @@ def test_each_adapters_tokens_and_streams_are_counted(adapter_server: Any) -> No
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
     assert 'tokenwire_adapter_tokens_total{adapter="counted"} 10.0' in text
     assert 'tokenwire_adapter_active_streams{adapter="counted"} 0.0' in text
+
+
+def test_vllm_reserves_lora_slots_for_the_smallest_rank_it_takes_that_holds_max_lora_rank() -> None:
+    """``--max-lora-rank`` on --engine vllm: rounded up to one of vLLM's slot ranks (ModelInfo.notes says which)."""
+    from tokenwire_server.engine.vllm_backend import VLLM_LORA_RANKS, vllm_lora_rank
+
+    assert [vllm_lora_rank(r) for r in (1, 2, 8, 16, 17, 64, 65, 300, 512)] == [1, 8, 8, 16, 32, 64, 128, 320, 512]
+    assert all(vllm_lora_rank(r) == r for r in VLLM_LORA_RANKS)
+    with pytest.raises(ValueError, match="up to 512"):
+        vllm_lora_rank(513)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from engine_support import make_adapter
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers import TEST_ENGINE, ServerProcess
 from tokenwire.v1 import generation_pb2 as pb
@@ -411,9 +412,10 @@ def test_a_constrained_stream_on_vllm_is_refused_as_a_resume_but_served_whole(sm
     assert "response_format" in (caught.value.details() or "")  # type: ignore[attr-defined]
 
 
-def test_a_call_naming_a_lora_adapter_is_refused_on_vllm(small_server: ServerProcess) -> None:
-    """The vllm engine applies no LoRA adapters yet: a call naming one is FAILED_PRECONDITION
-    saying so, before any chunk (ModelInfo lists none)."""
+def test_a_call_naming_a_lora_adapter_on_vllm_started_without_lora_is_refused(small_server: ServerProcess) -> None:
+    """vLLM reserves its LoRA slots as it starts: a server started without --lora or --lora-dir
+    answers a call naming an adapter FAILED_PRECONDITION saying how to start it, before any
+    chunk (ModelInfo lists none)."""
     with grpc.insecure_channel(small_server.target) as channel:
         stub = pb_grpc.TextGenerationStub(channel)
         assert list(stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).adapters) == []
@@ -421,7 +423,119 @@ def test_a_call_naming_a_lora_adapter_is_refused_on_vllm(small_server: ServerPro
         with pytest.raises(grpc.RpcError) as caught:
             list(stub.Generate(request, timeout=60))
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
-    assert "does not apply LoRA adapters" in (caught.value.details() or "")  # type: ignore[attr-defined]
+    assert "started without LoRA adapters" in (caught.value.details() or "")  # type: ignore[attr-defined]
+    assert "--lora" in (caught.value.details() or "")  # type: ignore[attr-defined]
+
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = ["Once upon a time", "The weather today is", "Hello there"]
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+    """vLLM with one adapter from the start (``--lora first=``) and a --lora-dir holding a second
+    (rank 16, MLP only) for LoadAdapter; at most two loaded."""
+    root = tmp_path_factory.mktemp("vllm-loras")
+    make_adapter(tiny_model_dir, root / "first", 8, ALL_PROJECTIONS, seed=3)
+    make_adapter(tiny_model_dir, root / "second", 16, ALL_PROJECTIONS[4:], seed=2)
+    args = ["--model", str(tiny_model_dir), *VLLM, "--lora", f"first={root / 'first'}", "--lora-dir", str(root),
+            "--adapter-service-without-auth", "--max-loras", "2", "--max-lora-rank", "16"]  # fmt: skip
+    with ServerProcess(args, ready_timeout=400) as server:
+        yield server, root
+
+
+def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], tokens: int) -> list[int]:
+    """Greedy tokens of PEFT's unmerged model (``adapter`` None: the base model), in this process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def greedy_ids(stub: pb_grpc.TextGenerationStub, prompt: list[int], tokens: int, adapter: str = "") -> list[int]:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt), adapter=adapter, sampling=pb.SamplingParams(temperature=0),
+        stopping=pb.StoppingCriteria(max_new_tokens=tokens, ignore_eos=True), output=pb.OutputOptions(token_ids=True),
+    )  # fmt: skip
+    return [t.id for chunk in stub.Generate(request, timeout=120) for t in chunk.tokens]
+
+
+def test_an_adapter_call_on_vllm_answers_as_pefts_unmerged_model(
+    lora_server: tuple[ServerProcess, Path], tiny_model_dir: Path
+) -> None:
+    """``--lora first=``: ModelInfo lists it (rank, modules) and says how vLLM applies it; a greedy
+    call naming it gives PEFT's unmerged model's tokens, one naming none the base model's, and the
+    adapter moves the answers; a name not loaded is NOT_FOUND naming ``adapter``."""
+    from transformers import AutoTokenizer
+
+    server, root = lora_server
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        assert [(a.name, a.rank, sorted(a.target_modules)) for a in info.adapters] == [
+            ("first", 8, sorted(ALL_PROJECTIONS))
+        ]
+        assert info.limits.max_loras == 2 and info.limits.max_lora_rank == 16
+        assert any("LoRA adapters run in vLLM's own LoRA layers" in note for note in info.notes)
+        got = {(name, i): greedy_ids(stub, p, 12, name) for name in ("", "first") for i, p in enumerate(prompts)}
+        with pytest.raises(grpc.RpcError) as caught:
+            greedy_ids(stub, prompts[0], 4, "nope")
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    assert "adapter" in (caught.value.details() or "") and "nope" in (caught.value.details() or "")  # type: ignore[attr-defined]
+    for i, prompt in enumerate(prompts):
+        assert got[("", i)] == peft_greedy(tiny_model_dir, None, prompt, 12), i
+        assert got[("first", i)] == peft_greedy(tiny_model_dir, root / "first", prompt, 12), i
+    assert any(got[("first", i)] != got[("", i)] for i in range(len(prompts)))
+
+
+def test_adapters_load_and_unload_at_run_time_on_vllm(
+    lora_server: tuple[ServerProcess, Path], tiny_model_dir: Path
+) -> None:
+    """LoadAdapter hands a --lora-dir folder to vLLM (its calls then answer as PEFT does); past
+    --max-loras is RESOURCE_EXHAUSTED, a mismatched folder INVALID_ARGUMENT naming ``path``; an
+    unload while a stream runs lets it finish (streams_in_flight 1), then the name is NOT_FOUND."""
+    from transformers import AutoTokenizer
+
+    server, root = lora_server
+    prompt = AutoTokenizer.from_pretrained(tiny_model_dir)(PROMPTS[0])["input_ids"]
+    (root / "broken").mkdir(exist_ok=True)
+    (root / "broken" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"]}')
+    with grpc.insecure_channel(server.target, options=STALLING) as channel:
+        adapters = pb_grpc.AdaptersStub(channel)
+        stub = pb_grpc.TextGenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as bad:
+            adapters.LoadAdapter(pb.LoadAdapterRequest(name="broken", path="broken"), timeout=120)
+        loaded = adapters.LoadAdapter(pb.LoadAdapterRequest(name="second", path="second"), timeout=120)
+        assert (loaded.name, loaded.rank) == ("second", 16)
+        with pytest.raises(grpc.RpcError) as full:
+            adapters.LoadAdapter(pb.LoadAdapterRequest(name="third", path="first"), timeout=120)
+        listed = [a.name for a in adapters.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters]
+        assert greedy_ids(stub, prompt, 12, "second") == peft_greedy(tiny_model_dir, root / "second", prompt, 12)
+        # A stream held open by flow control (its client reads nothing) while "second" is unloaded.
+        held = stub.Generate(long_request(1000, adapter="second", output=HEAVY), timeout=120)
+        first = next(held)
+        unloaded = adapters.UnloadAdapter(pb.UnloadAdapterRequest(name="second"), timeout=30)
+        with pytest.raises(grpc.RpcError) as gone:
+            greedy_ids(stub, prompt, 4, "second")
+        rest = list(held)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert "adapter_model.safetensors" in (bad.value.details() or "")  # type: ignore[attr-defined]
+    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+    assert listed == ["first", "second"]
+    assert unloaded.streams_in_flight == 1
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(first.tokens) + sum(len(c.tokens) for c in rest) == 1000
 
 
 @pytest.mark.e2e

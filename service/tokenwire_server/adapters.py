@@ -7,8 +7,9 @@ A is ``[rank, in]``, B ``[out, rank]``, and the adapted layer computes
 ``read_adapter`` reads one and checks it against the base model's config: the target modules,
 every tensor's shape, the rank against ``--max-lora-rank``; anything this server would not apply
 exactly as PEFT does (DoRA, biases, per-module ranks, modules saved whole, embedding or head
-adapters) is refused with the file and the reason. Applying them is the engine's
-(``engine/lora.py``).
+adapters) is refused with the file and the reason. ``admit`` adds the server's rules for a load
+(a name loaded once, at most ``--max-loras``), the same on every engine that applies adapters.
+Applying them is the engine's (``engine/lora.py``; vLLM's own LoRA layers on ``--engine vllm``).
 """
 
 from __future__ import annotations
@@ -142,3 +143,21 @@ def read_adapter(name: str, folder: Path, config: Any, max_rank: int) -> Adapter
     if not weights:
         raise AdapterError(f"{tensors_file}: no LoRA tensors")
     return Adapter(name=name, path=folder, rank=rank, scaling=scaling, weights=weights)
+
+
+def admit(name: str, folder: Path, loaded: list[str], max_loras: int, config: Any, max_rank: int) -> Adapter:
+    """The adapter ``folder`` holds, once a load of it under ``name`` may go ahead beside the
+    adapters ``loaded`` (hold the caller's lock across this and the load): AdapterExists,
+    AdapterLimit, or InvalidAdapter naming the file and why."""
+    from .domain import AdapterExists, AdapterLimit, InvalidAdapter
+
+    if name in loaded:
+        raise AdapterExists(f"adapter {name!r} is loaded already; unload it first (UnloadAdapter)")
+    if len(loaded) >= max_loras:
+        raise AdapterLimit(
+            f"{len(loaded)} adapters are loaded, the server's most (--max-loras {max_loras}); unload one first"
+        )
+    try:
+        return read_adapter(name, folder, config, max_rank)
+    except AdapterError as exc:
+        raise InvalidAdapter(str(exc)) from exc

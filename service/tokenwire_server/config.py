@@ -133,14 +133,15 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         ("none", "int8", "int4", "fp8"),
     ),
     "lora": (
-        "batched engine: a LoRA adapter NAME=PATH (a PEFT folder: adapter_config.json and adapter_model.safetensors) "
-        "that a request may name in GenerateRequest.adapter; repeatable (the environment variable: comma-separated)",
+        "batched and vllm engines: a LoRA adapter NAME=PATH (a PEFT folder: adapter_config.json and "
+        "adapter_model.safetensors) that a request may name in GenerateRequest.adapter; repeatable "
+        "(the environment variable: comma-separated)",
         None,
     ),
     "max_loras": ("most LoRA adapters loaded at once", None),
     "max_lora_rank": ("highest LoRA rank loaded; an adapter of a higher rank is refused", None),
     "lora_dir": (
-        "batched engine: the folder LoRA adapters are loaded from while serving (the Adapters service: "
+        "batched and vllm engines: the folder LoRA adapters are loaded from while serving (the Adapters service: "
         "LoadAdapter's path resolves inside it, never outside); empty: the service is off",
         None,
     ),
@@ -434,12 +435,17 @@ def validate_config(config: ServerConfig) -> list[str]:
         errors.append(f"--lora names one adapter twice: {sorted({n for n in names if names.count(n) > 1})}")
     if len(config.lora) > config.max_loras:
         errors.append(f"{len(config.lora)} --lora adapters, more than --max-loras {config.max_loras}")
-    if config.lora_dir and config.engine != "batched":
-        errors.append(f"--lora-dir: the {config.engine} engine does not apply LoRA adapters; use --engine batched")
+    if config.lora_dir and config.engine == "simple":
+        errors.append("--lora-dir: the simple engine does not apply LoRA adapters; use --engine batched or vllm")
     if config.adapter_service_without_auth and not config.lora_dir:
         errors.append("--adapter-service-without-auth needs --lora-dir (the folder adapters are loaded from)")
-    if config.lora and config.engine != "batched":
-        errors.append(f"--lora: the {config.engine} engine does not apply LoRA adapters; use --engine batched")
+    if config.lora and config.engine == "simple":
+        errors.append("--lora: the simple engine does not apply LoRA adapters; use --engine batched or vllm")
+    if config.engine == "vllm" and (config.lora or config.lora_dir):
+        from .engine.vllm_backend import VLLM_LORA_RANKS  # no vLLM import: the module imports it lazily
+
+        if config.max_lora_rank > VLLM_LORA_RANKS[-1]:
+            errors.append(f"--max-lora-rank {config.max_lora_rank}: vLLM takes ranks up to {VLLM_LORA_RANKS[-1]}")
     for name in (
         "workers",
         "tensor_parallel_size",

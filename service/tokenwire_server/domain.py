@@ -143,6 +143,9 @@ class ModelDescription:
     notes: tuple[str, ...] = ()
     quantization: str = "none"
     adapters: tuple[AdapterDescription, ...] = ()
+    # Whether this engine applies LoRA adapters (a name not in ``adapters`` is then NOT_FOUND;
+    # else a call naming one is the engine's FAILED_PRECONDITION).
+    applies_adapters: bool = False
 
     @property
     def context_length(self) -> int:

@@ -43,9 +43,9 @@ from .transport.adapters import AdaptersServicer
 from .transport.servicer import SERVICE_NAME, TextGenerationServicer
 
 if TYPE_CHECKING:
-    from .backend import GenerationBackend
+    from .backend import AdapterHost, GenerationBackend
     from .engine.base import Engine, EngineLimits
-    from .engine.local import LocalBackend
+    from .engine.vllm_backend import VllmBackend
     from .model import LoadedModel
 
 log = logging.getLogger("tokenwire.server")
@@ -227,6 +227,7 @@ class TokenwireServer:
         # pool alive beside the engine loop's it finds more threads than cores and stops
         # spinning between parallel regions, so every layer of every step pays a futex
         # wake-up (measured: docs/architecture.md, "One OpenMP pool").
+        self._loop = loop  # where a backend built off it runs its coroutines (vLLM's LoRA loads)
         loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenwire-load")
         try:
             backend = await loop.run_in_executor(loader, self._build_backend)
@@ -302,7 +303,11 @@ class TokenwireServer:
                     extra={"tenants": list(self.tenants.names)},
                 )
             with phases("engine"):  # vLLM reads the tokenizer and the weights inside its engine
-                return self._build_vllm_backend()
+                vllm = self._build_vllm_backend()
+            if config.lora:
+                with phases("adapters"):
+                    self._load_adapters(vllm)
+            return vllm
         import torch
 
         if config.torch_threads:
@@ -353,7 +358,7 @@ class TokenwireServer:
                 self._load_adapters(backend)
         return backend
 
-    def _load_adapters(self, backend: LocalBackend) -> None:
+    def _load_adapters(self, backend: AdapterHost) -> None:
         """The --lora adapters, as LoadAdapter loads them; one that cannot be applied stops the
         start (a usage error naming it)."""
         from .config import parse_lora_flag
@@ -392,7 +397,7 @@ class TokenwireServer:
         engine.start()
         return engine
 
-    def _build_vllm_backend(self) -> GenerationBackend:
+    def _build_vllm_backend(self) -> VllmBackend:
         """vLLM's engine in this process; the same seam, so the transport does not change."""
         from .engine.budget import VLLM_RESERVED_TOKENS, kv_cache_budget
         from .engine.vllm_backend import VllmBackend, VllmSettings
@@ -453,8 +458,12 @@ class TokenwireServer:
             kv_cache_bytes=kv_bytes,
             prefix_cache=config.prefix_cache == "on",
             stalled_reader_timeout_s=config.stalled_reader_timeout,
+            # vLLM reserves its LoRA slots as it starts: on when adapters may be loaded at all.
+            max_loras=config.max_loras if config.lora or config.lora_dir else 0,
+            max_lora_rank=config.max_lora_rank,
         )
-        backend = VllmBackend(folder, name, settings, config.request_limits, observer=self.metrics)
+        loop = getattr(self, "_loop", None)
+        backend = VllmBackend(folder, name, settings, config.request_limits, observer=self.metrics, loop=loop)
         for metric, (help_text, read) in backend.extra_gauges().items():
             self.metrics.gauge_function(metric, help_text, read)
         return backend

@@ -121,7 +121,14 @@ class Engine(abc.ABC):
     # -- LoRA adapters: the batched engine applies them; this engine applies none ----------
 
     def _no_adapters(self) -> NotSupported:
-        return NotSupported(f"the {self.name} engine does not apply LoRA adapters; serve them with --engine batched")
+        return NotSupported(
+            f"the {self.name} engine does not apply LoRA adapters; serve them with --engine batched or vllm"
+        )
+
+    @property
+    def applies_adapters(self) -> bool:
+        """Whether this engine applies LoRA adapters (ModelDescription.applies_adapters)."""
+        return False
 
     def add_adapter(self, adapter: Any) -> None:
         """Apply ``adapter`` (``adapters.read_adapter``'s) to the requests that name it from now on."""

@@ -218,6 +218,10 @@ class BatchedEngine(Engine):
             raise UnknownAdapter(request.adapter, sorted(self._adapters))
         return adapter
 
+    @property
+    def applies_adapters(self) -> bool:
+        return self.runner.native is not None  # the native pass applies them
+
     def adapters(self) -> list[lora.PackedAdapter]:
         return [self._adapters[name] for name in sorted(self._adapters)]
 

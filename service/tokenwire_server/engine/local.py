@@ -16,11 +16,8 @@ from pathlib import Path
 from ..backend import ThreadedSubmission
 from ..domain import (
     AdapterDescription,
-    AdapterExists,
-    AdapterLimit,
     EngineStats,
     GenerationRequest,
-    InvalidAdapter,
     ModelDescription,
     RequestLimits,
 )
@@ -63,27 +60,18 @@ class LocalBackend(IntakeBackend):
             max_queue=engine.limits.max_queue,
             quantization=loaded.quantization,
             adapters=tuple(AdapterDescription(a.name, a.rank, tuple(a.modules)) for a in engine.adapters()),
+            applies_adapters=engine.applies_adapters,
         )
 
     def load_adapter(self, name: str, folder: Path) -> AdapterDescription:
         """Read ``folder``, check it against the model and the limits, and apply it to the requests
         naming ``name`` (at start, ``--lora``, and while serving, LoadAdapter)."""
-        from ..adapters import AdapterError, read_adapter
+        from ..adapters import admit
 
-        engine = self.engine
+        engine, limits = self.engine, self._limits
         with self._adapter_lock:  # one load at a time: the limit and the name hold across loads
             loaded = [adapter.name for adapter in engine.adapters()]
-            if name in loaded:
-                raise AdapterExists(f"adapter {name!r} is loaded already; unload it first (UnloadAdapter)")
-            if len(loaded) >= self._limits.max_loras:
-                raise AdapterLimit(
-                    f"{len(loaded)} adapters are loaded, the server's most (--max-loras {self._limits.max_loras}); "
-                    "unload one first"
-                )
-            try:
-                adapter = read_adapter(name, folder, self.loaded.model.config, self._limits.max_lora_rank)
-            except AdapterError as exc:
-                raise InvalidAdapter(str(exc)) from exc
+            adapter = admit(name, folder, loaded, limits.max_loras, self.loaded.model.config, limits.max_lora_rank)
             engine.add_adapter(adapter)
         return AdapterDescription(adapter.name, adapter.rank, tuple(adapter.modules))
 

@@ -20,19 +20,30 @@ tokenwire keeps the contract around it:
   (``VllmSubmission``); vLLM has no way to set a request aside, so it is not parked.
 - **Health.** ``stalled()`` is true once vLLM's engine has died (``errored``), which
   turns liveness NOT_SERVING.
+- **LoRA adapters.** With ``--lora`` or ``--lora-dir``, vLLM starts with its LoRA layers
+  (``enable_lora``, ``max_loras`` = ``max_cpu_loras`` = ``--max-loras``, ``max_lora_rank``:
+  ``--max-lora-rank`` rounded up to a rank vLLM reserves slots for). A folder is checked as on the
+  batched engine (``adapters.admit``: the same refusals), then handed to vLLM as a
+  ``LoRARequest`` (``add_lora``, awaited when LoadAdapter loads it); each call naming it carries
+  the request. Unloading stops new calls at once and calls ``remove_lora`` after its last stream.
 
 Differences from the batched engine are listed in docs/architecture.md.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
+import itertools
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from ..domain import (
+    AdapterDescription,
     EngineClosed,
     EngineObserver,
     EngineOverloaded,
@@ -44,6 +55,7 @@ from ..domain import (
     RequestLimits,
     ResponseFormat,
     SamplingOptions,
+    UnknownAdapter,
 )
 from ..intake import Intake, IntakeBackend
 from ..structured import Grammars, choice_grammar
@@ -67,6 +79,33 @@ class VllmSettings:
     prefix_cache: bool = True  # --prefix-cache: vLLM's automatic prefix caching
     # --stalled-reader-timeout: a chunk left unread this long ends the call STALLED_READER (0: never).
     stalled_reader_timeout_s: float = 30.0
+    # LoRA: most adapters loaded (--max-loras; 0: vLLM starts without LoRA) and the highest rank.
+    max_loras: int = 0
+    max_lora_rank: int = 64
+
+
+# The ranks vLLM reserves LoRA slots for (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# How long LoadAdapter waits for vLLM to load an adapter's weights.
+ADD_LORA_TIMEOUT_S = 120.0
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """``--max-lora-rank`` as vLLM takes it: the smallest rank it reserves slots for that holds it."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"--max-lora-rank {rank}: vLLM takes ranks up to {VLLM_LORA_RANKS[-1]}")
+
+
+@dataclasses.dataclass
+class VllmLora:
+    """An adapter handed to vLLM: its ``LoRARequest``, how ModelInfo lists it, the streams using it."""
+
+    request: Any
+    description: AdapterDescription
+    streams: int = 0
+    unloaded: bool = False
 
 
 def vllm_model_folder(folder: Path) -> Path:
@@ -132,6 +171,7 @@ class VllmBackend(IntakeBackend):
         request_limits_for: Any,
         device: str = "auto",
         observer: EngineObserver | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         from transformers import AutoTokenizer, GenerationConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -165,6 +205,13 @@ class VllmBackend(IntakeBackend):
             kwargs["max_model_len"] = settings.max_model_len
         if settings.kv_cache_bytes:
             kwargs["kv_cache_memory_bytes"] = settings.kv_cache_bytes
+        if settings.max_loras:
+            kwargs.update(
+                enable_lora=True,
+                max_loras=settings.max_loras,
+                max_cpu_loras=settings.max_loras,
+                max_lora_rank=vllm_lora_rank(settings.max_lora_rank),
+            )
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[self._stats.factory])
         model_config = self.engine.model_config
         cache_config = self.engine.vllm_config.cache_config
@@ -182,6 +229,23 @@ class VllmBackend(IntakeBackend):
             elif source:
                 eos.update(int(x) for x in source)
         self._eos = tuple(sorted(eos))
+        # LoRA adapters by name (those loaded; one unloaded with streams left is only in their hands).
+        self._loras: dict[str, VllmLora] = {}
+        self._lora_ids = itertools.count(1)  # vLLM's lora_int_id: one per load, never reused
+        self._lora_lock = threading.Lock()
+        self._loading: set[str] = set()  # names being loaded now
+        self._hf_config = model_config.hf_config
+        self._loop = loop  # the serving loop, where vLLM's coroutines run
+        lora_notes = (
+            (
+                "vllm: LoRA adapters run in vLLM's own LoRA layers, in the model's dtype; an adapter row's tokens "
+                "may differ alone and in a batch",
+                f"vllm: LoRA slots are reserved for rank {vllm_lora_rank(settings.max_lora_rank)} "
+                f"(--max-lora-rank {settings.max_lora_rank}, rounded up to a rank vLLM takes)",
+            )
+            if settings.max_loras
+            else ()
+        )
         self._description = ModelDescription(
             name=display_name,
             engine=self.name,
@@ -210,7 +274,9 @@ class VllmBackend(IntakeBackend):
                 "a scoring call (max_new_tokens 0) has vLLM generate one token, which is not sent",
                 "vllm: the n samples of a call (GenerateRequest.n) are n vLLM requests with seeds seed + i, "
                 "sent at once; their prompt is shared as vLLM's prefix cache finds it",
+                *lora_notes,
             ),
+            applies_adapters=bool(settings.max_loras),
         )
         # Response formats are checked here, with the same library and options vLLM compiles
         # them with, so a bad one is INVALID_ARGUMENT with the same message on both engines.
@@ -229,7 +295,89 @@ class VllmBackend(IntakeBackend):
     # -- the seam -------------------------------------------------------------------
 
     def describe(self) -> ModelDescription:
-        return self._description
+        adapters = tuple(self._loras[name].description for name in sorted(self._loras))
+        return dataclasses.replace(self._description, adapters=adapters)
+
+    # -- LoRA adapters (the Adapters service's host) ---------------------------------------
+
+    def load_adapter(self, name: str, folder: Path) -> AdapterDescription:
+        """Check ``folder`` as the batched engine does, then have vLLM load it (waited for where
+        called off the serving loop, as LoadAdapter does; at start vLLM loads it as it starts or
+        on the first call naming it)."""
+        from vllm.lora.request import LoRARequest
+
+        from ..adapters import admit
+        from ..domain import InvalidAdapter
+
+        if not self._settings.max_loras:
+            raise self._no_lora()
+        limits = self._description.limits
+        with self._lora_lock:  # the name and the limit hold across loads: the name is held while vLLM loads it
+            taken = [*self._loras, *self._loading]
+            adapter = admit(name, folder, taken, limits.max_loras, self._hf_config, limits.max_lora_rank)
+            self._loading.add(name)
+        try:
+            request = LoRARequest(name, next(self._lora_ids), str(Path(folder).resolve()))
+            try:  # not under the lock: the loop, which vLLM's load runs on, takes it as streams end
+                added = self._on_loop(lambda: self.engine.add_lora(request), wait=True)
+            except (Exception, concurrent.futures.TimeoutError) as exc:  # vLLM's own reading of it failed
+                raise InvalidAdapter(f"{folder}: vLLM could not load it: {type(exc).__name__}: {exc}") from exc
+            if added is False:
+                raise InvalidAdapter(f"{folder}: vLLM did not load it (add_lora returned False)")
+            description = AdapterDescription(adapter.name, adapter.rank, tuple(adapter.modules))
+            with self._lora_lock:
+                self._loras[name] = VllmLora(request, description)
+        finally:
+            with self._lora_lock:
+                self._loading.discard(name)
+        return description
+
+    def unload_adapter(self, name: str) -> int:
+        """New calls naming ``name`` are NOT_FOUND from now on; its streams finish with it, and
+        vLLM frees it after the last (``remove_lora``). Returns the streams running with it."""
+        with self._lora_lock:
+            lora = self._loras.pop(name, None)
+            if lora is None:
+                raise UnknownAdapter(name, sorted(self._loras))
+            lora.unloaded = True
+            if lora.streams == 0:
+                self._remove(lora)
+            return lora.streams
+
+    def _remove(self, lora: VllmLora) -> None:
+        lora_id = lora.request.lora_int_id
+        self._on_loop(lambda: self.engine.remove_lora(lora_id), wait=False)
+
+    def _no_lora(self) -> NotSupported:
+        return NotSupported(
+            "this vllm engine was started without LoRA adapters: vLLM reserves its LoRA slots as it starts, "
+            "so start the server with --lora NAME=PATH or --lora-dir DIR"
+        )
+
+    def _on_loop(self, make: Any, wait: bool) -> Any:
+        """Run the coroutine ``make()`` on the serving loop: waited for (its result) from another
+        thread when ``wait``; from the loop itself, or without a loop yet, not waited for (vLLM
+        loads an adapter named by a call as the call starts, and a failed removal is logged)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return None
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+
+        def logged(future: Any) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                log.warning("vllm lora call failed", extra={"error": repr(future.exception())})
+
+        if on_loop:
+            loop.create_task(make()).add_done_callback(logged)
+            return None
+        future = asyncio.run_coroutine_threadsafe(make(), loop)
+        if not wait:
+            future.add_done_callback(logged)
+            return None
+        return future.result(ADD_LORA_TIMEOUT_S)
 
     def _limits_for(self, limits: RequestLimits) -> RequestLimits:
         """The limits with what a prompt that fits may be long, in characters, on this tokenizer."""
@@ -237,11 +385,13 @@ class VllmBackend(IntakeBackend):
 
     def submit(self, request: GenerationRequest) -> VllmSubmission:
         settings = self._settings
+        lora: VllmLora | None = None
         if request.adapter:
-            raise NotSupported(
-                "the vllm engine does not apply LoRA adapters here yet (GenerateRequest.adapter); "
-                "serve them with --engine batched"
-            )
+            if not settings.max_loras:
+                raise self._no_lora()
+            lora = self._loras.get(request.adapter)
+            if lora is None:
+                raise UnknownAdapter(request.adapter, sorted(self._loras))
         if request.logprobs_of:
             raise NotSupported(
                 "the vllm engine does not report the log-probabilities of named tokens (OutputOptions.logprobs_of: "
@@ -261,7 +411,9 @@ class VllmBackend(IntakeBackend):
                 settings.retry_after_s,
             )
         self._in_flight += 1
-        return VllmSubmission(self, request)
+        if lora is not None:
+            lora.streams += 1
+        return VllmSubmission(self, request, lora)
 
     def stats(self) -> EngineStats:
         active = min(self._in_flight, self._settings.max_active)
@@ -304,9 +456,14 @@ class VllmBackend(IntakeBackend):
 
     # -- per request ------------------------------------------------------------------
 
-    def _done(self) -> None:
+    def _done(self, lora: VllmLora | None = None) -> None:
         self._in_flight -= 1
         self.last_progress = time.monotonic()
+        if lora is not None:
+            with self._lora_lock:
+                lora.streams -= 1
+                if lora.unloaded and lora.streams == 0:  # its last stream: vLLM may free it now
+                    self._remove(lora)
 
     def sampling_params(self, request: GenerationRequest) -> Any:
         """Every GenerateRequest field vLLM should know, as its SamplingParams."""

@@ -23,7 +23,7 @@ from ..domain import (
 from ..text import SharedTokenizer
 
 if TYPE_CHECKING:
-    from .vllm_backend import VllmBackend
+    from .vllm_backend import VllmBackend, VllmLora
 
 
 def _cpu() -> Any:
@@ -38,7 +38,7 @@ _CPU = None  # set on first use, so importing this module does not import torch
 class VllmSubmission:
     """One request on vLLM: its token ids through tokenwire's own ``Generation``."""
 
-    def __init__(self, backend: VllmBackend, request: GenerationRequest) -> None:
+    def __init__(self, backend: VllmBackend, request: GenerationRequest, lora: VllmLora | None = None) -> None:
         from .generation import Generation
 
         global _CPU
@@ -46,6 +46,7 @@ class VllmSubmission:
             _CPU = _cpu()
         self._backend = backend
         self._request = request
+        self._lora = lora  # the adapter's LoRARequest goes with the call; its stream count with the release
         self._events: list[Event] = []
         self._handle = RequestHandle()
         self._generation = Generation(
@@ -64,7 +65,7 @@ class VllmSubmission:
         """Give back this request's place in the count of requests in flight, once."""
         if not self._released:
             self._released = True
-            self._backend._done()
+            self._backend._done(self._lora)
 
     def cancel(self) -> None:
         if not self._started:  # cancelled before its stream was read: vLLM never saw it
@@ -148,6 +149,7 @@ class VllmSubmission:
                 TokensPrompt(prompt_token_ids=list(generation.context_ids)),
                 backend.sampling_params(request),
                 self._vllm_id,
+                lora_request=None if self._lora is None else self._lora.request,
             )
             async with contextlib.aclosing(stream) as outputs:
                 while True:

@@ -81,7 +81,7 @@ class AdaptersServicer:
             )
         backend, _ = self._text.serving()
         if not isinstance(backend, AdapterHost):
-            raise NotSupported("this engine does not load LoRA adapters; serve them with --engine batched")
+            raise NotSupported("this engine does not load LoRA adapters; serve them with --engine batched or vllm")
         return backend
 
     async def _list(self, request: pb.ListAdaptersRequest, context: Context, call: Call) -> pb.ListAdaptersResponse:

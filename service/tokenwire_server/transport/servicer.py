@@ -223,7 +223,7 @@ class TextGenerationServicer:
                     f"(its adapters: {', '.join(policy.adapters or ()) or 'none'})",
                 )
             loaded = [adapter.name for adapter in description.adapters]
-            if request.adapter not in loaded and description.engine == "batched":
+            if request.adapter not in loaded and description.applies_adapters:
                 raise UnknownAdapter(request.adapter[:64], loaded)
         self._refused_for_tenant(self._quota.check, tenant)
         limits = description.limits
