@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -68,11 +69,21 @@ def test_dns_target(fake):
 
 
 def test_async_round_robin(fakes3):
-    async def main():
+    """Concurrent calls spread over the replicas. round_robin's channel is READY as soon as one
+    replica is, so the calls wait until each replica has answered once (its connection is up);
+    30 calls at once right after wait_ready could all find one replica connected."""
+
+    async def main() -> list[int]:
         async with tokenwire.AsyncClient([s.address for s in fakes3], timeout=10) as client:
             await client.wait_ready(5)
+            deadline = time.monotonic() + 10
+            while not all(s.servicer.served for s in fakes3) and time.monotonic() < deadline:
+                await client.generate_text("connect")
+            before = [s.servicer.served for s in fakes3]
             await asyncio.gather(*(client.generate_text(f"n{i}") for i in range(30)))
+            return before
 
-    asyncio.run(main())
-    assert sum(s.servicer.served for s in fakes3) == 30
-    assert all(s.servicer.served >= 1 for s in fakes3)
+    before = asyncio.run(main())
+    served = [s.servicer.served - b for s, b in zip(fakes3, before, strict=True)]
+    assert sum(served) == 30
+    assert all(n >= 3 for n in served), served

@@ -36,6 +36,7 @@ import functools
 import hashlib
 import itertools
 import mmap
+import typing
 from typing import Any
 
 import torch
@@ -78,11 +79,6 @@ class RowSite:
     up: torch.Tensor
     spans: torch.Tensor
 
-    @functools.cached_property
-    def alone(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """``lora_add_``'s lists for a step with this adapter alone (built once, not per call)."""
-        return [self.down], [self.up], [self.spans]
-
 
 @dataclasses.dataclass(frozen=True)
 class PackedAdapter:
@@ -98,6 +94,13 @@ class PackedAdapter:
     # The first key of its rows' prefix-cache chains: its name and this load's serial, so a
     # reload under the same name starts afresh.
     root: bytes
+
+    @functools.cached_property
+    def calls(self) -> dict[tuple[int, str], tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]:
+        """``lora_add_``'s lists per site for a step with this adapter alone (RowSites; built once)."""
+        return {
+            key: ([site.down], [site.up], [site.spans]) for key, site in self.sites.items() if isinstance(site, RowSite)
+        }
 
 
 def pack(adapter: Adapter, native: NativeForward, batch_hint: int) -> PackedAdapter:
@@ -198,24 +201,25 @@ class RowAdapters(StepAdapters):
         self.library: Any = adapters[0].library
         index = {id(adapter): slot for slot, adapter in enumerate(adapters)}
         self.slots = torch.tensor([-1 if a is None else index[id(a)] for a in per_token], dtype=torch.long)
+        # Each site's lists for lora_add_, built once for the step, not at each of its ~120 calls
+        # (a step's Python between two ops costs it the GIL and the caches the GEMMs just used).
+        self.calls: dict[tuple[int, str], tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]
+        if len(adapters) == 1:
+            self.calls = adapters[0].calls
+            return
+        self.calls = {}
+        for key in {key for adapter in adapters for key in adapter.sites}:
+            works = [typing.cast("RowSite | None", adapter.sites.get(key)) for adapter in adapters]
+            self.calls[key] = (
+                [_NONE if work is None else work.down for work in works],
+                [_NONE if work is None else work.up for work in works],
+                [_NONE if work is None else work.spans for work in works],
+            )
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> torch.Tensor:
-        if len(self.adapters) == 1:
-            alone = self.adapters[0].sites.get((layer, site))
-            if alone is not None:
-                assert isinstance(alone, RowSite)
-                self.library.lora_add_(out, x.contiguous(), self.slots, *alone.alone)
-            return out
-        works = [adapter.sites.get((layer, site)) for adapter in self.adapters]
-        if all(work is None for work in works):
-            return out
-        downs, ups, spans = [], [], []
-        for work in works:
-            assert work is None or isinstance(work, RowSite)
-            downs.append(_NONE if work is None else work.down)
-            ups.append(_NONE if work is None else work.up)
-            spans.append(_NONE if work is None else work.spans)
-        self.library.lora_add_(out, x.contiguous(), self.slots, downs, ups, spans)
+        call = self.calls.get((layer, site))
+        if call is not None:
+            self.library.lora_add_(out, x.contiguous(), self.slots, *call)
         return out
 
 
