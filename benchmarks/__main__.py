@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown suite {name!r}; `python -m benchmarks list` names them", file=sys.stderr)
         return 2
     args = parser_for(name, "--dry-run" in rest).parse_args(rest)
-    args.command = " ".join(["python -m benchmarks", name, *rest])
+    args.command = "python -m benchmarks " + shlex.join([name, *rest])  # as a shell would take it back
     suite = importlib.import_module(SUITES[name])
     section = suite.run(args)
     print(section.text)

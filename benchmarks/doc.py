@@ -36,7 +36,8 @@ class Section:
 
 def section(name: str, title: str, command: str, *lines: str) -> Section:
     """Section ``name``: ``## title``, the line that names ``command``, then ``lines``."""
-    heading = [f"## {title}", "", f"Written by `{command}` at {now()}; do not edit by hand."]
+    quoted = f"`` {command} ``" if "`" in command else f"`{command}`"  # a command with a backtick in it
+    heading = [f"## {title}", "", f"Written by {quoted} at {now()}; do not edit by hand."]
     return Section(name, "\n".join([*heading, *lines]).rstrip("\n") + "\n")
 
 

