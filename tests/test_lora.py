@@ -583,26 +583,57 @@ def test_the_default_model_with_a_peft_adapter_answers_as_peft_does(
     assert [r.token_ids for r in ours[:2]] != [r.token_ids for r in ours[2:]]
 
 
-def test_each_adapters_tokens_and_streams_are_counted(adapter_server: Any) -> None:
-    """tokenwire_adapter_tokens_total{adapter} counts each adapter's completion tokens, and the
-    active-streams gauge comes back to 0 once its calls end."""
+def adapter_series(server: Any, name: str) -> list[str]:
+    """The /metrics lines of adapter ``name``."""
     import urllib.request
 
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return [line for line in text.splitlines() if f'adapter="{name}"' in line and not line.startswith("#")]
+
+
+def test_each_adapters_tokens_and_streams_are_counted_until_it_is_unloaded(adapter_server: Any) -> None:
+    """tokenwire_adapter_tokens_total{adapter} counts each adapter's completion tokens, and the
+    active-streams gauge comes back to 0 once its calls end. Unloaded, its series go (the label
+    values stay bounded by --max-loras however many adapters come and go); unloaded with a
+    stream in flight, they go when that stream ends."""
+    import grpc
     from tokenwire import Client
+    from tokenwire.v1 import generation_pb2 as pb
+    from tokenwire.v1 import generation_pb2_grpc
 
     server, _ = adapter_server
     admin = Client(server.target, token="admin-token")
+    auth = [("authorization", "Bearer admin-token")]
     try:
         admin.load_adapter("counted", "mlp16")
         for _ in range(2):
             list(admin.generate("Hi", adapter="counted", max_new_tokens=5, ignore_eos=True))
         list(admin.generate("Hi", max_new_tokens=3, ignore_eos=True))
-    finally:
+        lines = adapter_series(server, "counted")
+        assert 'tokenwire_adapter_tokens_total{adapter="counted"} 10.0' in lines
+        assert 'tokenwire_adapter_active_streams{adapter="counted"} 0.0' in lines
         admin.unload_adapter("counted")
+        assert adapter_series(server, "counted") == []
+
+        admin.load_adapter("held", "mlp16")
+        options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]  # a reader that stalls
+        with grpc.insecure_channel(server.target, options=options) as channel:
+            stub = generation_pb2_grpc.TextGenerationStub(channel)
+            request = pb.GenerateRequest(
+                prompt="Hi", adapter="held", stopping=pb.StoppingCriteria(max_new_tokens=1000, ignore_eos=True),
+                output=pb.OutputOptions(token_ids=True, logprobs=True, top_logprobs=5),
+            )  # fmt: skip
+            held = stub.Generate(request, timeout=60, metadata=auth)
+            next(held)
+            admin.unload_adapter("held")
+            assert 'tokenwire_adapter_active_streams{adapter="held"} 1.0' in adapter_series(server, "held")
+            held.cancel()
+        deadline = time.monotonic() + 10  # the server sees the cancel a moment later
+        while adapter_series(server, "held") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert adapter_series(server, "held") == []
+    finally:
         admin.close()
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    assert 'tokenwire_adapter_tokens_total{adapter="counted"} 10.0' in text
-    assert 'tokenwire_adapter_active_streams{adapter="counted"} 0.0' in text
 
 
 def test_vllm_reserves_lora_slots_for_the_smallest_rank_it_takes_that_holds_max_lora_rank() -> None:

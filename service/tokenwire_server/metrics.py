@@ -204,7 +204,8 @@ class Metrics:
             registry=r,
         )
         # Per LoRA adapter: label values are the adapters loaded (--lora, LoadAdapter; at most
-        # --max-loras at once).
+        # --max-loras at once) and those unloaded with streams left; an adapter's series go
+        # after it is unloaded and its last stream ends (``forget_adapter``).
         self.adapter_tokens = Counter(
             "tokenwire_adapter_tokens",
             "Completion tokens of finished calls that named a LoRA adapter, per adapter",
@@ -308,6 +309,21 @@ class Metrics:
     def gauge_function(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         """An engine-specific gauge read at every scrape (e.g. vLLM's own KV-cache usage)."""
         Gauge(name, help_text, registry=self.registry).set_function(read)
+
+    def adapter_names(self) -> set[str]:
+        """The adapters with a metric series now."""
+        return {
+            sample.labels["adapter"]
+            for metric in (self.adapter_tokens, self.adapter_streams)
+            for family in metric.collect()
+            for sample in family.samples
+        }
+
+    def forget_adapter(self, name: str) -> None:
+        """Drop ``name``'s series: it is unloaded and none of its streams is left (the label
+        values stay bounded by what is loaded, whatever is loaded and unloaded over time)."""
+        self.adapter_tokens.remove(name)
+        self.adapter_streams.remove(name)
 
     def watch_gpu(self, memory: GpuMemoryProbe | None, utilisation: GpuUtilisationProbe | None) -> None:
         """Export GPU gauges from these probes (either may be None: its gauges are left out)."""

@@ -121,6 +121,8 @@ class TextGenerationServicer:
         self._description: ModelDescription | None = None
         self._draining = False
         self._streams: set[Submission] = set()  # the Generate streams in flight, for the hand-off
+        # Streams in flight per LoRA adapter: an unloaded adapter's metric series go after its last.
+        self._adapter_streams: dict[str, int] = {}
         self._handing_off = False
         self.calls = Calls(metrics)
 
@@ -165,9 +167,13 @@ class TextGenerationServicer:
         register(server, SERVICE_NAME, handlers)
 
     def refresh(self) -> None:
-        """What the backend serves changed (an adapter loaded or unloaded): describe it again."""
+        """What the backend serves changed (an adapter loaded or unloaded): describe it again;
+        an adapter no longer loaded, with no stream left, loses its metric series."""
         if self._backend is not None:
             self._description = self._backend.describe()
+            loaded = {adapter.name for adapter in self._description.adapters}
+            for name in self._metrics.adapter_names() - loaded - set(self._adapter_streams):
+                self._metrics.forget_adapter(name)
 
     @property
     def tenants(self) -> Tenants:
@@ -287,6 +293,7 @@ class TextGenerationServicer:
         adapter = generation.adapter  # a loaded adapter's name: label values bounded by --max-loras
         if adapter:
             metrics.adapter_streams.labels(adapter).inc(len(submissions))
+            self._adapter_streams[adapter] = self._adapter_streams.get(adapter, 0) + 1
         try:
             async with contextlib.aclosing(_merged(submissions)) as events:
                 async for number, event in events:
@@ -344,6 +351,11 @@ class TextGenerationServicer:
         finally:
             if adapter:
                 metrics.adapter_streams.labels(adapter).dec(len(submissions))
+                self._adapter_streams[adapter] -= 1
+                if not self._adapter_streams[adapter]:
+                    del self._adapter_streams[adapter]
+                    if self._description is not None and all(a.name != adapter for a in self._description.adapters):
+                        metrics.forget_adapter(adapter)  # unloaded meanwhile: this was its last stream
             self._quota.charge(tenant, sum(sample.generated for sample in samples))
             for submission in submissions:
                 self._streams.discard(submission)
