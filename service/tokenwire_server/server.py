@@ -108,6 +108,7 @@ class TokenwireServer:
         self.port = 0
         self.metrics_port = 0
         self.backend: GenerationBackend | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
         self.draining = False
         tokens = read_tokens(config.auth_token_file) if config.auth_token_file else {}
         self.tenants = tenants_of(config, tokens.values())
@@ -280,7 +281,19 @@ class TokenwireServer:
         )
 
     def _build_backend(self) -> GenerationBackend:
-        """The model room and an engine, behind the seam (runs in a thread: it is slow)."""
+        """The model room and an engine, behind the seam, with the --lora adapters loaded (runs in
+        a thread: it is slow)."""
+        backend = self._engine_backend()
+        if self.config.lora:
+            from .backend import AdapterHost
+
+            assert isinstance(backend, AdapterHost), "validate_config refuses --lora on the simple engine"
+            with self.phases("adapters"):
+                self._load_adapters(backend)
+        return backend
+
+    def _engine_backend(self) -> GenerationBackend:
+        """The configured engine behind the seam: vLLM's, or the model loaded here and an engine over it."""
         phases = self.phases
         with phases("libraries"):  # torch, and the engine's own modules
             from .engine.base import EngineLimits
@@ -303,11 +316,7 @@ class TokenwireServer:
                     extra={"tenants": list(self.tenants.names)},
                 )
             with phases("engine"):  # vLLM reads the tokenizer and the weights inside its engine
-                vllm = self._build_vllm_backend()
-            if config.lora:
-                with phases("adapters"):
-                    self._load_adapters(vllm)
-            return vllm
+                return self._build_vllm_backend()
         import torch
 
         if config.torch_threads:
@@ -352,11 +361,7 @@ class TokenwireServer:
             engine = self._create_engine(loaded, limits)
         self.metrics.watch_gpu(gpu_memory_probe(loaded), nvml_probe())
         request_limits = config.request_limits(loaded.context_length, loaded.vocab_size, limits.kv_cache_tokens)
-        backend = LocalBackend(loaded, engine, request_limits)
-        if config.lora:
-            with phases("adapters"):
-                self._load_adapters(backend)
-        return backend
+        return LocalBackend(loaded, engine, request_limits)
 
     def _load_adapters(self, backend: AdapterHost) -> None:
         """The --lora adapters, as LoadAdapter loads them; one that cannot be applied stops the
@@ -462,8 +467,7 @@ class TokenwireServer:
             max_loras=config.max_loras if config.lora or config.lora_dir else 0,
             max_lora_rank=config.max_lora_rank,
         )
-        loop = getattr(self, "_loop", None)
-        backend = VllmBackend(folder, name, settings, config.request_limits, observer=self.metrics, loop=loop)
+        backend = VllmBackend(folder, name, settings, config.request_limits, observer=self.metrics, loop=self._loop)
         for metric, (help_text, read) in backend.extra_gauges().items():
             self.metrics.gauge_function(metric, help_text, read)
         return backend

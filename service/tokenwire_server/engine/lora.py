@@ -96,11 +96,9 @@ class PackedAdapter:
     root: bytes
 
     @functools.cached_property
-    def calls(self) -> dict[tuple[int, str], tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]:
+    def calls(self) -> dict[tuple[int, str], Call]:
         """``lora_add_``'s lists per site for a step with this adapter alone (RowSites; built once)."""
-        return {
-            key: ([site.down], [site.up], [site.spans]) for key, site in self.sites.items() if isinstance(site, RowSite)
-        }
+        return calls_of([self])
 
 
 def pack(adapter: Adapter, native: NativeForward, batch_hint: int) -> PackedAdapter:
@@ -169,6 +167,22 @@ def arena(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]
 
 
 _NONE = torch.empty(0)
+# lora_add_'s lists at one site: each adapter's down, up and segments (empty: none at this site).
+Call = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+
+
+def calls_of(adapters: list[PackedAdapter]) -> dict[tuple[int, str], Call]:
+    """``lora_add_``'s lists at each site an adapter of ``adapters`` adapts, for a step with those
+    adapters (slot i: ``adapters[i]``; their sites RowSites)."""
+    calls: dict[tuple[int, str], Call] = {}
+    for key in {key for adapter in adapters for key in adapter.sites}:
+        works = [typing.cast("RowSite | None", adapter.sites.get(key)) for adapter in adapters]
+        calls[key] = (
+            [_NONE if work is None else work.down for work in works],
+            [_NONE if work is None else work.up for work in works],
+            [_NONE if work is None else work.spans for work in works],
+        )
+    return calls
 
 
 class StepAdapters:
@@ -201,20 +215,8 @@ class RowAdapters(StepAdapters):
         self.library: Any = adapters[0].library
         index = {id(adapter): slot for slot, adapter in enumerate(adapters)}
         self.slots = torch.tensor([-1 if a is None else index[id(a)] for a in per_token], dtype=torch.long)
-        # Each site's lists for lora_add_, built once for the step, not at each of its ~120 calls
-        # (a step's Python between two ops costs it the GIL and the caches the GEMMs just used).
-        self.calls: dict[tuple[int, str], tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]
-        if len(adapters) == 1:
-            self.calls = adapters[0].calls
-            return
-        self.calls = {}
-        for key in {key for adapter in adapters for key in adapter.sites}:
-            works = [typing.cast("RowSite | None", adapter.sites.get(key)) for adapter in adapters]
-            self.calls[key] = (
-                [_NONE if work is None else work.down for work in works],
-                [_NONE if work is None else work.up for work in works],
-                [_NONE if work is None else work.spans for work in works],
-            )
+        # Each site's lists for lora_add_: built once for the step, not at each of its ~120 calls.
+        self.calls = adapters[0].calls if len(adapters) == 1 else calls_of(adapters)
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> torch.Tensor:
         call = self.calls.get((layer, site))
