@@ -26,9 +26,12 @@ MODEL ?= default
 PORT ?= 50051
 SERVER_ARGS ?=
 PYTEST_ARGS ?=
+# `make test` and `make test-fast` run the suite in parallel: one pytest-xdist worker per core,
+# at most 4 (each worker starts servers of its own). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 STAMP := $(VENV)/.tokenwire-setup
 
-.PHONY: help setup model kernels run test test-fast proto check-proto lint bench bench-peers bench-quality bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-structured bench-tenants bench-score bench-startup bench-lora soak clean setup-vllm test-vllm setup-llamacpp js-deps test-gpu gpu-wheels
+.PHONY: help setup model kernels run test test-deps test-fast proto check-proto lint bench bench-peers bench-quality bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-structured bench-tenants bench-score bench-startup bench-lora soak clean setup-vllm test-vllm setup-llamacpp js-deps test-gpu gpu-wheels
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -69,8 +72,13 @@ $(JS_STAMP): tests/js/package.json tests/js/package-lock.json
 
 js-deps: $(JS_STAMP) ## install the grpc-js client the tests use (npm ci in tests/js)
 
-test: model kernels $(JS_STAMP) ## run the whole test suite (creates everything it needs)
-	$(PY) -m pytest $(PYTEST_ARGS)
+# What the suite needs, built side by side: converting the model and building the compiled
+# ops each keep one core busy for a while.
+test-deps: model kernels $(JS_STAMP)
+
+test: ## run the whole test suite (creates everything it needs)
+	@$(MAKE) -j3 --output-sync=target test-deps
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # On a bare GPU machine (benchmarks/gpu-check.sh) the tests build their tiny model around the
 # tokenizer the bundle carries (TOKENWIRE_TOKENIZER_DIR), with that machine's python (PY=python3).
@@ -91,7 +99,7 @@ gpu-wheels: model ## pack .gpu/ for benchmarks/gpu-check.sh on a bare GPU machin
 	$(PY) -m benchmarks.gpu_bundle check $(GPU_BUNDLE) --python $(GPU_PYTHON)
 
 test-fast: setup $(JS_STAMP) ## run the suite without the end-to-end tests on the real model
-	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not e2e" $(PYTEST_ARGS)
 
 proto: $(STAMP) ## regenerate client/tokenwire/v1 from proto/
 	$(PY) -m grpc_tools.protoc -I proto \

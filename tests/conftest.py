@@ -54,6 +54,36 @@ _hypothesis.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.env
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# `make test` runs the suite in parallel (pytest-xdist, one worker per core, at most 4). Each
+# worker and each server a test starts then computes on one thread: torch's default, one per
+# core in every process, puts two or more threads on each core, and the in-process engine
+# tests ran ~40 % slower that way on 2 cores (README, "Development"). A test that is about
+# threads sets its own counts (`--torch-threads`, ``torch.set_num_threads``), which win.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    os.environ.setdefault("TOKENWIRE_TORCH_THREADS", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if XDIST_WORKER:
+        import torch
+
+        torch.set_num_threads(1)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """torch on at least two threads for the test, whatever the worker's one: the compiled ops'
+    parallel loops split their rows only then (tests/test_cpu_ops.py)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
 
 # Fixtures that give a test the real model's weights: a server on them, or the folder a test
 # loads them from when it asks for it itself (fixtures such as tiny_model_dir that take
@@ -264,6 +294,7 @@ def tiny_simple_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="session")
 def default_server(default_model_dir: Path) -> Iterator[ServerProcess]:
     """The real default model on the batched engine, for the end-to-end tests (a test that
-    uses it is marked e2e at collection)."""
-    with ServerProcess(["--model", "default"]) as server:
+    uses it is marked e2e at collection). On two threads, as on a 2-core host, whatever the
+    parallel suite's one per worker: the compiled ops' parallel loops are under test here."""
+    with ServerProcess(["--model", "default", "--torch-threads", "2"]) as server:
         yield server

@@ -50,7 +50,8 @@ from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.engine.native import NativeForward
 from tokenwire_server.model import load_model
 
-pytestmark = pytest.mark.timeout(300)
+# On two threads at least, whatever the parallel suite's one per worker: the kernels split rows over them.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("two_threads")]
 
 
 def compiled_ops():

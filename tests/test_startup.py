@@ -84,6 +84,7 @@ def test_prints_resolved_configuration_once(tiny_model_dir: Path, monkeypatch: p
     from servers import ServerProcess
 
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("TOKENWIRE_TORCH_THREADS", raising=False)  # the parallel suite's (conftest.py)
     args = ["--model", str(tiny_model_dir), "--max-queue", "5", "--torch-threads", "1"]
     with ServerProcess(args, env={"TOKENWIRE_WORKERS": "3"}) as server:
         lines = [line for line in server.lines if line.startswith("tokenwire-server configuration:")]
