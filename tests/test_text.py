@@ -172,7 +172,7 @@ def test_real_text_streams_exactly_with_special_tokens(tokenizer, kind):
             assert "".join(whole(DETOKENIZERS[kind], tokenizer, cut)) == full_decode(tokenizer, cut)
 
 
-def test_the_stream_detokenizer_reads_each_threads_own_copy(tokenizer):
+def test_the_stream_detokenizer_gives_the_same_text_pushed_from_two_threads(tokenizer):
     """Through ``SharedTokenizer`` (the engines'), pushed from two threads in turn (a resumed stream
     is replayed where it is submitted, then read on the engine's thread): the same text."""
     import threading
@@ -186,6 +186,55 @@ def test_the_stream_detokenizer_reads_each_threads_own_copy(tokenizer):
     other.join()
     pieces.append(detok.flush())
     assert "".join(pieces) == full_decode(tokenizer, ids)
+
+
+def test_threads_decode_with_the_original_at_once_while_others_encode_with_their_copies(tokenizer):
+    """Decoding (a stream's ``Detokenizer``, ``decode``, ``token_text``) reads the original's Rust
+    tokenizer from every thread at once and makes no copy; encoding takes the thread's own copy.
+    Eight threads at once, four of each, many rounds: every answer is a lone call's, none fails
+    "Already borrowed", and only the encoding threads hold a copy."""
+    import concurrent.futures
+    import threading
+
+    from tokenwire_server.domain import TextPrompt
+    from tokenwire_server.text import PromptEncoder
+
+    shared = SharedTokenizer(tokenizer)
+    encoder = PromptEncoder(shared)
+    texts = [SAMPLES[i % len(SAMPLES)] * 8 for i in range(4)]
+    expected_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    expected_text = [full_decode(tokenizer, ids) for ids in expected_ids]
+    copies: dict[str, bool] = {}
+    start = threading.Barrier(8)
+
+    def decodes(i: int) -> bool:
+        start.wait()
+        ok = True
+        for _ in range(15):
+            ids = expected_ids[i]
+            detok = Detokenizer(shared)
+            streamed = "".join(detok.push(t) for t in ids) + detok.flush()
+            ok &= streamed == expected_text[i] and shared.decode(ids, skip_special_tokens=True) == tokenizer.decode(
+                ids, skip_special_tokens=True
+            )
+            ok &= [shared.token_text(t) for t in ids[:5]] == [
+                tokenizer.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False) for t in ids[:5]
+            ]
+        copies[f"decode-{i}"] = getattr(shared._copies, "tokenizer", None) is not None
+        return ok
+
+    def encodes(i: int) -> bool:
+        start.wait()
+        ok = True
+        for _ in range(15):
+            ok &= encoder.encode(TextPrompt(texts[i])).ids == tokenizer(texts[i])["input_ids"]
+        copies[f"encode-{i}"] = getattr(shared._copies, "tokenizer", None) is not None
+        return ok
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(decodes, i) for i in range(4)] + [pool.submit(encodes, i) for i in range(4)]
+        assert [f.result(timeout=120) for f in futures] == [True] * 8
+    assert copies == {**{f"decode-{i}": False for i in range(4)}, **{f"encode-{i}": True for i in range(4)}}
 
 
 def test_token_text_is_the_single_token_decode_kept(tokenizer):

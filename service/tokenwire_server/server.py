@@ -575,8 +575,10 @@ def keepalive_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 async def warm_up(backend: GenerationBackend, phases: StartupPhases | None = None) -> None:
     """One short generation on a chat prompt of typical length, before readiness, so the
-    first real request finds kernels, buffers and the tokenizer threads warm. Constrained
-    decoding is prepared after readiness (``prepare_formats``)."""
+    first real request finds kernels, buffers and the tokenizer threads warm: its prompt runs in
+    full prefill chunks and a last short one, then one decode step, each GEMM shape a step takes
+    (a second decode step would take the same ones). Constrained decoding is prepared after
+    readiness (``prepare_formats``)."""
     text = "Hello! In one sentence, what is a language model?"
     prompt = ChatPrompt((("user", text),)) if backend.describe().has_chat_template else TextPrompt(text)
     with (phases or StartupPhases())("warmup"):
@@ -584,7 +586,7 @@ async def warm_up(backend: GenerationBackend, phases: StartupPhases | None = Non
         await _generate_once(
             backend,
             GenerationRequest(
-                "warm-up", encoding.ids, SamplingOptions(temperature=0.0), max_new_tokens=4, ignore_eos=True
+                "warm-up", encoding.ids, SamplingOptions(temperature=0.0), max_new_tokens=2, ignore_eos=True
             ),
         )
 

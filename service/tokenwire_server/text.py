@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .domain import ChatPrompt, Encoding, NoChatTemplate, Prompt, TokenPrompt
@@ -79,15 +79,12 @@ def _rest(full: str, emitted: list[str]) -> str:
     return rest
 
 
-def backend_of(tokenizer: Any) -> Callable[[], Any] | None:
-    """How to reach ``tokenizer``'s Rust ``tokenizers.Tokenizer`` from the calling thread (None: it
-    has none). A ``SharedTokenizer`` hands each thread its own copy's; a plain one its own."""
+def backend_of(tokenizer: Any) -> Any:
+    """``tokenizer``'s Rust ``tokenizers.Tokenizer``, to decode with from any thread (None: it has
+    none); a ``SharedTokenizer``'s is its original's."""
     if isinstance(tokenizer, SharedTokenizer):
-        # Asked of the original: a thread's copy is made on its first use, and this may run on
-        # the event loop (``Engine.submit``), which must not wait ~0.1 s for a copy it never uses.
-        return tokenizer.backend if getattr(tokenizer.original, "backend_tokenizer", None) is not None else None
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return None if backend is None else lambda: backend
+        return tokenizer.backend()
+    return getattr(tokenizer, "backend_tokenizer", None)
 
 
 class Detokenizer:
@@ -117,12 +114,8 @@ class Detokenizer:
         if self._fallback is not None:
             return self._fallback.push(token_id)
         self.ids.append(token_id)
-        # NOTE: the backend is looked up per push, not kept: a stream is replayed on the thread
-        # that submits it and read on the engine's, and a Rust tokenizer used by two threads at
-        # once fails ("Already borrowed"). The look-up is one thread-local read (~0.1 µs);
-        # a detokenizer bound to one thread could keep it.
         assert self._backend is not None
-        delta = self._stream.step(self._backend(), token_id)
+        delta = self._stream.step(self._backend, token_id)
         if delta:
             self._emitted.append(delta)
             return str(delta)
@@ -202,11 +195,18 @@ class TextStream:
 
 
 class SharedTokenizer:
-    """One tokenizer, safe to use from many threads: each thread gets its own copy.
+    """One tokenizer, safe to use from many threads.
 
-    A fast (Rust) tokenizer is not thread-safe: encoding sets its truncation and
-    padding state, and a second thread touching it meanwhile fails with
-    "Already borrowed". Copies are cheap (~0.1 s, once per thread) and identical.
+    Encoding takes the calling thread's own copy: a fast (Rust) tokenizer is not safe to encode
+    with from two threads at once, since encoding sets its truncation and padding state (a
+    mutable borrow), and a second thread touching it meanwhile fails with "Already borrowed".
+    A copy rebuilds the Rust tokenizer from its JSON (~0.1-0.25 s for a 49k vocabulary), once
+    per thread.
+
+    Decoding reads the original, from every thread at once, with no copy: decode and
+    ``DecodeStream.step`` borrow the Rust tokenizer immutably, and nothing encodes with the
+    original, so no borrow of it is ever mutable. (Copies for the engine's thread and the
+    event loop's look-ups were two of the three a start made before readiness.)
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -216,7 +216,7 @@ class SharedTokenizer:
         self._token_texts: dict[int, str] = {}  # token_text's cache, at most the vocabulary
 
     def get(self) -> Any:
-        """This thread's tokenizer."""
+        """This thread's tokenizer, to encode with."""
         mine = getattr(self._copies, "tokenizer", None)
         if mine is None:
             with self._lock:
@@ -226,18 +226,16 @@ class SharedTokenizer:
 
     @property
     def original(self) -> Any:
-        """The tokenizer the copies are made from (read it, never use it from two threads)."""
+        """The tokenizer the copies are made from: read and decode with it, never encode."""
         return self._original
 
     def backend(self) -> Any:
-        """This thread's copy's Rust ``tokenizers.Tokenizer`` (None: a tokenizer without one)."""
-        mine = getattr(self._copies, "backend", self)
-        if mine is self:
-            mine = self._copies.backend = getattr(self.get(), "backend_tokenizer", None)
-        return mine
+        """The original's Rust ``tokenizers.Tokenizer``, to decode with from any thread (None: a
+        tokenizer without one)."""
+        return getattr(self._original, "backend_tokenizer", None)
 
     def decode(self, ids: Sequence[int], **kwargs: Any) -> str:
-        return str(self.get().decode(list(ids), **kwargs))
+        return str(self._original.decode(list(ids), **kwargs))
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, special tokens shown (``TokenInfo.text``), from a cache shared by
@@ -285,7 +283,7 @@ class PromptEncoder:
         entries are one character per byte, SentencePiece ones one per character, byte
         fallbacks ``<0x0A>`` more). A normalizer can drop characters, and an added token that
         strips the spaces beside it covers more than its entry: with either, no bound."""
-        tokenizer = self._tokenizer.get()
+        tokenizer = self._tokenizer.original  # read alone, on the thread that builds the backend
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None or backend.normalizer is not None:
             return 0

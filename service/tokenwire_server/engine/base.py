@@ -93,8 +93,8 @@ class Engine(abc.ABC):
         self.last_progress = time.monotonic()
         self.fault: str | None = None  # why the device cannot go on (engine.faults); None while it can
         self._failed_steps = 0  # steps in a row that failed, none working between
-        # Engine threads decode token text; each gets its own tokenizer (the Rust tokenizer
-        # is not safe to share between threads: "Already borrowed").
+        # Engine threads decode token text with the original; a thread that encodes gets its own
+        # copy (encoding with a Rust tokenizer from two threads fails: "Already borrowed").
         self.tokenizer = SharedTokenizer(loaded.tokenizer)
         # Response formats compiled for this vocabulary (constrained decoding), cached by content.
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
