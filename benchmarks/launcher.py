@@ -126,6 +126,17 @@ class ServerProcess:
     def find(self, msg: str) -> list[dict]:
         return [r for r in self.records if r.get("msg") == msg]
 
+    def wait_for(self, msg: str, where: Callable[[dict], bool] = lambda r: True, timeout: float = 10.0) -> list[dict]:
+        """``find(msg)``'s records that ``where`` accepts, waiting up to ``timeout`` s for one: a line the server
+        wrote before it answered a call can reach this process's reader a moment after the answer."""
+        deadline = time.monotonic() + timeout
+        while not (found := [r for r in self.find(msg) if where(r)]) and time.monotonic() < deadline:
+            if self.proc.poll() is not None:  # it has ended: what it wrote is read once the reader is done
+                self._reader.join(max(0.0, deadline - time.monotonic()))
+                return [r for r in self.find(msg) if where(r)]
+            time.sleep(0.02)
+        return found
+
     def terminate(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

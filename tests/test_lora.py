@@ -456,7 +456,7 @@ def test_the_adapters_service_loads_lists_serves_and_unloads(
     finally:
         admin.close()
         user.close()
-    assert server.find("lora adapter loaded") and server.find("lora adapter unloaded")
+    assert server.wait_for("lora adapter loaded") and server.wait_for("lora adapter unloaded")
 
 
 @pytest.mark.parametrize(
@@ -489,7 +489,7 @@ def test_a_load_the_server_refuses_says_why(
     assert caught.value.code().name == code
     assert message in caught.value.details()
     if path in ("../outside", "escape", "/etc"):
-        assert any(line.get("path") == path for line in server.find("adapter path outside --lora-dir refused"))
+        assert server.wait_for("adapter path outside --lora-dir refused", lambda line: line.get("path") == path)
 
 
 def test_loading_past_max_loras_is_resource_exhausted_and_twice_already_exists(adapter_server: Any) -> None:

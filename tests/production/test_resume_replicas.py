@@ -225,7 +225,7 @@ def test_streams_survive_a_killed_replica_and_a_handed_off_one(
             load.join(600)
             assert check_against(load, reference) >= 2
         assert servers[1].proc.wait(30) == 0
-        assert servers[1].find("handing off the streams in flight")
+        assert servers[1].wait_for("handing off the streams in flight")
     finally:
         for server in servers:
             server.kill()
