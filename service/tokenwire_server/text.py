@@ -99,6 +99,10 @@ class Detokenizer:
         self._tokenizer = tokenizer
         self.ids: list[int] = []
         self._emitted: list[str] = []
+        # NOTE: one Rust tokenizer for every thread that pushes (the submitting thread replays a
+        # resumed stream, the engine's reads it): decoding borrows it immutably, and a
+        # SharedTokenizer's original is never encoded with. A tokenizer some thread encodes with
+        # (truncation/padding state: a mutable borrow) would fail here with "Already borrowed".
         self._backend = backend_of(tokenizer)
         self._fallback = OffsetDetokenizer(tokenizer) if self._backend is None else None
         if self._fallback is not None:
