@@ -171,6 +171,12 @@ class TextGenerationServicer:
         an adapter no longer loaded, with no stream left, loses its metric series."""
         if self._backend is not None:
             self._description = self._backend.describe()
+            self._forget_unloaded_adapters()
+
+    def _forget_unloaded_adapters(self) -> None:
+        """Drop the metric series of every adapter no longer loaded with no stream left (the one
+        rule, at an unload and at an adapter's last stream's end)."""
+        if self._description is not None:
             loaded = {adapter.name for adapter in self._description.adapters}
             for name in self._metrics.adapter_names() - loaded - set(self._adapter_streams):
                 self._metrics.forget_adapter(name)
@@ -354,8 +360,7 @@ class TextGenerationServicer:
                 self._adapter_streams[adapter] -= 1
                 if not self._adapter_streams[adapter]:
                     del self._adapter_streams[adapter]
-                    if self._description is not None and all(a.name != adapter for a in self._description.adapters):
-                        metrics.forget_adapter(adapter)  # unloaded meanwhile: this was its last stream
+                    self._forget_unloaded_adapters()  # unloaded meanwhile, this was its last stream
             self._quota.charge(tenant, sum(sample.generated for sample in samples))
             for submission in submissions:
                 self._streams.discard(submission)
