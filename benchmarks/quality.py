@@ -56,19 +56,24 @@ def reference_answers(
     return {"kl": kl, "greedy": answers, "greedy_tokens": greedy_tokens}
 
 
-def bf16_weights(model: Any) -> Any:
+def bf16_weights(model: Any, rounds_activations: bool | None = None) -> Any:
     """``model`` (float32, changed in place) computing as the native pass does with bf16 weights on
     a CPU (``--dtype bfloat16``, or ``auto`` where it measures faster): every weight rounded to
-    bf16, every linear layer's input and output too (oneDNN's bf16 GEMM reads and writes bf16,
-    accumulating in float32); norms, RoPE, attention and the logits in float32.
+    bf16; through oneDNN's bf16 GEMM (``rounds_activations``) every linear layer's input and output
+    too (it reads and writes bf16, accumulating in float32), through the compiled panels (an
+    AVX-512F CPU) not (they widen the weights and keep the rest float32); norms, RoPE, attention
+    and the logits in float32. None: as the pass would on this CPU (``panel_library``).
     tests/test_native_forward.py holds the native pass to it."""
     import torch
+    from tokenwire_server.engine.native import panel_library
 
+    if rounds_activations is None:
+        rounds_activations = panel_library() is None
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.copy_(parameter.to(torch.bfloat16).float())
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear) and rounds_activations:
             module.register_forward_pre_hook(lambda _, args: (args[0].to(torch.bfloat16).float(), *args[1:]))
             module.register_forward_hook(lambda _, args, out: out.to(torch.bfloat16).float())
     return model

@@ -396,6 +396,92 @@ def test_bad_arguments_to_lora_add_are_errors_that_say_which(change: dict, messa
         ops.lora_add_(args["out"], args["x"], args["slots"], args["downs"], args["ups"], args["spans"])
 
 
+# -- panel_linear: the native pass's GEMM on an AVX-512F CPU ---------------------------------
+
+
+def panel_ops():
+    """The compiled ops, where this CPU runs ``panel_linear`` (skipped only on a CPU without AVX-512F)."""
+    ops = compiled_ops()
+    if not ops.cpu_has_avx512f():
+        pytest.skip("panel_linear: this CPU lacks AVX-512F (the native pass keeps oneDNN's GEMM)")
+    return ops
+
+
+def panels_of(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] as ``panel_linear`` holds it: [out / 16, in, 16]."""
+    out_features, in_features = weight.shape
+    return weight.view(out_features // 16, 16, in_features).transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features", [48, 112, 576])  # 3 panels (a tail group), 7 (4 + 3), 36
+def test_panel_linear_is_x_times_w_transposed_and_a_row_gets_its_bits_alone_and_among_any_rows(
+    dtype: torch.dtype, out_features: int
+) -> None:
+    """Against float64 ``F.linear`` of the same (bf16: rounded) weights, with and without the bias
+    and the residual, at 1-13 rows (past two 6-row tiles) and an input width that is no multiple
+    of a vector (40); every row gives the same bits alone, in any split of the rows, and in bf16
+    the input is not rounded (only the weights are bf16)."""
+    ops = panel_ops()
+    generator = torch.Generator().manual_seed(out_features)
+    weight = (torch.randn(out_features, 40, generator=generator) * 0.1).to(dtype)
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(13, 40, generator=generator)
+    residual = torch.randn(13, out_features, generator=generator)
+    panels = panels_of(weight)
+    exact = F.linear(x.double(), weight.double())
+    for with_bias, with_residual in ((False, False), (True, False), (False, True), (True, True)):
+        b = bias if with_bias else None
+        r = residual if with_residual else None
+        want = exact + (bias.double() if with_bias else 0) + (residual.double() if with_residual else 0)
+        whole = ops.panel_linear(x, panels, b, r)
+        assert whole.dtype == torch.float32 and whole.shape == (13, out_features)
+        assert (whole.double() - want).abs().max().item() < 1e-5
+        for rows in range(1, 13):
+            part = ops.panel_linear(x[:rows], panels, b, None if r is None else r[:rows])
+            assert torch.equal(part, whole[:rows]), f"{rows} rows"
+        alone = torch.cat(
+            [ops.panel_linear(x[i : i + 1], panels, b, None if r is None else r[i : i + 1]) for i in range(13)]
+        )
+        assert torch.equal(alone, whole)
+    assert ops.panel_linear(x[:0], panels, None, None).shape == (0, out_features)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"panels": torch.zeros(3, 40, 8)}, "\\[out / 16, in, 16\\]"),
+        ({"panels": torch.zeros(3, 40, 16, dtype=torch.float16)}, "float32 or bf16"),
+        ({"panels": torch.zeros(3, 32, 16)}, "x has 40 columns, the panels 32"),
+        ({"x": torch.zeros(4, 40, dtype=torch.float64)}, "contiguous float32"),
+        ({"bias": torch.zeros(47)}, "bias: float32 \\[out\\]"),
+        ({"bias": torch.zeros(48, dtype=torch.bfloat16)}, "bias: float32 \\[out\\]"),
+        ({"residual": torch.zeros(3, 48)}, "residual: \\[rows, out\\]"),
+    ],
+)
+def test_bad_arguments_to_panel_linear_are_errors_that_say_which(change: dict, message: str) -> None:
+    ops = panel_ops()
+    args = {"x": torch.zeros(4, 40), "panels": torch.zeros(3, 40, 16), "bias": None, "residual": None} | change
+    with pytest.raises(RuntimeError, match=message):
+        ops.panel_linear(args["x"], args["panels"], args["bias"], args["residual"])
+
+
+def test_on_an_avx512f_cpu_the_native_pass_runs_its_full_precision_gemms_as_panels(tiny_model_dir: Path) -> None:
+    """Every full-precision layer (fused q/k/v, o, gate/up, down, the vocabulary) holds panels and
+    runs ``panel_linear``, in float32 and bf16; ``--kernels torch`` keeps oneDNN's packed GEMM."""
+    panel_ops()
+    for dtype in ("float32", "bfloat16"):
+        loaded = load_model(str(tiny_model_dir), dtype=dtype)
+        native = NativeForward(loaded.model, fresh_cache(loaded.model), batch_hint=4, kernel_choice="compiled")
+        linears = [native.lm_head] + [
+            getattr(layer, name) for layer in native.layers for name in ("qkv", "out", "gate_up", "down")
+        ]
+        assert native.gemm == "panels" and all(linear.kind == "panels" for linear in linears), dtype
+        assert all(linear.weight.dim() == 3 and linear.weight.dtype == loaded.model.dtype for linear in linears)
+        stock = NativeForward(loaded.model, fresh_cache(loaded.model), batch_hint=4, kernel_choice="torch")
+        assert stock.gemm == "onednn"
+
+
 # -- where the ops cannot be used: the log line says why -----------------------------------
 
 FORWARD_PASS = "batched engine forward pass"

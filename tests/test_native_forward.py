@@ -27,7 +27,7 @@ from tokenwire_server.domain import FinishEvent, GenerationRequest, SamplingOpti
 from tokenwire_server.engine import create_engine
 from tokenwire_server.engine import native as native_module
 from tokenwire_server.engine.base import EngineLimits
-from tokenwire_server.engine.native import NativeForward, onednn_available, unsupported_reason
+from tokenwire_server.engine.native import NativeForward, onednn_available, panel_library, unsupported_reason
 from tokenwire_server.engine.ops import ATTENTION_CALL_COST, Segment, single_groups
 from tokenwire_server.model import load_model
 
@@ -70,7 +70,8 @@ def check_against_transformers(model_dir: Path, tolerance: float, kernels: str, 
     if dtype == "bfloat16":
         assert native.dtype == torch.float32 and native.weight_dtype == torch.bfloat16
         assert native.packed == onednn_available(torch.device("cpu"))
-        model = bf16_weights(load_model(str(model_dir), dtype="float32").model)
+        assert native.gemm == ("panels" if kernels == "compiled" and panel_library() else "onednn")
+        model = bf16_weights(load_model(str(model_dir), dtype="float32").model, native.gemm == "onednn")
     vocab = loaded.vocab_size
     generator = torch.Generator().manual_seed(1)
     first = torch.randint(10, vocab, (37,), generator=generator).tolist()

@@ -186,10 +186,13 @@ def cpu_name() -> str:
 
 
 def precision_key(shapes: list[tuple[int, int]]) -> str:
-    """What a bf16 measurement holds for: this host (CPU model, instruction sets, torch, threads)
-    and the GEMMs' shapes."""
+    """What a bf16 measurement holds for: this host (CPU model, instruction sets, torch, threads,
+    which GEMM the pass takes) and the GEMMs' shapes."""
+    from .engine.native import panel_library
+
+    gemm = "panels" if panel_library() is not None else "onednn"
     return (
-        f"{cpu_name()} | {','.join(cpu_instruction_sets())} | torch {torch.__version__} | "
+        f"{cpu_name()} | {','.join(cpu_instruction_sets())} | torch {torch.__version__} | {gemm} GEMMs | "
         f"{torch.get_num_threads()} threads | {len(shapes)} GEMMs, {sum(o * i for o, i in shapes)} weights, "
         f"first {shapes[0] if shapes else None}"
     )

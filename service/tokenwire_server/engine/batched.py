@@ -177,6 +177,7 @@ class BatchedEngine(Engine):
             extra={
                 **resolved.log_fields(),
                 "onednn_packed": bool(native and native.packed),
+                "gemm": native.gemm if native is not None else None,
                 "kernels": self.kernels,
                 "why_not_compiled": native.ops_reason if native is not None else None,
                 "compiled_ops_on_torch": native.ops_fallbacks if native is not None else None,

@@ -17,7 +17,13 @@ stock torch ops, the one-token rows attending in SDPA calls over their gathered 
 (``ops.GroupedAttention``). Each prompt chunk attends alone, causally, over its own
 gathered blocks, through SDPA.
 
-On a CPU the weights of every linear layer are prepacked once for oneDNN
+On an AVX-512F CPU with the compiled ops, every linear layer's weights are held as panels of 16
+output columns and multiplied by the library's ``panel_linear``: each output element one float32
+sum over the inputs in order, so a row gets the same bits at any row count (batch invariance by
+construction, bf16 included), and one row streams the weights at the memory's pace (oneDNN's
+packed GEMM read them at ~60 % of it at one row; docs/benchmarks.md, "One GEMM for every row
+count"). bf16 weights are widened as read; the activations stay float32. Elsewhere (AVX2 only,
+``--kernels torch``) the weights of every linear layer are prepacked once for oneDNN
 (``torch.ops.mkldnn._reorder_linear_weight``), a blocked layout its GEMM reads without
 reordering per call (the gain is measured by ``make bench-kernels``, in docs/benchmarks.md),
 in float32 or bf16. With bf16 weights the pass still computes in float32 around the GEMMs
@@ -132,13 +138,24 @@ class Linear:
     GEMM, which accumulates in float32, and the output comes back in the input's dtype.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, batch_hint: int) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, batch_hint: int, panels: Any = None
+    ) -> None:
         weight = weight.detach().contiguous()
         self.in_features = int(weight.shape[1])
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packed = packed
         self.dtype = weight.dtype
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if packed else weight
+        out_features = int(weight.shape[0])
+        # ``panels``: the compiled library, where it runs ``panel_linear`` (``panel_library``).
+        self.library = panels if packed and self.dtype in PACKED_DTYPES and out_features % PANEL == 0 else None
+        self.kind = "plain" if not packed else "onednn" if self.library is None else "panels"
+        if self.library is not None:
+            # [out / 16, in, 16]: each panel's 16 output columns side by side, input by input.
+            self.weight = weight.view(out_features // PANEL, PANEL, self.in_features).transpose(1, 2).contiguous()
+            self.bias = None if self.bias is None else self.bias.float()
+        else:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if packed else weight
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """``x·Wᵀ + b`` in the weights' dtype.
@@ -158,7 +175,14 @@ class Linear:
         The cost falls on prompt reading alone, a decode step has at most ``--max-active`` rows:
         on that host 2.2-3.2× the GEMM time of a 128-2,048-token prompt in one call, about
         float32's.
+
+        The compiled panels (``kind == "panels"``) need none of this: every output element is one
+        float32 sum over the inputs in order, whatever the row count (``cpu_ops.cpp``), and a
+        bf16 weight is widened to float32 as read, the input and the output left float32.
         """
+        if self.library is not None:
+            result: torch.Tensor = self.library.panel_linear(x.float().contiguous(), self.weight, self.bias, None)
+            return result
         if self.packed:
             if self.dtype == torch.bfloat16 and x.shape[0] > BF16_ROWS_PER_GEMM:
                 return torch.cat([self._gemm(part) for part in torch.split(x, BF16_ROWS_PER_GEMM)])
@@ -169,12 +193,21 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.library is not None:
+            return self._gemm(x).to(x.dtype)
         if x.dtype != self.dtype:
             return self._gemm(x.to(self.dtype)).to(x.dtype)
         return self._gemm(x)
 
     def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + self(x)``; on oneDNN the add rides on the GEMM (a post-op), no separate pass."""
+        """``residual + self(x)``; on oneDNN and the panels the add rides on the GEMM, no separate pass."""
+        if self.library is not None:
+            if residual.dtype != torch.float32:
+                return residual + self(x)
+            fused: torch.Tensor = self.library.panel_linear(
+                x.float().contiguous(), self.weight, self.bias, residual.contiguous()
+            )
+            return fused
         if x.dtype != self.dtype:  # the sum in the residual's (wider) dtype: type promotion, one pass
             return residual + self._gemm(x.to(self.dtype))
         if self.packed:
@@ -183,8 +216,20 @@ class Linear:
         return residual + F.linear(x, self.weight, self.bias)
 
 
+# The output columns of one panel of ``panel_linear`` (cpu_ops.cpp: kPanel).
+PANEL = 16
+
+
+def panel_library() -> Any | None:
+    """The compiled library where this CPU runs its ``panel_linear`` (AVX-512F), else None."""
+    loaded = kernels.load()
+    if loaded.ops is None or not hasattr(loaded.ops, "panel_linear") or not loaded.ops.cpu_has_avx512f():
+        return None
+    return loaded.ops
+
+
 # NOTE: bf16 GEMMs take at most this many rows per oneDNN call, so a row's bits do not depend on
-# how many rows share the step (``Linear._gemm``). Costs prompt reading in bf16 on AMX (large-M
+# how many rows share the step (``Linear._gemm``; the panels need no such bound). Costs prompt reading in bf16 on AMX (large-M
 # kernels); lifted by a GEMM whose reduction order does not follow M, or f32 output from bf16.
 BF16_ROWS_PER_GEMM = 32
 
@@ -241,11 +286,12 @@ def packed_gemm_gain(
     budget_bytes: int = 128 << 20,
     repeats: int = 5,
 ) -> dict[int, float]:
-    """How many times faster oneDNN's packed GEMMs run with bf16 weights than with float32 ones
-    on this CPU, at each row count: float32 seconds ÷ bf16 seconds over ``shapes`` (``gemm_shapes``),
+    """How many times faster the packed GEMMs (the compiled panels on an AVX-512F CPU, else
+    oneDNN's) run with bf16 weights than with float32 ones on this CPU, at each row count:
+    float32 seconds ÷ bf16 seconds over ``shapes`` (``gemm_shapes``),
     taken in order until ``budget_bytes`` of float32 weights (more than a CPU's caches hold, as
     a model's weights are: decode reads them from memory). Both run as the pass runs them
-    (``Linear``: float32 activations, rounded to bf16 for the bf16 weights); the best of
+    (``Linear``: float32 activations; oneDNN rounds them to bf16 for bf16 weights); the best of
     ``repeats`` interleaved passes each. 0.5–0.7 s on a 2-core host for the default model."""
     taken: list[tuple[int, int]] = []
     size = 0
@@ -255,10 +301,12 @@ def packed_gemm_gain(
         taken.append((out_features, in_features))
         size += 4 * out_features * in_features
     batch_hint = max(rows)
+    panels = panel_library()  # the GEMM the pass takes on this CPU (``Linear``)
     arms: dict[torch.dtype, list[Linear]] = {}
     for dtype in (torch.float32, torch.bfloat16):
         arms[dtype] = [
-            Linear(torch.empty(o, i, dtype=dtype).uniform_(-0.05, 0.05), None, True, batch_hint) for o, i in taken
+            Linear(torch.empty(o, i, dtype=dtype).uniform_(-0.05, 0.05), None, True, batch_hint, panels)
+            for o, i in taken
         ]
     gains: dict[int, float] = {}
     with torch.inference_mode():
@@ -310,14 +358,15 @@ def _fused_int8(*linears: Int8Linear) -> Int8Linear:
     return Int8Linear(qdata, scale, bias, linears[0].kernel)
 
 
-def _layer(packed: bool, batch_hint: int, *modules: Any) -> Linear | Int8Linear:
-    """The pass's layer for one or several fused modules, full-precision or int8."""
+def _layer(packed: bool, batch_hint: int, panels: Any, *modules: Any) -> Linear | Int8Linear:
+    """The pass's layer for one or several fused modules, full-precision or int8; ``panels``:
+    the compiled library where the full-precision GEMMs run as its panels (``Linear``)."""
     if all(isinstance(module, Int8Linear) for module in modules):
         return _fused_int8(*modules)
     if any(isinstance(module, Int8Linear) for module in modules):
         raise ValueError("cannot fuse int8 with full-precision layers")
     weight, bias = _fused(*modules) if len(modules) > 1 else (modules[0].weight, modules[0].bias)
-    return Linear(weight, bias, packed, batch_hint)
+    return Linear(weight, bias, packed, batch_hint, panels)
 
 
 def _fused_bias(
@@ -398,19 +447,22 @@ class NativeForward:
                 head.weight = inner.embed_tokens.weight
         self.layers: list[Layer] = []
         embed = inner.embed_tokens.weight
+        library, self.ops_reason = self._compiled_ops(kernel_choice)
+        # With the compiled ops, on an AVX-512F CPU, the packed GEMMs are its panels, not oneDNN's.
+        panels = panel_library() if library is not None and packed else None
         # The lm head is packed before any plain weight is dropped (it may be the
         # embedding table itself, which stays plain for the lookup).
-        self.lm_head = _layer(packed, batch_hint, head)
+        self.lm_head = _layer(packed, batch_hint, panels, head)
         for layer in inner.layers:
             attention, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 Layer(
                     input_norm=layer.input_layernorm.weight.detach().to(self.dtype),
-                    qkv=_layer(packed, batch_hint, attention.q_proj, attention.k_proj, attention.v_proj),
-                    out=_layer(packed, batch_hint, attention.o_proj),
+                    qkv=_layer(packed, batch_hint, panels, attention.q_proj, attention.k_proj, attention.v_proj),
+                    out=_layer(packed, batch_hint, panels, attention.o_proj),
                     post_norm=layer.post_attention_layernorm.weight.detach().to(self.dtype),
-                    gate_up=_layer(packed, batch_hint, mlp.gate_proj, mlp.up_proj),
-                    down=_layer(packed, batch_hint, mlp.down_proj),
+                    gate_up=_layer(packed, batch_hint, panels, mlp.gate_proj, mlp.up_proj),
+                    down=_layer(packed, batch_hint, panels, mlp.down_proj),
                 )
             )
             if release:
@@ -435,7 +487,6 @@ class NativeForward:
         self.embed_scale = float(getattr(inner.embed_tokens, "embed_scale", 1.0) or 1.0)
         self.rotary = inner.rotary_emb
         self.intermediate = int(config.intermediate_size)
-        library, self.ops_reason = self._compiled_ops(kernel_choice)
         heads, kv_heads, head_dim, intermediate = self.heads, self.kv_heads, self.head_dim, self.intermediate
         # The fixed-shape decode step (``decode_step``, what ``graphs`` captures) runs stock torch
         # ops on any device: the compiled CPU ops are not for a CUDA graph.
@@ -466,6 +517,12 @@ class NativeForward:
                 "round that up); the compiled CPU ops attend row by row and keep rows batch-invariant",
                 extra={"ops": "torch", "why": self.ops_reason or self.ops_fallbacks.get("decode_attention", "")},
             )
+
+    @property
+    def gemm(self) -> str:
+        """Which GEMM the full-precision layers run: "panels" (the compiled ``panel_linear``),
+        "onednn" (oneDNN's packed), "plain" (``F.linear``) or "int8"."""
+        return self.lm_head.kind if isinstance(self.lm_head, Linear) else "int8"
 
     @property
     def compiled(self) -> bool:

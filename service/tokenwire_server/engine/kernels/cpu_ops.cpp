@@ -28,6 +28,17 @@
 //   threads. Tokens of one adapter go in tiles of up to four, so each weight read serves all.
 // A row's result never depends on the other rows: the work is split over rows only.
 //
+// panel_linear: x·Wᵀ (+ bias) (+ residual) for float32 rows x [rows, in] and a weight held as
+//   panels of 16 output columns ([out / 16, in, 16]: panel p, input k holds W[16p..16p+15][k]),
+//   float32 or bf16 (widened as read). Each output element is one float32 accumulator that
+//   takes x[r][k]·W[c][k] for k = 0, 1, ... in order (an FMA each), then the bias, then the
+//   residual: the same arithmetic at any row count, in any tile, on any thread, so a row's
+//   result never depends on how many rows share the call (batch invariance by construction,
+//   in bf16 too). A tile is up to 6 rows × 4 panels (24 accumulators); each panel is streamed
+//   in order, each weight read once per tile of rows, so one row reads the weights at the
+//   memory's pace. AVX-512F only (target attribute; ``cpu_has_avx512f`` says whether this CPU
+//   runs it): elsewhere the native pass keeps oneDNN's packed GEMM.
+//
 // Built with -mavx2 -mfma by kernels/__init__.py, loaded only where the CPU has both.
 
 #include <ATen/ATen.h>
@@ -551,6 +562,118 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& slo
   }
 }
 
+
+// ---- panel_linear (AVX-512F) ----
+#define TW_AVX512 __attribute__((target("avx512f")))
+constexpr int64_t kPanel = 16;   // output columns per panel
+constexpr int kTileRows = 6;     // rows per tile
+constexpr int kTilePanels = 4;   // panels per tile
+
+TW_AVX512 inline __m512 panel_load(const float* p) { return _mm512_loadu_ps(p); }
+TW_AVX512 inline __m512 panel_load(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  // The maskz forms, all lanes on: GCC 12 warns that the plain forms' unused source may be uninitialized.
+  const __mmask16 all = 0xFFFF;
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, raw), 16));
+}
+
+// RX rows × RP panels: out[r][16p + j] for r < RX, p < RP; rows `ld` apart in x, `n` in out/residual.
+template <int RX, int RP, typename W>
+TW_AVX512 void panel_tile(const float* x, int64_t k_len, const W* panels, float* out, int64_t n,
+                          const float* bias, const float* residual) {
+  __m512 acc[RX][RP];
+  for (int r = 0; r < RX; ++r)
+    for (int p = 0; p < RP; ++p) acc[r][p] = _mm512_setzero_ps();
+  const int64_t stride = k_len * kPanel;
+  for (int64_t k = 0; k < k_len; ++k) {
+    __m512 w[RP];
+    for (int p = 0; p < RP; ++p) w[p] = panel_load(panels + p * stride + k * kPanel);
+    for (int r = 0; r < RX; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * k_len + k]);
+      for (int p = 0; p < RP; ++p) acc[r][p] = _mm512_fmadd_ps(xb, w[p], acc[r][p]);
+    }
+  }
+  for (int r = 0; r < RX; ++r)
+    for (int p = 0; p < RP; ++p) {
+      __m512 v = acc[r][p];
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + p * kPanel));
+      if (residual != nullptr) v = _mm512_add_ps(_mm512_loadu_ps(residual + r * n + p * kPanel), v);
+      _mm512_storeu_ps(out + r * n + p * kPanel, v);
+    }
+}
+
+// Every row through RP panels: tiles of kTileRows rows, then one tile of the rest.
+template <int RP, typename W>
+TW_AVX512 void panel_columns(const float* x, int64_t rows, int64_t k_len, const W* panels, float* out, int64_t n,
+                             const float* bias, const float* residual) {
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows)
+    panel_tile<kTileRows, RP>(x + r * k_len, k_len, panels, out + r * n, n, bias, residual ? residual + r * n : nullptr);
+  const float* xr = x + r * k_len;
+  float* o = out + r * n;
+  const float* res = residual ? residual + r * n : nullptr;
+  switch (rows - r) {
+    case 5: panel_tile<5, RP>(xr, k_len, panels, o, n, bias, res); break;
+    case 4: panel_tile<4, RP>(xr, k_len, panels, o, n, bias, res); break;
+    case 3: panel_tile<3, RP>(xr, k_len, panels, o, n, bias, res); break;
+    case 2: panel_tile<2, RP>(xr, k_len, panels, o, n, bias, res); break;
+    case 1: panel_tile<1, RP>(xr, k_len, panels, o, n, bias, res); break;
+    default: break;
+  }
+}
+
+template <typename W>
+void panel_linear_impl(const float* x, int64_t rows, int64_t k_len, const W* panels, int64_t n, float* out,
+                       const float* bias, const float* residual) {
+  // The threads split the panels (columns), never the rows or the reduction.
+  at::parallel_for(0, n / kPanel, kTilePanels, [&](int64_t begin, int64_t end) {
+    int64_t p = begin;
+    for (; p + kTilePanels <= end; p += kTilePanels)
+      panel_columns<kTilePanels>(x, rows, k_len, panels + p * k_len * kPanel, out + p * kPanel, n,
+                                 bias ? bias + p * kPanel : nullptr, residual ? residual + p * kPanel : nullptr);
+    const W* w = panels + p * k_len * kPanel;
+    float* o = out + p * kPanel;
+    const float* b = bias ? bias + p * kPanel : nullptr;
+    const float* res = residual ? residual + p * kPanel : nullptr;
+    switch (end - p) {
+      case 3: panel_columns<3>(x, rows, k_len, w, o, n, b, res); break;
+      case 2: panel_columns<2>(x, rows, k_len, w, o, n, b, res); break;
+      case 1: panel_columns<1>(x, rows, k_len, w, o, n, b, res); break;
+      default: break;
+    }
+  });
+}
+
+bool cpu_has_avx512f() { return __builtin_cpu_supports("avx512f"); }
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(cpu_has_avx512f(), "panel_linear: this CPU lacks AVX-512F");
+  check_rows(x, "panel_linear x");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
+                  (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16),
+              "panel_linear panels: a contiguous float32 or bf16 [out / 16, in, 16] tensor");
+  const int64_t rows = x.size(0), k_len = x.size(1), n = panels.size(0) * kPanel;
+  TORCH_CHECK(panels.size(1) == k_len, "panel_linear: x has ", k_len, " columns, the panels ", panels.size(1));
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "panel_linear bias: float32 [out]");
+  }
+  if (residual.has_value()) {
+    check_rows(*residual, "panel_linear residual");
+    TORCH_CHECK(residual->size(0) == rows && residual->size(1) == n, "panel_linear residual: [rows, out]");
+  }
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const float* res = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+  if (panels.scalar_type() == at::kBFloat16) {
+    panel_linear_impl(x.data_ptr<float>(), rows, k_len, panels.data_ptr<at::BFloat16>(), n, out.data_ptr<float>(), b, res);
+  } else {
+    panel_linear_impl(x.data_ptr<float>(), rows, k_len, panels.data_ptr<float>(), n, out.data_ptr<float>(), b, res);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenwire, m) {
@@ -560,6 +683,8 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor slots, Tensor[] downs, Tensor[] ups, Tensor[] spans) -> ()");
   m.def("store_kv(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, Tensor blocks, Tensor offsets, int heads) -> ()");
+  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("cpu_has_avx512f() -> bool", &cpu_has_avx512f);
 }
 
 TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
@@ -569,4 +694,5 @@ TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("store_kv", &store_kv);
   m.impl("lora_add_", &lora_add_);
+  m.impl("panel_linear", &panel_linear);
 }
