@@ -56,25 +56,27 @@ def reference_answers(
     return {"kl": kl, "greedy": answers, "greedy_tokens": greedy_tokens}
 
 
-def bf16_weights(model: Any, rounds_activations: bool | None = None) -> Any:
+def bf16_weights(model: Any, rounding: tuple[bool, bool] | None = None) -> Any:
     """``model`` (float32, changed in place) computing as the native pass does with bf16 weights on
     a CPU (``--dtype bfloat16``, or ``auto`` where it measures faster): every weight rounded to
-    bf16; through oneDNN's bf16 GEMM (``rounds_activations``) every linear layer's input and output
-    too (it reads and writes bf16, accumulating in float32), through the compiled panels (an
-    AVX-512F CPU) not (they widen the weights and keep the rest float32); norms, RoPE, attention
-    and the logits in float32. None: as the pass would on this CPU (``panel_library``).
-    tests/test_native_forward.py holds the native pass to it."""
+    bf16; ``rounding``: whether each linear layer's (input, output) is rounded to bf16 too, as its
+    GEMM does (oneDNN's reads and writes bf16; the compiled panels keep the output float32, and
+    round the input only as bf16 pairs), None: as on this CPU (``engine.native.bf16_rounding``);
+    norms, RoPE, attention and the logits in float32. tests/test_native_forward.py holds the
+    native pass to it."""
     import torch
-    from tokenwire_server.engine.native import panel_library
+    from tokenwire_server.engine.native import bf16_rounding
 
-    if rounds_activations is None:
-        rounds_activations = panel_library() is None
+    rounds_input, rounds_output = bf16_rounding() if rounding is None else rounding
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.copy_(parameter.to(torch.bfloat16).float())
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and rounds_activations:
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if rounds_input:
             module.register_forward_pre_hook(lambda _, args: (args[0].to(torch.bfloat16).float(), *args[1:]))
+        if rounds_output:
             module.register_forward_hook(lambda _, args, out: out.to(torch.bfloat16).float())
     return model
 

@@ -35,6 +35,7 @@ import logging
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -407,29 +408,45 @@ def panel_ops():
     return ops
 
 
-def panels_of(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] as ``panel_linear`` holds it: [out / 16, in, 16]."""
+def panels_of(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """``weight`` [out, in] as ``panel_linear`` holds it: [out / 16, in, 16], or bf16 pairs [out / 16, in / 2, 32]."""
     out_features, in_features = weight.shape
+    if pairs:
+        return (
+            weight.view(out_features // 16, 16, in_features // 2, 2)
+            .permute(0, 2, 1, 3)
+            .reshape(-1, in_features // 2, 32)
+        )
     return weight.view(out_features // 16, 16, in_features).transpose(1, 2).contiguous()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+LAYOUTS = {
+    "float32": (torch.float32, False),
+    "bf16-widened": (torch.bfloat16, False),
+    "bf16-pairs": (torch.bfloat16, True),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("out_features", [48, 112, 576])  # 3 panels (a tail group), 7 (4 + 3), 36
 def test_panel_linear_is_x_times_w_transposed_and_a_row_gets_its_bits_alone_and_among_any_rows(
-    dtype: torch.dtype, out_features: int
+    layout: str, out_features: int
 ) -> None:
     """Against float64 ``F.linear`` of the same (bf16: rounded) weights, with and without the bias
     and the residual, at 1-13 rows (past two 6-row tiles) and an input width that is no multiple
-    of a vector (40); every row gives the same bits alone, in any split of the rows, and in bf16
-    the input is not rounded (only the weights are bf16)."""
+    of a vector (40); every row gives the same bits alone, in any split of the rows. Widened bf16
+    weights leave the input unrounded; bf16 pairs (AVX512-BF16) round it to bf16 first."""
     ops = panel_ops()
+    dtype, pairs = LAYOUTS[layout]
+    if pairs and not ops.cpu_has_avx512bf16():
+        pytest.skip("bf16 pairs: this CPU lacks AVX512-BF16 (its panels widen bf16 weights)")
     generator = torch.Generator().manual_seed(out_features)
     weight = (torch.randn(out_features, 40, generator=generator) * 0.1).to(dtype)
     bias = torch.randn(out_features, generator=generator)
     x = torch.randn(13, 40, generator=generator)
     residual = torch.randn(13, out_features, generator=generator)
-    panels = panels_of(weight)
-    exact = F.linear(x.double(), weight.double())
+    panels = panels_of(weight, pairs)
+    exact = F.linear((x.bfloat16() if pairs else x).double(), weight.double())
     for with_bias, with_residual in ((False, False), (True, False), (False, True), (True, True)):
         b = bias if with_bias else None
         r = residual if with_residual else None
@@ -453,6 +470,8 @@ def test_panel_linear_is_x_times_w_transposed_and_a_row_gets_its_bits_alone_and_
         ({"panels": torch.zeros(3, 40, 8)}, "\\[out / 16, in, 16\\]"),
         ({"panels": torch.zeros(3, 40, 16, dtype=torch.float16)}, "float32 or bf16"),
         ({"panels": torch.zeros(3, 32, 16)}, "x has 40 columns, the panels 32"),
+        ({"panels": torch.zeros(3, 20, 32)}, "pairs \\[out / 16, in / 2, 32\\] are bf16"),
+        ({"panels": torch.zeros(3, 16, 32, dtype=torch.bfloat16)}, "x has 40 columns, the panels 32"),
         ({"x": torch.zeros(4, 40, dtype=torch.float64)}, "contiguous float32"),
         ({"bias": torch.zeros(47)}, "bias: float32 \\[out\\]"),
         ({"bias": torch.zeros(48, dtype=torch.bfloat16)}, "bias: float32 \\[out\\]"),
@@ -466,10 +485,33 @@ def test_bad_arguments_to_panel_linear_are_errors_that_say_which(change: dict, m
         ops.panel_linear(args["x"], args["panels"], args["bias"], args["residual"])
 
 
+def test_the_widened_panels_hold_no_avx512_bf16_instruction() -> None:
+    """The panel functions carry the AVX512-BF16 target for the pairs' sake (cpu_ops.cpp's NOTE):
+    only the pairs' own code may hold its instructions, so widened panels run on an AVX-512F CPU
+    without it. Read from the built library's code (objdump)."""
+    compiled_ops()
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump here")
+    loaded = kernels.load()
+    assert loaded.path is not None
+    code = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", str(loaded.path)], capture_output=True, text=True)
+    assert code.returncode == 0, code.stderr
+    holders, function = set(), ""
+    for line in code.stdout.splitlines():
+        if line.endswith(">:"):
+            function = line
+        elif re.search(r"\b(vdpbf16ps|vcvtne2ps2bf16|vcvtneps2bf16)\b", line):
+            holders.add(function)
+    assert holders, "no AVX512-BF16 instruction at all: the pairs were not built"
+    assert all("Pairs" in function for function in holders), sorted(holders)
+
+
 def test_on_an_avx512f_cpu_the_native_pass_runs_its_full_precision_gemms_as_panels(tiny_model_dir: Path) -> None:
     """Every full-precision layer (fused q/k/v, o, gate/up, down, the vocabulary) holds panels and
-    runs ``panel_linear``, in float32 and bf16; ``--kernels torch`` keeps oneDNN's packed GEMM."""
-    panel_ops()
+    runs ``panel_linear``, in float32 and bf16 (pairs where the CPU has AVX512-BF16); ``--kernels
+    torch`` keeps oneDNN's packed GEMM."""
+    ops = panel_ops()
     for dtype in ("float32", "bfloat16"):
         loaded = load_model(str(tiny_model_dir), dtype=dtype)
         native = NativeForward(loaded.model, fresh_cache(loaded.model), batch_hint=4, kernel_choice="compiled")
@@ -478,6 +520,8 @@ def test_on_an_avx512f_cpu_the_native_pass_runs_its_full_precision_gemms_as_pane
         ]
         assert native.gemm == "panels" and all(linear.kind == "panels" for linear in linears), dtype
         assert all(linear.weight.dim() == 3 and linear.weight.dtype == loaded.model.dtype for linear in linears)
+        pairs = dtype == "bfloat16" and ops.cpu_has_avx512bf16()
+        assert all(linear.pairs == pairs and linear.weight.shape[2] == (32 if pairs else 16) for linear in linears)
         stock = NativeForward(loaded.model, fresh_cache(loaded.model), batch_hint=4, kernel_choice="torch")
         assert stock.gemm == "onednn"
 

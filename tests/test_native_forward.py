@@ -71,7 +71,10 @@ def check_against_transformers(model_dir: Path, tolerance: float, kernels: str, 
         assert native.dtype == torch.float32 and native.weight_dtype == torch.bfloat16
         assert native.packed == onednn_available(torch.device("cpu"))
         assert native.gemm == ("panels" if kernels == "compiled" and panel_library() else "onednn")
-        model = bf16_weights(load_model(str(model_dir), dtype="float32").model, native.gemm == "onednn")
+        qkv = native.layers[0].qkv
+        model = bf16_weights(
+            load_model(str(model_dir), dtype="float32").model, (qkv.rounds_input, qkv.kind != "panels")
+        )
     vocab = loaded.vocab_size
     generator = torch.Generator().manual_seed(1)
     first = torch.randint(10, vocab, (37,), generator=generator).tolist()

@@ -150,9 +150,18 @@ class Linear:
         # ``panels``: the compiled library, where it runs ``panel_linear`` (``panel_library``).
         self.library = panels if packed and self.dtype in PACKED_DTYPES and out_features % PANEL == 0 else None
         self.kind = "plain" if not packed else "onednn" if self.library is None else "panels"
+        bf16 = self.library is not None and self.dtype == torch.bfloat16
+        self.pairs = bf16 and self.in_features % 2 == 0 and bf16_pairs(self.library)
+        # Whether the GEMM rounds its input to bf16 (bf16 weights only): oneDNN's does, the
+        # panels' bf16 pairs do (``bf16_rounding``).
+        self.rounds_input = self.dtype == torch.bfloat16 and (self.library is None or self.pairs)
         if self.library is not None:
-            # [out / 16, in, 16]: each panel's 16 output columns side by side, input by input.
-            self.weight = weight.view(out_features // PANEL, PANEL, self.in_features).transpose(1, 2).contiguous()
+            count = out_features // PANEL
+            if self.pairs:  # [out / 16, in / 2, 32]: each panel's 16 columns side by side, two inputs each
+                pairs = weight.view(count, PANEL, self.in_features // 2, 2).permute(0, 2, 1, 3)
+                self.weight = pairs.reshape(count, self.in_features // 2, 2 * PANEL)
+            else:  # [out / 16, in, 16]: each panel's 16 output columns side by side, input by input
+                self.weight = weight.view(count, PANEL, self.in_features).transpose(1, 2).contiguous()
             self.bias = None if self.bias is None else self.bias.float()
         else:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if packed else weight
@@ -177,8 +186,9 @@ class Linear:
         float32's.
 
         The compiled panels (``kind == "panels"``) need none of this: every output element is one
-        float32 sum over the inputs in order, whatever the row count (``cpu_ops.cpp``), and a
-        bf16 weight is widened to float32 as read, the input and the output left float32.
+        float32 sum over the inputs in order, whatever the row count (``cpu_ops.cpp``), the output
+        left float32; bf16 weights are widened to float32 as read, or (``pairs``, on a CPU with
+        AVX512-BF16) multiplied two at a time with the input rounded to bf16.
         """
         if self.library is not None:
             result: torch.Tensor = self.library.panel_linear(x.float().contiguous(), self.weight, self.bias, None)
@@ -228,9 +238,27 @@ def panel_library() -> Any | None:
     return loaded.ops
 
 
+def bf16_pairs(library: Any) -> bool:
+    """Whether the panels hold bf16 weights as pairs (``panel_linear``'s VDPBF16PS: the input
+    rounded to bf16, twice the products an instruction) rather than widening each to float32:
+    where the CPU has AVX512-BF16."""
+    return bool(library.cpu_has_avx512bf16())
+
+
+def bf16_rounding() -> tuple[bool, bool]:
+    """What the native pass's GEMMs round to bf16 with bf16 weights on this CPU: (their input,
+    their output). oneDNN's bf16 GEMM rounds both; the panels keep the output float32, and round
+    the input only as pairs (``bf16_pairs``)."""
+    library = panel_library()
+    if library is None:
+        return True, True
+    return bf16_pairs(library), False
+
+
 # NOTE: bf16 GEMMs take at most this many rows per oneDNN call, so a row's bits do not depend on
-# how many rows share the step (``Linear._gemm``; the panels need no such bound). Costs prompt reading in bf16 on AMX (large-M
-# kernels); lifted by a GEMM whose reduction order does not follow M, or f32 output from bf16.
+# how many rows share the step (``Linear._gemm``). Costs prompt reading in bf16 on AMX (large-M
+# kernels); lifted by a GEMM whose reduction order does not follow M: the panels, which take
+# over on an AVX-512F CPU and need no such bound.
 BF16_ROWS_PER_GEMM = 32
 
 

@@ -563,34 +563,65 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& slo
 }
 
 
-// ---- panel_linear (AVX-512F) ----
+// ---- panel_linear (AVX-512F; bf16 pairs: AVX512-BF16) ----
 #define TW_AVX512 __attribute__((target("avx512f")))
+#define TW_AVX512_BF16 __attribute__((target("avx512f,avx512bf16")))
 constexpr int64_t kPanel = 16;   // output columns per panel
 constexpr int kTileRows = 6;     // rows per tile
 constexpr int kTilePanels = 4;   // panels per tile
 
-TW_AVX512 inline __m512 panel_load(const float* p) { return _mm512_loadu_ps(p); }
-TW_AVX512 inline __m512 panel_load(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  // The maskz forms, all lanes on: GCC 12 warns that the plain forms' unused source may be uninitialized.
-  const __mmask16 all = 0xFFFF;
-  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, raw), 16));
-}
+// A panel layout: how a step of the reduction reads x and the weights and accumulates.
+// Widened<W>: [out / 16, in, 16] float32 or bf16, one input a step: acc += x[k] * w[k] (an FMA).
+// Pairs: [out / 16, in / 2, 32] bf16, two inputs a step, x rounded to bf16 first:
+//   acc += x[2k] * w[2k] + x[2k+1] * w[2k+1] (one VDPBF16PS, its own fixed rounding).
+// NOTE: the tile functions carry both targets, so only what a layout's own functions emit runs:
+// Widened emits no AVX512-BF16 instruction (tests/test_cpu_ops.py reads the library's code for
+// that), so its panels run on an AVX-512F CPU without BF16. A second copy per target would lift it.
+template <typename W>
+struct Widened {
+  using Weight = W;
+  using X = float;
+  using V = __m512;  // 16 weights, float32
+  using B = __m512;  // one input, broadcast
+  static constexpr int64_t kInputs = 1;
+  static TW_AVX512 inline V load(const float* p) { return _mm512_loadu_ps(p); }
+  static TW_AVX512 inline V load(const at::BFloat16* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    // The maskz forms, all lanes on: GCC 12 warns that the plain forms' unused source may be uninitialized.
+    const __mmask16 all = 0xFFFF;
+    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, raw), 16));
+  }
+  static TW_AVX512 inline B broadcast(X x) { return _mm512_set1_ps(x); }
+  static TW_AVX512 inline __m512 madd(__m512 acc, B x, V w) { return _mm512_fmadd_ps(x, w, acc); }
+};
 
-// RX rows × RP panels: out[r][16p + j] for r < RX, p < RP; rows `ld` apart in x, `n` in out/residual.
-template <int RX, int RP, typename W>
-TW_AVX512 void panel_tile(const float* x, int64_t k_len, const W* panels, float* out, int64_t n,
-                          const float* bias, const float* residual) {
+struct Pairs {
+  using Weight = at::BFloat16;
+  using X = int32_t;   // two bf16 inputs
+  using V = __m512bh;  // 16 pairs of weights
+  using B = __m512bh;  // one pair of inputs, broadcast
+  static constexpr int64_t kInputs = 2;
+  static TW_AVX512_BF16 inline V load(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static TW_AVX512_BF16 inline B broadcast(X x) { return (__m512bh)_mm512_set1_epi32(x); }
+  static TW_AVX512_BF16 inline __m512 madd(__m512 acc, B x, V w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
+
+// RX rows × RP panels: out[r][16p + j] for r < RX, p < RP; `steps` reduction steps; rows `steps`
+// apart in x, `n` apart in out and the residual.
+template <typename L, int RX, int RP>
+TW_AVX512_BF16 void panel_tile(const typename L::X* x, int64_t steps, const typename L::Weight* panels, float* out,
+                               int64_t n, const float* bias, const float* residual) {
+  constexpr int64_t width = kPanel * L::kInputs;  // weights per panel per step
   __m512 acc[RX][RP];
   for (int r = 0; r < RX; ++r)
     for (int p = 0; p < RP; ++p) acc[r][p] = _mm512_setzero_ps();
-  const int64_t stride = k_len * kPanel;
-  for (int64_t k = 0; k < k_len; ++k) {
-    __m512 w[RP];
-    for (int p = 0; p < RP; ++p) w[p] = panel_load(panels + p * stride + k * kPanel);
+  const int64_t stride = steps * width;
+  for (int64_t k = 0; k < steps; ++k) {
+    typename L::V w[RP];  // each weight read once per tile, for all its rows
+    for (int p = 0; p < RP; ++p) w[p] = L::load(panels + p * stride + k * width);
     for (int r = 0; r < RX; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * k_len + k]);
-      for (int p = 0; p < RP; ++p) acc[r][p] = _mm512_fmadd_ps(xb, w[p], acc[r][p]);
+      const typename L::B xb = L::broadcast(x[r * steps + k]);
+      for (int p = 0; p < RP; ++p) acc[r][p] = L::madd(acc[r][p], xb, w[p]);
     }
   }
   for (int r = 0; r < RX; ++r)
@@ -603,58 +634,65 @@ TW_AVX512 void panel_tile(const float* x, int64_t k_len, const W* panels, float*
 }
 
 // Every row through RP panels: tiles of kTileRows rows, then one tile of the rest.
-template <int RP, typename W>
-TW_AVX512 void panel_columns(const float* x, int64_t rows, int64_t k_len, const W* panels, float* out, int64_t n,
-                             const float* bias, const float* residual) {
+template <typename L, int RP>
+TW_AVX512_BF16 void panel_columns(const typename L::X* x, int64_t rows, int64_t steps,
+                                  const typename L::Weight* panels, float* out, int64_t n, const float* bias,
+                                  const float* residual) {
   int64_t r = 0;
   for (; r + kTileRows <= rows; r += kTileRows)
-    panel_tile<kTileRows, RP>(x + r * k_len, k_len, panels, out + r * n, n, bias, residual ? residual + r * n : nullptr);
-  const float* xr = x + r * k_len;
+    panel_tile<L, kTileRows, RP>(x + r * steps, steps, panels, out + r * n, n, bias, residual ? residual + r * n : nullptr);
+  const typename L::X* xr = x + r * steps;
   float* o = out + r * n;
   const float* res = residual ? residual + r * n : nullptr;
   switch (rows - r) {
-    case 5: panel_tile<5, RP>(xr, k_len, panels, o, n, bias, res); break;
-    case 4: panel_tile<4, RP>(xr, k_len, panels, o, n, bias, res); break;
-    case 3: panel_tile<3, RP>(xr, k_len, panels, o, n, bias, res); break;
-    case 2: panel_tile<2, RP>(xr, k_len, panels, o, n, bias, res); break;
-    case 1: panel_tile<1, RP>(xr, k_len, panels, o, n, bias, res); break;
+    case 5: panel_tile<L, 5, RP>(xr, steps, panels, o, n, bias, res); break;
+    case 4: panel_tile<L, 4, RP>(xr, steps, panels, o, n, bias, res); break;
+    case 3: panel_tile<L, 3, RP>(xr, steps, panels, o, n, bias, res); break;
+    case 2: panel_tile<L, 2, RP>(xr, steps, panels, o, n, bias, res); break;
+    case 1: panel_tile<L, 1, RP>(xr, steps, panels, o, n, bias, res); break;
     default: break;
   }
 }
 
-template <typename W>
-void panel_linear_impl(const float* x, int64_t rows, int64_t k_len, const W* panels, int64_t n, float* out,
-                       const float* bias, const float* residual) {
+template <typename L>
+void panel_linear_impl(const typename L::X* x, int64_t rows, int64_t steps, const typename L::Weight* panels,
+                       int64_t n, float* out, const float* bias, const float* residual) {
+  const int64_t per_panel = steps * kPanel * L::kInputs;
   // The threads split the panels (columns), never the rows or the reduction.
   at::parallel_for(0, n / kPanel, kTilePanels, [&](int64_t begin, int64_t end) {
     int64_t p = begin;
     for (; p + kTilePanels <= end; p += kTilePanels)
-      panel_columns<kTilePanels>(x, rows, k_len, panels + p * k_len * kPanel, out + p * kPanel, n,
-                                 bias ? bias + p * kPanel : nullptr, residual ? residual + p * kPanel : nullptr);
-    const W* w = panels + p * k_len * kPanel;
+      panel_columns<L, kTilePanels>(x, rows, steps, panels + p * per_panel, out + p * kPanel, n,
+                                    bias ? bias + p * kPanel : nullptr, residual ? residual + p * kPanel : nullptr);
+    const typename L::Weight* w = panels + p * per_panel;
     float* o = out + p * kPanel;
     const float* b = bias ? bias + p * kPanel : nullptr;
     const float* res = residual ? residual + p * kPanel : nullptr;
     switch (end - p) {
-      case 3: panel_columns<3>(x, rows, k_len, w, o, n, b, res); break;
-      case 2: panel_columns<2>(x, rows, k_len, w, o, n, b, res); break;
-      case 1: panel_columns<1>(x, rows, k_len, w, o, n, b, res); break;
+      case 3: panel_columns<L, 3>(x, rows, steps, w, o, n, b, res); break;
+      case 2: panel_columns<L, 2>(x, rows, steps, w, o, n, b, res); break;
+      case 1: panel_columns<L, 1>(x, rows, steps, w, o, n, b, res); break;
       default: break;
     }
   });
 }
 
 bool cpu_has_avx512f() { return __builtin_cpu_supports("avx512f"); }
+bool cpu_has_avx512bf16() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"); }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(cpu_has_avx512f(), "panel_linear: this CPU lacks AVX-512F");
   check_rows(x, "panel_linear x");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
+  const bool pairs = panels.dim() == 3 && panels.size(2) == 2 * kPanel;
+  TORCH_CHECK(panels.dim() == 3 && (panels.size(2) == kPanel || pairs) && panels.is_contiguous() &&
                   (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16),
-              "panel_linear panels: a contiguous float32 or bf16 [out / 16, in, 16] tensor");
+              "panel_linear panels: a contiguous float32 or bf16 [out / 16, in, 16] tensor, or bf16 pairs [out / 16, in / 2, 32]");
+  TORCH_CHECK(!pairs || panels.scalar_type() == at::kBFloat16, "panel_linear: pairs [out / 16, in / 2, 32] are bf16");
+  TORCH_CHECK(!pairs || cpu_has_avx512bf16(), "panel_linear: bf16 pairs need AVX512-BF16, which this CPU lacks");
   const int64_t rows = x.size(0), k_len = x.size(1), n = panels.size(0) * kPanel;
-  TORCH_CHECK(panels.size(1) == k_len, "panel_linear: x has ", k_len, " columns, the panels ", panels.size(1));
+  const int64_t panel_inputs = pairs ? 2 * panels.size(1) : panels.size(1);
+  TORCH_CHECK(panel_inputs == k_len, "panel_linear: x has ", k_len, " columns, the panels ", panel_inputs);
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
                 "panel_linear bias: float32 [out]");
@@ -666,10 +704,16 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const float* res = residual.has_value() ? residual->data_ptr<float>() : nullptr;
-  if (panels.scalar_type() == at::kBFloat16) {
-    panel_linear_impl(x.data_ptr<float>(), rows, k_len, panels.data_ptr<at::BFloat16>(), n, out.data_ptr<float>(), b, res);
+  if (pairs) {
+    const at::Tensor rounded = x.to(at::kBFloat16);  // round to nearest even, as oneDNN's bf16 GEMM reads it
+    const auto* xp = reinterpret_cast<const int32_t*>(rounded.data_ptr<at::BFloat16>());
+    panel_linear_impl<Pairs>(xp, rows, k_len / 2, panels.data_ptr<at::BFloat16>(), n, out.data_ptr<float>(), b, res);
+  } else if (panels.scalar_type() == at::kBFloat16) {
+    panel_linear_impl<Widened<at::BFloat16>>(x.data_ptr<float>(), rows, k_len, panels.data_ptr<at::BFloat16>(), n,
+                                             out.data_ptr<float>(), b, res);
   } else {
-    panel_linear_impl(x.data_ptr<float>(), rows, k_len, panels.data_ptr<float>(), n, out.data_ptr<float>(), b, res);
+    panel_linear_impl<Widened<float>>(x.data_ptr<float>(), rows, k_len, panels.data_ptr<float>(), n,
+                                      out.data_ptr<float>(), b, res);
   }
   return out;
 }
@@ -685,6 +729,7 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("store_kv(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, Tensor blocks, Tensor offsets, int heads) -> ()");
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("cpu_has_avx512f() -> bool", &cpu_has_avx512f);
+  m.def("cpu_has_avx512bf16() -> bool", &cpu_has_avx512bf16);
 }
 
 TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
