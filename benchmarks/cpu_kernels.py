@@ -1,7 +1,7 @@
 """The fastest GEMM for the model's weights on this CPU, and decode attention (`make bench-kernels`).
 
-Every linear layer once with each of ``KERNELS``, then 16 decode rows over every layer's KV cache: ``sdpa`` on
-contiguous columns vs the ``decode_attention`` op through block tables. Replaces the "cpu-kernels" section.
+Every linear layer once with each of ``KERNELS`` (the panels where the CPU runs them), then 16 decode rows over
+every layer's KV cache: ``sdpa`` on contiguous columns vs the ``decode_attention`` op through block tables. Replaces the "cpu-kernels" section.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import Any
 from benchmarks import doc
 from benchmarks.stats import median, ratios, spread
 
-KERNELS = ("F.linear", "onednn", "int8", "int4")
+# onednn-bf16, panels, panels-bf16: through the native pass's own ``Linear`` (as a step calls them, float32 in and out);
+# the panels where the CPU runs them (AVX-512F).
+KERNELS = ("F.linear", "onednn", "int8", "int4", "onednn-bf16", "panels", "panels-bf16")
 SLOTS, CAPACITY = 16, 2049  # decode rows, and each row's cache capacity in the engine
 BLOCK = 16  # tokens per KV block (engine.blocks.BLOCK_SIZE)
 FLAGS = {"repeats": 3, "rows": "1,16", "calls": (5, "passes timed per kernel and repeat"),
@@ -32,6 +34,11 @@ def prepare(kernel: str, w: Any) -> Any:
 
     if kernel == "F.linear":
         return lambda x: F.linear(x, w)
+    if kernel in ("onednn-bf16", "panels", "panels-bf16"):
+        from tokenwire_server.engine.native import Linear, panel_library
+
+        weight = w.bfloat16() if kernel.endswith("bf16") else w
+        return Linear(weight, None, True, 16, panel_library() if kernel.startswith("panels") else None)
     if kernel == "onednn":
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -47,6 +54,13 @@ def prepare(kernel: str, w: Any) -> Any:
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
     scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)
+
+
+def kernels_here() -> list[str]:
+    """``KERNELS`` this CPU runs: the panels only where it has AVX-512F."""
+    from tokenwire_server.engine.native import panel_library
+
+    return [k for k in KERNELS if not k.startswith("panels") or panel_library() is not None]
 
 
 def timed(results: Results, key: tuple[str, int], fn: Callable[[], None], calls: int) -> None:
@@ -69,7 +83,7 @@ def gemms(args: argparse.Namespace, model: Any, results: Results) -> None:
         weights += [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), a.o_proj.weight,
                     torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight]  # fmt: skip
     weights = [w.detach() for w in [*weights, model.get_output_embeddings().weight]]
-    prepared = {kernel: [prepare(kernel, w) for w in weights] for kernel in KERNELS}
+    prepared = {kernel: [prepare(kernel, w) for w in weights] for kernel in kernels_here()}
     for _ in range(args.repeats):
         for rows in [int(r) for r in args.rows.split(",")]:
             inputs = {k: torch.randn(rows, k) for k in {int(w.shape[1]) for w in weights}}
@@ -156,7 +170,7 @@ def run(args: argparse.Namespace) -> doc.Section:
     n_layers, kv_heads, _, head_dim = heads(config[0])
     m = doc.machine()
     kernels = []
-    for kernel in KERNELS:
+    for kernel in kernels_here():
         cells = [kernel]
         for rows in rows_list:
             values, base = results[(kernel, rows)], median(results[("F.linear", rows)])
@@ -171,8 +185,11 @@ def run(args: argparse.Namespace) -> doc.Section:
     return doc.section(
         "cpu-kernels", "CPU kernels: which GEMM reads the weights fastest; decode attention", args.command,
         f"torch {m['torch']}, {m['torch threads']} threads, {torch.backends.cpu.get_cpu_capability()}, "
-        f"{platform.machine()}. Every linear layer of the model once (q/k/v and gate/up fused, plus the vocabulary "
-        "projection), ms per pass, min/median/max over the repeats; ratio: median of F.linear / median of the kernel.",
+        f"{platform.machine()}, {m['cpu']} ({m['instruction sets']}). Every linear layer of the model once "
+        "(q/k/v and gate/up fused, plus the vocabulary projection), ms per pass, min/median/max over the repeats; "
+        "ratio: median of F.linear / median of the kernel. `onednn-bf16`, `panels`, `panels-bf16`: bf16 or float32 "
+        "weights through the native pass's own `Linear`, as a step calls it (float32 in and out; the panels: "
+        "`panel_linear`, where the CPU has AVX-512F, bf16 as pairs where it has AVX512-BF16).",
         "",
         *doc.table("kernel | " + " | ".join(f"{r} row{'s' if r > 1 else ''} ms | ratio" for r in rows_list),
                    "l" + "rr" * len(rows_list), kernels),
