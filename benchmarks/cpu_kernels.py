@@ -1,7 +1,8 @@
 """The fastest GEMM for the model's weights on this CPU, and decode attention (`make bench-kernels`).
 
 Every linear layer once with each of ``KERNELS`` (the panels where the CPU runs them), then 16 decode rows over
-every layer's KV cache: ``sdpa`` on contiguous columns vs the ``decode_attention`` op through block tables. Replaces the "cpu-kernels" section.
+every layer's KV cache: ``sdpa`` on contiguous columns vs the ``decode_attention`` op through block tables.
+Replaces the "cpu-kernels" section.
 """
 
 from __future__ import annotations
