@@ -116,6 +116,7 @@ DRY_RUN = {"quality_file": "", "kl_prompts": 2, "kl_tokens": 4, "greedy_prompts"
 
 def run(args: argparse.Namespace) -> doc.Section:
     import torch
+    from tokenwire_server.engine.native import bf16_rounding
     from tokenwire_server.model import load_model
     from tokenwire_server.quantize import quantize_model
 
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace) -> doc.Section:
         doc.log(f"  {mode}: {results[mode]} ({time.perf_counter() - began:.0f} s)")
         del candidate
     info = doc.machine()
+    rounding = bf16_rounding()
     if args.quality_file:
         path = Path(args.quality_file)
         table = json.loads(path.read_text()) if path.is_file() else {}
@@ -157,7 +159,9 @@ def run(args: argparse.Namespace) -> doc.Section:
         f"greedy continuations ({args.kl_prompts} prompts × {args.kl_tokens} tokens). Greedy: answers identical to "
         f"float32's for their first {args.greedy_tokens} tokens, of the {args.greedy_prompts} chat prompts of "
         f"`tokenwire bench`. The bar (#22): KL ≤ {BAR['kl']} and ≥ {BAR['identical']}/{BAR['of']}. bfloat16: bf16 "
-        "weights in the float32 pass, as the server runs `--dtype bfloat16` on a CPU (and `auto` where it takes bf16).",
+        "weights in the float32 pass, as the server runs `--dtype bfloat16` on a CPU (and `auto` where it takes bf16): "
+        f"on this CPU each GEMM's input {'rounded' if rounding[0] else 'not rounded'} to bf16, its output "
+        f"{'rounded' if rounding[1] else 'not rounded'} (`engine.native.bf16_rounding`).",
         "",
         *doc.table("mode | KL mean | KL worst prompt | greedy identical | median token where they part | meets the bar",
                    "lrrrrl", rows),

@@ -49,6 +49,7 @@ from tokenwire_server.domain import FinishEvent, GenerationRequest, SamplingOpti
 from tokenwire_server.engine import create_engine, kernels
 from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.engine.native import NativeForward
+from tokenwire_server.engine.ops import Segment
 from tokenwire_server.model import load_model
 
 # On two threads at least, whatever the parallel suite's one per worker: the kernels split rows over them.
@@ -524,6 +525,21 @@ def test_on_an_avx512f_cpu_the_native_pass_runs_its_full_precision_gemms_as_pane
         assert all(linear.pairs == pairs and linear.weight.shape[2] == (32 if pairs else 16) for linear in linears)
         stock = NativeForward(loaded.model, fresh_cache(loaded.model), batch_hint=4, kernel_choice="torch")
         assert stock.gemm == "onednn"
+        prompt = torch.randint(10, loaded.vocab_size, (19,), generator=torch.Generator().manual_seed(3))
+        step = (prompt, torch.arange(19), [Segment(tuple(range(2)), 0, 19)], list(range(19)))
+        want = stock(*step)
+
+        def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+            raise AssertionError("the panels' pass called oneDNN's GEMM")
+
+        with pytest.MonkeyPatch.context() as patch:  # every GEMM of the step through the panels
+            patch.setattr(torch.ops.mkldnn, "_linear_pointwise", refuse)
+            got = native(*step)
+        assert bool(torch.isfinite(got).all()) and got.shape == want.shape
+        if dtype == "float32":  # the same products summed in another order (bf16's numbers:
+            # oneDNN rounds each output to bf16 and the panels do not; tests/test_native_forward.py
+            # holds each to transformers under its own rounding)
+            assert (got - want).abs().max().item() < 1e-3
 
 
 # -- where the ops cannot be used: the log line says why -----------------------------------

@@ -20,9 +20,11 @@ gathered blocks, through SDPA.
 On an AVX-512F CPU with the compiled ops, every linear layer's weights are held as panels of 16
 output columns and multiplied by the library's ``panel_linear``: each output element one float32
 sum over the inputs in order, so a row gets the same bits at any row count (batch invariance by
-construction, bf16 included), and one row streams the weights at the memory's pace (oneDNN's
-packed GEMM read them at ~60 % of it at one row; docs/benchmarks.md, "One GEMM for every row
-count"). bf16 weights are widened as read; the activations stay float32. Elsewhere (AVX2 only,
+construction, bf16 included), and one row streams the weights at the memory's pace (on a 2-core
+AMD EPYC oneDNN's packed GEMM read them at 22-24 GB/s at one row, the panels at ~35:
+docs/benchmarks.md, "One GEMM for every row count", after the "peers-amd" section). bf16
+weights are multiplied as pairs with the input rounded to bf16 where the CPU has AVX512-BF16,
+else widened as read; the outputs stay float32. Elsewhere (AVX2 only,
 ``--kernels torch``) the weights of every linear layer are prepacked once for oneDNN
 (``torch.ops.mkldnn._reorder_linear_weight``), a blocked layout its GEMM reads without
 reordering per call (the gain is measured by ``make bench-kernels``, in docs/benchmarks.md),
@@ -131,11 +133,13 @@ def onednn_available(device: torch.device) -> bool:
 
 
 class Linear:
-    """One linear layer: oneDNN-prepacked on a CPU, plain ``F.linear`` elsewhere.
+    """One linear layer (``kind``): the compiled ops' panels on an AVX-512F CPU (``panels``
+    given), oneDNN-prepacked on another CPU, plain ``F.linear`` elsewhere.
 
     Its weights may be held in a narrower dtype than the activations it is called with (bf16
-    weights in a float32 pass, on a CPU): the input is rounded to the weights' dtype for the
-    GEMM, which accumulates in float32, and the output comes back in the input's dtype.
+    weights in a float32 pass, on a CPU): oneDNN rounds the input to the weights' dtype for the
+    GEMM, which accumulates in float32, and the output comes back in the input's dtype; the
+    panels widen the weights or (``pairs``) round the input, and give float32 out.
     """
 
     def __init__(
