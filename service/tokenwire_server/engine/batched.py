@@ -176,7 +176,7 @@ class BatchedEngine(Engine):
             "batched engine forward pass",
             extra={
                 **resolved.log_fields(),
-                "onednn_packed": bool(native and native.packed),
+                "onednn_packed": native is not None and native.gemm == "onednn",
                 "gemm": native.gemm if native is not None else None,
                 "kernels": self.kernels,
                 "why_not_compiled": native.ops_reason if native is not None else None,
