@@ -486,6 +486,64 @@ def test_bad_arguments_to_panel_linear_are_errors_that_say_which(change: dict, m
         ops.panel_linear(args["x"], args["panels"], args["bias"], args["residual"])
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16])
+def test_panel_linear_lora_gives_the_bits_of_panel_linear_then_lora_add(
+    layout: str, adapter_dtype: torch.dtype
+) -> None:
+    """The fused call (one per adapted GEMM in the native pass; the adapters' weights asked for
+    while the GEMM runs) is the two calls it replaces, bit for bit: with and without the residual,
+    rows of three adapters, of one with nothing at this site and of none, alone and together."""
+    ops = panel_ops()
+    dtype, pairs = LAYOUTS[layout]
+    if pairs and not ops.cpu_has_avx512bf16():
+        pytest.skip("bf16 pairs: this CPU lacks AVX512-BF16 (its panels widen bf16 weights)")
+    inputs, width, tokens = 40, 80, 11
+    spans = [([8, 8, 8], [(0, 40), (40, 56), (56, 72)]), ([16], [(0, 80)]), ([4, 12], [(3, 37), (45, 70)])]
+    cases = [lora_case(r, s, width, inputs, seed) for seed, (r, s) in enumerate(spans)]
+    none = torch.empty(0)
+    downs = [c[0].to(adapter_dtype) for c in cases] + [none]
+    ups = [c[1].to(adapter_dtype) for c in cases] + [none]
+    segments = [c[2] for c in cases] + [none]
+    generator = torch.Generator().manual_seed(5)
+    panels = panels_of((torch.randn(width, inputs, generator=generator) * 0.1).to(dtype), pairs)
+    bias = torch.randn(width, generator=generator)
+    x = torch.randn(tokens, inputs, generator=generator)
+    residual = torch.randn(tokens, width, generator=generator)
+    slots = torch.tensor([(-1, 0, 1, 0, 2, 3, 0, 2, 1, -1, 0)[t] for t in range(tokens)])
+    for r in (None, residual):
+        want = ops.panel_linear(x, panels, bias, r)
+        ops.lora_add_(want, x, slots, downs, ups, segments)
+        got = ops.panel_linear_lora(x, panels, bias, r, slots, downs, ups, segments)
+        assert torch.equal(got, want)
+        assert not torch.equal(got[slots == 0], ops.panel_linear(x, panels, bias, r)[slots == 0])  # applied
+        for t in range(tokens):
+            alone = ops.panel_linear_lora(
+                x[t : t + 1], panels, bias, None if r is None else r[t : t + 1], slots[t : t + 1], downs, ups, segments
+            )
+            assert torch.equal(alone[0], want[t]), t
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"slots": torch.tensor([4, 0])}, "slot past the adapters"),
+        ({"x": torch.zeros(2, 6, dtype=torch.float64)}, "contiguous float32"),
+        ({"panels": torch.zeros(1, 8, 16)}, "x has 6 columns, the panels 8"),
+        ({"spans": [torch.tensor([[0, 99, 0, 8]])]}, "inside the output"),
+    ],
+)
+def test_bad_arguments_to_panel_linear_lora_are_errors_that_say_which(change: dict, message: str) -> None:
+    ops = panel_ops()
+    down, up, spans, _ = lora_case([8], [(0, 16)], 16, 6, 0)
+    args = {"x": torch.randn(2, 6), "panels": torch.zeros(1, 6, 16), "slots": torch.tensor([0, -1])}
+    args |= {"downs": [down], "ups": [up], "spans": [spans]} | change
+    with pytest.raises(RuntimeError, match=message):
+        ops.panel_linear_lora(
+            args["x"], args["panels"], None, None, args["slots"], args["downs"], args["ups"], args["spans"]
+        )
+
+
 def test_the_widened_panels_hold_no_avx512_bf16_instruction() -> None:
     """The panel functions carry the AVX512-BF16 target for the pairs' sake (cpu_ops.cpp's NOTE):
     only the pairs' own code may hold its instructions, so widened panels run on an AVX-512F CPU

@@ -14,7 +14,11 @@ does for the base model. Two ways, picked when the adapter is packed:
   ``Σ_r h[r]·B[r][c]`` over its projection's rank rows alone, added in place. Rows of one
   adapter share each read of its weights; rows without one are not touched. The weights are
   held in bf16 where the base layers' are (a decode step reads every adapter weight of its
-  rows once: half the bytes), else float32.
+  rows once: half the bytes), else float32. Where the GEMM is the compiled panels (an
+  AVX-512F CPU), the GEMM and the adapters' pass are one call, ``panel_linear_lora``
+  (``linear``): a decode step's base GEMMs stream ~270 MB of weights through the caches, so
+  an adapter's weights are cold at each site, and that call asks for them while its GEMM
+  runs rather than meeting them one miss at a time after it.
 - **GEMMs** (``Site``, elsewhere: CUDA, bf16 activations, stock torch ops): per site and
   adapter, one A GEMM (the projections' A stacked: the fused q/k/v and gate/up read the same
   input) and one B GEMM (their B times the scaling, block by block in the projections'
@@ -42,6 +46,7 @@ from typing import Any
 import torch
 
 from ..adapters import Adapter
+from ..quantize import Int8Linear
 from .native import Linear, NativeForward
 from .ops import CompiledOps
 
@@ -205,6 +210,13 @@ class StepAdapters:
         """``out`` (the output of ``layer``'s ``site`` GEMM over ``x``) plus each token's adapter delta."""
         raise NotImplementedError
 
+    def linear(
+        self, gemm: Linear | Int8Linear, x: torch.Tensor, layer: int, site: str, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``layer``'s ``site`` GEMM over ``x`` (plus ``residual``), then each token's adapter delta."""
+        out = gemm(x) if residual is None else gemm.plus(x, residual)
+        return self.add(out, x, layer, site)
+
 
 class RowAdapters(StepAdapters):
     """One ``lora_add_`` per site for all the step's tokens: ``slots``, each token's index in
@@ -222,6 +234,19 @@ class RowAdapters(StepAdapters):
         call = self.calls.get((layer, site))
         if call is not None:
             self.library.lora_add_(out, x.contiguous(), self.slots, *call)
+        return out
+
+    def linear(
+        self, gemm: Linear | Int8Linear, x: torch.Tensor, layer: int, site: str, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Where the GEMM runs the compiled panels, one call for both (``panel_linear_lora``): the
+        adapters' weights are asked for while the base weights stream, not met cold after them."""
+        call = self.calls.get((layer, site))
+        if call is None or not isinstance(gemm, Linear) or gemm.kind != "panels":
+            return super().linear(gemm, x, layer, site, residual)
+        rows = x.float().contiguous()
+        held = None if residual is None else residual.contiguous()
+        out: torch.Tensor = self.library.panel_linear_lora(rows, gemm.weight, gemm.bias, held, self.slots, *call)
         return out
 
 

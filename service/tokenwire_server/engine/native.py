@@ -615,25 +615,23 @@ class NativeForward:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         for index, layer in enumerate(self.layers):
             normed = ops.rms_norm(hidden, layer.input_norm)
-            qkv = layer.qkv(normed)
-            if lora is not None:
-                qkv = lora.add(qkv, normed, index, "qkv")
+            qkv = layer.qkv(normed) if lora is None else lora.linear(layer.qkv, normed, index, "qkv")
             qk = ops.rope(
                 qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin
             )  # q and k at once
             v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
             attended = attend(index, qkv, qk[:, :heads], qk[:, heads:], v).reshape(tokens, heads * dim)
-            hidden = layer.out.plus(attended, hidden)
-            if lora is not None:
-                hidden = lora.add(hidden, attended, index, "o")
+            if lora is None:
+                hidden = layer.out.plus(attended, hidden)
+            else:
+                hidden = lora.linear(layer.out, attended, index, "o", hidden)
             normed = ops.rms_norm(hidden, layer.post_norm)
-            gate_up = layer.gate_up(normed)
-            if lora is not None:
-                gate_up = lora.add(gate_up, normed, index, "gate_up")
+            gate_up = layer.gate_up(normed) if lora is None else lora.linear(layer.gate_up, normed, index, "gate_up")
             activated = ops.silu_mul(gate_up)
-            hidden = layer.down.plus(activated, hidden)
-            if lora is not None:
-                hidden = lora.add(hidden, activated, index, "down")
+            if lora is None:
+                hidden = layer.down.plus(activated, hidden)
+            else:
+                hidden = lora.linear(layer.down, activated, index, "down", hidden)
         return hidden
 
     @property

@@ -12,7 +12,9 @@
   each (with a dispatch, an allocation and often a strided copy apiece): ~2,000 ops a
   step at 16 rows;
 - ``lora_add_``: each row's LoRA adapter delta after a GEMM, every row and adapter of the
-  step in one call (``engine/lora.py``), where stock torch would run two GEMMs per adapter.
+  step in one call (``engine/lora.py``), where stock torch would run two GEMMs per adapter;
+  ``panel_linear_lora``, the panels' GEMM and it in one call, the adapters' weights fetched
+  while the GEMM runs.
 
 The source is compiled on first use (about 15 s on 2 cores) into
 ``<cache>/kernels/<key>/`` (``$TOKENWIRE_KERNEL_DIR``, else ``$TOKENWIRE_CACHE_DIR`` or the

@@ -25,7 +25,12 @@
 //   low-rank vector is its own row's dot products with its adapter's A rows, and each output
 //   element adds Σ_r h[r]·B[r][c] over its segment's rank rows (in order, then once into the
 //   output): the same arithmetic whatever the other tokens are, their adapters or the
-//   threads. Tokens of one adapter go in tiles of up to four, so each weight read serves all.
+//   threads. Tokens of one adapter go in tiles of up to four, so each weight read serves all;
+//   each tile's sums are held in registers over several rank rows (A) or all of them (B).
+// panel_linear_lora: panel_linear, then lora_add_ on its output, in one call (the native pass's
+//   at each GEMM a step's adapters adapt, on an AVX-512F CPU): the adapters' weights are asked
+//   for while the GEMM streams the base weights, a slice with each tile of panels, so the LoRA
+//   pass after it finds them in the caches. The same bits as the two calls.
 // A row's result never depends on the other rows: the work is split over rows only.
 //
 // panel_linear: x·Wᵀ (+ bias) (+ residual) for float32 rows x [rows, in] and a weight held as
@@ -348,78 +353,105 @@ inline __m256 load8(const at::BFloat16* p) {
 inline float widen(float v) { return v; }
 inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
 
-// h[j] = dot(a, x[j]) for the n (<= kLoraTile) rows x[j] of a tile, length len: the same
-// accumulators and order for a row whatever n is.
-template <typename W>
-inline void dots(const W* a, const float* const* x, int64_t n, int64_t len, float* h) {
-  __m256 acc[kLoraTile][2];
-  for (int64_t j = 0; j < n; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+// The A pass, h[r][j] = dot(a[r], x[j]), for the N rows x[j] of a tile and R rank rows a[r]
+// (`len` apart) at once: N·R independent accumulators (eight lanes each) keep the FMA units
+// busy where one row's two would wait on each other, and each input vector loaded serves R
+// rank rows. Lane k sums the products at k, k + 8, ... in order, then the lanes are summed and
+// the tail added: a row's h[r] has the same bits whatever N and R it was computed in.
+template <typename W, int N, int R>
+inline void dots(const W* a, int64_t len, const float* const* x, float* h) {
+  __m256 acc[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < N; ++j) acc[r][j] = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 16 <= len; i += 16) {
-    const __m256 a0 = load8(a + i), a1 = load8(a + i + 8);
-    for (int64_t j = 0; j < n; ++j) {
-      acc[j][0] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(x[j] + i), acc[j][0]);
-      acc[j][1] = _mm256_fmadd_ps(a1, _mm256_loadu_ps(x[j] + i + 8), acc[j][1]);
+  for (; i + 8 <= len; i += 8) {
+    __m256 xv[N];
+    for (int j = 0; j < N; ++j) xv[j] = _mm256_loadu_ps(x[j] + i);
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = load8(a + r * len + i);
+      for (int j = 0; j < N; ++j) acc[r][j] = _mm256_fmadd_ps(av, xv[j], acc[r][j]);
     }
   }
-  for (int64_t j = 0; j < n; ++j) {
-    float sum = hsum(_mm256_add_ps(acc[j][0], acc[j][1]));
-    for (int64_t k = i; k < len; ++k) sum = std::fma(widen(a[k]), x[j][k], sum);
-    h[j] = sum;
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < N; ++j) {
+      float sum = hsum(acc[r][j]);
+      for (int64_t k = i; k < len; ++k) sum = std::fma(widen(a[r * len + k]), x[j][k], sum);
+      h[r * kLoraTile + j] = sum;
+    }
   }
 }
 
-// out[j][c] += Σ_r h[r][j]·up[r][c] for columns [lo, hi) (at most kLoraBlock) of one segment
-// (rank rows in order, `stride` apart in up), the n rows of a tile. Row by row, each read
-// whole and in order (the weights stream from memory), into a local delta added to the
-// output once; each element's sum in the same order on the vector and the scalar path.
+// h for `ranks` rank rows of a tile of N rows: eight rank rows a block for one row (eight
+// accumulators), four for two, two for three or four; the last rows one at a time.
+template <typename W, int N>
+inline void dots_rows(const W* a, int64_t len, int64_t ranks, const float* const* x, float* h) {
+  constexpr int R = N == 1 ? 8 : N == 2 ? 4 : 2;
+  int64_t r = 0;
+  for (; r + R <= ranks; r += R) dots<W, N, R>(a + r * len, len, x, h + r * kLoraTile);
+  for (; r < ranks; ++r) dots<W, N, 1>(a + r * len, len, x, h + r * kLoraTile);
+}
+
+template <typename W>
+inline void dots_tile(const W* a, int64_t len, int64_t ranks, const float* const* x, int64_t n, float* h) {
+  switch (n) {
+    case 1: return dots_rows<W, 1>(a, len, ranks, x, h);
+    case 2: return dots_rows<W, 2>(a, len, ranks, x, h);
+    case 3: return dots_rows<W, 3>(a, len, ranks, x, h);
+    default: return dots_rows<W, 4>(a, len, ranks, x, h);
+  }
+}
+
+// The B pass: out[j][c] += Σ_r h[r][j]·up[r][c] for columns [lo, hi) of one segment (rank rows
+// `stride` apart in up), the N rows of a tile. 8·V columns at a time, each row's sums held in
+// registers over every rank row (no round trip through memory per rank), then added to the
+// output once. Every element is one sum from 0.0 over the rank rows in order, then the add:
+// the same bits on the vector and the scalar path, whatever N.
+template <typename W, int N, int V>
+inline int64_t spread_vectors(const W* up, int64_t stride, int64_t ranks, const float* h, float* const* out, int64_t c,
+                              int64_t hi) {
+  for (; c + 8 * V <= hi; c += 8 * V) {
+    __m256 acc[N][V];
+    for (int j = 0; j < N; ++j)
+      for (int v = 0; v < V; ++v) acc[j][v] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < ranks; ++r) {
+      __m256 u[V];
+      for (int v = 0; v < V; ++v) u[v] = load8(up + r * stride + c + 8 * v);
+      for (int j = 0; j < N; ++j) {
+        const __m256 hj = _mm256_broadcast_ss(h + r * kLoraTile + j);
+        for (int v = 0; v < V; ++v) acc[j][v] = _mm256_fmadd_ps(hj, u[v], acc[j][v]);
+      }
+    }
+    for (int j = 0; j < N; ++j)
+      for (int v = 0; v < V; ++v) {
+        float* o = out[j] + c + 8 * v;
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[j][v]));
+      }
+  }
+  return c;
+}
+
+template <typename W, int N>
+inline void spread_rows(const W* up, int64_t stride, int64_t ranks, const float* h, float* const* out, int64_t lo, int64_t hi) {
+  constexpr int V = N == 1 ? 4 : 2;  // four independent sums a rank row at least
+  int64_t c = spread_vectors<W, N, V>(up, stride, ranks, h, out, lo, hi);
+  c = spread_vectors<W, N, 1>(up, stride, ranks, h, out, c, hi);
+  for (; c < hi; ++c) {
+    for (int j = 0; j < N; ++j) {
+      float delta = 0.0f;
+      for (int64_t r = 0; r < ranks; ++r) delta = std::fma(h[r * kLoraTile + j], widen(up[r * stride + c]), delta);
+      out[j][c] += delta;
+    }
+  }
+}
+
 template <typename W>
 inline void spread(const W* up, int64_t stride, int64_t ranks, const float* h, float* const* out, int64_t n, int64_t lo,
                    int64_t hi) {
-  alignas(32) float delta[kLoraTile][kLoraBlock];
-  const int64_t span = hi - lo, vec = span / 8 * 8;
-  for (int64_t j = 0; j < n; ++j) std::fill(delta[j], delta[j] + span, 0.0f);
-  int64_t r = 0;
-  for (; r + 2 <= ranks; r += 2) {  // two rank rows a pass: half the loads and stores of the deltas
-    const W* row0 = up + r * stride + lo;
-    const W* row1 = row0 + stride;
-    __m256 h0[kLoraTile], h1[kLoraTile];
-    for (int64_t j = 0; j < n; ++j) {
-      h0[j] = _mm256_broadcast_ss(h + r * kLoraTile + j);
-      h1[j] = _mm256_broadcast_ss(h + (r + 1) * kLoraTile + j);
-    }
-    for (int64_t c = 0; c < vec; c += 8) {
-      const __m256 u0 = load8(row0 + c), u1 = load8(row1 + c);
-      for (int64_t j = 0; j < n; ++j) {
-        const __m256 d = _mm256_fmadd_ps(h0[j], u0, _mm256_load_ps(delta[j] + c));
-        _mm256_store_ps(delta[j] + c, _mm256_fmadd_ps(h1[j], u1, d));
-      }
-    }
-    for (int64_t c = vec; c < span; ++c) {
-      const float u0 = widen(row0[c]), u1 = widen(row1[c]);
-      for (int64_t j = 0; j < n; ++j) {
-        delta[j][c] = std::fma(h[(r + 1) * kLoraTile + j], u1, std::fma(h[r * kLoraTile + j], u0, delta[j][c]));
-      }
-    }
-  }
-  for (; r < ranks; ++r) {
-    const W* row = up + r * stride + lo;
-    __m256 hv[kLoraTile];
-    for (int64_t j = 0; j < n; ++j) hv[j] = _mm256_broadcast_ss(h + r * kLoraTile + j);
-    for (int64_t c = 0; c < vec; c += 8) {
-      const __m256 u = load8(row + c);
-      for (int64_t j = 0; j < n; ++j) _mm256_store_ps(delta[j] + c, _mm256_fmadd_ps(hv[j], u, _mm256_load_ps(delta[j] + c)));
-    }
-    for (int64_t c = vec; c < span; ++c) {
-      const float u = widen(row[c]);
-      for (int64_t j = 0; j < n; ++j) delta[j][c] = std::fma(h[r * kLoraTile + j], u, delta[j][c]);
-    }
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    float* o = out[j] + lo;
-    int64_t c = 0;
-    for (; c < vec; c += 8) _mm256_storeu_ps(o + c, _mm256_add_ps(_mm256_loadu_ps(o + c), _mm256_load_ps(delta[j] + c)));
-    for (; c < span; ++c) o[c] += delta[j][c];
+  switch (n) {
+    case 1: return spread_rows<W, 1>(up, stride, ranks, h, out, lo, hi);
+    case 2: return spread_rows<W, 2>(up, stride, ranks, h, out, lo, hi);
+    case 3: return spread_rows<W, 3>(up, stride, ranks, h, out, lo, hi);
+    default: return spread_rows<W, 4>(up, stride, ranks, h, out, lo, hi);
   }
 }
 
@@ -427,9 +459,38 @@ struct LoraSegment {
   int64_t first, end, rank_begin, rank_end, offset;  // columns, rank rows, where its rows start in up
 };
 
+// The bytes of every adapter weight a call reads (the adapters some token uses), as ranges.
+using ByteRanges = std::vector<std::pair<const char*, int64_t>>;
+
+ByteRanges lora_weights(const at::Tensor& slots, at::TensorList downs, at::TensorList ups, const std::vector<int64_t>& ranks) {
+  std::vector<bool> used(ranks.size(), false);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    if (slot[t] >= 0 && ranks[slot[t]] > 0) used[slot[t]] = true;
+  ByteRanges ranges;
+  for (size_t s = 0; s < used.size(); ++s) {
+    if (!used[s]) continue;
+    for (const at::Tensor* weights : {&downs[s], &ups[s]})
+      ranges.emplace_back(static_cast<const char*>(weights->data_ptr()), weights->numel() * static_cast<int64_t>(weights->element_size()));
+  }
+  return ranges;
+}
+
+// Asks for the cache lines of bytes [lo, hi) of `ranges` taken end to end.
+inline void prefetch_bytes(const ByteRanges& ranges, int64_t lo, int64_t hi) {
+  int64_t start = 0;
+  for (const auto& [p, bytes] : ranges) {
+    const int64_t a = std::max(lo, start), b = std::min(hi, start + bytes);
+    for (int64_t i = (a - start) / 64 * 64; i < b - start; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+    start += bytes;
+    if (start >= hi) break;
+  }
+}
+
 template <typename W>
 void lora_add_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor& slots, at::TensorList downs,
-                   at::TensorList ups, const std::vector<std::vector<LoraSegment>>& segments, const std::vector<int64_t>& ranks) {
+                   at::TensorList ups, const std::vector<std::vector<LoraSegment>>& segments, const std::vector<int64_t>& ranks,
+                   bool fetch) {
   const int64_t tokens = x.size(0), in = x.size(1), width = out.size(1);
   const int64_t adapters = static_cast<int64_t>(ranks.size());
   // Tiles: up to kLoraTile tokens of one adapter, in token order.
@@ -450,19 +511,16 @@ void lora_add_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
     tile.token[tile.n++] = t;
   }
   if (tiles.empty()) return;
-  // Every weight this call reads, asked for at once: the step's GEMMs stream the base model's
-  // weights through the caches between two calls, so these come from memory, and lines asked
-  // for together arrive sooner than misses met one at a time by the passes below (measured on
-  // one decode row between the default model's GEMMs: ~5% of the call's time).
-  std::vector<bool> fetched(adapters, false);
-  for (const Tile& tile : tiles) {
-    if (fetched[tile.adapter]) continue;
-    fetched[tile.adapter] = true;
-    for (const at::Tensor* weights : {&downs[tile.adapter], &ups[tile.adapter]}) {
-      const char* p = static_cast<const char*>(weights->data_ptr());
-      const int64_t bytes = weights->numel() * static_cast<int64_t>(weights->element_size());
-      for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-    }
+  // Every weight this call reads, asked for at once (unless the GEMM before asked for them as it
+  // ran, panel_linear_lora): the step's GEMMs stream the base model's weights through the caches
+  // between two calls, so these come from memory, and lines asked for together arrive sooner
+  // than misses met one at a time by the passes below (measured on one decode row between the
+  // default model's GEMMs: ~5% of the call's time).
+  if (fetch) {
+    const ByteRanges ranges = lora_weights(slots, downs, ups, ranks);
+    int64_t bytes = 0;
+    for (const auto& range : ranges) bytes += range.second;
+    prefetch_bytes(ranges, 0, bytes);
   }
   int64_t widest = 0;
   for (int64_t s = 0; s < adapters; ++s) widest = std::max(widest, ranks[s]);
@@ -477,17 +535,21 @@ void lora_add_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
   int64_t work = 0;
   for (const Tile& tile : tiles) work += tile.n * ranks[tile.adapter] * (in + width);
   const bool threads = work >= kLoraThreadsFrom;
-  // The A pass: one task per (tile, rank row).
-  at::parallel_for(0, count * widest, threads ? std::max<int64_t>(1, 16384 / std::max<int64_t>(in, 1)) : count * widest, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const Tile& tile = tiles[item / widest];
-      const int64_t r = item % widest;
-      if (r >= ranks[tile.adapter]) continue;
-      const float* rows[kLoraTile];
-      for (int64_t j = 0; j < tile.n; ++j) rows[j] = xp + tile.token[j] * in;
-      dots(static_cast<const W*>(downs[tile.adapter].data_ptr()) + r * in, rows, tile.n, in, low.data() + item * kLoraTile);
-    }
-  });
+  // The A pass: one task per (tile, eight rank rows).
+  constexpr int64_t kGroup = 8;
+  const int64_t groups = (widest + kGroup - 1) / kGroup;
+  at::parallel_for(0, count * groups, threads ? std::max<int64_t>(1, 16384 / std::max<int64_t>(kGroup * in, 1)) : count * groups,
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t item = begin; item < end; ++item) {
+                       const Tile& tile = tiles[item / groups];
+                       const int64_t r = (item % groups) * kGroup, group = std::min(kGroup, ranks[tile.adapter] - r);
+                       if (group <= 0) continue;
+                       const float* rows[kLoraTile];
+                       for (int64_t j = 0; j < tile.n; ++j) rows[j] = xp + tile.token[j] * in;
+                       dots_tile(static_cast<const W*>(downs[tile.adapter].data_ptr()) + r * in, in, group, rows, tile.n,
+                                 low.data() + (item / groups) * widest * kLoraTile + r * kLoraTile);
+                     }
+                   });
   // The B pass: one task per (tile, kLoraBlock output columns); a column is in one segment
   // at most (each projection writes its own columns), whose rank rows it sums.
   const int64_t blocks = (width + kLoraBlock - 1) / kLoraBlock;
@@ -511,20 +573,22 @@ void lora_add_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
                    });
 }
 
-void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& slots, at::TensorList downs,
-               at::TensorList ups, at::TensorList spans) {
-  check_rows(out, "lora_add_ out");
-  check_rows(x, "lora_add_ x");
-  const int64_t tokens = x.size(0), in = x.size(1), width = out.size(1);
-  TORCH_CHECK(out.size(0) == tokens, "lora_add_: out and x have a row per token");
+struct LoraArgs {
+  std::vector<int64_t> ranks;                     // per adapter (0: nothing at this site)
+  std::vector<std::vector<LoraSegment>> segments;  // per adapter
+  at::ScalarType weights = at::kFloat;
+};
+
+// lora_add_'s lists checked against `tokens` rows of `in` inputs and `width` output columns.
+LoraArgs check_lora(int64_t tokens, int64_t in, int64_t width, const at::Tensor& slots, at::TensorList downs,
+                    at::TensorList ups, at::TensorList spans) {
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == tokens && slots.is_contiguous(),
               "lora_add_ slots: int64 [tokens]");
   const int64_t adapters = static_cast<int64_t>(downs.size());
   TORCH_CHECK(static_cast<int64_t>(ups.size()) == adapters && static_cast<int64_t>(spans.size()) == adapters,
               "lora_add_: one down, up and spans per adapter");
-  std::vector<int64_t> ranks(adapters);
-  std::vector<std::vector<LoraSegment>> segments(adapters);
-  at::ScalarType weights = at::kFloat;
+  LoraArgs args{std::vector<int64_t>(adapters), std::vector<std::vector<LoraSegment>>(adapters)};
+  auto& ranks = args.ranks;
   bool any = false;
   for (int64_t s = 0; s < adapters; ++s) {
     const at::Tensor& down = downs[s];
@@ -533,10 +597,10 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& slo
     TORCH_CHECK(down.dim() == 2 && down.is_contiguous() && (down.scalar_type() == at::kFloat || down.scalar_type() == at::kBFloat16),
                 "lora_add_ down: a contiguous float32 or bf16 [rank, in] tensor");
     TORCH_CHECK(down.size(1) == in, "lora_add_: an adapter's down is [rank, in]");
-    TORCH_CHECK(!any || down.scalar_type() == weights, "lora_add_: every adapter's weights in one dtype");
-    weights = down.scalar_type();
+    TORCH_CHECK(!any || down.scalar_type() == args.weights, "lora_add_: every adapter's weights in one dtype");
+    args.weights = down.scalar_type();
     any = true;
-    TORCH_CHECK(ups[s].scalar_type() == weights && ups[s].is_contiguous(), "lora_add_ up: contiguous, in its down's dtype");
+    TORCH_CHECK(ups[s].scalar_type() == args.weights && ups[s].is_contiguous(), "lora_add_ up: contiguous, in its down's dtype");
     const at::Tensor& span = spans[s];
     TORCH_CHECK(span.scalar_type() == at::kLong && span.is_contiguous() && span.dim() == 2 && span.size(1) == 4,
                 "lora_add_ spans: int64 [segments, 4] (first column, end column, first rank row, end rank row)");
@@ -549,19 +613,32 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& slo
       column = seg.end;
       rank = seg.rank_end;
       offset += (seg.rank_end - seg.rank_begin) * (seg.end - seg.first);
-      segments[s].push_back(seg);
+      args.segments[s].push_back(seg);
     }
     TORCH_CHECK(rank == ranks[s] && offset == ups[s].numel(), "lora_add_: the segments cover the down's rank rows and the up");
   }
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= -1 && slot[t] < adapters, "lora_add_: a slot past the adapters");
-  if (weights == at::kBFloat16) {
-    lora_add_impl<at::BFloat16>(out, x, slots, downs, ups, segments, ranks);
+  return args;
+}
+
+void run_lora(const at::Tensor& out, const at::Tensor& x, const at::Tensor& slots, at::TensorList downs, at::TensorList ups,
+              const LoraArgs& args, bool fetch) {
+  if (args.weights == at::kBFloat16) {
+    lora_add_impl<at::BFloat16>(out, x, slots, downs, ups, args.segments, args.ranks, fetch);
   } else {
-    lora_add_impl<float>(out, x, slots, downs, ups, segments, ranks);
+    lora_add_impl<float>(out, x, slots, downs, ups, args.segments, args.ranks, fetch);
   }
 }
 
+void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& slots, at::TensorList downs,
+               at::TensorList ups, at::TensorList spans) {
+  check_rows(out, "lora_add_ out");
+  check_rows(x, "lora_add_ x");
+  TORCH_CHECK(out.size(0) == x.size(0), "lora_add_: out and x have a row per token");
+  const LoraArgs args = check_lora(x.size(0), x.size(1), out.size(1), slots, downs, ups, spans);
+  run_lora(out, x, slots, downs, ups, args, true);
+}
 
 // ---- panel_linear (AVX-512F; bf16 pairs: AVX512-BF16) ----
 #define TW_AVX512 __attribute__((target("avx512f")))
@@ -654,16 +731,25 @@ TW_AVX512_BF16 void panel_columns(const typename L::X* x, int64_t rows, int64_t 
   }
 }
 
+// `ahead`: bytes (an adapter's weights, panel_linear_lora) asked for while the GEMM runs, a
+// slice with each tile of panels, so they are in the caches when the GEMM ends rather than met
+// cold, one miss after another, by the pass after it.
 template <typename L>
 void panel_linear_impl(const typename L::X* x, int64_t rows, int64_t steps, const typename L::Weight* panels,
-                       int64_t n, float* out, const float* bias, const float* residual) {
-  const int64_t per_panel = steps * kPanel * L::kInputs;
+                       int64_t n, float* out, const float* bias, const float* residual, const ByteRanges* ahead = nullptr) {
+  const int64_t per_panel = steps * kPanel * L::kInputs, count = n / kPanel;
+  int64_t ahead_bytes = 0;
+  if (ahead != nullptr)
+    for (const auto& range : *ahead) ahead_bytes += range.second;
   // The threads split the panels (columns), never the rows or the reduction.
-  at::parallel_for(0, n / kPanel, kTilePanels, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, count, kTilePanels, [&](int64_t begin, int64_t end) {
     int64_t p = begin;
-    for (; p + kTilePanels <= end; p += kTilePanels)
+    for (; p + kTilePanels <= end; p += kTilePanels) {
+      if (ahead_bytes > 0) prefetch_bytes(*ahead, ahead_bytes * p / count, ahead_bytes * (p + kTilePanels) / count);
       panel_columns<L, kTilePanels>(x, rows, steps, panels + p * per_panel, out + p * kPanel, n,
                                     bias ? bias + p * kPanel : nullptr, residual ? residual + p * kPanel : nullptr);
+    }
+    if (ahead_bytes > 0 && p < end) prefetch_bytes(*ahead, ahead_bytes * p / count, ahead_bytes * end / count);
     const typename L::Weight* w = panels + p * per_panel;
     float* o = out + p * kPanel;
     const float* b = bias ? bias + p * kPanel : nullptr;
@@ -680,8 +766,8 @@ void panel_linear_impl(const typename L::X* x, int64_t rows, int64_t steps, cons
 bool cpu_has_avx512f() { return __builtin_cpu_supports("avx512f"); }
 bool cpu_has_avx512bf16() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"); }
 
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                        const std::optional<at::Tensor>& residual) {
+at::Tensor panel_linear_run(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual, const ByteRanges* ahead) {
   TORCH_CHECK(cpu_has_avx512f(), "panel_linear: this CPU lacks AVX-512F");
   check_rows(x, "panel_linear x");
   const bool pairs = panels.dim() == 3 && panels.size(2) == 2 * kPanel;
@@ -707,14 +793,34 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   if (pairs) {
     const at::Tensor rounded = x.to(at::kBFloat16);  // round to nearest even, as oneDNN's bf16 GEMM reads it
     const auto* xp = reinterpret_cast<const int32_t*>(rounded.data_ptr<at::BFloat16>());
-    panel_linear_impl<Pairs>(xp, rows, k_len / 2, panels.data_ptr<at::BFloat16>(), n, out.data_ptr<float>(), b, res);
+    panel_linear_impl<Pairs>(xp, rows, k_len / 2, panels.data_ptr<at::BFloat16>(), n, out.data_ptr<float>(), b, res, ahead);
   } else if (panels.scalar_type() == at::kBFloat16) {
     panel_linear_impl<Widened<at::BFloat16>>(x.data_ptr<float>(), rows, k_len, panels.data_ptr<at::BFloat16>(), n,
-                                             out.data_ptr<float>(), b, res);
+                                             out.data_ptr<float>(), b, res, ahead);
   } else {
     panel_linear_impl<Widened<float>>(x.data_ptr<float>(), rows, k_len, panels.data_ptr<float>(), n,
-                                      out.data_ptr<float>(), b, res);
+                                      out.data_ptr<float>(), b, res, ahead);
   }
+  return out;
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& residual) {
+  return panel_linear_run(x, panels, bias, residual, nullptr);
+}
+
+// panel_linear, then lora_add_ on its output: one call where the native pass makes two at each
+// GEMM an adapter adapts (~120 a decode step), and the adapters' weights asked for while the
+// GEMM streams the base weights (`ahead`), not met cold after it. The same bits as the two calls.
+at::Tensor panel_linear_lora(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& residual, const at::Tensor& slots, at::TensorList downs,
+                             at::TensorList ups, at::TensorList spans) {
+  check_rows(x, "panel_linear x");
+  const int64_t width = panels.dim() == 3 ? panels.size(0) * kPanel : 0;
+  const LoraArgs args = check_lora(x.size(0), x.size(1), width, slots, downs, ups, spans);
+  const ByteRanges ahead = lora_weights(slots, downs, ups, args.ranks);
+  at::Tensor out = panel_linear_run(x, panels, bias, residual, &ahead);
+  run_lora(out, x, slots, downs, ups, args, false);
   return out;
 }
 
@@ -726,6 +832,7 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("silu_mul(Tensor gate_up, int intermediate) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor slots, Tensor[] downs, Tensor[] ups, Tensor[] spans) -> ()");
+  m.def("panel_linear_lora(Tensor x, Tensor panels, Tensor? bias, Tensor? residual, Tensor slots, Tensor[] downs, Tensor[] ups, Tensor[] spans) -> Tensor");
   m.def("store_kv(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, Tensor blocks, Tensor offsets, int heads) -> ()");
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("cpu_has_avx512f() -> bool", &cpu_has_avx512f);
@@ -740,4 +847,5 @@ TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
   m.impl("store_kv", &store_kv);
   m.impl("lora_add_", &lora_add_);
   m.impl("panel_linear", &panel_linear);
+  m.impl("panel_linear_lora", &panel_linear_lora);
 }
