@@ -464,3 +464,44 @@ def test_a_bf16_row_gets_the_same_bits_in_a_gemm_of_any_size() -> None:
 
     verdict = rows_per_call_consistent([FollowsSize()])  # type: ignore[list-item]
     assert verdict is not None and "a 17-row GEMM" in verdict
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_layer_in_one_compiled_call_gives_the_python_loops_bits(tiny_model_dir: Path, dtype: str) -> None:
+    """Where every GEMM is the panels and the compiled ops do the rest (an AVX-512F CPU), a step's
+    layers run as one ``decoder_layers`` call: the same logits and the same keys and values in
+    the cache, bit for bit, as the loop of calls it replaces, over prompts read whole and in
+    chunks and a step that mixes decoding rows with a prompt chunk."""
+    if kernel_unbuildable() or panel_library() is None:
+        pytest.skip("the compiled ops' panels need an x86 CPU with AVX-512F and a C++ compiler")
+    model = load_model(str(tiny_model_dir), dtype=dtype).model
+    fused = NativeForward(model, fresh_cache(model, poisoned=True), batch_hint=4, kernel_choice="compiled")
+    loop = NativeForward(model, fresh_cache(model, poisoned=True), batch_hint=4, kernel_choice="compiled")
+    assert fused.fused_layers and loop.fused_layers
+    loop.fused_layers = False
+
+    def no_loop(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the fused pass ran the Python loop")
+
+    fused._layers = no_loop  # type: ignore[method-assign]
+    generator = torch.Generator().manual_seed(4)
+    first = torch.randint(10, 200, (37,), generator=generator).tolist()
+    second = torch.randint(10, 200, (23,), generator=generator).tolist()
+    steps = [
+        (first, list(range(37)), [slot_segment(0, 0, 37)], list(range(37))),
+        (first[:20], list(range(20)), [slot_segment(1, 0, 20)], [19]),
+        (first[20:], list(range(20, 37)), [slot_segment(1, 20, 17)], [16]),
+        (
+            [5, 6, *second[:15]], [37, 37, *range(15)],
+            [slot_segment(0, 37, 1), slot_segment(1, 37, 1), slot_segment(2, 0, 15)], [0, 1, 16],
+        ),
+        ([7], [38], [slot_segment(0, 38, 1)], [0]),
+    ]  # fmt: skip
+    for ids, positions, segments, emit in steps:
+        got = fused(torch.tensor(ids), torch.tensor(positions), segments, emit)
+        want = loop(torch.tensor(ids), torch.tensor(positions), segments, emit)
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, want)
+    for mine, theirs in zip(fused.cache.layers, loop.cache.layers, strict=True):
+        assert torch.equal(mine.keys.nan_to_num(), theirs.keys.nan_to_num())
+        assert torch.equal(mine.values.nan_to_num(), theirs.values.nan_to_num())

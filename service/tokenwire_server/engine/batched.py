@@ -178,6 +178,7 @@ class BatchedEngine(Engine):
                 **resolved.log_fields(),
                 "onednn_packed": native is not None and native.gemm == "onednn",
                 "gemm": native.gemm if native is not None else None,
+                "fused_layers": native.fused_layers if native is not None else False,
                 "kernels": self.kernels,
                 "why_not_compiled": native.ops_reason if native is not None else None,
                 "compiled_ops_on_torch": native.ops_fallbacks if native is not None else None,

@@ -53,6 +53,7 @@ import logging
 import mmap
 import sys
 import time
+import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -549,6 +550,41 @@ class NativeForward:
                 extra={"ops": "torch", "why": self.ops_reason or self.ops_fallbacks.get("decode_attention", "")},
             )
 
+        # Every layer of a step in one compiled call (``decoder_layers``), where each of its GEMMs
+        # is the panels and the compiled ops do the rest: the same calls the Python loop makes
+        # (``_layers``), without a Python frame and ~17 dispatches a layer. False: the loop.
+        self.fused_layers = (
+            isinstance(self.ops, CompiledOps)
+            and isinstance(self.decode_attention, PagedDecodeAttention)
+            and hasattr(self.ops.library, "decoder_layers")
+            and all(
+                isinstance(gemm, Linear) and gemm.kind == "panels"
+                for layer in self.layers
+                for gemm in (layer.qkv, layer.out, layer.gate_up, layer.down)
+            )
+        )
+        self._layer_lists: tuple[list[torch.Tensor], ...] | None = None
+
+    def layer_lists(self) -> tuple[list[torch.Tensor], ...]:
+        """``decoder_layers``' weight lists and the cache's keys and values per layer (built once)."""
+        if self._layer_lists is None:
+            none = torch.empty(0)
+            gemms = [
+                typing.cast("list[Linear]", [layer.qkv, layer.out, layer.gate_up, layer.down]) for layer in self.layers
+            ]
+            self._layer_lists = (
+                [layer.input_norm for layer in self.layers],
+                [g[0].weight for g in gemms],
+                [g[1].weight for g in gemms],
+                [layer.post_norm for layer in self.layers],
+                [g[2].weight for g in gemms],
+                [g[3].weight for g in gemms],
+                [none if gemm.bias is None else gemm.bias for g in gemms for gemm in g],
+                [layer.keys for layer in self.cache.layers],
+                [layer.values for layer in self.cache.layers],
+            )
+        return self._layer_lists
+
     @property
     def gemm(self) -> str:
         """Which GEMM the full-precision layers run: "panels" (the compiled ``panel_linear``),
@@ -705,7 +741,15 @@ class NativeForward:
                 offset += segment.count
             return attended[0] if len(attended) == 1 else torch.cat(attended)
 
-        hidden = self._layers(hidden, ops, cos, sin, attend, lora)
+        if self.fused_layers and lora is None and single_plan is not None and not chunks:
+            assert isinstance(ops, CompiledOps) and isinstance(attention, PagedDecodeAttention)
+            tables, lengths = single_plan
+            hidden = ops.library.decoder_layers(
+                hidden, *self.layer_lists(), cos, sin, where.blocks, where.offsets, tables, lengths,
+                self.eps, attention.scale, self.heads, self.kv_heads, self.intermediate,
+            )  # fmt: skip
+        else:
+            hidden = self._layers(hidden, ops, cos, sin, attend, lora)
         picked = (
             hidden if emit == list(range(tokens)) else hidden.index_select(0, host_tensor(emit, torch.long, device))
         )

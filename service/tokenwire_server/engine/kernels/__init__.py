@@ -14,7 +14,9 @@
 - ``lora_add_``: each row's LoRA adapter delta after a GEMM, every row and adapter of the
   step in one call (``engine/lora.py``), where stock torch would run two GEMMs per adapter;
   ``panel_linear_lora``, the panels' GEMM and it in one call, the adapters' weights fetched
-  while the GEMM runs.
+  while the GEMM runs;
+- ``decoder_layers``: every decoder layer of a step in one call, where every GEMM is the
+  panels: the same functions in the same order as the native pass's Python loop.
 
 The source is compiled on first use (about 15 s on 2 cores) into
 ``<cache>/kernels/<key>/`` (``$TOKENWIRE_KERNEL_DIR``, else ``$TOKENWIRE_CACHE_DIR`` or the

@@ -32,6 +32,8 @@
 //   for while the GEMM streams the base weights, a slice with each tile of panels, so the LoRA
 //   pass after it finds them in the caches. The same bits as the two calls.
 // A row's result never depends on the other rows: the work is split over rows only.
+// decoder_layers: every decoder layer of a step in one call (the panels and the ops above, in
+//   the order the native pass's Python loop calls them): one dispatch a step, not ~500.
 //
 // panel_linear: x·Wᵀ (+ bias) (+ residual) for float32 rows x [rows, in] and a weight held as
 //   panels of 16 output columns ([out / 16, in, 16]: panel p, input k holds W[16p..16p+15][k]),
@@ -824,6 +826,47 @@ at::Tensor panel_linear_lora(const at::Tensor& x, const at::Tensor& panels, cons
   return out;
 }
 
+// decoder_layers: every decoder layer of a step in one call, on the compiled ops and the panels:
+// per layer, rms_norm -> q/k/v GEMM -> rope_ on q and k -> store_kv -> decode_attention -> o GEMM
+// plus the residual -> rms_norm -> gate/up GEMM -> silu_mul -> down GEMM plus the residual: the
+// calls the native pass makes from Python one by one (~17 a layer with the views between them),
+// made here with the same functions in the same order, so the same bits. `biases`: four per
+// layer (q/k/v, o, gate/up, down), an empty tensor where a GEMM has none.
+at::Tensor decoder_layers(const at::Tensor& hidden_in, at::TensorList input_norms, at::TensorList qkvs, at::TensorList outs,
+                          at::TensorList post_norms, at::TensorList gate_ups, at::TensorList downs, at::TensorList biases,
+                          at::TensorList keys, at::TensorList values, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& blocks, const at::Tensor& offsets, const at::Tensor& tables,
+                          const at::Tensor& lengths, double eps, double scale, int64_t heads, int64_t kv_heads,
+                          int64_t intermediate) {
+  const size_t layers = input_norms.size();
+  TORCH_CHECK(qkvs.size() == layers && outs.size() == layers && post_norms.size() == layers && gate_ups.size() == layers &&
+                  downs.size() == layers && keys.size() == layers && values.size() == layers && biases.size() == 4 * layers,
+              "decoder_layers: one of each weight, keys and values per layer, four biases per layer");
+  check_rows(hidden_in, "decoder_layers hidden");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) % 2 == 0, "decoder_layers cos: [tokens, head dim]");
+  const int64_t tokens = hidden_in.size(0), dim = cos.size(1);
+  auto bias = [&](size_t layer, size_t gemm) -> std::optional<at::Tensor> {
+    const at::Tensor& b = biases[4 * layer + gemm];
+    return b.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(b);
+  };
+  at::Tensor hidden = hidden_in;
+  for (size_t i = 0; i < layers; ++i) {
+    at::Tensor normed = rms_norm(hidden, input_norms[i], eps);
+    at::Tensor qkv = panel_linear_run(normed, qkvs[i], bias(i, 0), std::nullopt, nullptr);
+    TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim, "decoder_layers: q/k/v GEMM width is (heads + 2 kv_heads) x head dim");
+    at::Tensor qk = qkv.narrow(1, 0, (heads + kv_heads) * dim).view({tokens, heads + kv_heads, dim});
+    rope_(qk, cos, sin);
+    store_kv(qkv, keys[i], values[i], blocks, offsets, heads);
+    at::Tensor attended = decode_attention(qk.narrow(1, 0, heads).contiguous(), keys[i], values[i], tables, lengths, scale)
+                              .reshape({tokens, heads * dim});
+    hidden = panel_linear_run(attended, outs[i], bias(i, 1), hidden, nullptr);
+    normed = rms_norm(hidden, post_norms[i], eps);
+    at::Tensor gate_up = panel_linear_run(normed, gate_ups[i], bias(i, 2), std::nullopt, nullptr);
+    hidden = panel_linear_run(silu_mul(gate_up, intermediate), downs[i], bias(i, 3), hidden, nullptr);
+  }
+  return hidden;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenwire, m) {
@@ -832,6 +875,7 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("silu_mul(Tensor gate_up, int intermediate) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor slots, Tensor[] downs, Tensor[] ups, Tensor[] spans) -> ()");
+  m.def("decoder_layers(Tensor hidden, Tensor[] input_norms, Tensor[] qkvs, Tensor[] outs, Tensor[] post_norms, Tensor[] gate_ups, Tensor[] downs, Tensor[] biases, Tensor[] keys, Tensor[] values, Tensor cos, Tensor sin, Tensor blocks, Tensor offsets, Tensor tables, Tensor lengths, float eps, float scale, int heads, int kv_heads, int intermediate) -> Tensor");
   m.def("panel_linear_lora(Tensor x, Tensor panels, Tensor? bias, Tensor? residual, Tensor slots, Tensor[] downs, Tensor[] ups, Tensor[] spans) -> Tensor");
   m.def("store_kv(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, Tensor blocks, Tensor offsets, int heads) -> ()");
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, Tensor? residual) -> Tensor");
@@ -848,4 +892,5 @@ TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
   m.impl("lora_add_", &lora_add_);
   m.impl("panel_linear", &panel_linear);
   m.impl("panel_linear_lora", &panel_linear_lora);
+  m.impl("decoder_layers", &decoder_layers);
 }
