@@ -781,3 +781,27 @@ def test_make_kernels_shows_the_compilers_warnings_and_fails_when_the_build_does
     captured = capsys.readouterr()
     assert "the build failed" in captured.err and "undeclared" in captured.err
     assert not kernels.library_path().exists()
+
+
+def test_bad_lists_to_decoder_layers_are_errors_that_say_which() -> None:
+    """The one-call layers (``engine.native``'s ``fused_layers``) check their lists' lengths before any work."""
+    ops = panel_ops()
+    hidden, cos, empty = torch.zeros(1, 16), torch.zeros(1, 16), torch.empty(0, dtype=torch.long)
+    weight = torch.zeros(1, 16, 16)
+    one, four = [torch.ones(16)], [torch.empty(0)] * 4
+    lists = [
+        one,
+        [weight],
+        [weight],
+        one,
+        [weight],
+        [weight],
+        four,
+        [torch.zeros(1, 1, 16, 16)] * 1,
+        [torch.zeros(1, 1, 16, 16)],
+    ]
+    plan = [cos, cos, empty, empty, empty.view(1, 0), empty, 1e-5, 1.0, 1, 1, 8]
+    with pytest.raises(RuntimeError, match="four biases per layer"):
+        ops.decoder_layers(hidden, *lists[:6], [torch.empty(0)], *lists[7:], *plan, empty, [], [], [], 0)
+    with pytest.raises(RuntimeError, match="lora_add_'s lists for each of the four GEMMs"):
+        ops.decoder_layers(hidden, *lists, *plan, torch.zeros(1, dtype=torch.long), [], [], [], 1)

@@ -655,3 +655,58 @@ def test_vllm_reserves_lora_slots_for_the_smallest_rank_it_takes_that_holds_max_
     assert all(vllm_lora_rank(r) == r for r in VLLM_LORA_RANKS)
     with pytest.raises(ValueError, match="up to 512"):
         vllm_lora_rank(513)
+
+
+def test_a_steps_adapters_in_the_one_call_layers_give_the_python_loops_bits(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """Where the pass runs every layer in one compiled call (``decoder_layers``: panels, compiled
+    ops), a step's adapters ride in it (each adapted GEMM as ``panel_linear_lora``): the same
+    logits, bit for bit, as the Python loop with ``RowAdapters``, for rows of two adapters and
+    none, one adapter alone, and a prompt chunk beside decoding rows."""
+    from engine_support import fresh_cache, slot_segment
+    from tokenwire_server.engine.native import NativeForward, panel_library
+
+    if panel_library() is None:
+        pytest.skip("the compiled ops' panels need an x86 CPU with AVX-512F and a C++ compiler")
+    model = load_model(str(tiny_model_dir), dtype="float32").model
+    passes = []
+    for _ in range(2):
+        native = NativeForward(model, fresh_cache(model), batch_hint=4, kernel_choice="compiled")
+        assert native.fused_layers
+        packed = {
+            name: lora.pack(read_adapter(name, adapters[name], model.config, 64), native, 4)
+            for name in ("all8", "mlp16")
+        }
+        passes.append((native, packed))
+    passes[1][0].fused_layers = False
+
+    def no_loop(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the one-call pass ran the Python loop")
+
+    passes[0][0]._layers = no_loop  # type: ignore[method-assign]
+    generator = torch.Generator().manual_seed(8)
+    prompt = torch.randint(10, 200, (12,), generator=generator).tolist()
+    steps = [  # (ids, positions, segments, emit, each token's adapter)
+        (prompt, list(range(12)), [slot_segment(0, 0, 12)], [11], ["all8"] * 12),
+        (prompt[:5], list(range(5)), [slot_segment(1, 0, 5)], [4], ["mlp16"] * 5),
+        (prompt[:5], list(range(5)), [slot_segment(2, 0, 5)], [4], [None] * 5),
+        (
+            [3, 4, 5, *prompt[:4]], [12, 5, 5, *range(4)],
+            [slot_segment(0, 12, 1), slot_segment(1, 5, 1), slot_segment(2, 5, 1), slot_segment(3, 0, 4)],
+            [0, 1, 2, 6], ["all8", "mlp16", None, *["all8"] * 4],
+        ),
+    ]  # fmt: skip
+    for ids, positions, segments, emit, names in steps:
+        logits = []
+        for native, packed in passes:
+            step = lora.StepAdapters.of([None if n is None else packed[n] for n in names], torch.device("cpu"))
+            assert isinstance(step, lora.RowAdapters) or not any(names)
+            logits.append(native(torch.tensor(ids), torch.tensor(positions), segments, emit, lora=step))
+        assert torch.equal(logits[0], logits[1])
+    fused, packed = passes[0]
+    base = fused(torch.tensor(prompt), torch.arange(12), [slot_segment(4, 0, 12)], [11])
+    adapted = lora.StepAdapters.of([packed["all8"]] * 12, torch.device("cpu"))
+    assert not torch.equal(
+        base, fused(torch.tensor(prompt), torch.arange(12), [slot_segment(5, 0, 12)], [11], lora=adapted)
+    )

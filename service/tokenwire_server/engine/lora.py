@@ -105,6 +105,14 @@ class PackedAdapter:
         """``lora_add_``'s lists per site for a step with this adapter alone (RowSites; built once)."""
         return calls_of([self])
 
+    def flat_calls(self, layers: int) -> FlatCalls:
+        """``flat_calls`` of a step with this adapter alone over ``layers`` layers (built once)."""
+        cached = self.__dict__.get("_flat")
+        if cached is None or cached[0] != layers:
+            cached = (layers, flat_calls(self.calls, 1, layers))
+            object.__setattr__(self, "_flat", cached)
+        return typing.cast("FlatCalls", cached[1])
+
 
 def pack(adapter: Adapter, native: NativeForward, batch_hint: int) -> PackedAdapter:
     """``adapter``'s weights as ``native`` applies them: RowSites where it runs the compiled CPU
@@ -190,6 +198,27 @@ def calls_of(adapters: list[PackedAdapter]) -> dict[tuple[int, str], Call]:
     return calls
 
 
+# A layer's GEMMs in the order ``decoder_layers`` (``kernels/cpu_ops.cpp``) takes their lists.
+GEMM_ORDER = ("qkv", "o", "gate_up", "down")
+FlatCalls = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+
+
+def flat_calls(calls: dict[tuple[int, str], Call], adapters: int, layers: int) -> FlatCalls:
+    """``calls`` as ``decoder_layers`` takes them: lora_add_'s three lists for every GEMM of every
+    layer in turn (``GEMM_ORDER``), ``adapters`` entries each, empty where none adapts it."""
+    none = [_NONE] * adapters
+    downs: list[torch.Tensor] = []
+    ups: list[torch.Tensor] = []
+    spans: list[torch.Tensor] = []
+    for layer in range(layers):
+        for site in GEMM_ORDER:
+            down, up, span = calls.get((layer, site), (none, none, none))
+            downs += down
+            ups += up
+            spans += span
+    return downs, ups, spans
+
+
 class StepAdapters:
     """A step's tokens by adapter, applied after each GEMM (``add``): through the compiled op
     (``RowAdapters``) or masked GEMMs (``MaskedAdapters``), as the adapters were packed."""
@@ -217,6 +246,12 @@ class StepAdapters:
         out = gemm(x) if residual is None else gemm.plus(x, residual)
         return self.add(out, x, layer, site)
 
+    def layer_lists(self, layers: int) -> tuple[Any, ...] | None:
+        """``decoder_layers``' LoRA arguments (slots, the flattened lists, the adapter count) for
+        a pass of ``layers`` layers; None where the adapters are not applied through the compiled
+        ops (the pass then runs its Python loop)."""
+        return None
+
 
 class RowAdapters(StepAdapters):
     """One ``lora_add_`` per site for all the step's tokens: ``slots``, each token's index in
@@ -229,6 +264,13 @@ class RowAdapters(StepAdapters):
         self.slots = torch.tensor([-1 if a is None else index[id(a)] for a in per_token], dtype=torch.long)
         # Each site's lists for lora_add_: built once for the step, not at each of its ~120 calls.
         self.calls = adapters[0].calls if len(adapters) == 1 else calls_of(adapters)
+
+    def layer_lists(self, layers: int) -> tuple[Any, ...] | None:
+        if len(self.adapters) == 1:
+            flat = self.adapters[0].flat_calls(layers)
+        else:
+            flat = flat_calls(self.calls, len(self.adapters), layers)
+        return (self.slots, *flat, len(self.adapters))
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> torch.Tensor:
         call = self.calls.get((layer, site))

@@ -230,6 +230,9 @@ class Linear:
         return residual + F.linear(x, self.weight, self.bias)
 
 
+# ``decoder_layers``' LoRA arguments for a step without adapters: no slots, empty lists.
+NO_ADAPTERS: tuple[Any, ...] = (torch.empty(0, dtype=torch.long), [], [], [], 0)
+
 # The output columns of one panel of ``panel_linear`` (cpu_ops.cpp: kPanel).
 PANEL = 16
 
@@ -552,7 +555,8 @@ class NativeForward:
 
         # Every layer of a step in one compiled call (``decoder_layers``), where each of its GEMMs
         # is the panels and the compiled ops do the rest: the same calls the Python loop makes
-        # (``_layers``), without a Python frame and ~17 dispatches a layer. False: the loop.
+        # (``_layers``), without a Python frame and ~17 dispatches a layer, a step's LoRA adapters
+        # included where they run on the compiled ops (``StepAdapters.layer_lists``). False: the loop.
         self.fused_layers = (
             isinstance(self.ops, CompiledOps)
             and isinstance(self.decode_attention, PagedDecodeAttention)
@@ -741,12 +745,13 @@ class NativeForward:
                 offset += segment.count
             return attended[0] if len(attended) == 1 else torch.cat(attended)
 
-        if self.fused_layers and lora is None and single_plan is not None and not chunks:
+        adapted = NO_ADAPTERS if lora is None else lora.layer_lists(len(self.layers))
+        if self.fused_layers and adapted is not None and single_plan is not None and not chunks:
             assert isinstance(ops, CompiledOps) and isinstance(attention, PagedDecodeAttention)
             tables, lengths = single_plan
             hidden = ops.library.decoder_layers(
                 hidden, *self.layer_lists(), cos, sin, where.blocks, where.offsets, tables, lengths,
-                self.eps, attention.scale, self.heads, self.kv_heads, self.intermediate,
+                self.eps, attention.scale, self.heads, self.kv_heads, self.intermediate, *adapted,
             )  # fmt: skip
         else:
             hidden = self._layers(hidden, ops, cos, sin, attend, lora)

@@ -831,17 +831,38 @@ at::Tensor panel_linear_lora(const at::Tensor& x, const at::Tensor& panels, cons
 // plus the residual -> rms_norm -> gate/up GEMM -> silu_mul -> down GEMM plus the residual: the
 // calls the native pass makes from Python one by one (~17 a layer with the views between them),
 // made here with the same functions in the same order, so the same bits. `biases`: four per
-// layer (q/k/v, o, gate/up, down), an empty tensor where a GEMM has none.
+// layer (q/k/v, o, gate/up, down), an empty tensor where a GEMM has none. LoRA: `slots` (one per
+// token, as lora_add_ takes them; empty: no adapter in the step) and lora_add_'s lists for each
+// GEMM in turn (layer by layer, the four GEMMs in that order), `adapters` entries each: where
+// some adapter adapts a GEMM, it runs as panel_linear_lora.
 at::Tensor decoder_layers(const at::Tensor& hidden_in, at::TensorList input_norms, at::TensorList qkvs, at::TensorList outs,
                           at::TensorList post_norms, at::TensorList gate_ups, at::TensorList downs, at::TensorList biases,
                           at::TensorList keys, at::TensorList values, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& blocks, const at::Tensor& offsets, const at::Tensor& tables,
                           const at::Tensor& lengths, double eps, double scale, int64_t heads, int64_t kv_heads,
-                          int64_t intermediate) {
+                          int64_t intermediate, const at::Tensor& slots, at::TensorList lora_downs, at::TensorList lora_ups,
+                          at::TensorList lora_spans, int64_t adapters) {
   const size_t layers = input_norms.size();
   TORCH_CHECK(qkvs.size() == layers && outs.size() == layers && post_norms.size() == layers && gate_ups.size() == layers &&
                   downs.size() == layers && keys.size() == layers && values.size() == layers && biases.size() == 4 * layers,
               "decoder_layers: one of each weight, keys and values per layer, four biases per layer");
+  const bool lora = slots.numel() > 0;
+  const size_t per_gemm = lora ? static_cast<size_t>(adapters) : 0;
+  TORCH_CHECK(!lora || (adapters > 0 && lora_downs.size() == 4 * layers * per_gemm && lora_ups.size() == lora_downs.size() &&
+                        lora_spans.size() == lora_downs.size()),
+              "decoder_layers: lora_add_'s lists for each of the four GEMMs of each layer, `adapters` entries each");
+  // One GEMM of layer i (gemm: 0 q/k/v, 1 o, 2 gate/up, 3 down), with its adapters where any adapts it.
+  auto gemm = [&](size_t i, size_t which, const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& residual) -> at::Tensor {
+    if (lora) {
+      const size_t first = (4 * i + which) * per_gemm;
+      const at::TensorList d = lora_downs.slice(first, per_gemm), u = lora_ups.slice(first, per_gemm),
+                           sp = lora_spans.slice(first, per_gemm);
+      if (std::any_of(d.begin(), d.end(), [](const at::Tensor& t) { return t.numel() > 0; }))
+        return panel_linear_lora(x, panels, bias, residual, slots, d, u, sp);
+    }
+    return panel_linear_run(x, panels, bias, residual, nullptr);
+  };
   check_rows(hidden_in, "decoder_layers hidden");
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) % 2 == 0, "decoder_layers cos: [tokens, head dim]");
   const int64_t tokens = hidden_in.size(0), dim = cos.size(1);
@@ -852,17 +873,17 @@ at::Tensor decoder_layers(const at::Tensor& hidden_in, at::TensorList input_norm
   at::Tensor hidden = hidden_in;
   for (size_t i = 0; i < layers; ++i) {
     at::Tensor normed = rms_norm(hidden, input_norms[i], eps);
-    at::Tensor qkv = panel_linear_run(normed, qkvs[i], bias(i, 0), std::nullopt, nullptr);
+    at::Tensor qkv = gemm(i, 0, normed, qkvs[i], bias(i, 0), std::nullopt);
     TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * dim, "decoder_layers: q/k/v GEMM width is (heads + 2 kv_heads) x head dim");
     at::Tensor qk = qkv.narrow(1, 0, (heads + kv_heads) * dim).view({tokens, heads + kv_heads, dim});
     rope_(qk, cos, sin);
     store_kv(qkv, keys[i], values[i], blocks, offsets, heads);
     at::Tensor attended = decode_attention(qk.narrow(1, 0, heads).contiguous(), keys[i], values[i], tables, lengths, scale)
                               .reshape({tokens, heads * dim});
-    hidden = panel_linear_run(attended, outs[i], bias(i, 1), hidden, nullptr);
+    hidden = gemm(i, 1, attended, outs[i], bias(i, 1), hidden);
     normed = rms_norm(hidden, post_norms[i], eps);
-    at::Tensor gate_up = panel_linear_run(normed, gate_ups[i], bias(i, 2), std::nullopt, nullptr);
-    hidden = panel_linear_run(silu_mul(gate_up, intermediate), downs[i], bias(i, 3), hidden, nullptr);
+    at::Tensor gate_up = gemm(i, 2, normed, gate_ups[i], bias(i, 2), std::nullopt);
+    hidden = gemm(i, 3, silu_mul(gate_up, intermediate), downs[i], bias(i, 3), hidden);
   }
   return hidden;
 }
@@ -875,7 +896,7 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("silu_mul(Tensor gate_up, int intermediate) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor slots, Tensor[] downs, Tensor[] ups, Tensor[] spans) -> ()");
-  m.def("decoder_layers(Tensor hidden, Tensor[] input_norms, Tensor[] qkvs, Tensor[] outs, Tensor[] post_norms, Tensor[] gate_ups, Tensor[] downs, Tensor[] biases, Tensor[] keys, Tensor[] values, Tensor cos, Tensor sin, Tensor blocks, Tensor offsets, Tensor tables, Tensor lengths, float eps, float scale, int heads, int kv_heads, int intermediate) -> Tensor");
+  m.def("decoder_layers(Tensor hidden, Tensor[] input_norms, Tensor[] qkvs, Tensor[] outs, Tensor[] post_norms, Tensor[] gate_ups, Tensor[] downs, Tensor[] biases, Tensor[] keys, Tensor[] values, Tensor cos, Tensor sin, Tensor blocks, Tensor offsets, Tensor tables, Tensor lengths, float eps, float scale, int heads, int kv_heads, int intermediate, Tensor slots, Tensor[] lora_downs, Tensor[] lora_ups, Tensor[] lora_spans, int adapters) -> Tensor");
   m.def("panel_linear_lora(Tensor x, Tensor panels, Tensor? bias, Tensor? residual, Tensor slots, Tensor[] downs, Tensor[] ups, Tensor[] spans) -> Tensor");
   m.def("store_kv(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, Tensor blocks, Tensor offsets, int heads) -> ()");
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, Tensor? residual) -> Tensor");
