@@ -745,9 +745,13 @@ class NativeForward:
                 offset += segment.count
             return attended[0] if len(attended) == 1 else torch.cat(attended)
 
-        adapted = NO_ADAPTERS if lora is None else lora.layer_lists(len(self.layers))
-        if self.fused_layers and adapted is not None and single_plan is not None and not chunks:
-            assert isinstance(ops, CompiledOps) and isinstance(attention, PagedDecodeAttention)
+        adapted: tuple[Any, ...] | None = None  # decoder_layers' LoRA arguments, where the step takes the one call
+        if self.fused_layers and single_plan is not None and not chunks:
+            adapted = NO_ADAPTERS if lora is None else lora.layer_lists(len(self.layers))
+        if adapted is not None:
+            assert (
+                isinstance(ops, CompiledOps) and isinstance(attention, PagedDecodeAttention) and single_plan is not None
+            )
             tables, lengths = single_plan
             hidden = ops.library.decoder_layers(
                 hidden, *self.layer_lists(), cos, sin, where.blocks, where.offsets, tables, lengths,
