@@ -173,6 +173,18 @@ def test_a_high_call_is_admitted_before_every_queued_low_one(
     server = in_process_server(max_active=1, max_queue=8, **tenant_files)
     stub = generation_stub(server.target)
     engine = server.backend.engine
+    # Every step slowed to 5 ms or more, so the busy stream's 1,000 steps outlast the queueing
+    # below however fast the pass is (the one-call layers once finished them first: a freed slot,
+    # not a preempted one, then went to the next low call by fair share).
+    runner = engine.runner
+    for name in ("_native", "_transformers"):
+        step = getattr(runner, name)
+
+        def slowed(*args: Any, step: Any = step, **kwargs: Any) -> Any:
+            time.sleep(0.005)
+            return step(*args, **kwargs)
+
+        setattr(runner, name, slowed)
     busy = stub.Generate(long_request(priority=pb.PRIORITY_LOW), metadata=auth("tok-search"), timeout=60)
     next(busy)  # the one slot is taken
     first_chunk: dict[str, float] = {}
@@ -192,6 +204,7 @@ def test_a_high_call_is_admitted_before_every_queued_low_one(
         threads[-1].start()
         assert wait_until(lambda n=i + 1: engine.queue.queued == n, 10)
     # The HIGH call takes the LOW stream's slot at once (preemption): nothing is cancelled.
+    assert busy.is_active(), "the busy stream ended before the HIGH call: the test's premise is gone"
     threads.append(threading.Thread(target=run, args=("high", "tok-plain", pb.PRIORITY_HIGH)))
     threads[-1].start()
     for thread in threads:
