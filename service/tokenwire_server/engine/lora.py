@@ -18,7 +18,9 @@ does for the base model. Two ways, picked when the adapter is packed:
   AVX-512F CPU), the GEMM and the adapters' pass are one call, ``panel_linear_lora``
   (``linear``): a decode step's base GEMMs stream ~270 MB of weights through the caches, so
   an adapter's weights are cold at each site, and that call asks for them while its GEMM
-  runs rather than meeting them one miss at a time after it.
+  runs rather than meeting them one miss at a time after it. Where the pass runs every layer
+  in one compiled call (``NativeForward.fused_layers``), the step's lists ride in it
+  (``layer_lists``) and each adapted GEMM there is that same call.
 - **GEMMs** (``Site``, elsewhere: CUDA, bf16 activations, stock torch ops): per site and
   adapter, one A GEMM (the projections' A stacked: the fused q/k/v and gate/up read the same
   input) and one B GEMM (their B times the scaling, block by block in the projections'
