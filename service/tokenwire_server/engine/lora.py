@@ -101,19 +101,18 @@ class PackedAdapter:
     # The first key of its rows' prefix-cache chains: its name and this load's serial, so a
     # reload under the same name starts afresh.
     root: bytes
+    # The pass's layer count (``decoder_layers`` takes lists for every layer).
+    layers: int
 
     @functools.cached_property
     def calls(self) -> dict[tuple[int, str], Call]:
         """``lora_add_``'s lists per site for a step with this adapter alone (RowSites; built once)."""
         return calls_of([self])
 
-    def flat_calls(self, layers: int) -> FlatCalls:
-        """``flat_calls`` of a step with this adapter alone over ``layers`` layers (built once)."""
-        cached = self.__dict__.get("_flat")
-        if cached is None or cached[0] != layers:
-            cached = (layers, flat_calls(self.calls, 1, layers))
-            object.__setattr__(self, "_flat", cached)
-        return typing.cast("FlatCalls", cached[1])
+    @functools.cached_property
+    def flat(self) -> FlatCalls:
+        """``flat_calls`` of a step with this adapter alone (built once)."""
+        return flat_calls(self.calls, 1, self.layers)
 
 
 def pack(adapter: Adapter, native: NativeForward, batch_hint: int) -> PackedAdapter:
@@ -154,7 +153,7 @@ def pack(adapter: Adapter, native: NativeForward, batch_hint: int) -> PackedAdap
             sites[key] = RowSite(held[2 * index], held[2 * index + 1], segments)
     serial = next(_SERIALS)
     root = hashlib.blake2b(f"lora\0{adapter.name}\0{serial}".encode(), digest_size=16).digest()
-    return PackedAdapter(adapter.name, adapter.rank, tuple(adapter.modules), sites, library, root)
+    return PackedAdapter(adapter.name, adapter.rank, tuple(adapter.modules), sites, library, root, len(native.layers))
 
 
 def arena(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -248,10 +247,10 @@ class StepAdapters:
         out = gemm(x) if residual is None else gemm.plus(x, residual)
         return self.add(out, x, layer, site)
 
-    def layer_lists(self, layers: int) -> tuple[Any, ...] | None:
-        """``decoder_layers``' LoRA arguments (slots, the flattened lists, the adapter count) for
-        a pass of ``layers`` layers; None where the adapters are not applied through the compiled
-        ops (the pass then runs its Python loop)."""
+    def layer_lists(self) -> tuple[Any, ...] | None:
+        """``decoder_layers``' LoRA arguments (slots, the flattened lists, the adapter count);
+        None where the adapters are not applied through the compiled ops (the pass then runs its
+        Python loop)."""
         return None
 
 
@@ -267,11 +266,11 @@ class RowAdapters(StepAdapters):
         # Each site's lists for lora_add_: built once for the step, not at each of its ~120 calls.
         self.calls = adapters[0].calls if len(adapters) == 1 else calls_of(adapters)
 
-    def layer_lists(self, layers: int) -> tuple[Any, ...] | None:
+    def layer_lists(self) -> tuple[Any, ...] | None:
         if len(self.adapters) == 1:
-            flat = self.adapters[0].flat_calls(layers)
+            flat = self.adapters[0].flat
         else:
-            flat = flat_calls(self.calls, len(self.adapters), layers)
+            flat = flat_calls(self.calls, len(self.adapters), self.adapters[0].layers)
         return (self.slots, *flat, len(self.adapters))
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> torch.Tensor:

@@ -747,7 +747,7 @@ class NativeForward:
 
         adapted: tuple[Any, ...] | None = None  # decoder_layers' LoRA arguments, where the step takes the one call
         if self.fused_layers and single_plan is not None and not chunks:
-            adapted = NO_ADAPTERS if lora is None else lora.layer_lists(len(self.layers))
+            adapted = NO_ADAPTERS if lora is None else lora.layer_lists()
         if adapted is not None:
             assert (
                 isinstance(ops, CompiledOps) and isinstance(attention, PagedDecodeAttention) and single_plan is not None
