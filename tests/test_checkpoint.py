@@ -19,7 +19,7 @@ from tokenwire_server import checkpoint
 from tokenwire_server.domain import GenerationRequest, SamplingOptions
 from tokenwire_server.engine import create_engine
 from tokenwire_server.engine.base import EngineLimits
-from tokenwire_server.model import load_model, load_tokenizer
+from tokenwire_server.model import load_model, load_tokenizer, record_added_tokens
 
 # What the engine and the server read from a model's config.
 CONFIG_FIELDS = (
@@ -180,6 +180,59 @@ def test_the_direct_tokenizer_is_the_one_autotokenizer_picks(default_model_dir: 
             theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         )
         assert ours.all_special_ids == theirs.all_special_ids and len(ours) == len(theirs)
+
+
+def test_recorded_added_tokens_spare_parsing_tokenizer_json(
+    default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The converted folder's tokenizer_config.json carries the added tokens
+    (``record_added_tokens``), so loading the tokenizer does not parse the 3.5 MB tokenizer.json
+    with Python's json (docs/benchmarks.md, "Start-up"), and gives the same tokenizer as the
+    folder transformers 5 saves, which lacks them."""
+    import transformers.tokenization_utils_base as base
+
+    assert "added_tokens_decoder" in json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    folders = {}
+    for name in ("saved", "recorded"):
+        folder = folders[name] = tmp_path / name
+        folder.mkdir()
+        for file in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(default_model_dir / file, folder / file)
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+        del settings["added_tokens_decoder"]  # as transformers 5's save_pretrained writes it
+        (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    record_added_tokens(folders["recorded"])
+    parsed: list[str] = []
+    real_load = base.json.load
+
+    def load(handle: Any, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(Path(handle.name).name)
+        return real_load(handle, *args, **kwargs)
+
+    monkeypatch.setattr(base.json, "load", load)
+    tokenizers = {}
+    for name, folder in folders.items():
+        parsed.clear()
+        tokenizers[name] = load_tokenizer(folder)
+        assert ("tokenizer.json" in parsed) == (name == "saved"), (name, parsed)
+    saved, recorded = tokenizers["saved"], tokenizers["recorded"]
+    assert {i: vars(t) for i, t in recorded.added_tokens_decoder.items()} == {
+        i: vars(t) for i, t in saved.added_tokens_decoder.items()
+    }
+    assert len(saved.added_tokens_decoder) > 0
+    assert recorded.all_special_ids == saved.all_special_ids and len(recorded) == len(saved)
+    assert recorded.special_tokens_map == saved.special_tokens_map
+    chat = [{"role": "user", "content": "Hi <|im_end|> ñ 🙂"}]
+    assert recorded.apply_chat_template(chat, add_generation_prompt=True) == saved.apply_chat_template(
+        chat, add_generation_prompt=True
+    )
+    ids = saved("<|im_start|>user\nHello<|im_end|>")["input_ids"]
+    assert recorded("<|im_start|>user\nHello<|im_end|>")["input_ids"] == ids
+    assert recorded.decode(ids, skip_special_tokens=True) == saved.decode(ids, skip_special_tokens=True)
+    # Recording twice changes nothing.
+    before = (folders["recorded"] / "tokenizer_config.json").read_text()
+    record_added_tokens(folders["recorded"])
+    assert (folders["recorded"] / "tokenizer_config.json").read_text() == before
 
 
 def test_a_server_start_imports_no_transformers_model_code(tiny_model_dir: Path) -> None:

@@ -457,6 +457,7 @@ def prepare_default_model(cache_dir: str = "") -> Path:
     target = default_cache_dir(cache_dir) / _CONVERTED_DIR
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         drop_gguf_marker(target / "config.json")  # a folder converted before the marker was dropped
+        record_added_tokens(target)  # one converted before they were recorded
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -476,6 +477,7 @@ def prepare_default_model(cache_dir: str = "") -> Path:
         fresh.save_pretrained(staging)
         drop_gguf_marker(staging / "config.json")
         tokenizer.save_pretrained(staging)
+        record_added_tokens(staging)
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
@@ -483,6 +485,24 @@ def prepare_default_model(cache_dir: str = "") -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("converted the default model", extra={"seconds": round(time.monotonic() - started, 1)})
     return target
+
+
+def record_added_tokens(folder: Path) -> None:
+    """Write the tokenizer's added tokens into a converted folder's tokenizer_config.json
+    (``added_tokens_decoder``, as transformers 4 saved it). transformers 5 saves them in
+    tokenizer.json only, and its loader then parses that whole file (3.5 MB for the default
+    model, ~0.1 s of every start) with Python's json for that one list; with the list in the
+    config it reads the config's instead, and the tokenizer is the same
+    (tests/test_checkpoint.py)."""
+    config_file = folder / "tokenizer_config.json"
+    settings = json.loads(config_file.read_text())
+    if "added_tokens_decoder" in settings or not (folder / "tokenizer.json").is_file():
+        return
+    added = json.loads((folder / "tokenizer.json").read_text()).get("added_tokens", [])
+    settings["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
+    scratch = config_file.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
+    scratch.replace(config_file)
 
 
 def drop_gguf_marker(config_file: Path) -> None:

@@ -53,6 +53,24 @@ log = logging.getLogger("tokenwire.server")
 WATCHDOG_INTERVAL_S = 0.25
 
 
+# A full collection's threshold while the server starts: none runs before ``settle_heap``.
+STARTUP_FULL_COLLECTION_THRESHOLD = 1 << 30
+
+
+def defer_full_collections() -> tuple[int, int, int]:
+    """No full garbage collection until the heap is settled; returns the thresholds to restore.
+
+    Start-up makes hundreds of thousands of objects that live as long as the process (torch,
+    transformers, the model), and every full collection walks them all: 3-5 a start, ~0.1 s
+    each, each finding a few dozen objects (docs/architecture.md, "The loaded heap out of the
+    collector's reach"). Young collections still run, so start-up's short-lived cycles are freed
+    as before; ``settle_heap`` makes the one full collection, then ``gc.freeze``.
+    """
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], STARTUP_FULL_COLLECTION_THRESHOLD)
+    return thresholds
+
+
 def settle_heap() -> None:
     """Move every object alive once the model is loaded out of the garbage collector's reach.
 
@@ -216,19 +234,29 @@ class TokenwireServer:
 
     async def load(self) -> None:
         """Load the model, start the engine behind the backend seam, warm it up, then report ready."""
-        config = self.config
-        loop = asyncio.get_running_loop()
         started = time.monotonic()
         age = process_age_s()
         if age is not None:
             self.phases.seconds["process"] = age  # exec to here: the interpreter, imports, the port opened
+        loop = asyncio.get_running_loop()
+        self._loop = loop  # where a backend built off it runs its coroutines (vLLM's LoRA loads)
+        thresholds = defer_full_collections()
+        full_collections = gc.get_stats()[2]["collections"]
+        try:
+            await self._load(loop, started, age, full_collections)
+        finally:
+            gc.set_threshold(*thresholds)
+
+    async def _load(
+        self, loop: asyncio.AbstractEventLoop, started: float, age: float | None, full_collections: int
+    ) -> None:
+        config = self.config
         # A thread of its own that ends once the model is loaded, not the loop's default
         # executor: libgomp (torch's OpenMP) keeps a pool of worker threads for every thread
         # that ever ran torch in parallel, for as long as that thread lives. With a second
         # pool alive beside the engine loop's it finds more threads than cores and stops
         # spinning between parallel regions, so every layer of every step pays a futex
         # wake-up (measured: docs/architecture.md, "One OpenMP pool").
-        self._loop = loop  # where a backend built off it runs its coroutines (vLLM's LoRA loads)
         loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenwire-load")
         try:
             backend = await loop.run_in_executor(loader, self._build_backend)
@@ -263,6 +291,7 @@ class TokenwireServer:
         if self.draining:  # a signal came during the warm-up: the drain closes the backend
             log.info("start-up stopped: a signal came during the warm-up")
             return
+        full_collections = gc.get_stats()[2]["collections"] - full_collections  # while loading: none
         with phases("heap"):
             settle_heap()
         self._servicer.attach(backend)
@@ -277,6 +306,7 @@ class TokenwireServer:
                 "since_exec_s": round(seconds + age, 2) if age is not None else None,
                 "phases": phases.report(),
                 "gc_frozen_objects": gc.get_freeze_count(),
+                "gc_full_collections": full_collections,
             },
         )
 
