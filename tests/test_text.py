@@ -188,18 +188,36 @@ def test_the_stream_detokenizer_gives_the_same_text_pushed_from_two_threads(toke
     assert "".join(pieces) == full_decode(tokenizer, ids)
 
 
-def test_threads_decode_with_the_original_at_once_while_others_encode_with_their_copies(tokenizer):
+def transformers_encoding_only(tokenizer):
+    """The same tokenizer as a class that encodes its own way (its ``_encode_plus`` overridden,
+    as a model's own tokenizer class may): ``SharedTokenizer`` cannot know that the Rust
+    tokenizer's own call gives its encoding, so it encodes through transformers on copies."""
+    import copy
+
+    kind = type(tokenizer)
+    own = type("OwnEncoding", (kind,), {"_encode_plus": lambda self, *a, **k: kind._encode_plus(self, *a, **k)})
+    other = copy.deepcopy(tokenizer)
+    other.__class__ = own
+    return other
+
+
+@pytest.mark.parametrize("how", ["rust", "copies"])
+def test_threads_decode_and_encode_at_once_with_no_borrow_error(tokenizer, how):
     """Decoding (a stream's ``Detokenizer``, ``decode``, ``token_text``) reads the original's Rust
-    tokenizer from every thread at once and makes no copy; encoding takes the thread's own copy.
-    Eight threads at once, four of each, many rounds: every answer is a lone call's, none fails
-    "Already borrowed", and only the encoding threads hold a copy."""
+    tokenizer from every thread at once and makes no copy. Encoding reads it too where its Rust
+    call is the tokenizer's own encoding (the default model's), and takes the thread's own copy
+    elsewhere. Eight threads at once, four of each, many rounds: every answer is a lone call's,
+    none fails "Already borrowed", and only encoding through transformers makes copies."""
     import concurrent.futures
     import threading
 
     from tokenwire_server.domain import TextPrompt
     from tokenwire_server.text import PromptEncoder
 
+    if how == "copies":
+        tokenizer = transformers_encoding_only(tokenizer)
     shared = SharedTokenizer(tokenizer)
+    assert (shared._rust is not None) == (how == "rust")
     encoder = PromptEncoder(shared)
     texts = [SAMPLES[i % len(SAMPLES)] * 8 for i in range(4)]
     expected_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
@@ -228,13 +246,42 @@ def test_threads_decode_with_the_original_at_once_while_others_encode_with_their
         ok = True
         for _ in range(15):
             ok &= encoder.encode(TextPrompt(texts[i])).ids == tokenizer(texts[i])["input_ids"]
+            ok &= encoder.encode(TextPrompt(texts[i]), max_tokens=5).truncated
         copies[f"encode-{i}"] = getattr(shared._copies, "tokenizer", None) is not None
         return ok
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(decodes, i) for i in range(4)] + [pool.submit(encodes, i) for i in range(4)]
         assert [f.result(timeout=120) for f in futures] == [True] * 8
-    assert copies == {**{f"decode-{i}": False for i in range(4)}, **{f"encode-{i}": True for i in range(4)}}
+    assert copies == {**{f"decode-{i}": False for i in range(4)}, **{f"encode-{i}": how == "copies" for i in range(4)}}
+
+
+def test_the_rust_call_encodes_as_the_tokenizer_does(tokenizer):
+    """``SharedTokenizer.encode_text`` on the Rust tokenizer gives the ids and character spans
+    of the tokenizer's own call, with and without its special tokens, special tokens written in
+    the text included, and cuts a longer encoding at ``limit``; set truncation on the Rust
+    tokenizer (someone else's state) and it encodes on a copy instead, with the same answers."""
+    shared = SharedTokenizer(tokenizer)
+    assert shared._rust is tokenizer.backend_tokenizer
+    texts = [*SAMPLES, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "", " ", "a" * 3000]
+    for text in texts:
+        for special in (False, True):
+            theirs = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+            ids, spans = shared.encode_text(text, add_special_tokens=special, offsets=True)
+            assert ids == theirs["input_ids"] and spans == [tuple(s) for s in theirs["offset_mapping"]], text
+            assert shared.encode_text(text, add_special_tokens=special, limit=3)[0] == theirs["input_ids"][:3]
+    assert getattr(shared._copies, "tokenizer", None) is None
+    other = SharedTokenizer(copy_of(tokenizer))
+    other._original.backend_tokenizer.enable_truncation(max_length=4)
+    text = SAMPLES[0]
+    assert other.encode_text(text, add_special_tokens=False)[0] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert getattr(other._copies, "tokenizer", None) is not None
+
+
+def copy_of(tokenizer):
+    import copy
+
+    return copy.deepcopy(tokenizer)
 
 
 def test_token_text_is_the_single_token_decode_kept(tokenizer):

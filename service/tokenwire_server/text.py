@@ -198,19 +198,43 @@ class TextStream:
         return text + self.stops.flush(), False
 
 
+def rust_encoder(tokenizer: Any) -> Any:
+    """The Rust ``tokenizers.Tokenizer`` whose ``encode_batch`` is this tokenizer's own encoding
+    of a text, or None. That holds for transformers' generic ``TokenizersBackend`` (what a
+    tokenizer.json folder loads as, the default model's included) and its subclasses that keep
+    its encoding: its ``__call__`` sets the Rust tokenizer's truncation, padding and
+    special-token splitting to what the call asks, then calls ``encode_batch``. A call that asks
+    for none of them changes nothing, so the Rust tokenizer's own call is the same encoding."""
+    try:
+        from transformers import TokenizersBackend
+    except ImportError:  # transformers 4 (vLLM's venv): its fast tokenizers encode another way
+        return None
+    kind = type(tokenizer)
+    if (
+        not isinstance(tokenizer, TokenizersBackend)
+        or kind.__call__ is not TokenizersBackend.__call__
+        or kind._encode_plus is not TokenizersBackend._encode_plus
+        or hasattr(tokenizer, "_switch_to_input_mode")
+    ):
+        return None
+    backend = tokenizer.backend_tokenizer
+    return backend if backend.encode_special_tokens == bool(tokenizer.split_special_tokens) else None
+
+
 class SharedTokenizer:
     """One tokenizer, safe to use from many threads.
 
-    Encoding takes the calling thread's own copy: a fast (Rust) tokenizer is not safe to encode
-    with from two threads at once, since encoding sets its truncation and padding state (a
-    mutable borrow), and a second thread touching it meanwhile fails with "Already borrowed".
-    A copy rebuilds the Rust tokenizer from its JSON (~0.1-0.25 s for a 49k vocabulary), once
-    per thread.
-
     Decoding reads the original, from every thread at once, with no copy: decode and
-    ``DecodeStream.step`` borrow the Rust tokenizer immutably, and nothing encodes with the
-    original, so no borrow of it is ever mutable. (Copies for the engine's thread and the
-    event loop's look-ups were two of the three a start made before readiness.)
+    ``DecodeStream.step`` borrow the Rust tokenizer immutably.
+
+    Encoding (``encode_text``) reads the original too where its Rust tokenizer's own
+    ``encode_batch`` is the tokenizer's encoding (``rust_encoder``): that call also borrows it
+    immutably, and the Rust tokenizer's truncation and padding are never set. Elsewhere (another
+    tokenizer class, or truncation or padding set on the Rust tokenizer) encoding takes the
+    calling thread's own copy: transformers' call sets the Rust tokenizer's truncation and
+    padding state (a mutable borrow), and a second thread touching it meanwhile fails with
+    "Already borrowed". A copy rebuilds the Rust tokenizer from its JSON (~0.1-0.25 s for a 49k
+    vocabulary, with the GIL held), once per thread: with the default model there is none.
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -218,15 +242,39 @@ class SharedTokenizer:
         self._copies = threading.local()
         self._lock = threading.Lock()  # deepcopy reads the original: one copy at a time
         self._token_texts: dict[int, str] = {}  # token_text's cache, at most the vocabulary
+        self._rust = rust_encoder(tokenizer)
 
     def get(self) -> Any:
-        """This thread's tokenizer, to encode with."""
+        """This thread's own copy of the tokenizer, to encode with through transformers."""
         mine = getattr(self._copies, "tokenizer", None)
         if mine is None:
             with self._lock:
                 mine = copy.deepcopy(self._original)
             self._copies.tokenizer = mine
         return mine
+
+    def encode_text(
+        self, text: str, *, add_special_tokens: bool, offsets: bool = False, limit: int | None = None
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """``text``'s token ids, at most ``limit`` of them (a longer encoding is cut), and with
+        ``offsets`` each one's character span; as the tokenizer's own call gives them."""
+        rust = self._rust
+        if rust is not None and rust.truncation is None and rust.padding is None:
+            [encoding] = rust.encode_batch([text], add_special_tokens=add_special_tokens, is_pretokenized=False)
+            ids, spans = encoding.ids, encoding.offsets if offsets else []
+            return list(ids[:limit]), list(spans[:limit])
+        tokenizer = self.get()
+        cut = {"truncation": True, "max_length": limit} if limit is not None else {}
+        encoded = tokenizer(
+            text, add_special_tokens=add_special_tokens, return_offsets_mapping=offsets and tokenizer.is_fast, **cut
+        )
+        spans = [(int(a), int(b)) for a, b in encoded.get("offset_mapping", [])] if offsets else []
+        return [int(i) for i in encoded["input_ids"]], spans
+
+    def reader(self) -> Any:
+        """A tokenizer to render chat templates and decode with on this thread: the original where
+        encoding makes no copies (``encode_text``), else this thread's copy."""
+        return self._original if self._rust is not None else self.get()
 
     @property
     def original(self) -> Any:
@@ -272,7 +320,7 @@ class PromptEncoder:
         if not self.has_chat_template:
             raise NoChatTemplate("this model has no chat template")
         return str(
-            self._tokenizer.get().apply_chat_template(
+            self._tokenizer.reader().apply_chat_template(
                 [{"role": role, "content": content} for role, content in messages],
                 add_generation_prompt=True,
                 tokenize=False,
@@ -314,23 +362,21 @@ class PromptEncoder:
             return Encoding(ids, tokens=self.token_strings(ids) if tokens else [])
         templated = isinstance(prompt, ChatPrompt)
         text = self.render_chat(prompt.messages) if isinstance(prompt, ChatPrompt) else prompt.text
-        tokenizer = self._tokenizer.get()
-        cut: dict[str, Any] = {}
         if max_tokens is not None:
             # The bound is at least max_tokens characters (a vocabulary entry is at least one): a
             # shorter text is within it, and the bound, which reads the whole vocabulary once, waits.
             if len(text) > max_tokens and len(text) > (self.max_chars(max_tokens) or len(text)):
                 return Encoding([], text, truncated=True, chars=len(text))
-            cut = {"truncation": True, "max_length": max_tokens + 1}
         # A rendered chat already holds its special tokens; raw text gets the model's usual ones.
-        encoded = tokenizer(
-            text, add_special_tokens=not templated, return_offsets_mapping=offsets and tokenizer.is_fast, **cut
+        ids, spans = self._tokenizer.encode_text(
+            text,
+            add_special_tokens=not templated,
+            offsets=offsets,
+            limit=None if max_tokens is None else max_tokens + 1,
         )
-        ids = [int(i) for i in encoded["input_ids"]]
-        spans = [(int(a), int(b)) for a, b in encoded.get("offset_mapping", [])] if offsets else []
         over = max_tokens is not None and len(ids) > max_tokens
         return Encoding(ids, text, spans, self.token_strings(ids) if tokens else [], truncated=over, chars=len(text))
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
-        tokenizer = self._tokenizer.get()
+        tokenizer = self._tokenizer.reader()
         return [str(tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)) for i in ids]
