@@ -505,3 +505,84 @@ def test_every_layer_in_one_compiled_call_gives_the_python_loops_bits(tiny_model
     for mine, theirs in zip(fused.cache.layers, loop.cache.layers, strict=True):
         assert torch.equal(mine.keys.nan_to_num(), theirs.keys.nan_to_num())
         assert torch.equal(mine.values.nan_to_num(), theirs.values.nan_to_num())
+
+
+def resident_kib(address: int) -> int:
+    """Rss of the mapping of this process that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if ":" not in head[0]:  # a mapping's first line: "low-high perms offset ..."
+                low, high = (int(x, 16) for x in head[0].split("-"))
+                inside = low <= address < high
+            elif inside and head[0] == "Rss:":
+                return int(head[1])
+    raise AssertionError("no mapping holds the address")
+
+
+def pages_cached(path: Path) -> int:
+    """Pages of ``path`` in the page cache (``mincore`` over a fresh read-only mapping of it)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    size = path.stat().st_size
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        vector = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+        view = np.frombuffer(mapped, dtype=np.uint8)
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vector) == 0
+        del view
+        return sum(byte & 1 for byte in vector)
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="madvise and /proc are Linux's")
+def test_page_out_gives_a_checkpoints_pages_back_and_keeps_every_byte(tmp_path: Path) -> None:
+    """``page_out`` of a weight in a read-only file mapping (the mmapped checkpoint): its whole
+    pages leave the process at once, stay in the page cache for the next start, and every byte,
+    its neighbours' too, reads back as the file's; in anonymous memory (a copy) nothing is lost."""
+    import mmap
+    import warnings
+
+    page = mmap.PAGESIZE
+    values = torch.arange(64 * page // 4, dtype=torch.float32)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(values.numpy().tobytes())
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), path.stat().st_size, prot=mmap.PROT_READ) as mapped:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a read-only buffer: torch warns that it is not writable
+            whole = torch.frombuffer(mapped, dtype=torch.float32)
+        assert torch.equal(whole, values)  # every page touched: resident
+        address = whole.data_ptr()
+        before = resident_kib(address)
+        assert before >= 60 * page // 1024
+        mappings = native_module.Mappings.of_this_process()
+        weight = whole[100 : 100 + 50 * page // 4]  # not page-aligned at either end
+        assert mappings.read_only_file(weight.data_ptr(), weight.data_ptr() + weight.numel() * 4)
+        native_module.page_out(weight, mappings)
+        assert resident_kib(address) <= before - 48 * page // 1024  # its ~49 whole pages left
+        assert pages_cached(path) >= 60  # still in the page cache
+        assert torch.equal(whole, values)  # read again from the file: the same bytes
+        del whole, weight
+    anonymous = values.clone()
+    assert not native_module.Mappings.of_this_process().read_only_file(anonymous.data_ptr(), anonymous.data_ptr() + 4)
+    native_module.page_out(anonymous[100:5000], native_module.Mappings.of_this_process())
+    assert torch.equal(anonymous, values)
+
+
+def test_mappings_know_read_only_file_mappings_only() -> None:
+    maps = native_module.Mappings(
+        "7f0000000000-7f0000010000 r--s 00000000 08:01 1234 /cache/model.safetensors\n"
+        "7f0000010000-7f0000020000 rw-p 00000000 08:01 1235 /cache/other.bin\n"
+        "7f0000020000-7f0000030000 r--p 00000000 00:00 0 \n"
+        "7f0000030000-7f0000040000 r-xp 00000000 08:01 99 /usr/lib/libc.so\n"
+    )
+    assert maps.read_only_file(0x7F0000001000, 0x7F0000010000)
+    assert not maps.read_only_file(0x7F0000001000, 0x7F0000010001)  # runs past it
+    assert not maps.read_only_file(0x7F0000011000, 0x7F0000012000)  # writable
+    assert not maps.read_only_file(0x7F0000021000, 0x7F0000022000)  # anonymous
+    assert maps.read_only_file(0x7F0000030000, 0x7F0000030004)
+    assert not maps.read_only_file(0x6F0000000000, 0x6F0000000004)  # below every mapping
+    assert not native_module.Mappings().read_only_file(0x7F0000001000, 0x7F0000002000)

@@ -274,7 +274,9 @@ def test_the_rust_call_encodes_as_the_tokenizer_does(tokenizer):
     other = SharedTokenizer(copy_of(tokenizer))
     other._original.backend_tokenizer.enable_truncation(max_length=4)
     text = SAMPLES[0]
-    assert other.encode_text(text, add_special_tokens=False)[0] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert (
+        other.encode_text(text, add_special_tokens=False)[0] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    )
     assert getattr(other._copies, "tokenizer", None) is not None
 
 

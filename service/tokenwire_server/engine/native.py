@@ -47,8 +47,10 @@ GEMM's blocking differs with the number of rows, as it does in ``transformers``.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import dataclasses
+import functools
 import logging
 import mmap
 import sys
@@ -359,26 +361,71 @@ def packed_gemm_gain(
     return gains
 
 
+_MADV_DONTNEED = 4
 _MADV_PAGEOUT = 21  # Linux 5.4+
 
 
-def page_out(tensor: torch.Tensor) -> None:
-    """Ask the kernel to reclaim the pages behind ``tensor`` now (``MADV_PAGEOUT``).
+class Mappings:
+    """This process's memory mappings (``/proc/self/maps``), read once: where each read-only
+    mapping of a file lies (``page_out`` gives their pages back without reclaiming them)."""
+
+    def __init__(self, text: str = "") -> None:
+        self._ranges: list[tuple[int, int]] = []  # read-only file mappings, by start
+        for line in text.splitlines():
+            fields = line.split()
+            if len(fields) < 6 or fields[1][1] != "-" or fields[4] == "0":  # writable, or no file
+                continue
+            low, high = fields[0].split("-")
+            self._ranges.append((int(low, 16), int(high, 16)))
+        self._ranges.sort()
+
+    @classmethod
+    def of_this_process(cls) -> Mappings:
+        try:
+            with open("/proc/self/maps") as f:
+                return cls(f.read())
+        except OSError:  # not Linux: no mapping is known, page_out reclaims
+            return cls()
+
+    def read_only_file(self, start: int, end: int) -> bool:
+        """Whether ``[start, end)`` lies in one read-only mapping of a file."""
+        at = bisect.bisect_right(self._ranges, (start, 1 << 64)) - 1
+        return at >= 0 and self._ranges[at][0] <= start and end <= self._ranges[at][1]
+
+
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def page_out(tensor: torch.Tensor, mappings: Mappings | None = None) -> None:
+    """Give the pages behind ``tensor``, which nothing reads any more, back now.
 
     The loaded weights are usually pages of the mmapped checkpoint; once packed they are
-    never read again, but they stay resident until the whole file is unmapped, at the
-    end (the peak would hold the model twice). Reclaiming never loses data: a clean
-    file page is read again from the file if touched, and an anonymous page without
-    swap simply stays. A no-op off Linux or where the call fails.
+    never read again, but they stay resident until the whole file is unmapped, at the end
+    (the peak would hold the model twice).
+    - In a read-only mapping of a file (``mappings``): ``MADV_DONTNEED`` on the pages that lie
+      wholly inside the tensor. They leave this process at once, and stay in the page cache
+      for the next start; a page of a read-only file mapping is the file's, so a neighbour
+      that touches one again reads the same bytes. (``MADV_PAGEOUT`` here reclaimed them
+      from the page cache too, so the next start read the checkpoint from the disk again:
+      ~0.2 s of each start's engine phase, docs/benchmarks.md, "Start-up".)
+    - Elsewhere (anonymous memory): ``MADV_PAGEOUT`` on every page it touches. Reclaiming never
+      loses data: an anonymous page without swap simply stays.
+    A no-op off Linux or where the call fails.
     """
     if sys.platform != "linux" or tensor.device.type != "cpu" or tensor.numel() == 0:
         return
+    page = mmap.PAGESIZE
+    first, last = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    if mappings is not None and mappings.read_only_file(first, last):
+        advice, start, end = _MADV_DONTNEED, -(-first // page) * page, last // page * page
+    else:
+        advice, start, end = _MADV_PAGEOUT, first // page * page, -(-last // page) * page
+    if end <= start:
+        return
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        page = mmap.PAGESIZE
-        start = tensor.data_ptr() // page * page
-        end = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page) * page
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_PAGEOUT))
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(advice))
     except (OSError, AttributeError):  # no libc symbol, or a platform without it
         pass
 
@@ -481,6 +528,8 @@ class NativeForward:
             if tied:  # the head is the table: it follows the table's copy, or the old pages stay held
                 head.weight = inner.embed_tokens.weight
         self.layers: list[Layer] = []
+        # Where the checkpoint is mapped, read once before any weight is dropped (``page_out``).
+        self._mappings = Mappings.of_this_process() if release and self.device.type == "cpu" else None
         embed = inner.embed_tokens.weight
         library, self.ops_reason = self._compiled_ops(kernel_choice)
         # With the compiled ops, on an AVX-512F CPU, the packed GEMMs are its panels, not oneDNN's.
@@ -606,7 +655,7 @@ class NativeForward:
             module.qdata = torch.empty(0, 0, dtype=torch.int8, device=self.device)
             return
         if packed:
-            page_out(module.weight)
+            page_out(module.weight, self._mappings)
         module.weight = torch.nn.Parameter(
             torch.empty(0, dtype=self.weight_dtype, device=self.device), requires_grad=False
         )
