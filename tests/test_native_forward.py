@@ -540,49 +540,55 @@ def pages_cached(path: Path) -> int:
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="madvise and /proc are Linux's")
 def test_page_out_gives_a_checkpoints_pages_back_and_keeps_every_byte(tmp_path: Path) -> None:
-    """``page_out`` of a weight in a read-only file mapping (the mmapped checkpoint): its whole
-    pages leave the process at once, stay in the page cache for the next start, and every byte,
-    its neighbours' too, reads back as the file's; in anonymous memory (a copy) nothing is lost."""
+    """``page_out`` of a weight in a private mapping of a file (how the checkpoint is mapped):
+    its whole pages leave the process at once, stay in the page cache for the next start, and
+    every byte, its neighbours' too, reads back as the file's. A mapping with a written page
+    and anonymous memory (a copy) are reclaimed the safe way: nothing is lost."""
     import mmap
-    import warnings
 
     page = mmap.PAGESIZE
     values = torch.arange(64 * page // 4, dtype=torch.float32)
     path = tmp_path / "weights.bin"
     path.write_bytes(values.numpy().tobytes())
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), path.stat().st_size, prot=mmap.PROT_READ) as mapped:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a read-only buffer: torch warns that it is not writable
-            whole = torch.frombuffer(mapped, dtype=torch.float32)
+    size = path.stat().st_size
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapped:  # rw-p
+        whole = torch.frombuffer(mapped, dtype=torch.float32)
         assert torch.equal(whole, values)  # every page touched: resident
         address = whole.data_ptr()
         before = resident_kib(address)
         assert before >= 60 * page // 1024
         mappings = native_module.Mappings.of_this_process()
         weight = whole[100 : 100 + 50 * page // 4]  # not page-aligned at either end
-        assert mappings.read_only_file(weight.data_ptr(), weight.data_ptr() + weight.numel() * 4)
+        assert mappings.file_pages(weight.data_ptr(), weight.data_ptr() + weight.numel() * 4)
         native_module.page_out(weight, mappings)
         assert resident_kib(address) <= before - 48 * page // 1024  # its ~49 whole pages left
         assert pages_cached(path) >= 60  # still in the page cache
         assert torch.equal(whole, values)  # read again from the file: the same bytes
+        whole[0] = -1.0  # a written page: this mapping's pages are no longer all the file's
+        assert not native_module.Mappings.of_this_process().file_pages(address, address + 4)
+        native_module.page_out(whole[1:], native_module.Mappings.of_this_process())
+        assert whole[0] == -1.0 and torch.equal(whole[1:], values[1:])
         del whole, weight
     anonymous = values.clone()
-    assert not native_module.Mappings.of_this_process().read_only_file(anonymous.data_ptr(), anonymous.data_ptr() + 4)
+    assert not native_module.Mappings.of_this_process().file_pages(anonymous.data_ptr(), anonymous.data_ptr() + 4)
     native_module.page_out(anonymous[100:5000], native_module.Mappings.of_this_process())
     assert torch.equal(anonymous, values)
 
 
-def test_mappings_know_read_only_file_mappings_only() -> None:
+def test_mappings_know_unwritten_file_mappings_only() -> None:
+    def mapping(span: str, perms: str, inode: str, path: str, anonymous_kib: int) -> str:
+        return f"{span} {perms} 00000000 08:01 {inode} {path}\nRss: 64 kB\nAnonymous: {anonymous_kib} kB\nVmFlags: rd\n"
+
     maps = native_module.Mappings(
-        "7f0000000000-7f0000010000 r--s 00000000 08:01 1234 /cache/model.safetensors\n"
-        "7f0000010000-7f0000020000 rw-p 00000000 08:01 1235 /cache/other.bin\n"
-        "7f0000020000-7f0000030000 r--p 00000000 00:00 0 \n"
-        "7f0000030000-7f0000040000 r-xp 00000000 08:01 99 /usr/lib/libc.so\n"
+        mapping("7f0000000000-7f0000010000", "rw-p", "1234", "/cache/model.safetensors", 0)
+        + mapping("7f0000010000-7f0000020000", "rw-p", "1235", "/cache/written.bin", 4)
+        + mapping("7f0000020000-7f0000030000", "rw-p", "0", "", 0)
+        + mapping("7f0000030000-7f0000040000", "r--s", "99", "/cache/shared.bin", 0)
     )
-    assert maps.read_only_file(0x7F0000001000, 0x7F0000010000)
-    assert not maps.read_only_file(0x7F0000001000, 0x7F0000010001)  # runs past it
-    assert not maps.read_only_file(0x7F0000011000, 0x7F0000012000)  # writable
-    assert not maps.read_only_file(0x7F0000021000, 0x7F0000022000)  # anonymous
-    assert maps.read_only_file(0x7F0000030000, 0x7F0000030004)
-    assert not maps.read_only_file(0x6F0000000000, 0x6F0000000004)  # below every mapping
-    assert not native_module.Mappings().read_only_file(0x7F0000001000, 0x7F0000002000)
+    assert maps.file_pages(0x7F0000001000, 0x7F0000010000)
+    assert not maps.file_pages(0x7F0000001000, 0x7F0000010001)  # runs past it
+    assert not maps.file_pages(0x7F0000011000, 0x7F0000012000)  # a page written
+    assert not maps.file_pages(0x7F0000021000, 0x7F0000022000)  # anonymous
+    assert maps.file_pages(0x7F0000030000, 0x7F0000030004)
+    assert not maps.file_pages(0x6F0000000000, 0x6F0000000004)  # below every mapping
+    assert not native_module.Mappings().file_pages(0x7F0000001000, 0x7F0000002000)
