@@ -563,6 +563,8 @@ def test_the_objects_alive_at_readiness_are_out_of_the_collectors_reach(tiny_ser
 def test_no_full_collection_runs_while_the_server_loads(tiny_server):
     """Each full collection while loading walks every object loaded so far (~0.1 s, 3-5 a start
     before ``server.defer_full_collections``); the one full collection is ``settle_heap``'s."""
+    if TEST_ENGINE == "vllm":
+        pytest.skip("vLLM's load keeps its full collections (it compiles as it loads)")
     [ready] = tiny_server.find("ready")
     assert ready["gc_full_collections"] == 0
 

@@ -240,7 +240,9 @@ class TokenwireServer:
             self.phases.seconds["process"] = age  # exec to here: the interpreter, imports, the port opened
         loop = asyncio.get_running_loop()
         self._loop = loop  # where a backend built off it runs its coroutines (vLLM's LoRA loads)
-        thresholds = defer_full_collections()
+        # vLLM's engine compiles as it loads (dynamo, inductor): a minute of cyclic garbage, which
+        # full collections keep in check; deferred only where the load was measured to need none.
+        thresholds = defer_full_collections() if self.config.engine != "vllm" else gc.get_threshold()
         full_collections = gc.get_stats()[2]["collections"]
         try:
             await self._load(loop, started, age, full_collections)
