@@ -29,7 +29,7 @@ import pytest
 import torch
 from engine_support import fresh_cache, run_all, slot_segment, slot_table
 from tokenwire_server.config import parse_config
-from tokenwire_server.domain import GenerationRequest, SamplingOptions
+from tokenwire_server.domain import FinishEvent, GenerationRequest, SamplingOptions
 from tokenwire_server.engine import create_engine
 from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.engine.graphs import DecodeGraphs, batch_buckets, bucket_for, resolve_mode, width_for
@@ -239,6 +239,40 @@ def test_the_engine_gives_the_same_tokens_through_the_buckets_as_eagerly(tiny_mo
     assert graphs.replays == len(decode_only)
     assert {rows for rows, _ in graphs.keys()} <= set(graphs.buckets)
     assert graphs.captures == len(graphs.keys())
+
+
+def test_a_bucket_that_runs_out_of_memory_as_it_is_set_up_runs_its_steps_eagerly(tiny_model_dir: Path) -> None:
+    """#39 item 8: a key whose set-up (a capture, on CUDA) runs out of device memory is refused,
+    at start or mid-run, and its steps run the eager pass: every row gets its tokens, none gives
+    way, and the key is never set up again (before, every step that needed it failed its newest
+    row and tried the same capture again)."""
+    eager, _ = generate(tiny_model_dir, "off")
+    loaded = load_model(str(tiny_model_dir))
+    engine = create_engine(
+        "batched", loaded, EngineLimits(8, 8, 8 * 1024, max_prefill_tokens=16), workers=1,
+        kernels="torch", step_graphs="static",
+    )  # fmt: skip
+    graphs = engine.runner.graphs  # type: ignore[attr-defined]
+    real, tried = graphs._set_up, []
+
+    def set_up(rows: int, width: int) -> Any:
+        tried.append((rows, width))
+        if rows == 4 or width == 1:  # width 1: every bucket's narrowest table, needed only mid-run
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(rows, width)
+
+    graphs._set_up = set_up
+    graphs.prepare(64)  # at start: every bucket at widths 1..4 blocks
+    assert graphs.refused == {(rows, 1) for rows in graphs.buckets} | {(4, 2), (4, 4)}
+    engine.start()
+    try:
+        recorders = run_all(engine, requests_for(loaded, sampled=True), timeout=300)
+    finally:
+        engine.close()
+    assert [r.token_ids for r in recorders] == eager
+    assert all(isinstance(r.last, FinishEvent) for r in recorders)  # none gave way
+    assert len(tried) == len(set(tried))  # a refused key is never tried again
+    assert {rows for rows, _ in graphs.refused} >= {4} and graphs.replays > 0
 
 
 def test_a_compiled_step_on_this_cpu_gives_the_same_tokens(tiny_model_dir: Path) -> None:

@@ -121,6 +121,8 @@ class DecodeGraphs:
         self._keys: set[tuple[int, int]] = set()
         self._pool: Any = None  # one memory pool for every graph: steps never run two at once
         self.replays = 0  # steps run through a bucket
+        # Keys whose set-up ran out of device memory: their steps run eagerly, never set up again.
+        self.refused: set[tuple[int, int]] = set()
 
     def prepare(self, context_tokens: int) -> int:
         """Set up (capture, on CUDA) every batch bucket at every table width up to
@@ -136,8 +138,8 @@ class DecodeGraphs:
         before = self.captures
         for rows in self.buckets:
             for width in widths:
-                if (rows, width) not in self._entries:
-                    self._set_up(rows, width)
+                if (rows, width) not in self._entries and (rows, width) not in self.refused:
+                    self._try_set_up(rows, width)
         log.info(
             "decode step buckets prepared",
             extra={
@@ -172,7 +174,9 @@ class DecodeGraphs:
         if needed > self.max_width:
             return None
         key = (bucket, width_for(needed, self.max_width))
-        entry = self._entries.get(key) or self._set_up(*key)
+        entry = self._entries.get(key) or (None if key in self.refused else self._try_set_up(*key))
+        if entry is None:
+            return None
         self._stage(entry, ids, positions, tables)
         entry.device.copy_(entry.host, non_blocking=True)
         if entry.graph is not None:
@@ -210,6 +214,23 @@ class DecodeGraphs:
         arr[3 * rows : 4 * rows] = 0
         arr[4 * rows : 5 * rows] = 1
         arr[_INPUTS * rows :] = self.scratch
+
+    def _try_set_up(self, rows: int, width: int) -> _Entry | None:
+        """``_set_up``, or None where it runs out of device memory: the key is refused from then
+        on, so its steps run eagerly (the caller's fallback) rather than failing their rows one
+        by one (the engine's out-of-memory policy) while each retry captures the same key again."""
+        try:
+            return self._set_up(rows, width)
+        except torch.OutOfMemoryError as exc:
+            self.refused.add((rows, width))
+            self._entries.pop((rows, width), None)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            log.warning(
+                "decode step bucket not set up: out of device memory; its steps run eagerly",
+                extra={"rows": rows, "width_blocks": width, "mode": self.mode, "error": str(exc).splitlines()[0]},
+            )
+            return None
 
     def _set_up(self, rows: int, width: int) -> _Entry:
         started = time.monotonic()
