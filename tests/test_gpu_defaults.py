@@ -66,6 +66,31 @@ def test_gpu_gauges_appear_only_with_a_probe():
     assert all(f"# TYPE {name} gauge" in text for name in CUDA_METRIC_NAMES + NVML_METRIC_NAMES)
 
 
+def test_the_nvml_probe_reads_the_real_bindings_and_goes_without_a_driver(monkeypatch):
+    """nvidia-ml-py (the gpu extra: the image has it, and so does this venv) is what the probe
+    calls: here, with no NVIDIA driver, it finds none and the server has no NVML gauges; with
+    one (a stand-in for the driver's answers, through the real module's names) each GPU's busy
+    fraction and memory used."""
+    import types
+
+    import pynvml
+    from tokenwire_server.metrics import nvml_probe
+
+    assert nvml_probe() is None  # no driver here: nvmlInit fails, and no gauge is made
+    answers = {
+        "nvmlInit": lambda: None,
+        "nvmlDeviceGetCount": lambda: 2,
+        "nvmlDeviceGetHandleByIndex": lambda i: i,
+        "nvmlDeviceGetUtilizationRates": lambda h: types.SimpleNamespace(gpu=40 + h),
+        "nvmlDeviceGetMemoryInfo": lambda h: types.SimpleNamespace(used=(h + 1) << 30),
+    }
+    for name, answer in answers.items():
+        assert hasattr(pynvml, name), name  # the names the probe calls are the bindings' own
+        monkeypatch.setattr(pynvml, name, answer)
+    probe = nvml_probe()
+    assert probe is not None and probe() == {"cuda:0": (0.40, 1 << 30), "cuda:1": (0.41, 2 << 30)}
+
+
 def test_on_one_gpu_the_weights_load_straight_onto_it(tiny_model_dir, monkeypatch):
     """No full copy in host RAM first: ``from_pretrained`` places each tensor on the device
     (``device_map``), and nothing is moved afterwards. (Faked: this machine has no GPU.)"""

@@ -83,8 +83,8 @@ def test_every_hadolint_ignore_is_justified() -> None:
 
 def test_builder_uses_the_makefile_targets_ci_runs(stages: list[Stage]) -> None:
     runs = " ".join(i.args for i in stage(stages, "builder").all("RUN"))
-    assert "make setup VENV=/opt/tokenwire EXTRAS=server EDITABLE= " in runs
-    assert re.search(r"make model VENV=/opt/tokenwire EXTRAS=server EDITABLE= MODEL=", runs)
+    assert "make setup VENV=/opt/tokenwire EXTRAS=server,gpu EDITABLE= " in runs
+    assert re.search(r"make model VENV=/opt/tokenwire EXTRAS=server,gpu EDITABLE= MODEL=", runs)
     assert "pip install" not in runs, "install through `make setup`, not a second recipe"
     makefile = (REPO / "Makefile").read_text()
     for variable in ("VENV", "EXTRAS", "EDITABLE", "TORCH_INDEX_URL", "MODEL"):
@@ -147,10 +147,12 @@ def builder_make_commands(stages: list[Stage]) -> dict[str, list[str]]:
 def test_each_engine_installs_through_its_makefile_target(stages: list[Stage]) -> None:
     commands = builder_make_commands(stages)
     assert set(commands) == set(ENGINES)
-    assert " ".join(commands["batched"]).startswith("make setup VENV=/opt/tokenwire EXTRAS=server EDITABLE= ")
+    assert " ".join(commands["batched"]).startswith("make setup VENV=/opt/tokenwire EXTRAS=server,gpu EDITABLE= ")
     vllm = " ".join(commands["vllm"])
-    # The CUDA vllm package from PyPI (it brings its own CUDA torch), server extra only.
-    assert vllm.startswith("make setup-vllm VLLM_VENV=/opt/tokenwire VLLM_PACKAGE=vllm VLLM_EXTRAS=server EDITABLE= ")
+    # The CUDA vllm package from PyPI (it brings its own CUDA torch), with the server and gpu extras.
+    assert vllm.startswith(
+        "make setup-vllm VLLM_VENV=/opt/tokenwire VLLM_PACKAGE=vllm VLLM_EXTRAS=server,gpu EDITABLE= "
+    )
     assert "make setup " not in vllm
     makefile = (REPO / "Makefile").read_text()
     for variable in ("VLLM_VENV", "VLLM_PACKAGE", "VLLM_EXTRAS"):
