@@ -91,7 +91,7 @@ class _GpuCollector(Collector):
 def nvml_probe() -> GpuUtilisationProbe | None:
     """NVML's view of every GPU, when ``nvidia-ml-py`` is installed and a driver answers."""
     try:
-        import pynvml  # type: ignore[import-not-found,unused-ignore]
+        import pynvml  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
         pynvml.nvmlInit()
         count = int(pynvml.nvmlDeviceGetCount())

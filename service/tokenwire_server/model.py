@@ -303,7 +303,7 @@ def gpu_report() -> list[dict[str, Any]]:
         return []
     driver = ""
     try:
-        import pynvml  # type: ignore[import-not-found,unused-ignore]
+        import pynvml  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
         pynvml.nvmlInit()
         driver = str(pynvml.nvmlSystemGetDriverVersion())
@@ -495,8 +495,10 @@ def record_added_tokens(folder: Path) -> None:
     config it reads the config's instead, and the tokenizer is the same
     (tests/test_checkpoint.py)."""
     config_file = folder / "tokenizer_config.json"
+    if not config_file.is_file() or not (folder / "tokenizer.json").is_file():
+        return
     settings = json.loads(config_file.read_text())
-    if "added_tokens_decoder" in settings or not (folder / "tokenizer.json").is_file():
+    if "added_tokens_decoder" in settings:
         return
     added = json.loads((folder / "tokenizer.json").read_text()).get("added_tokens", [])
     settings["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}

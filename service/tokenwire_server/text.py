@@ -207,7 +207,7 @@ def rust_encoder(tokenizer: Any) -> Any:
     for none of them changes nothing, so the Rust tokenizer's own call is the same encoding."""
     try:
         from transformers import TokenizersBackend
-    except ImportError:  # transformers 4 (vLLM's venv): its fast tokenizers encode another way
+    except ImportError:  # transformers 4: its fast tokenizers encode another way
         return None
     kind = type(tokenizer)
     if (

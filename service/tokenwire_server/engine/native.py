@@ -412,10 +412,11 @@ def page_out(tensor: torch.Tensor, mappings: Mappings | None = None) -> None:
     - In a mapping of a file none of whose pages was written (``mappings``: the checkpoint, which
       nothing writes): ``MADV_DONTNEED`` on the pages that lie wholly inside the tensor. They
       leave this process at once and stay in the page cache for the next start, and such a
-      page is the file's, so whatever touches it again reads the same bytes. (``MADV_PAGEOUT``
-      did not take them out of this process on every kernel (this host's: the test), and where
-      it did, reclaimed them from the page cache too, so the next start read the checkpoint
-      from the disk again: the engine phase 0.58 -> 0.35 s, docs/benchmarks.md, "Start-up".)
+      page is the file's, so whatever touches it again reads the same bytes. (``MADV_PAGEOUT``,
+      used here before, left them in the process on this host's kernel (tests/
+      test_native_forward.py), and where it works it reclaims them from the page cache too, so
+      the next start reads the checkpoint from the disk again: a start's engine phase went
+      0.58 -> ~0.3 s, docs/benchmarks.md, "Start-up".)
     - Elsewhere (anonymous memory): ``MADV_PAGEOUT`` on every page it touches. Reclaiming never
       loses data: an anonymous page without swap simply stays.
     A no-op off Linux or where the call fails.
