@@ -261,6 +261,8 @@ def test_the_rust_call_encodes_as_the_tokenizer_does(tokenizer):
     of the tokenizer's own call, with and without its special tokens, special tokens written in
     the text included, and cuts a longer encoding at ``limit``; set truncation on the Rust
     tokenizer (someone else's state) and it encodes on a copy instead, with the same answers."""
+    import copy
+
     shared = SharedTokenizer(tokenizer)
     assert shared._rust is tokenizer.backend_tokenizer
     texts = [*SAMPLES, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "", " ", "a" * 3000]
@@ -271,19 +273,13 @@ def test_the_rust_call_encodes_as_the_tokenizer_does(tokenizer):
             assert ids == theirs["input_ids"] and spans == [tuple(s) for s in theirs["offset_mapping"]], text
             assert shared.encode_text(text, add_special_tokens=special, limit=3)[0] == theirs["input_ids"][:3]
     assert getattr(shared._copies, "tokenizer", None) is None
-    other = SharedTokenizer(copy_of(tokenizer))
+    other = SharedTokenizer(copy.deepcopy(tokenizer))
     other._original.backend_tokenizer.enable_truncation(max_length=4)
     text = SAMPLES[0]
     assert (
         other.encode_text(text, add_special_tokens=False)[0] == tokenizer(text, add_special_tokens=False)["input_ids"]
     )
     assert getattr(other._copies, "tokenizer", None) is not None
-
-
-def copy_of(tokenizer):
-    import copy
-
-    return copy.deepcopy(tokenizer)
 
 
 def test_token_text_is_the_single_token_decode_kept(tokenizer):
