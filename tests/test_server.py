@@ -351,8 +351,12 @@ def test_n_is_refused_whole_past_the_servers_room_and_bad_values_name_the_field(
         stub = pb_grpc.TextGenerationStub(channel)
         assert stub.GetModelInfo(pb.GetModelInfoRequest()).limits.max_n == 3
         stopping = pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True)
+        # The samples are submitted one after another: sample 0 must still hold its slot when
+        # sample 2 asks for a place. At 4 tokens it once ended first on CI (the tiny model's five
+        # steps took less than the event loop's wait for the GIL), and the call was served.
+        long = pb.StoppingCriteria(max_new_tokens=512, ignore_eos=True)
         with pytest.raises(grpc.RpcError) as caught:
-            collect(stub, pb.GenerateRequest(prompt="Count:", stopping=stopping, n=3))
+            collect(stub, pb.GenerateRequest(prompt="Count:", stopping=long, n=3))
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         deadline = time.monotonic() + 10
         while True:
