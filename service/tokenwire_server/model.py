@@ -246,9 +246,7 @@ def _bf16_gain_in(path: Path, key: str, shapes: list[tuple[int, int]]) -> tuple[
         "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     try:
-        scratch = path.with_suffix(f".{os.getpid()}.tmp")
-        scratch.write_text(json.dumps(table, indent=1, sort_keys=True))
-        scratch.replace(path)
+        replace_text(path, json.dumps(table, indent=1, sort_keys=True))
     except OSError as exc:
         log.warning("cannot keep the bf16 measurement", extra={"path": str(path), "error": str(exc)})
     return gains, f"measured now in {took:.2f} s"
@@ -487,6 +485,14 @@ def prepare_default_model(cache_dir: str = "") -> Path:
     return target
 
 
+def replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: beside it, then renamed over it, so a
+    server starting beside this one reads the old file or the new one, never half of one."""
+    scratch = path.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(text)
+    scratch.replace(path)
+
+
 def record_added_tokens(folder: Path) -> None:
     """Write the tokenizer's added tokens into a converted folder's tokenizer_config.json
     (``added_tokens_decoder``, as transformers 4 saved it). transformers 5 saves them in
@@ -502,9 +508,7 @@ def record_added_tokens(folder: Path) -> None:
         return
     added = json.loads((folder / "tokenizer.json").read_text()).get("added_tokens", [])
     settings["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
-    scratch = config_file.with_suffix(f".{os.getpid()}.tmp")
-    scratch.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
-    scratch.replace(config_file)
+    replace_text(config_file, json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
 
 def drop_gguf_marker(config_file: Path) -> None:
@@ -515,9 +519,7 @@ def drop_gguf_marker(config_file: Path) -> None:
     if not _gguf_marker_in(config):
         return
     del config["quantization_config"]
-    scratch = config_file.with_suffix(f".{os.getpid()}.tmp")
-    scratch.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    scratch.replace(config_file)
+    replace_text(config_file, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _gguf_marker_in(config: dict[str, Any]) -> bool:
