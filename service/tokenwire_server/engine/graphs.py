@@ -223,7 +223,6 @@ class DecodeGraphs:
             return self._set_up(rows, width)
         except torch.OutOfMemoryError as exc:
             self.refused.add((rows, width))
-            self._entries.pop((rows, width), None)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             log.warning(
