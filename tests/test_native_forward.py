@@ -410,23 +410,28 @@ def test_both_forwards_give_the_same_greedy_tokens_with_a_long_prompt_read_along
     assert results["native"] == results["transformers"]
 
 
-@pytest.mark.parametrize("per_row", [True, False], ids=["logits_to_keep-per-row", "all-positions"])
-def test_transformers_forward_picks_each_rows_last_logits_with_or_without_per_row_logits_to_keep(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, per_row: bool
-) -> None:
-    """transformers without ``slice_logits_to_keep`` (5.17, the GPU machine's) returns every
-    position's logits and the runner picks each row's last real one: prompts of different
-    lengths read in one pass give the native forward's greedy tokens either way."""
-    from tokenwire_server.engine import runner
-
-    monkeypatch.setattr(runner, "PER_ROW_LOGITS", per_row)
+def test_transformers_forward_keeps_one_logits_row_per_prompt_read_together(tiny_model_dir: Path) -> None:
+    """Prompts of different lengths read in one rectangular pass each end at its last position
+    (their padding comes first), so ``logits_to_keep=1`` keeps each row's last logits alone on any
+    transformers (5.17, the GPU machine's, has no per-row ``logits_to_keep``: before, every
+    position's logits came back, rows x width x vocabulary floats); the native forward's greedy
+    tokens either way."""
     loaded = load_model(str(tiny_model_dir))
     prompts = [loaded.tokenizer(text)["input_ids"] for text in ("Hi", "The weather today is", "Once upon a time, far")]
     assert len({len(p) for p in prompts}) == 3
+    kept: list[tuple[int, ...]] = []
+    forward = loaded.model.forward
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        output = forward(*args, **kwargs)
+        kept.append(tuple(output.logits.shape[:2]))
+        return output
+
     results = {}
-    for forward in ("native", "transformers"):
-        engine = create_engine("batched", loaded, EngineLimits(4, 8, 4096), workers=1, forward=forward)
+    for name in ("native", "transformers"):
+        engine = create_engine("batched", loaded, EngineLimits(4, 8, 4096), workers=1, forward=name)
         engine.start()
+        loaded.model.forward = spied
         try:
             recorders = run_all(
                 engine,
@@ -439,9 +444,12 @@ def test_transformers_forward_picks_each_rows_last_logits_with_or_without_per_ro
                 120,
             )
         finally:
+            loaded.model.forward = forward
             engine.close()
-        results[forward] = [rec.token_ids for rec in recorders]
+        results[name] = [rec.token_ids for rec in recorders]
     assert results["transformers"] == results["native"]
+    assert kept and all(width == 1 for _, width in kept), kept
+    assert max(rows for rows, _ in kept) > 1  # prompts were read together
 
 
 def test_a_bf16_row_gets_the_same_bits_in_a_gemm_of_any_size() -> None:

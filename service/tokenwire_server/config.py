@@ -181,7 +181,7 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "kv_cache_memory_fraction": (
         "batched engine on a GPU with --kv-cache-tokens 0: the fraction of the "
         "device's memory the server may use; the KV cache gets what is left of it "
-        "after the weights and a warm-up step's peak (as vLLM's gpu_memory_utilization)",
+        "after the weights, the engine and its worst step (as vLLM's gpu_memory_utilization)",
         None,
     ),
     "prefix_cache": (

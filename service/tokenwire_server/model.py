@@ -370,35 +370,20 @@ def fit_kv_budget(
 
 def kv_budget_for_device(total_bytes: int, in_use_bytes: int, fraction: float, bytes_per_token: int) -> int:
     """The KV budget in tokens on a GPU with ``--kv-cache-tokens 0``: what ``fraction`` of the
-    device's memory leaves once the weights and a warm-up step's peak (``in_use_bytes``) are
-    counted, as vLLM's ``gpu_memory_utilization``. Refuses to start when that is not even
-    one block's worth: the model itself (nearly) fills the card."""
+    device's memory leaves once the weights, the engine and its worst step's peak
+    (``in_use_bytes``; ``engine.memory``) are counted, as vLLM's ``gpu_memory_utilization``.
+    Refuses to start when that is not even one block's worth: the model itself (nearly) fills
+    the card."""
     room = int(total_bytes * fraction) - in_use_bytes
     tokens = max(0, room) // max(bytes_per_token, 1)
     if tokens < 16:
         raise ModelLoadError(
             f"no room for a KV cache: {fraction:.2f} of the device's {total_bytes / 2**30:.1f} GiB is "
-            f"{total_bytes * fraction / 2**30:.1f} GiB, and the weights and a warm-up step already take "
+            f"{total_bytes * fraction / 2**30:.1f} GiB, and the weights, the engine and its worst step take "
             f"{in_use_bytes / 2**30:.1f} GiB; raise --kv-cache-memory-fraction, "
             "or use a smaller model or a larger device"
         )
     return tokens
-
-
-def device_memory_after_warmup(loaded: LoadedModel, tokens: int) -> tuple[int, int]:
-    """``(total, in use)`` bytes of the model's GPU after one forward pass of ``tokens``
-    prompt tokens (no cache, the last position's logits): what the weights, the CUDA
-    context and the allocator hold, plus the peak of activations a step may reach."""
-    device = loaded.device
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    with torch.inference_mode():
-        ids = torch.full((1, max(1, tokens)), loaded.pad_token_id, dtype=torch.long, device=device)
-        loaded.model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    torch.cuda.synchronize(device)
-    peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
-    total, free = device_memory(device)
-    return int(total), int(total - free + peak_extra)
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:

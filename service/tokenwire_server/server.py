@@ -374,7 +374,8 @@ class TokenwireServer:
         )  # fmt: skip
         if budget.warning:
             log.warning(budget.warning)
-        log.info("kv cache budget", extra={"kv_cache_tokens": budget.tokens, "from": budget.how})
+        if budget.memory is None:  # else the engine sizes it, and logs it
+            log.info("kv cache budget", extra={"kv_cache_tokens": budget.tokens, "from": budget.how})
         kv_tokens = budget.tokens
         max_prefill, why_prefill = prefill_budget(config.max_prefill_tokens, loaded.device)
         log.info("prefill budget", extra={"max_prefill_tokens": max_prefill, "from": why_prefill})
@@ -388,11 +389,15 @@ class TokenwireServer:
             stream_backlog=config.stream_backlog_chunks,
             stalled_reader_timeout_s=config.stalled_reader_timeout,
             tenants=self.tenants,
+            kv_memory=budget.memory,
         )
         with phases("engine"):  # packing the weights, the compiled ops, the KV cache
             engine = self._create_engine(loaded, limits)
         self.metrics.watch_gpu(gpu_memory_probe(loaded), nvml_probe())
-        request_limits = config.request_limits(loaded.context_length, loaded.vocab_size, limits.kv_cache_tokens)
+        if budget.memory is not None:
+            log.info("kv cache budget", extra={"kv_cache_tokens": engine.limits.kv_cache_tokens, "from": budget.how})
+        context = min(loaded.context_length, engine.context_limit)
+        request_limits = config.request_limits(context, loaded.vocab_size, engine.limits.kv_cache_tokens)
         return LocalBackend(loaded, engine, request_limits)
 
     def _load_adapters(self, backend: AdapterHost) -> None:

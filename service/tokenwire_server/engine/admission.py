@@ -14,6 +14,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..domain import (
     EngineClosed,
@@ -25,6 +26,9 @@ from ..domain import (
 )
 from ..tenancy import TenantPolicy, Tenants
 from .generation import Generation
+
+if TYPE_CHECKING:
+    from .memory import DeviceMemory
 
 __all__ = ["AdmissionQueue", "EngineLimits", "cost_of"]
 
@@ -44,6 +48,9 @@ class EngineLimits:
     # ... and a stream parked this long with nothing read ends STALLED_READER (0: never;
     # ``--stalled-reader-timeout``).
     stalled_reader_timeout_s: float = 30.0
+    # With ``kv_cache_tokens`` 0 on a GPU: the device whose memory the batched engine sizes its KV
+    # pool from, once it has measured its worst step (``memory``); it then sets ``kv_cache_tokens``.
+    kv_memory: DeviceMemory | None = None
 
     @property
     def resume_backlog(self) -> int:

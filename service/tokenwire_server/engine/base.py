@@ -87,6 +87,9 @@ class Engine(abc.ABC):
     def __init__(self, loaded: LoadedModel, limits: EngineLimits, observer: EngineObserver | None = None) -> None:
         self.loaded = loaded
         self.limits = limits
+        # The longest context a request may reach here: the model's, or less where the batched
+        # engine's memory-sized KV pool cannot hold a row of it beside its worst step (``memory``).
+        self.context_limit = loaded.context_length
         self.estimator = StartEstimator()
         self.observer: EngineObserver = _Observers(observer or NoObserver(), self.estimator)
         self.queue = AdmissionQueue(limits, on_stalled=self._reader_stalled)

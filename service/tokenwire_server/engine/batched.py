@@ -29,6 +29,7 @@ repetition penalty or min_new_tokens) and reports no log-probabilities.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -40,12 +41,13 @@ import torch
 from .. import handoff
 from ..adapters import Adapter
 from ..domain import EngineObserver, EngineStats, ErrorKind, GenerationRequest, NotSupported, UnknownAdapter
-from ..model import LoadedModel, attention_shape
+from ..model import LoadedModel, attention_shape, kv_budget_for_device
 from . import lora
 from .base import Engine, EngineLimits
 from .blocks import BLOCK_SIZE, BlockPool, blocks_for
 from .graphs import DecodeGraphs
 from .kv import PagedCache, layer_placements
+from .memory import PROBE_BLOCKS, DeviceMemory, WorstStep, fit_columns, measure_worst_step
 from .native import NativeForward, activation_dtype
 from .options import EngineOptions, resolve
 from .runner import Launched, ModelRunner
@@ -112,25 +114,12 @@ class BatchedEngine(Engine):
         placements = layer_placements(loaded.model, layers, loaded.device, loaded.model.dtype)
         if resolved.native:  # the native pass keeps K/V in the dtype it computes in (float32 on a CPU)
             placements = [(device, activation_dtype(dtype, device)) for device, dtype in placements]
-        self.pool = BlockPool(
-            kv_blocks(limits.kv_cache_tokens),
-            BLOCK_SIZE,
-            prefix_cache=options.prefix_cache,
-            fresh_limit=None if resolved.resident_kv_tokens is None else blocks_for(resolved.resident_kv_tokens),
-        )
-        self._cache = PagedCache(self.pool.num_blocks, BLOCK_SIZE, kv_heads, head_dim, placements)
-        self.scheduler = Scheduler(
-            self.queue,
-            self.pool,
-            limits.max_active,
-            limits.max_prefill_tokens,
-            prefill_span_columns(config),
-            limits.batch_window_s,
-            on_admit=self._admit,
-            on_preempt=self._preempted,
-            on_park=self._parked,
-            behind=self.queue.behind,
-        )
+        # A budget from the device's memory: the pool is sized last, after the worst step has run
+        # on a probe pool of a few blocks (``memory``; ``_size_kv``).
+        memory = limits.kv_memory if limits.kv_cache_tokens <= 0 else None
+        blocks = PROBE_BLOCKS if memory is not None else kv_blocks(limits.kv_cache_tokens)
+        self._cache = PagedCache(blocks, BLOCK_SIZE, kv_heads, head_dim, placements)
+        context_blocks = blocks_for(loaded.context_length)
         native: NativeForward | None = None
         if resolved.native:
             native = NativeForward(
@@ -146,12 +135,35 @@ class BatchedEngine(Engine):
                 BLOCK_SIZE,
                 self._cache.scratch,
                 limits.max_active,
-                min(self.pool.num_blocks, blocks_for(loaded.context_length)),
+                context_blocks if memory is not None else min(blocks, context_blocks),
                 loaded.pad_token_id,
                 capture=resolved.step_graphs == "cuda",
                 compile_step=options.compile_step,
             )
         self.runner = ModelRunner(loaded, self._cache, native, graphs)
+        self.worst_step: WorstStep | None = None
+        if memory is not None:
+            self.limits = dataclasses.replace(limits, kv_cache_tokens=self._size_kv(memory))
+            if graphs is not None:
+                graphs.resize(self._cache.scratch, min(self._cache.num_blocks, context_blocks))
+        self.pool = BlockPool(
+            self._cache.num_blocks,
+            BLOCK_SIZE,
+            prefix_cache=options.prefix_cache,
+            fresh_limit=None if resolved.resident_kv_tokens is None else blocks_for(resolved.resident_kv_tokens),
+        )
+        self.scheduler = Scheduler(
+            self.queue,
+            self.pool,
+            limits.max_active,
+            limits.max_prefill_tokens,
+            prefill_span_columns(config),
+            limits.batch_window_s,
+            on_admit=self._admit,
+            on_preempt=self._preempted,
+            on_park=self._parked,
+            behind=self.queue.behind,
+        )
         # LoRA adapters by name, as the native pass applies them (replaced whole on a change:
         # the loop and submit read it without a lock).
         self._adapters: dict[str, lora.PackedAdapter] = {}
@@ -190,6 +202,53 @@ class BatchedEngine(Engine):
                 "why_threads": why_threads,
             },
         )
+
+    def _size_kv(self, memory: DeviceMemory) -> int:
+        """The KV pool from the device's memory (``memory``'s docstring): the worst step measured on
+        the probe pool at the widest row the pool can hold (``fit_columns``; that width becomes
+        ``context_limit``), the probe pool given back, then what ``memory.fraction`` of the device
+        leaves, in whole blocks, one of them for the scratch block. Returns the budget in tokens."""
+        limits, loaded = self.limits, self.loaded
+        per_token = self._cache.bytes_per_token
+        probe = self._cache.nbytes()
+
+        def measure(columns: int) -> WorstStep:
+            return measure_worst_step(
+                self.runner, self.runner.graphs, limits.max_active, limits.max_prefill_tokens,
+                columns, loaded.pad_token_id,
+            )  # fmt: skip
+
+        if loaded.device.type == "cuda":  # what building the engine freed (the fused weights' transient)
+            torch.cuda.empty_cache()
+        total, free = memory.read()
+        in_use = total - free - probe  # the weights, the engine, the CUDA context; not the probe pool
+        worst = fit_columns(measure, int(total * memory.fraction) - in_use, per_token, loaded.context_length)
+        self.worst_step, self.context_limit = worst, worst.columns
+        self._cache.release()
+        if loaded.device.type == "cuda":
+            torch.cuda.empty_cache()
+        room = kv_budget_for_device(total, in_use + worst.total, memory.fraction, per_token)
+        blocks = max(1, room // BLOCK_SIZE - 1)  # the scratch block comes out of the room too
+        self._cache.reallocate(blocks)
+        if self.runner.native is not None:
+            self.runner.native.cache_reallocated()
+        log.info(
+            "kv cache sized from device memory",
+            extra={
+                "total_bytes": total,
+                "in_use_bytes": in_use,
+                "worst_step_bytes": worst.total,
+                "worst_eager_step_bytes": worst.eager,
+                "worst_decode_step_bytes": worst.decode,
+                "graph_pool_bytes": worst.graphs,
+                "worst_step_rows": worst.rows,
+                "worst_step_chunk_tokens": worst.chunk,
+                "context_limit": worst.columns,
+                "fraction": memory.fraction,
+                "kv_cache_tokens": blocks * BLOCK_SIZE,
+            },
+        )
+        return blocks * BLOCK_SIZE
 
     # -- LoRA adapters ---------------------------------------------------------------
 

