@@ -429,18 +429,18 @@ def test_transformers_forward_and_the_grammar_mask_queue_their_inputs_without_wa
     assert [p.decodes for p in first.parts] == [False] * 3 and len(first.emitters) == 3
     assert [p.decodes for p in second.parts] == [True] * 3 + [False] and len(second.emitters) == 3
     assert one.blocking == [] and two.blocking == []
-    # Each pass: ids, positions and mask (3; each row's last token is the pass's last position,
-    # ``logits_to_keep=1``: no column index crosses), the cache's write index, tables and lengths
-    # (3); the sampler: the penalty (3), the EOS block (2), the rows drawn (1), two of _draw's
-    # parameters, the grammar's mask and rows (2).
+    # Each pass: ids and positions (2: the mask is made on the device from the positions, and
+    # each row's last token is the pass's last position, ``logits_to_keep=1``), the cache's write
+    # index, tables and lengths (3); the sampler: the penalty (3), the EOS block (2), the rows
+    # drawn (1), two of _draw's parameters, the grammar's mask and rows (2).
     expected = {
-        "runner:_pass": 2, "runner:_mask": 1, "kv:on": 3, "sampling:launch": 6, "sampling:_draw": 2,
+        "runner:_pass": 2, "kv:on": 3, "sampling:launch": 6, "sampling:_draw": 2,
         "structured:apply_constraints": 2,
     }  # fmt: skip
     assert collections.Counter(one.queued_by) == expected
     # The second step: two passes (decode rows, then the chunk; its logits dropped, not picked
     # out, as it does not emit), so the pass's transfers twice.
-    assert collections.Counter(two.queued_by) == {**expected, "runner:_pass": 4, "runner:_mask": 2, "kv:on": 6}
+    assert collections.Counter(two.queued_by) == {**expected, "runner:_pass": 4, "kv:on": 6}
 
 
 def test_out_of_memory_where_a_step_is_collected_fails_only_the_newest_row(

@@ -241,10 +241,11 @@ class ModelRunner:
         tables = table_tensor([part.row.table for part in parts], scratch, blocks_for(columns, block_size))
         self.cache.plan.set(tables, write_blocks, write_offsets, lengths, columns)
         device = self.loaded.device
+        device_positions = to_device(positions, device)
         output = self.loaded.model(
             input_ids=to_device(ids, device),
-            attention_mask=self._mask(positions, columns),
-            position_ids=to_device(positions, device),
+            attention_mask=self._mask(device_positions, columns),
+            position_ids=device_positions,
             **{self._cache_arg: self.cache},
             use_cache=True,
             logits_to_keep=0 if every else 1,
@@ -253,11 +254,14 @@ class ModelRunner:
         return logits if every else logits[:, -1, :]
 
     def _mask(self, positions: torch.Tensor, columns: int) -> torch.Tensor:
-        """The additive 4D mask ``[rows, 1, queries, columns]``: query at position p sees columns 0..p."""
-        allowed = torch.arange(columns).view(1, 1, columns) <= positions.unsqueeze(-1)
+        """The additive 4D mask ``[rows, 1, queries, columns]``: query at position p sees columns
+        0..p. Made where ``positions`` are (the device): only the positions cross, not the mask
+        (a 2,048-token chunk at column 131,072 has a 512 MiB one)."""
+        device = positions.device
+        allowed = torch.arange(columns, device=device).view(1, 1, columns) <= positions.unsqueeze(-1)
         blocked = torch.finfo(self._mask_dtype).min
-        mask = torch.zeros(allowed.shape, dtype=self._mask_dtype).masked_fill_(~allowed, blocked)
-        return to_device(mask.unsqueeze(1), self.loaded.device)
+        mask = torch.zeros(allowed.shape, dtype=self._mask_dtype, device=device).masked_fill_(~allowed, blocked)
+        return mask.unsqueeze(1)
 
 
 def chunk_groups(parts: list[Part]) -> list[list[Part]]:
