@@ -34,7 +34,7 @@ FLAGS = {"old": {"required": True, "help": "a tree (folder) or a git revision"},
          "server_arg": ([], "server cases: extra flag (repeatable)"),
          "workdir": Path("/tmp/tokenwire-revisions"), "section": ("ab", "the section of --out the table replaces"),
          "label": ("old tree vs new tree", "what the two trees are, for the section")}  # fmt: skip
-DRY_RUN = {"repeats": 1, "cases": "c1,c1-sampled,server-c2", "max_new_tokens": 4}
+DRY_RUN = {"repeats": 1, "cases": "c1-sampled,server-c2", "max_new_tokens": 4}  # in process (sampled) and served
 # -controls: -sampled plus OpenAI's controls, a 100-entry logit_bias (10 of them bans) among them (#40; a tree
 # without them fails the case)
 BIAS = tuple((t, -100.0 if t % 10 == 0 else 1.5) for t in range(30000, 30100))
