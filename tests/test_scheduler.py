@@ -200,6 +200,27 @@ def test_the_pools_held_count_is_kept_not_summed_and_always_equals_the_holders()
     assert pool.held == 0 and pool.tokens_committed() == 0
 
 
+def test_a_pool_of_thirty_million_blocks_costs_four_bytes_a_block() -> None:
+    """A GPU's pool for a small model can be tens of millions of blocks (the tiny model on a
+    141 GB card: ~30 M): the never-used blocks are a count and the holders an array of 4-byte
+    counts, not Python lists (which took ~1 GB: a list slot and an int object per block). Blocks
+    are still handed out never-used in order, block 0 first."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        pool = BlockPool(30_000_000, BLOCK_SIZE)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 30_000_000 * 4 + 2**20, peak
+    assert pool.available == 30_000_000 and pool.touched == 0
+    lease = pool.lease(40, [], 40)
+    assert lease is not None
+    pool.grow(lease, 40)
+    assert lease.blocks == [0, 1, 2] and pool.touched == 3 and pool.available == 30_000_000 - 3
+
+
 def test_a_request_past_the_whole_pool_fails_at_once_and_the_others_go_on() -> None:
     s = scheduler(blocks=4)
     big, small = FakeSeq(prompt(60), 10), FakeSeq(prompt(10), 5)

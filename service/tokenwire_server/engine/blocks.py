@@ -99,9 +99,11 @@ class BlockPool:
         # Blocks that may be touched before an idle cached block is reused for new tokens
         # (None: all of them, a GPU's committed pool; on a CPU, the resident KV allowed).
         self.fresh_limit = num_blocks if fresh_limit is None else max(0, min(fresh_limit, num_blocks))
-        self._fresh = list(range(num_blocks - 1, -1, -1))  # never used; taken from the end (block 0 first)
+        # Never used: blocks ``touched`` and up, taken in order (a count, not a list: a GPU's pool for a
+        # small model can be tens of millions of blocks).
+        self.touched = 0  # blocks ever handed out (on a CPU: the KV pages that may be resident)
         self._free: list[int] = []  # used, given back uncached; taken from the end (warmest first)
-        self._holders = [0] * num_blocks
+        self._holders = array.array("i", [0]) * num_blocks  # 4 bytes a block
         self._held = 0  # blocks with at least one holder (kept, not summed: the metrics read it per scrape)
         self._key_of: dict[int, bytes] = {}  # cached block -> its key
         self._block_of: dict[bytes, int] = {}  # key -> cached block
@@ -114,7 +116,7 @@ class BlockPool:
     @property
     def available(self) -> int:
         """Blocks a new request may still be promised."""
-        return len(self._fresh) + len(self._free) + len(self._idle) - self._promised
+        return self.num_blocks - self.touched + len(self._free) + len(self._idle) - self._promised
 
     @property
     def held(self) -> int:
@@ -220,13 +222,9 @@ class BlockPool:
         ``fresh_limit`` blocks have been touched, then the least recently used idle one."""
         if self._free:
             return self._free.pop()
-        if self._fresh and (self.touched < self.fresh_limit or not self._idle):
-            return self._fresh.pop()
+        if self.touched < self.num_blocks and (self.touched < self.fresh_limit or not self._idle):
+            self.touched += 1
+            return self.touched - 1
         block, _ = self._idle.popitem(last=False)
         del self._block_of[self._key_of.pop(block)]
         return block
-
-    @property
-    def touched(self) -> int:
-        """Blocks ever handed out (on a CPU: the KV pages that may be resident)."""
-        return self.num_blocks - len(self._fresh)
