@@ -199,6 +199,10 @@ class Result(load.Measure):
     gpu_busy: float | None = None
     mbu: float | None = None
     reserved_gib: float | None = None
+    # The server's "kv cache sized from device memory" line (a GPU with --kv-cache-tokens 0):
+    # what the check gave out (fraction x total, GiB), the worst step and graph pool it counted
+    # (GiB), the KV tokens and the context it serves.
+    sized: tuple[float, float, float, int, int] | None = None
 
 
 def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
@@ -229,6 +233,11 @@ def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
         path += " +overlap" if engine.get("overlap") else " -overlap" if "no-overlap" in variants else ""
         path += " sampled" if sampling else ""
         load.warm(server.target)
+        line = next(iter(server.find("kv cache sized from device memory")), None)
+        sized = None if line is None else (
+            line["fraction"] * line["total_bytes"] / 2**30, line["worst_step_bytes"] / 2**30,
+            line["graph_pool_bytes"] / 2**30, line["kv_cache_tokens"], line["context_limit"],
+        )  # fmt: skip
         for c in concurrency:
             before = metrics(server.metrics_port)
             with gpu_busy() as busy:
@@ -242,7 +251,8 @@ def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
                                   host_ms=None if host_s is None else host_s * 1000,
                                   gpu_busy=sum(busy) / len(busy) if busy else None,
                                   mbu=mbu_of(shape, folder, args.device, c, step_s, peak, args.max_new_tokens),
-                                  reserved_gib=None if reserved is None else reserved / 2**30))  # fmt: skip
+                                  reserved_gib=None if reserved is None else reserved / 2**30,
+                                  sized=sized))  # fmt: skip
             doc.log(f"  {shape} {path} c={c}: {m.tokens_per_s:.0f} tok/s, step {results[-1].step_ms} ms")
     return results
 
@@ -333,6 +343,19 @@ def render(args: argparse.Namespace, results: list[Result], prefill: list[list[A
         *doc.table("shape | path | c | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | decode step ms "
                    "| host ms/step | GPU busy % | MBU % | reserved GiB", "llrrrrrrrrrrr", rows),
     ]  # fmt: skip
+    memory = {(r.shape, r.system): r for r in results if r.sized is not None}  # the last (largest c) of each
+    if memory:
+        lines += [
+            "",
+            "Memory (`--kv-cache-tokens 0`: the KV pool sized after the engine's worst step, engine/memory.py): "
+            "the check (`--kv-cache-memory-fraction` × the card), what the server counted for its worst step and "
+            "its graph pool, the KV and context that left, and torch's reserved high-water mark after the runs.",
+            "",
+            *doc.table("shape | path | check GiB | worst step GiB | graph pool GiB | KV tokens | context "
+                       "| reserved GiB", "llrrrrrr",
+                       [[shape, system, cell(r.sized[0], 2), cell(r.sized[1], 2), cell(r.sized[2], 2), r.sized[3],
+                         r.sized[4], cell(r.reserved_gib, 2)] for (shape, system), r in memory.items() if r.sized]),
+        ]  # fmt: skip
     if prefill:
         lines += [
             "",

@@ -214,8 +214,8 @@ def test_the_gpu_bench_runs_the_largest_shapes_comparison_first_and_a_failed_pha
 
     ran: list[str] = []
 
-    def row(shape: str, system: str) -> gpu_bench.Result:
-        return gpu_bench.Result(system, 1, 1, 8, 100.0, shape=shape, step_ms=1.0, mbu=0.5)
+    def row(shape: str, system: str, sized: Any = None) -> gpu_bench.Result:
+        return gpu_bench.Result(system, 1, 1, 8, 100.0, shape=shape, step_ms=1.0, mbu=0.5, sized=sized)
 
     def run_shape(shape: str, spec: str, args: Any) -> list[gpu_bench.Result]:
         if not ran:  # the file says what is to run before the first phase ends
@@ -223,7 +223,7 @@ def test_the_gpu_bench_runs_the_largest_shapes_comparison_first_and_a_failed_pha
         ran.append(f"{shape} {spec}")
         if (shape, spec) == ("1b", "native"):
             raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
-        return [row(shape, f"tokenwire {spec}")]
+        return [row(shape, f"tokenwire {spec}", sized=(21.6, 2.5, 0.25, 500_000, 8192))]
 
     def run_ceiling(shape: str, args: Any, batches: list[int]) -> list[gpu_bench.Result]:
         ran.append(f"{shape} ceiling")
@@ -253,6 +253,9 @@ def test_the_gpu_bench_runs_the_largest_shapes_comparison_first_and_a_failed_pha
         "Failed (the phase raised; the log has its traceback): 1b native: RuntimeError: CUDA error: an illegal" in text
     )
     assert "| 1b | ceiling: static generate |" in text and "| 135m | tokenwire native |" in text
+    # what the memory-sized server counted, beside torch's high-water mark (none here): a GPU's proof of #39 item 8
+    assert "| 135m | tokenwire native | 21.60 | 2.50 | 0.25 | 500000 | 8192 | - |" in text
+    assert "| 1b | ceiling: static generate | 21.60" not in text  # no server, nothing sized
     assert "Failed (the phase raised" in out.read_text() and "Still to run" not in out.read_text()
 
 
