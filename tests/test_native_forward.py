@@ -600,3 +600,27 @@ def test_mappings_know_unwritten_file_mappings_only() -> None:
     assert maps.file_pages(0x7F0000030000, 0x7F0000030004)
     assert not maps.file_pages(0x6F0000000000, 0x6F0000000004)  # below every mapping
     assert not native_module.Mappings().file_pages(0x7F0000001000, 0x7F0000002000)
+
+
+def test_a_chunks_causal_bias_on_cuda_attends_as_its_mask_does() -> None:
+    """On CUDA a prompt chunk's causal mask is ``causal_lower_right`` (``ops.chunk_plan``): no mask
+    crosses from the host, and flash attention takes it with grouped heads (an explicit mask with
+    ``enable_gqa`` ran SDPA's math backend). Its alignment is the mask's: run here, where SDPA
+    materialises the bias, both give the same attention for chunks at several depths, GQA 3:1."""
+    from tokenwire_server.engine.ops import chunk_attention, chunk_plan
+    from torch.nn.attention.bias import causal_lower_right
+
+    torch.manual_seed(0)
+    block, heads, kv_heads, dim = 16, 6, 2, 16
+    keys, values = torch.randn(2, 9, kv_heads, block, dim).unbind(0)
+    for start, count in ((0, 5), (7, 9), (40, 24), (100, 1)):
+        table = tuple(range(8, 8 - (start + count + block - 1) // block, -1))  # blocks in any order
+        segment = Segment(table, start, count)
+        ((tables, mask),) = chunk_plan([segment], block, 8, torch.device("cpu"))
+        assert mask.shape == (1, 1, count, start + count)
+        q = torch.randn(count, heads, dim)
+        by_mask = chunk_attention(q, keys, values, segment, (tables, mask), dim**-0.5)
+        by_bias = chunk_attention(
+            q, keys, values, segment, (tables, causal_lower_right(count, start + count)), dim**-0.5
+        )
+        assert torch.equal(by_mask, by_bias), (start, count)

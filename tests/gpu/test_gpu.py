@@ -21,6 +21,8 @@ as CUDA graphs per batch bucket, ``--step-graphs auto``).
   for (15 decoding rows beside a scored 2,000-token prompt) within the cap's 0.9;
 - an eager native step and the sampler's launch make no synchronisation (sync debug mode
   ``error``): the host is free while the device computes, which ``--overlap`` relies on;
+- a prompt chunk's attention runs with SDPA held to flash attention in bf16, grouped heads
+  included (its causal mask is a lower-right bias, not a tensor);
 - ``--quantization int4`` and ``fp8`` (fp8 from compute capability 8.9) quantize every
   decoder projection with torchao and serve (the CPU tests only record the quantizer call).
 """
@@ -382,6 +384,33 @@ def test_a_launch_does_not_synchronise_with_the_device(tiny_model_dir: Path) -> 
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(sampler.collect(drawn)) == 4
+
+
+def test_a_prompt_chunk_attends_by_flash_attention_in_bf16(tiny_model_dir: Path) -> None:
+    """A prompt chunk's causal mask on CUDA is ``causal_lower_right`` (``ops.chunk_plan``), which
+    flash attention takes with grouped heads: a native step of chunks alone (the tiny model: 4
+    query heads over 2 KV heads, bf16) runs with SDPA held to flash attention, and its logits are
+    the math backend's up to bf16's rounding. Before, the mask with ``enable_gqa`` left SDPA no
+    kernel but math."""
+    from engine_support import BLOCK, SLOTS, slot_segment
+    from tokenwire_server.engine.kv import PagedCache
+    from tokenwire_server.engine.native import NativeForward
+    from tokenwire_server.model import attention_shape, load_model
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = load_model(str(tiny_model_dir), device="cuda", dtype="bfloat16").model
+    heads, kv_heads, head_dim = attention_shape(model.config)
+    assert heads > kv_heads
+    placements = [(torch.device("cuda"), torch.bfloat16)] * model.config.num_hidden_layers
+    native = NativeForward(model, PagedCache(SLOTS * 256 // BLOCK, BLOCK, kv_heads, head_dim, placements), batch_hint=4)
+    ids, positions = torch.tensor([*range(10, 25), *range(30, 50)]), torch.tensor([*range(15), *range(20)])
+    segments = [slot_segment(0, 0, 15), slot_segment(1, 0, 20)]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        flash = native(ids, positions, segments, [14, 34])
+    with sdpa_kernel([SDPBackend.MATH]):  # the same step again (it writes the same keys and values)
+        math = native(ids, positions, segments, [14, 34])
+    assert flash.shape[0] == 2 and torch.isfinite(flash).all()
+    assert (flash - math).abs().max() <= 0.05 * math.abs().max() + 1e-2  # bf16 sums in another order
 
 
 @pytest.mark.parametrize("mode", ["int4", "fp8"])

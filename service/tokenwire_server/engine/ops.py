@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..transfer import to_device
 from .blocks import blocks_for
@@ -247,12 +248,21 @@ def static_decode_attention(
 
 def chunk_plan(
     chunks: list[Segment], block_size: int, scratch: int, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each prompt chunk's table and causal mask ``[1, 1, count, start + count]``."""
-    out = []
+) -> list[tuple[torch.Tensor, Any]]:
+    """Each prompt chunk's table, and its causal mask: a chunk's queries are the last ``count`` of its
+    ``start + count`` columns, so query ``i`` sees columns ``0 .. start + i``. On CUDA that is
+    ``causal_lower_right``, a bias no mask is made of: flash attention takes it as it is (bf16/fp16,
+    grouped heads included), where an explicit mask with ``enable_gqa`` runs SDPA's math backend
+    (count x columns scores per head) and crosses from the host. Elsewhere the mask
+    ``[1, 1, count, start + count]`` (the CPU's SDPA takes no bias, and a ``CausalBias``, a tensor
+    subclass, cannot be made under the dispatch mode that counts memory on ``meta``: ``memory``)."""
+    out: list[tuple[torch.Tensor, Any]] = []
     for segment in chunks:
         end = segment.start + segment.count
         table = to_device(table_tensor([list(segment.table)], scratch, blocks_for(end, block_size)), device)
+        if device.type == "cuda":
+            out.append((table, causal_lower_right(segment.count, end)))
+            continue
         query = torch.arange(segment.start, end).view(-1, 1)
         mask = to_device((torch.arange(end).view(1, end) <= query).view(1, 1, segment.count, end), device)
         out.append((table, mask))
@@ -264,12 +274,12 @@ def chunk_attention(
     keys: torch.Tensor,
     values: torch.Tensor,
     segment: Segment,
-    plan: tuple[torch.Tensor, torch.Tensor],
+    plan: tuple[torch.Tensor, Any],
     scale: float,
 ) -> torch.Tensor:
     """One prompt chunk, causally, over its gathered blocks: ``[count, heads, dim]``."""
-    table, mask = plan
+    table, bias = plan
     ck, cv = gather(keys, values, table, segment.start + segment.count)
     cq = q.transpose(0, 1).unsqueeze(0)  # [1, heads, count, dim]
-    out = F.scaled_dot_product_attention(cq, ck, cv, attn_mask=mask, scale=scale, enable_gqa=ck.shape[1] != cq.shape[1])
+    out = F.scaled_dot_product_attention(cq, ck, cv, attn_mask=bias, scale=scale, enable_gqa=ck.shape[1] != cq.shape[1])
     return out[0].transpose(0, 1)
