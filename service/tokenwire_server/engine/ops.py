@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ..transfer import to_device
 from .blocks import blocks_for
@@ -261,6 +260,9 @@ def chunk_plan(
         end = segment.start + segment.count
         table = to_device(table_tensor([list(segment.table)], scratch, blocks_for(end, block_size)), device)
         if device.type == "cuda":
+            # Imported here: torch.nn.attention.bias imports torch._dynamo and sympy (~1 s of a CPU start).
+            from torch.nn.attention.bias import causal_lower_right
+
             out.append((table, causal_lower_right(segment.count, end)))
             continue
         query = torch.arange(segment.start, end).view(-1, 1)
