@@ -19,6 +19,7 @@ hold them (without its rounding and cache). Shown:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -106,8 +107,10 @@ def sized_engine(card: MetaCard, shape: str, forward: str) -> BatchedEngine:
 
 @pytest.mark.parametrize("forward", ["native", "transformers"])
 @pytest.mark.parametrize(("shape", "card_gib"), [("1b", 24), ("1b", 141), ("llama-3.1-8b", 24), ("llama-3.1-8b", 141)])
-def test_committed_memory_and_the_worst_step_come_to_the_check(shape: str, card_gib: int, forward: str) -> None:
-    with MetaCard(card_gib * GIB) as card:
+def test_committed_memory_and_the_worst_step_come_to_the_check(
+    shape: str, card_gib: int, forward: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with MetaCard(card_gib * GIB) as card, caplog.at_level(logging.INFO, "tokenwire_server.engine.batched"):
         engine = sized_engine(card, shape, forward)
         worst = engine.worst_step
         assert worst is not None and worst.rows == 16 and worst.chunk == 2048  # an idle engine's chunk
@@ -124,8 +127,16 @@ def test_committed_memory_and_the_worst_step_come_to_the_check(shape: str, card_
             # 15 GiB of weights: a row of 131,072 tokens needs 16 GiB of KV alone. Narrowed, not refused.
             assert 14 * GIB < committed - pool < 16 * GIB  # the weights (and the engine's few own tensors)
             assert 8192 < engine.context_limit < 131072
+            # the operator is told, with what would lengthen it
+            (narrowed,) = [r for r in caplog.records if r.getMessage().startswith("context narrowed")]
+            assert narrowed.levelno == logging.WARNING and f"to {engine.context_limit} tokens" in narrowed.getMessage()
+            assert "--max-active" in narrowed.getMessage()
         else:
             assert engine.context_limit == engine.loaded.context_length
+            assert not [r for r in caplog.records if r.getMessage().startswith("context narrowed")]
+        (sized,) = [r for r in caplog.records if r.getMessage() == "kv cache sized from device memory"]
+        assert sized.kv_cache_tokens == engine.limits.kv_cache_tokens  # type: ignore[attr-defined]
+        assert sized.context_limit == engine.context_limit  # type: ignore[attr-defined]
         if shape == "llama-3.1-8b" and card_gib == 24 and forward == "native":
             # there, 16 streams of 1,024 tokens are admitted at once, and alone one of 8,192 (transformers'
             # forward, its rectangles' activations larger, leaves a pool of ~15,000 tokens)

@@ -248,6 +248,14 @@ class BatchedEngine(Engine):
                 "kv_cache_tokens": blocks * BLOCK_SIZE,
             },
         )
+        if worst.columns < loaded.context_length:
+            log.warning(
+                f"context narrowed from {loaded.context_length} to {worst.columns} tokens: a pool that held a row of "
+                f"the whole context could not sit beside the step {limits.max_active} such rows would take (stock "
+                "attention gathers every row to the widest); lower --max-active or --max-prefill-tokens for a longer "
+                "context, or set --kv-cache-tokens",
+                extra={"context_length": loaded.context_length, "context_limit": worst.columns},
+            )
         return blocks * BLOCK_SIZE
 
     # -- LoRA adapters ---------------------------------------------------------------
