@@ -396,8 +396,8 @@ class TokenwireServer:
         self.metrics.watch_gpu(gpu_memory_probe(loaded), nvml_probe())
         if budget.memory is not None:
             log.info("kv cache budget", extra={"kv_cache_tokens": engine.limits.kv_cache_tokens, "from": budget.how})
-        context = min(loaded.context_length, engine.context_limit)
-        request_limits = config.request_limits(context, loaded.vocab_size, engine.limits.kv_cache_tokens)
+        # the model's context, or what the memory-sized KV pool narrowed it to (engine.memory)
+        request_limits = config.request_limits(engine.context_limit, loaded.vocab_size, engine.limits.kv_cache_tokens)
         return LocalBackend(loaded, engine, request_limits)
 
     def _load_adapters(self, backend: AdapterHost) -> None:

@@ -138,6 +138,10 @@ class CachePlan:
     """Where one transformers forward pass reads and writes: set by the runner before each call."""
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """No pass planned: empty tables and write places, and no copy of them on any device."""
         self.tables = torch.zeros((0, 1), dtype=torch.long)  # [rows, blocks]
         self.write_blocks = torch.zeros((0, 1), dtype=torch.long)  # [rows, queries]
         self.write_offsets = torch.zeros((0, 1), dtype=torch.long)
@@ -246,7 +250,7 @@ class PagedCache(Cache):  # type: ignore[misc]
         the old ones given back first: the KV pool sized once the engine's worst step has run on a
         probe pool (``memory``). Whoever kept a layer's old tensors must take them again."""
         self.release()
-        self.plan.__init__()  # type: ignore[misc]  # the last step's tables and write places: gone with the pool
+        self.plan.clear()  # the last step's tables and write places went with the pool
         self.num_blocks = self.scratch = num_blocks
         for layer in self.layers:
             shape = (num_blocks + 1, *layer.keys.shape[1:])

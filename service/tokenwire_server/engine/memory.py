@@ -234,8 +234,9 @@ def measure_worst_step(
     """Run the heaviest steps on the runner's (probe) pool and measure each (the module's
     docstring); nothing they write is read again."""
     device = runner.loaded.device
+    plans = probe_plans(max_rows, max_prefill, context, pad_id)
     eager = 0
-    for plan in probe_plans(max_rows, max_prefill, context, pad_id):
+    for plan in plans:
         with peak_bytes(device) as peak:  # on CUDA it waits for the step's kernels
             launched = runner.launch(plan)
             del launched
@@ -257,8 +258,8 @@ def measure_worst_step(
         graphs.release()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    idle = min(context, max(IDLE_PREFILL_TOKENS, max_prefill))
-    return WorstStep(eager, decode, graph_bytes, max_rows, max(idle, min(context, max_prefill)), context)
+    # the longest chunk: the idle engine's (the first plan), at least as long as --max-prefill-tokens' chunk
+    return WorstStep(eager, decode, graph_bytes, max_rows, plans[0].prompt_tokens, context)
 
 
 def fit_columns(measure: Callable[[int], WorstStep], room: int, per_token: int, context: int) -> WorstStep:
