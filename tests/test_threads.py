@@ -70,6 +70,43 @@ def test_a_neighbour_that_starts_while_the_server_waits_is_seen_at_the_next_step
     assert changes == [(2, 1)] and used.index(1) <= 4
 
 
+def test_a_stream_whose_context_grows_is_not_taken_for_a_neighbour():
+    """A step's attention grows with its rows' contexts: one stream's steps end ~3x its first ones
+    here. The mark is kept per band of attended columns, so the growth calls no probe (a probe
+    runs the stream's slowest steps), while a neighbour that starts mid-stream still calls one
+    within a few steps."""
+
+    def pace(threads: int, columns: int, neighbour: bool = False) -> float:
+        base = {2: 0.071, 1: 0.032} if neighbour else {2: 0.010, 1: 0.016}
+        return base[threads] * (1 + columns / 1000)
+
+    def stream(layout: ThreadLayout, first: int, last: int, neighbour_from: int | None = None) -> list[int]:
+        used = []
+        for columns in range(first, last):
+            threads = layout.pick(1)
+            neighbour = neighbour_from is not None and columns >= neighbour_from
+            layout.record(1, threads, pace(threads, columns, neighbour), columns)
+            used.append(threads)
+        return used
+
+    changes: list[tuple[int, int]] = []
+    layout = ThreadLayout((2, 1), lambda n: None, on_change=lambda a, b, _: changes.append((a, b)))
+    stream(layout, 40, 300)  # settled on 2
+    assert layout.probes == layout_module.SETTLED_AFTER
+    for _ in range(3):  # streams of 2,000 tokens: their last steps 3x their first
+        used = stream(layout, 40, 2040)
+        assert 1 not in used
+    assert layout.probes == layout_module.SETTLED_AFTER and changes == []
+    used = stream(layout, 40, 1040, neighbour_from=600)  # a neighbour starts at column 600
+    assert changes == [(2, 1)] and 1 in used[560:566]
+    # The same steps without their columns: the growth alone is taken for a neighbour.
+    blind = ThreadLayout((2, 1), lambda n: None)
+    for columns in range(40, 2040):
+        threads = blind.pick(1)
+        blind.record(1, threads, pace(threads, columns))
+    assert blind.probes > layout_module.SETTLED_AFTER
+
+
 def test_steps_it_cannot_compare_do_not_move_it():
     """Prompt steps (rows None) are not measured, and a probe at other rows than the current
     choice's recent steps decides nothing."""

@@ -395,7 +395,9 @@ class BatchedEngine(Engine):
         threads = self.layout.pick(rows)
         computing = time.perf_counter()
         result = self.runner.run(plan)
-        self.layout.record(rows, threads, time.perf_counter() - computing)
+        # with the columns its rows attended over: a step's time grows with its rows' contexts
+        columns = sum(part.start + part.count for part in plan.parts) if rows is not None else None
+        self.layout.record(rows, threads, time.perf_counter() - computing, columns)
         # Nothing is committed before here: a step that ran out of memory runs again as it was.
         self._count(plan, time.perf_counter() - started)
         with handoff.gathered():  # every row's events reach the event loop in one hand-off

@@ -24,8 +24,11 @@ and keeps whichever was faster:
   enough of them would set a stream's p99 inter-token gap (measured: c=1 p99 ÷ p50 1.69 in a run
   of 128 tokens holding a probe, 1.12-1.20 without);
 - the current choice's steps turning slower (each of its last 3 ``SLOWER`` × the best it has
-  made at that row count, a mark kept through idle spells: a neighbour has started) calls a
-  probe at once;
+  made at that row count and about as many attended columns, a mark kept through idle spells: a
+  neighbour has started) calls a probe at once. The columns are part of the mark because a
+  step's attention grows with its rows' contexts: a stream of 1,000 tokens ends with steps ~1.5×
+  its first ones on a 2-core host, which against a mark per row count alone called a probe (4
+  steps on fewer threads, the slowest of the stream) in every long stream;
 - a change of choice starts the waits again from the shortest; on fewer threads the periodic
   probes go on, since nothing else would notice the neighbour leaving.
 
@@ -40,6 +43,7 @@ torch-free (the engine passes the function that sets the count); only that check
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -61,6 +65,16 @@ NEVER = float("inf")
 MARGIN = 1.05
 # Each of the current choice's last 3 steps this much slower than its best at that row count: probe now.
 SLOWER = 1.3
+# Attended columns per mark: a step's columns are compared with steps within 2^(1/4) (19 %) of
+# them, so a step whose time is all attention grows less than SLOWER within one.
+COLUMN_STEPS_PER_DOUBLING = 4
+
+
+def column_band(columns: int | None) -> int | None:
+    """The band of attended ``columns`` whose steps share a slow-down mark (None: not given)."""
+    if columns is None or columns < 1:
+        return None
+    return int(math.log2(columns) * COLUMN_STEPS_PER_DOUBLING)
 
 
 class ThreadLayout:
@@ -100,8 +114,10 @@ class ThreadLayout:
         self._probe_rows: int | None = None
         self._kept_full = 0  # probes in a row that kept the first choice
         self._fresh = True  # the next step is the first since the count changed: not counted
-        self._times: dict[tuple[int, int], deque[tuple[int, float]]] = {}
-        self._best: dict[int, float] = {}  # the current choice's mark per row count (``_turned_slower``)
+        # (decode step, seconds, column band) per (threads, rows)
+        self._times: dict[tuple[int, int], deque[tuple[int, float, int | None]]] = {}
+        # the current choice's mark per (rows, column band) (``_turned_slower``)
+        self._best: dict[tuple[int, int | None], float] = {}
         self.probes = 0
         self.switches = 0
 
@@ -126,16 +142,18 @@ class ThreadLayout:
             self._set = threads
         return threads
 
-    def record(self, rows: int | None, threads: int, seconds: float) -> None:
-        """A step's time on ``threads``; ends a probe when it has its steps, and decides."""
+    def record(self, rows: int | None, threads: int, seconds: float, columns: int | None = None) -> None:
+        """A step's time on ``threads`` (``columns``: the columns its rows attended over, all
+        together); ends a probe when it has its steps, and decides."""
         if not self.adaptive or rows is None:
             return
         self._decodes += 1
         counted, self._fresh = not self._fresh, False
+        band = column_band(columns)
         if counted:
-            self._times.setdefault((threads, rows), deque(maxlen=KEEP)).append((self._decodes, seconds))
+            self._times.setdefault((threads, rows), deque(maxlen=KEEP)).append((self._decodes, seconds, band))
         if self._probing is None:
-            if counted and threads == self.current and self._turned_slower(rows):
+            if counted and threads == self.current and self._turned_slower(rows, band):
                 self._next_probe = self._decodes  # the host changed: probe at the next step
             return
         if threads != self._probing:
@@ -146,13 +164,14 @@ class ThreadLayout:
         probed, self._probing = self._probing, None
         assert self._probe_rows is not None
         faster = self._compare(probed, self._probe_rows)
-        before = self._recent(self.current, self._probe_rows)[-3:]
+        before = self._kept(self.current, self._probe_rows)[-3:]
         self._times.clear()  # what comes next is measured afresh
         if faster is None:
             self._wait = min(2 * self._wait, self._longest_wait)
             self._kept_full = self._kept_full + 1 if self.current == self.choices[0] else 0
-            if before:  # the other choice is no cure for a slower step here: its pace now is the mark
-                self._best[self._probe_rows] = statistics.median(before)
+            # The other choice is no cure for a slower step here: its pace now is the mark.
+            for band in {band for _, _, band in before}:
+                self._best[(self._probe_rows, band)] = statistics.median([s for _, s, b in before if b == band])
         else:
             previous, self.current = self.current, probed
             self.switches += 1
@@ -164,22 +183,28 @@ class ThreadLayout:
         settled = self.current == self.choices[0] and self._kept_full >= SETTLED_AFTER
         self._next_probe = NEVER if settled else self._decodes + self._wait
 
-    def _turned_slower(self, rows: int) -> bool:
-        """Whether the current choice's last 3 steps at ``rows`` were each ``SLOWER`` × its mark
-        there (the best median of 3 it has made at ``rows``, kept through idle spells and other
-        row counts: a neighbour that starts while the server waits is seen at the next steps)."""
-        recent = self._recent(self.current, rows)[-3:]
-        if len(recent) < 3:
-            return False
-        best = self._best.get(rows)
+    def _turned_slower(self, rows: int, band: int | None) -> bool:
+        """Whether the current choice's last 3 steps at ``rows`` and column ``band`` were each
+        ``SLOWER`` × its mark there (the best median of 3 it has made there, kept through idle
+        spells and other row counts: a neighbour that starts while the server waits is seen at
+        the next steps)."""
+        last = self._kept(self.current, rows)[-3:]
+        if len(last) < 3 or any(b != band for _, _, b in last):
+            return False  # 3 steps of this band in a row, or nothing to say
+        recent = [seconds for _, seconds, _ in last]
+        best = self._best.get((rows, band))
         if best is not None and min(recent) > SLOWER * best:  # all 3: one slow step is noise
             return True
-        self._best[rows] = min(best if best is not None else float("inf"), statistics.median(recent))
+        self._best[(rows, band)] = min(best if best is not None else float("inf"), statistics.median(recent))
         return False
 
-    def _recent(self, threads: int, rows: int) -> list[float]:
+    def _kept(self, threads: int, rows: int) -> list[tuple[int, float, int | None]]:
+        """The steps kept at (``threads``, ``rows``) that are not stale."""
         kept = self._times.get((threads, rows), ())
-        return [seconds for step, seconds in kept if self._decodes - step <= STALE_AFTER]
+        return [entry for entry in kept if self._decodes - entry[0] <= STALE_AFTER]
+
+    def _recent(self, threads: int, rows: int) -> list[float]:
+        return [seconds for _, seconds, _ in self._kept(threads, rows)]
 
     def _compare(self, probed: int, rows: int) -> dict[str, Any] | None:
         """The figures when ``probed`` beat the current choice at ``rows`` by ``MARGIN``, else None."""
