@@ -174,7 +174,8 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     "max_queue": ("requests that may wait for a slot; past active + queued, RESOURCE_EXHAUSTED", None),
     "kv_cache_tokens": (
         "KV-cache budget in tokens over all active streams, committed at start-up as blocks of 16 tokens (0: on a GPU, "
-        "what --kv-cache-memory-fraction leaves; elsewhere max_active x min(context, 2048), and at least one context); "
+        "what --kv-cache-memory-fraction leaves, at most max_active x context; elsewhere max_active x min(context, "
+        "2048), and at least one context); "
         "an explicit budget that does not fit the GPU refuses to start",
         None,
     ),

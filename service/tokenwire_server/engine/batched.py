@@ -207,7 +207,8 @@ class BatchedEngine(Engine):
         """The KV pool from the device's memory (``memory``'s docstring): the worst step measured on
         the probe pool at the widest row the pool can hold (``fit_columns``; that width becomes
         ``context_limit``), the probe pool given back, then what ``memory.fraction`` of the device
-        leaves, in whole blocks, one of them for the scratch block. Returns the budget in tokens."""
+        leaves, in whole blocks, one of them for the scratch block, and no more than ``max_active``
+        rows of that context. Returns the budget in tokens."""
         limits, loaded = self.limits, self.loaded
         per_token = self._cache.bytes_per_token
         probe = self._cache.nbytes()
@@ -228,7 +229,12 @@ class BatchedEngine(Engine):
         if loaded.device.type == "cuda":
             torch.cuda.empty_cache()
         room = kv_budget_for_device(total, in_use + worst.total, memory.fraction, per_token)
-        blocks = max(1, room // BLOCK_SIZE - 1)  # the scratch block comes out of the room too
+        fits = max(1, room // BLOCK_SIZE - 1)  # the scratch block comes out of the room too
+        # No more than admission could ever hold: --max-active rows of the context served. A small
+        # model on a large card would otherwise take tens of millions of blocks it cannot fill;
+        # what is left of the card stays free (raise --max-active to use it).
+        usable = limits.max_active * blocks_for(worst.columns)
+        blocks = min(fits, usable)
         self._cache.reallocate(blocks)
         if self.runner.native is not None:
             self.runner.native.cache_reallocated()
@@ -246,6 +252,8 @@ class BatchedEngine(Engine):
                 "context_limit": worst.columns,
                 "fraction": memory.fraction,
                 "kv_cache_tokens": blocks * BLOCK_SIZE,
+                "room_tokens": fits * BLOCK_SIZE,
+                "capped_at_admission": blocks < fits,
             },
         )
         if worst.columns < loaded.context_length:
