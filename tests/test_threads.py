@@ -107,6 +107,26 @@ def test_a_stream_whose_context_grows_is_not_taken_for_a_neighbour():
     assert blind.probes > layout_module.SETTLED_AFTER
 
 
+def test_a_lasting_slow_down_that_fewer_threads_do_not_cure_is_probed_once():
+    """The host turns 1.35x slower for good, and 2 threads stay the faster choice. One probe says
+    so; the stream's later bands of columns, whose marks were set before the slow-down, call no
+    more (each probe is 4 of the stream's slowest steps)."""
+
+    def pace(threads: int, columns: int, slow: bool) -> float:
+        base = {2: 0.0135, 1: 0.022} if slow else {2: 0.010, 1: 0.016}
+        return base[threads] * (1 + columns / 1000)
+
+    layout = ThreadLayout((2, 1), lambda n: None)
+    for slow in (False, False, True, True):  # two streams before the slow-down, two after
+        before = layout.probes
+        for columns in range(40, 2040):
+            threads = layout.pick(1)
+            layout.record(1, threads, pace(threads, columns, slow), columns)
+        if slow:
+            assert layout.probes - before <= 1, layout.probes - before
+    assert layout.current == 2 and layout.switches == 0
+
+
 def test_steps_it_cannot_compare_do_not_move_it():
     """Prompt steps (rows None) are not measured, and a probe at other rows than the current
     choice's recent steps decides nothing."""

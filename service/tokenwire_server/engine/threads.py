@@ -169,7 +169,10 @@ class ThreadLayout:
         if faster is None:
             self._wait = min(2 * self._wait, self._longest_wait)
             self._kept_full = self._kept_full + 1 if self.current == self.choices[0] else 0
-            # The other choice is no cure for a slower step here: its pace now is the mark.
+            # The other choice is no cure for a slower step here: its pace now is the mark. The
+            # marks of this row count's other bands were set before the host changed: dropped,
+            # they are set afresh as steps reach them (kept, each band would call its own probe).
+            self._best = {key: mark for key, mark in self._best.items() if key[0] != self._probe_rows}
             for band in {band for _, _, band in before}:
                 self._best[(self._probe_rows, band)] = statistics.median([s for _, s, b in before if b == band])
         else:
