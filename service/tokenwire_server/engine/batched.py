@@ -225,9 +225,6 @@ class BatchedEngine(Engine):
         in_use = total - free - probe  # the weights, the engine, the CUDA context; not the probe pool
         worst = fit_columns(measure, int(total * memory.fraction) - in_use, per_token, loaded.context_length)
         self.worst_step, self.context_limit = worst, worst.columns
-        self._cache.release()
-        if loaded.device.type == "cuda":
-            torch.cuda.empty_cache()
         room = kv_budget_for_device(total, in_use + worst.total, memory.fraction, per_token)
         fits = max(1, room // BLOCK_SIZE - 1)  # the scratch block comes out of the room too
         # No more than admission could ever hold: --max-active rows of the context served. A small
@@ -235,7 +232,7 @@ class BatchedEngine(Engine):
         # what is left of the card stays free (raise --max-active to use it).
         usable = limits.max_active * blocks_for(worst.columns)
         blocks = min(fits, usable)
-        self._cache.reallocate(blocks)
+        self._cache.reallocate(blocks)  # the probe pool given back first
         if self.runner.native is not None:
             self.runner.native.cache_reallocated()
         log.info(
@@ -404,7 +401,9 @@ class BatchedEngine(Engine):
         computing = time.perf_counter()
         result = self.runner.run(plan)
         # with the columns its rows attended over: a step's time grows with its rows' contexts
-        columns = sum(part.start + part.count for part in plan.parts) if rows is not None else None
+        columns = (
+            sum(part.start + part.count for part in plan.parts) if rows is not None and self.layout.adaptive else None
+        )
         self.layout.record(rows, threads, time.perf_counter() - computing, columns)
         # Nothing is committed before here: a step that ran out of memory runs again as it was.
         self._count(plan, time.perf_counter() - started)

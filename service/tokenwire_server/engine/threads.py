@@ -26,7 +26,7 @@ and keeps whichever was faster:
 - the current choice's steps turning slower (each of its last 3 ``SLOWER`` × the best it has
   made at that row count and about as many attended columns, a mark kept through idle spells: a
   neighbour has started) calls a probe at once. The columns are part of the mark because a
-  step's attention grows with its rows' contexts: a stream of 1,000 tokens ends with steps ~1.5×
+  step's attention grows with its rows' contexts: a stream of 1,000 tokens ends with steps ~1.4×
   its first ones on a 2-core host, which against a mark per row count alone called a probe (4
   steps on fewer threads, the slowest of the stream) in every long stream;
 - a change of choice starts the waits again from the shortest; on fewer threads the periodic
