@@ -250,6 +250,8 @@ class PagedCache(Cache):  # type: ignore[misc]
         the old ones given back first: the KV pool sized once the engine's worst step has run on a
         probe pool (``memory``). Whoever kept a layer's old tensors must take them again."""
         self.release()
+        if torch.cuda.is_available() and any(layer.device.type == "cuda" for layer in self.layers):
+            torch.cuda.empty_cache()  # the old pool's memory goes back to the device, not kept beside the new one
         self.plan.clear()  # the last step's tables and write places went with the pool
         self.num_blocks = self.scratch = num_blocks
         for layer in self.layers:
