@@ -130,7 +130,7 @@ lint: $(STAMP) ## ruff format and check (120 columns), mypy strict (client and s
 # writes its section of docs/benchmarks.md. Extra prerequisites below (kernels; the vllm venv).
 BENCH_SUITES := bench bench-quality bench-levers bench-kernels bench-neighbour bench-prefix bench-resume bench-tenants bench-structured bench-score bench-peers bench-startup bench-lora
 bench: ## benchmark in-process generate vs the simple and batched engines (BENCH_ARGS="--engines simple,batched,vllm"); writes its section of docs/benchmarks.md
-bench-quality: ## how far int8 weights and bf16 move the default model's answers (KL per token, greedy answers unchanged) against the bar; writes its section of docs/benchmarks.md and the server's quality.json
+bench-quality: kernels ## how far int8 weights (both schemes) and bf16 move the default model's answers (KL per token, greedy answers unchanged) against the bar (#38: relative to bf16); writes its section of docs/benchmarks.md and the server's quality.json
 bench-levers: ## do torch.compile / int8 weights pay on this CPU? decode-step speed and int8 quality; writes its section of docs/benchmarks.md
 bench-kernels: kernels ## which GEMM reads the model's weights fastest on this CPU (F.linear, oneDNN-packed, int8, int4), and SDPA vs the decode attention kernel; writes its section of docs/benchmarks.md
 bench-neighbour: ## does the server keep its pace beside a busy process? the default (spin 10000, threads by measurement) vs pinned threads and the old spin 1000, quiet and loaded; writes its section of docs/benchmarks.md

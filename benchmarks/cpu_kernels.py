@@ -18,8 +18,8 @@ from benchmarks import doc
 from benchmarks.stats import median, ratios, spread
 
 # onednn-bf16, panels, panels-bf16: through the native pass's own ``Linear`` (as a step calls them, float32 in and out);
-# the panels where the CPU runs them (AVX-512F).
-KERNELS = ("F.linear", "onednn", "int8", "int4", "onednn-bf16", "panels", "panels-bf16")
+# the panels where the CPU runs them (AVX-512F); panels-int8: ``--quantization int8``'s 8-bit panels (AVX512-VNNI).
+KERNELS = ("F.linear", "onednn", "int8", "int4", "onednn-bf16", "panels", "panels-bf16", "panels-int8")
 SLOTS, CAPACITY = 16, 2049  # decode rows, and each row's cache capacity in the engine
 BLOCK = 16  # tokens per KV block (engine.blocks.BLOCK_SIZE)
 FLAGS = {"repeats": 3, "rows": "1,16", "calls": (5, "passes timed per kernel and repeat"),
@@ -35,6 +35,10 @@ def prepare(kernel: str, w: Any) -> Any:
 
     if kernel == "F.linear":
         return lambda x: F.linear(x, w)
+    if kernel == "panels-int8":
+        from tokenwire_server.quantize import Int8GroupLinear, int8_panel_library
+
+        return Int8GroupLinear.from_weight(w, None, int8_panel_library())
     if kernel in ("onednn-bf16", "panels", "panels-bf16"):
         from tokenwire_server.engine.native import Linear, panel_library
 
@@ -58,10 +62,12 @@ def prepare(kernel: str, w: Any) -> Any:
 
 
 def kernels_here() -> list[str]:
-    """``KERNELS`` this CPU runs: the panels only where it has AVX-512F."""
+    """``KERNELS`` this CPU runs: the panels only where it has AVX-512F, the 8-bit ones where it has AVX512-VNNI."""
     from tokenwire_server.engine.native import panel_library
+    from tokenwire_server.quantize import int8_panel_library
 
-    return [k for k in KERNELS if not k.startswith("panels") or panel_library() is not None]
+    here = {"panels": panel_library() is not None, "panels-int8": int8_panel_library() is not None}
+    return [k for k in KERNELS if here.get(k, here["panels"] if k.startswith("panels") else True)]
 
 
 def timed(results: Results, key: tuple[str, int], fn: Callable[[], None], calls: int) -> None:

@@ -30,6 +30,7 @@ from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.engine.native import NativeForward, onednn_available, panel_library, unsupported_reason
 from tokenwire_server.engine.ops import ATTENTION_CALL_COST, Segment, single_groups
 from tokenwire_server.model import load_model
+from tokenwire_server.quantize import int8_panel_library
 
 from benchmarks.quality import bf16_weights
 
@@ -474,15 +475,21 @@ def test_a_bf16_row_gets_the_same_bits_in_a_gemm_of_any_size() -> None:
     assert verdict is not None and "a 17-row GEMM" in verdict
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_every_layer_in_one_compiled_call_gives_the_python_loops_bits(tiny_model_dir: Path, dtype: str) -> None:
     """Where every GEMM is the panels and the compiled ops do the rest (an AVX-512F CPU), a step's
     layers run as one ``decoder_layers`` call: the same logits and the same keys and values in
     the cache, bit for bit, as the loop of calls it replaces, over prompts read whole and in
-    chunks and a step that mixes decoding rows with a prompt chunk."""
+    chunks and a step that mixes decoding rows with a prompt chunk; float32 and bf16 panels, and
+    int8's 8-bit panels (``--quantization int8`` where the CPU runs them)."""
     if kernel_unbuildable() or panel_library() is None:
         pytest.skip("the compiled ops' panels need an x86 CPU with AVX-512F and a C++ compiler")
-    model = load_model(str(tiny_model_dir), dtype=dtype).model
+    if dtype == "int8" and int8_panel_library() is None:
+        pytest.skip("the compiled 8-bit panels need AVX-512BW and AVX512-VNNI")
+    quantization = "int8" if dtype == "int8" else "none"
+    model = load_model(
+        str(tiny_model_dir), dtype="float32" if dtype == "int8" else dtype, quantization=quantization
+    ).model
     fused = NativeForward(model, fresh_cache(model, poisoned=True), batch_hint=4, kernel_choice="compiled")
     loop = NativeForward(model, fresh_cache(model, poisoned=True), batch_hint=4, kernel_choice="compiled")
     assert fused.fused_layers and loop.fused_layers

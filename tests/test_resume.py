@@ -205,6 +205,8 @@ def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
         pytest.param("batched", {"kernels": "torch"}, False, id="batched-torch-fresh"),
         pytest.param("batched", {"dtype": "bfloat16"}, True, id="batched-bf16-cached"),
         pytest.param("batched", {"dtype": "bfloat16"}, False, id="batched-bf16-fresh"),
+        pytest.param("batched", {"quantization": "int8"}, True, id="batched-int8-cached"),
+        pytest.param("batched", {"quantization": "int8"}, False, id="batched-int8-fresh"),
         pytest.param("batched", {"prefix_cache": False}, True, id="batched-no-prefix-cache"),
         pytest.param("batched", {"forward": "transformers"}, True, id="batched-transformers-cached"),
         pytest.param("simple", {}, False, id="simple"),
@@ -214,7 +216,12 @@ def test_a_cut_stream_resumes_exactly_on_the_tiny_model(
     tiny_model_dir: Path, kind: str, options: dict[str, Any], same_engine: bool
 ) -> None:
     options = dict(options)
-    loaded = load_model(str(tiny_model_dir), device="cpu", dtype=options.pop("dtype", "float32"))
+    loaded = load_model(
+        str(tiny_model_dir),
+        device="cpu",
+        dtype=options.pop("dtype", "float32"),
+        quantization=options.pop("quantization", "none"),
+    )
     mid_way, spanning = check_resume(
         loaded, kind, chat_prompts(loaded.tokenizer, 9), 40, seed=7, same_engine=same_engine, **options
     )

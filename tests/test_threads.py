@@ -191,7 +191,7 @@ def test_results_depend_on_threads_finds_a_layer_that_splits_its_sums():
     assert torch.get_num_threads() == before  # the check leaves the count as it found it
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_a_stream_whose_steps_change_thread_count_gives_the_same_tokens(tiny_model_dir, dtype):
     """The premise of the layout, on the engine: streams whose steps alternate 2 and 1 threads
     give the tokens they give pinned at 2 (greedy and seeded), and the engine took its threads
@@ -207,7 +207,10 @@ def test_a_stream_whose_steps_change_thread_count_gives_the_same_tokens(tiny_mod
         pytest.skip(f"the layout needs the compiled ops: {kernel_unbuildable()}")
     before = torch.get_num_threads()
     torch.set_num_threads(2)
-    loaded = load_model(str(tiny_model_dir), device="cpu", dtype=dtype)
+    quantization = "int8" if dtype == "int8" else "none"  # int8 weights: the 8-bit panels where the CPU runs them
+    loaded = load_model(
+        str(tiny_model_dir), device="cpu", dtype="float32" if dtype == "int8" else dtype, quantization=quantization
+    )
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14]]
     kinds = [SamplingOptions(temperature=0.0), SamplingOptions(temperature=0.9, top_p=0.9, seed=7)]
 

@@ -127,9 +127,11 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         ("auto", "float32", "bfloat16", "float16"),
     ),
     "quantization": (
-        "batched and simple engines: weight-only quantization at start-up. int8: per-channel int8 weights (CPU and "
-        "CUDA; the native pass runs them); int4, fp8: CUDA only (torchao, transformers' forward). A checkpoint that is "
-        "already quantized (GPTQ, AWQ, bitsandbytes) loads as it is, on CUDA",
+        "batched and simple engines: weight-only quantization at start-up. int8 (CPU and CUDA; the native pass runs "
+        "it): on a CPU with AVX-512BW and AVX512-VNNI, uint8 weights with a scale and zero point per channel and group "
+        "of 16 inputs (the compiled 8-bit panels), elsewhere int8 weights with a scale per channel; int4, fp8: CUDA "
+        "only (torchao, transformers' forward). A checkpoint that is already quantized (GPTQ, AWQ, bitsandbytes) "
+        "loads as it is, on CUDA",
         ("none", "int8", "int4", "fp8"),
     ),
     "lora": (
@@ -152,8 +154,8 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
     ),
     "allow_unmet_quality_bar": (
         "serve a --quantization mode whose measured quality on this device kind misses "
-        "the bar (make bench-quality: KL <= 0.02 nats/token and >= 14/16 greedy "
-        "answers unchanged); without it such a mode refuses to start, saying why",
+        "the bar (make bench-quality: KL <= 0.01 nats/token and at least bf16's count of 16 greedy "
+        "answers unchanged less 2); without it such a mode refuses to start, saying why",
         None,
     ),
     "engine": (

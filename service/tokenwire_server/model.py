@@ -33,6 +33,7 @@ from .quantize import (
     offered,
     prequantized_method,
     prequantized_refusal,
+    quality_mode,
     quality_verdict,
     quantize_model,
 )
@@ -625,7 +626,7 @@ def quality_gate(quantization: str, device: str, allow_unmet: bool) -> None:
     is refused, unless the operator accepts it (``--allow-unmet-quality-bar``), with a warning."""
     if quantization == "none":
         return
-    meets, figures = quality_verdict(quantization, device)
+    meets, figures = quality_verdict(quality_mode(quantization, torch.device(device)), device)
     if meets is False and not allow_unmet:
         raise ModelLoadError(
             f"--quantization {quantization} misses the quality bar on {device}: {figures} (docs/benchmarks.md, "

@@ -1,19 +1,27 @@
 """Weight quantization (model loading's room): ``--quantization none|int8|int4|fp8``.
 
 Weight-only: activations keep the model's dtype, so a layer's output is close to
-the full-precision one (``make bench-levers`` measures how close). The scales come
-from torchao's quantizer (``choose_qparams_affine`` / ``quantize_affine``, symmetric,
-one scale per output channel); tokenwire does not write its own.
+the full-precision one (``make bench-quality`` measures how close). The scales come
+from torchao's quantizer (``choose_qparams_affine`` / ``quantize_affine``); tokenwire
+does not write its own.
 
 - **int8** (CPU and CUDA): every linear layer, the vocabulary projection included,
-  becomes an ``Int8Linear``: int8 weights and per-channel scales replace the
-  full-precision ones. On a CPU the product is PyTorch's own weight-only kernel
-  (``torch._weight_int8pack_mm``, bf16 activations in, the model's dtype out; it
-  dispatches by instruction set itself). Elsewhere it dequantizes the weight in
-  the step (correct, not tuned). The native pass and transformers' forward both
-  run these layers (``NativeForward`` fuses them as it fuses full-precision ones).
-  The embedding table stays in full precision: a lookup reads a few rows, not the
-  table, so it costs memory, not speed.
+  takes 8-bit weights. The embedding table stays in full precision: a lookup reads a
+  few rows, not the table, so it costs memory, not speed. Two schemes (``int8_scheme``):
+  - ``groups`` (a CPU with AVX-512BW and AVX512-VNNI, where the compiled CPU ops load):
+    asymmetric, an unsigned byte per weight with a scale and a zero point per output
+    channel and group of ``INT8_GROUP`` inputs, held as the compiled ops' 8-bit panels
+    (``Int8GroupLinear``; ``panel_linear``: each weight read once per step for all its
+    rows, each row's inputs rounded to int16 on its own scale, exact integer sums per
+    group). 1.31 bytes a weight with its scales and zero points (groups of 16): a step reads
+    about a third of float32's bytes.
+  - ``channel`` (any other device): symmetric int8 with one scale per output channel
+    (``Int8Linear``). On a CPU the product is PyTorch's own weight-only kernel
+    (``torch._weight_int8pack_mm``, bf16 activations in); elsewhere it dequantizes the
+    weight in the step (correct, not tuned).
+  The native pass and transformers' forward both run these layers (``NativeForward``
+  fuses them as it fuses full-precision ones). Each scheme's quality is measured apart
+  (``quality.json``: ``int8`` is the groups, ``int8-channel`` the other).
 - **int4** (CUDA): torchao's ``Int4WeightOnlyConfig`` (groups of 128, the tinygemm
   kernel in PyTorch), through transformers' forward. Not offered on a CPU: PyTorch's
   int4 CPU kernel ran at 0.29x float32 on this project's bench (``make bench-kernels``).
@@ -88,7 +96,7 @@ def offered(mode: str, device: torch.device, capability: tuple[int, int] | None 
         if mode == "int4":
             return (
                 "int4 is not offered on a CPU: PyTorch's int4 CPU kernel computes at a third of float32's speed "
-                "(make bench-kernels); use --quantization int8 (per-channel int8 weights)"
+                "(make bench-kernels); use --quantization int8 (8-bit weights)"
             )
         return (
             "fp8 needs a CUDA device of compute capability 8.9 or newer (no CPU computes in fp8); "
@@ -209,6 +217,137 @@ class Int8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
 
+# Inputs per scale and zero point of the ``groups`` scheme (#38: at most 32 on the default model).
+# ``make bench-quality`` on the default model (AMD EPYC, 2026-12-07): groups of 32 kept 11 of 16
+# greedy answers, exactly bf16's 13 less 2; groups of 16 keep 12 (KL 0.0008), for 0.16 more bytes
+# a weight and about the same step. The compiled panels take any even group.
+INT8_GROUP = 16
+PANEL_COLUMNS = 16  # output columns per panel (cpu_ops.cpp: kPanel)
+PANEL_META = PANEL_COLUMNS + 4 * PANEL_COLUMNS  # per panel and group: 16 u8 zero points, 16 f32 scales
+
+
+def quantize_int8_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(uint8 weights [out, in], zero points [out, in / group] (uint8), float32 scales [out,
+    in / group])``: asymmetric, per output channel and group of ``group`` inputs, by torchao's
+    quantizer; ``weight ≈ (q - zero) * scale`` group by group."""
+    mapping, choose, quantize = _torchao_quantizer()
+    w = weight.detach().float()
+    block = (1, group)
+    scale, zero = choose(
+        w,
+        mapping.ASYMMETRIC,
+        block,
+        torch.uint8,
+        quant_min=0,
+        quant_max=255,
+        eps=torch.finfo(torch.float32).eps,
+        scale_dtype=torch.float32,
+        zero_point_dtype=torch.int32,
+    )
+    q = quantize(w, block, scale, zero, torch.uint8, quant_min=0, quant_max=255)
+    groups = w.shape[1] // group
+    return q.contiguous(), zero.reshape(-1, groups).to(torch.uint8), scale.reshape(-1, groups).float().contiguous()
+
+
+def pack_int8_panels(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """The compiled ops' 8-bit panels, ``[out / 16, groups, 16 · group + 80]`` bytes: per panel
+    of 16 output columns and group, the weights as int16 pairs' bytes (input pair k2, column c:
+    q[c][2k2], q[c][2k2 + 1]), then the 16 columns' zero points, then their float32 scales
+    (cpu_ops.cpp, "panel_linear on 8-bit weights")."""
+    out, inputs = q.shape
+    panels, groups = out // PANEL_COLUMNS, inputs // group
+    weights = q.view(panels, PANEL_COLUMNS, groups, group // 2, 2).permute(0, 2, 3, 1, 4)
+    zeros = zero.view(panels, PANEL_COLUMNS, groups).permute(0, 2, 1)
+    scales = scale.view(panels, PANEL_COLUMNS, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
+    return torch.cat([weights.reshape(panels, groups, PANEL_COLUMNS * group), zeros, scales], 2).contiguous()
+
+
+def unpack_int8_panels(panels: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``[out, in]`` that ``pack_int8_panels``' panels stand for, (q - zero) * scale."""
+    count, groups, width = panels.shape
+    group = (width - PANEL_META) // PANEL_COLUMNS
+    body = PANEL_COLUMNS * group
+    q = panels[:, :, :body].reshape(count, groups, group // 2, PANEL_COLUMNS, 2).permute(0, 3, 1, 2, 4).float()
+    zero = panels[:, :, body : body + PANEL_COLUMNS].permute(0, 2, 1).float()
+    scale = panels[:, :, body + PANEL_COLUMNS :].contiguous().view(torch.float32).permute(0, 2, 1)
+    weight = (q.reshape(count, PANEL_COLUMNS, groups, group) - zero[..., None]) * scale[..., None]
+    return weight.reshape(count * PANEL_COLUMNS, groups * group)
+
+
+def int8_panel_library() -> Any | None:
+    """The compiled CPU ops where this CPU runs their 8-bit panels (AVX-512BW and AVX512-VNNI), else None."""
+    from .engine import kernels
+
+    ops = kernels.load().ops
+    if ops is None or not hasattr(ops, "cpu_has_avx512vnni") or not ops.cpu_has_avx512vnni():
+        return None
+    return ops
+
+
+def int8_scheme(device: torch.device) -> str:
+    """Which int8 scheme ``--quantization int8`` takes on ``device``: ``groups`` (the compiled
+    8-bit panels, on a CPU that runs them) or ``channel``."""
+    return "groups" if device.type == "cpu" and int8_panel_library() is not None else "channel"
+
+
+def quality_mode(mode: str, device: torch.device) -> str:
+    """The mode's name in ``quality.json``: int8's two schemes are measured apart."""
+    return "int8-channel" if mode == "int8" and int8_scheme(device) == "channel" else mode
+
+
+class Int8GroupLinear(torch.nn.Module):
+    """A linear layer with 8-bit weights in groups (the ``groups`` scheme), held as the compiled
+    ops' 8-bit panels (``pack_int8_panels``) and multiplied by their ``panel_linear`` in float32:
+    a row's output is the same alone and beside other rows, bit for bit."""
+
+    panels: torch.Tensor
+    bias: torch.Tensor | None
+    kernel = "groups"
+
+    def __init__(self, panels: torch.Tensor, bias: torch.Tensor | None, library: Any) -> None:
+        super().__init__()
+        count, groups, width = panels.shape
+        self.group = (width - PANEL_META) // PANEL_COLUMNS
+        self.in_features = int(groups * self.group)
+        self.out_features = int(count * PANEL_COLUMNS)
+        self.library = library
+        self.register_buffer("panels", panels)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    @staticmethod
+    def fits(linear: torch.nn.Linear, group: int) -> bool:
+        """Whether ``linear`` takes the panels: whole panels of output columns, whole groups of inputs."""
+        return linear.out_features % PANEL_COLUMNS == 0 and linear.in_features % group == 0
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, library: Any, group: int = INT8_GROUP) -> Int8GroupLinear:
+        return cls.from_weight(linear.weight, linear.bias, library, group)
+
+    @classmethod
+    def from_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, library: Any, group: int = INT8_GROUP
+    ) -> Int8GroupLinear:
+        return cls(pack_int8_panels(*quantize_int8_groups(weight, group), group), bias, library)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.plus(x, None)
+
+    def plus(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """``residual + self(x)``, the add riding on the GEMM (as ``native.Linear.plus``)."""
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).float().contiguous()
+        res = None if residual is None else residual.reshape(-1, self.out_features).float().contiguous()
+        out: torch.Tensor = self.library.panel_linear(rows, self.panels, self.bias, res)
+        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, kernel=groups"
+
+
+# The int8 layers of either scheme.
+INT8_LAYERS = (Int8Linear, Int8GroupLinear)
+
+
 def _replace_linears(model: torch.nn.Module, make: Any) -> int:
     """Swap every ``nn.Linear`` for ``make(linear)``; the old weight is dropped as each goes,
     so the peak holds one layer twice at most. Returns how many were swapped."""
@@ -242,9 +381,15 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def quantize_model(
-    model: torch.nn.Module, mode: str, device: torch.device, capability: tuple[int, int] | None = None
+    model: torch.nn.Module,
+    mode: str,
+    device: torch.device,
+    capability: tuple[int, int] | None = None,
+    scheme: str | None = None,
 ) -> dict[str, Any]:
     """Quantize ``model``'s linear layers in place; returns what was done, for the log.
+    ``scheme``: int8's, ``channel`` to take it where ``groups`` would run (``make bench-quality``
+    measures both); None: ``int8_scheme``'s.
 
     Raises ``QuantizationError`` when ``mode`` is not offered on ``device``.
     """
@@ -255,13 +400,27 @@ def quantize_model(
         return {"quantization": "none"}
     before = weight_bytes(model)
     if mode == "int8":
+        library = int8_panel_library() if device.type == "cpu" and scheme != "channel" else None
+        linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+        # One scheme for the whole model, so fused layers (q/k/v, gate/up) share one.
+        if library is not None and not all(Int8GroupLinear.fits(linear, INT8_GROUP) for linear in linears):
+            log.warning(
+                "int8 in groups needs every linear layer in whole panels and groups; per-channel int8 instead",
+                extra={"group": INT8_GROUP, "panel_columns": PANEL_COLUMNS},
+            )
+            library = None
         with torch.no_grad():
-            layers = _replace_linears(model, Int8Linear.from_linear)
+            layers = _replace_linears(
+                model,
+                Int8Linear.from_linear
+                if library is None
+                else lambda linear: Int8GroupLinear.from_linear(linear, library),
+            )
         # A head tied to the embedding table is a copy now; the table stays for lookups.
         config = getattr(model, "config", None)
         if config is not None:
             config.tie_word_embeddings = False
-        kernel = Int8Linear.default_kernel(device)
+        kernel = "groups" if library is not None else Int8Linear.default_kernel(device)
     else:  # int4 / fp8 on CUDA: torchao's configs over transformers' forward
         from torchao.quantization import Float8WeightOnlyConfig, Int4WeightOnlyConfig, quantize_
 

@@ -48,8 +48,7 @@ from typing import Any
 import torch
 
 from ..adapters import Adapter
-from ..quantize import Int8Linear
-from .native import Linear, NativeForward
+from .native import Gemm, Linear, NativeForward, panel_weights
 from .ops import CompiledOps
 
 _SERIALS = itertools.count(1)
@@ -241,7 +240,7 @@ class StepAdapters:
         raise NotImplementedError
 
     def linear(
-        self, gemm: Linear | Int8Linear, x: torch.Tensor, layer: int, site: str, residual: torch.Tensor | None = None
+        self, gemm: Gemm, x: torch.Tensor, layer: int, site: str, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``layer``'s ``site`` GEMM over ``x`` (plus ``residual``), then each token's adapter delta."""
         out = gemm(x) if residual is None else gemm.plus(x, residual)
@@ -280,16 +279,17 @@ class RowAdapters(StepAdapters):
         return out
 
     def linear(
-        self, gemm: Linear | Int8Linear, x: torch.Tensor, layer: int, site: str, residual: torch.Tensor | None = None
+        self, gemm: Gemm, x: torch.Tensor, layer: int, site: str, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Where the GEMM runs the compiled panels, one call for both (``panel_linear_lora``): the
         adapters' weights are asked for while the base weights stream, not met cold after them."""
         call = self.calls.get((layer, site))
-        if call is None or not isinstance(gemm, Linear) or gemm.kind != "panels":
+        weights = panel_weights(gemm)
+        if call is None or weights is None:
             return super().linear(gemm, x, layer, site, residual)
         rows = x.float().contiguous()
         held = None if residual is None else residual.contiguous()
-        out: torch.Tensor = self.library.panel_linear_lora(rows, gemm.weight, gemm.bias, held, self.slots, *call)
+        out: torch.Tensor = self.library.panel_linear_lora(rows, weights, gemm.bias, held, self.slots, *call)
         return out
 
 

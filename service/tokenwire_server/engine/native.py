@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model import attention_shape
-from ..quantize import Int8Linear
+from ..quantize import INT8_LAYERS, Int8GroupLinear, Int8Linear
 from ..transfer import host_tensor, to_device
 from . import KERNEL_CHOICES, kernels
 from .kv import PagedCache, flat_index, places, write
@@ -437,25 +437,48 @@ def page_out(tensor: torch.Tensor, mappings: Mappings | None = None) -> None:
         pass
 
 
-def _fused_int8(*linears: Int8Linear) -> Int8Linear:
-    """One int8 layer of several (q, k, v; gate, up): their rows, scales and biases one after
-    another. A layer of its own even for one module (sharing its tensors): the model's module
-    may drop its reference once the pass holds the layer."""
-    qdata = torch.cat([linear.qdata for linear in linears]) if len(linears) > 1 else linears[0].qdata
-    scale = torch.cat([linear.scale for linear in linears]) if len(linears) > 1 else linears[0].scale
-    bias = _fused_bias([(linear.out_features, linear.bias) for linear in linears], qdata.device, torch.float32)
-    return Int8Linear(qdata, scale, bias, linears[0].kernel)
+def _fused_int8(*linears: Int8Linear | Int8GroupLinear) -> Int8Linear | Int8GroupLinear:
+    """One int8 layer of several (q, k, v; gate, up): their rows (or panels), scales and biases
+    one after another. A layer of its own even for one module (sharing its tensors): the model's
+    module may drop its reference once the pass holds the layer."""
+    first = linears[0]
+    device = first.panels.device if isinstance(first, Int8GroupLinear) else first.qdata.device
+    bias = _fused_bias([(linear.out_features, linear.bias) for linear in linears], device, torch.float32)
+    if all(isinstance(linear, Int8GroupLinear) for linear in linears):
+        groups = typing.cast("list[Int8GroupLinear]", list(linears))
+        panels = torch.cat([linear.panels for linear in groups]) if len(groups) > 1 else groups[0].panels
+        return Int8GroupLinear(panels, bias, groups[0].library)
+    if not all(isinstance(linear, Int8Linear) for linear in linears):
+        raise ValueError("cannot fuse int8 layers of two schemes")
+    channels = typing.cast("list[Int8Linear]", list(linears))
+    qdata = torch.cat([linear.qdata for linear in channels]) if len(channels) > 1 else channels[0].qdata
+    scale = torch.cat([linear.scale for linear in channels]) if len(channels) > 1 else channels[0].scale
+    return Int8Linear(qdata, scale, bias, channels[0].kernel)
 
 
-def _layer(packed: bool, batch_hint: int, panels: Any, *modules: Any) -> Linear | Int8Linear:
+def _layer(packed: bool, batch_hint: int, panels: Any, *modules: Any) -> Gemm:
     """The pass's layer for one or several fused modules, full-precision or int8; ``panels``:
     the compiled library where the full-precision GEMMs run as its panels (``Linear``)."""
-    if all(isinstance(module, Int8Linear) for module in modules):
+    if all(isinstance(module, INT8_LAYERS) for module in modules):
         return _fused_int8(*modules)
-    if any(isinstance(module, Int8Linear) for module in modules):
+    if any(isinstance(module, INT8_LAYERS) for module in modules):
         raise ValueError("cannot fuse int8 with full-precision layers")
     weight, bias = _fused(*modules) if len(modules) > 1 else (modules[0].weight, modules[0].bias)
     return Linear(weight, bias, packed, batch_hint, panels)
+
+
+# A layer of the pass: full-precision, or int8 in either scheme.
+Gemm = Linear | Int8Linear | Int8GroupLinear
+
+
+def panel_weights(gemm: Gemm) -> torch.Tensor | None:
+    """What the compiled ``panel_linear`` takes for ``gemm``: its float panels, or its 8-bit
+    panels; None where ``gemm`` does not run as the panels."""
+    if isinstance(gemm, Linear) and gemm.kind == "panels":
+        return gemm.weight
+    if isinstance(gemm, Int8GroupLinear):
+        return gemm.panels
+    return None
 
 
 def _fused_bias(
@@ -483,11 +506,11 @@ def _fused(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 @dataclasses.dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: Linear | Int8Linear
-    out: Linear | Int8Linear
+    qkv: Gemm
+    out: Gemm
     post_norm: torch.Tensor
-    gate_up: Linear | Int8Linear
-    down: Linear | Int8Linear
+    gate_up: Gemm
+    down: Gemm
 
 
 class NativeForward:
@@ -520,8 +543,8 @@ class NativeForward:
         self.packed = packed
         release = release_weights
         head = model.get_output_embeddings()
-        self.quantized = any(isinstance(module, Int8Linear) for module in model.modules())
-        tied = not isinstance(head, Int8Linear) and head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
+        self.quantized = any(isinstance(module, INT8_LAYERS) for module in model.modules())
+        tied = not isinstance(head, INT8_LAYERS) and head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
         if release and self.device.type == "cpu":
             # Everything but the linear layers (the embedding table, the norms) moves to
             # memory of its own: the loaded weights may be pages of the mmapped checkpoint,
@@ -573,7 +596,7 @@ class NativeForward:
                     mlp.down_proj,
                 ):
                     self._drop(module, packed)
-        if release and (isinstance(head, Int8Linear) or head.weight.data_ptr() != embed.data_ptr()):
+        if release and (isinstance(head, INT8_LAYERS) or head.weight.data_ptr() != embed.data_ptr()):
             self._drop(head, packed)
         self.norm = inner.norm.weight.detach().to(self.dtype)
         self.embed = embed.detach()
@@ -620,7 +643,7 @@ class NativeForward:
             and isinstance(self.decode_attention, PagedDecodeAttention)
             and hasattr(self.ops.library, "decoder_layers")
             and all(
-                isinstance(gemm, Linear) and gemm.kind == "panels"
+                panel_weights(gemm) is not None
                 for layer in self.layers
                 for gemm in (layer.qkv, layer.out, layer.gate_up, layer.down)
             )
@@ -631,16 +654,15 @@ class NativeForward:
         """``decoder_layers``' weight lists and the cache's keys and values per layer (built once)."""
         if self._layer_lists is None:
             none = torch.empty(0)
-            gemms = [
-                typing.cast("list[Linear]", [layer.qkv, layer.out, layer.gate_up, layer.down]) for layer in self.layers
-            ]
+            gemms = [[layer.qkv, layer.out, layer.gate_up, layer.down] for layer in self.layers]
+            weights = [[typing.cast("torch.Tensor", panel_weights(gemm)) for gemm in g] for g in gemms]
             self._layer_lists = (
                 [layer.input_norm for layer in self.layers],
-                [g[0].weight for g in gemms],
-                [g[1].weight for g in gemms],
+                [w[0] for w in weights],
+                [w[1] for w in weights],
                 [layer.post_norm for layer in self.layers],
-                [g[2].weight for g in gemms],
-                [g[3].weight for g in gemms],
+                [w[2] for w in weights],
+                [w[3] for w in weights],
                 [none if gemm.bias is None else gemm.bias for g in gemms for gemm in g],
                 [layer.keys for layer in self.cache.layers],
                 [layer.values for layer in self.cache.layers],
@@ -666,6 +688,9 @@ class NativeForward:
         """Replace a module's weight by an empty one; a packed copy's source pages go back at once."""
         if isinstance(module, Int8Linear):
             module.qdata = torch.empty(0, 0, dtype=torch.int8, device=self.device)
+            return
+        if isinstance(module, Int8GroupLinear):
+            module.panels = torch.empty(0, 0, 0, dtype=torch.uint8, device=self.device)
             return
         if packed:
             page_out(module.weight, self._mappings)

@@ -733,36 +733,168 @@ TW_AVX512_BF16 void panel_columns(const typename L::X* x, int64_t rows, int64_t 
   }
 }
 
-// `ahead`: bytes (an adapter's weights, panel_linear_lora) asked for while the GEMM runs, a
-// slice with each tile of panels, so they are in the caches when the GEMM ends rather than met
-// cold, one miss after another, by the pass after it.
-template <typename L>
-void panel_linear_impl(const typename L::X* x, int64_t rows, int64_t steps, const typename L::Weight* panels,
-                       int64_t n, float* out, const float* bias, const float* residual, const ByteRanges* ahead = nullptr) {
-  const int64_t per_panel = steps * kPanel * L::kInputs, count = n / kPanel;
+// The threads split a GEMM's `count` panels (columns), never the rows or the reduction: `columns(p,
+// panels)` runs panels [p, p + panels), kTilePanels at a time, then the 1-3 left at a thread's end.
+// `ahead`: bytes (an adapter's weights, panel_linear_lora) asked for while the GEMM runs, a slice
+// with each tile of panels, so they are in the caches when the GEMM ends rather than met cold, one
+// miss after another, by the pass after it.
+template <typename F>
+void split_panels(int64_t count, const ByteRanges* ahead, const F& columns) {
   int64_t ahead_bytes = 0;
   if (ahead != nullptr)
     for (const auto& range : *ahead) ahead_bytes += range.second;
-  // The threads split the panels (columns), never the rows or the reduction.
   at::parallel_for(0, count, kTilePanels, [&](int64_t begin, int64_t end) {
-    int64_t p = begin;
-    for (; p + kTilePanels <= end; p += kTilePanels) {
-      if (ahead_bytes > 0) prefetch_bytes(*ahead, ahead_bytes * p / count, ahead_bytes * (p + kTilePanels) / count);
-      panel_columns<L, kTilePanels>(x, rows, steps, panels + p * per_panel, out + p * kPanel, n,
-                                    bias ? bias + p * kPanel : nullptr, residual ? residual + p * kPanel : nullptr);
+    for (int64_t p = begin; p < end; p += kTilePanels) {
+      const int64_t last = std::min(end, p + kTilePanels);
+      if (ahead_bytes > 0) prefetch_bytes(*ahead, ahead_bytes * p / count, ahead_bytes * last / count);
+      columns(p, last - p);
     }
-    if (ahead_bytes > 0 && p < end) prefetch_bytes(*ahead, ahead_bytes * p / count, ahead_bytes * end / count);
+  });
+}
+
+template <typename L>
+void panel_linear_impl(const typename L::X* x, int64_t rows, int64_t steps, const typename L::Weight* panels,
+                       int64_t n, float* out, const float* bias, const float* residual, const ByteRanges* ahead = nullptr) {
+  const int64_t per_panel = steps * kPanel * L::kInputs;
+  split_panels(n / kPanel, ahead, [&](int64_t p, int64_t count) {
     const typename L::Weight* w = panels + p * per_panel;
     float* o = out + p * kPanel;
     const float* b = bias ? bias + p * kPanel : nullptr;
     const float* res = residual ? residual + p * kPanel : nullptr;
-    switch (end - p) {
+    switch (count) {
+      case kTilePanels: panel_columns<L, kTilePanels>(x, rows, steps, w, o, n, b, res); break;
       case 3: panel_columns<L, 3>(x, rows, steps, w, o, n, b, res); break;
       case 2: panel_columns<L, 2>(x, rows, steps, w, o, n, b, res); break;
       case 1: panel_columns<L, 1>(x, rows, steps, w, o, n, b, res); break;
       default: break;
     }
   });
+}
+
+// ---- panel_linear on 8-bit weights (AVX-512BW + VNNI) ----
+// Weight-only int8: each weight an unsigned byte q with a zero point z and a scale s per 16
+// columns' group of `group` inputs (W[c][k] ≈ s·(q − z)), held with the panels: [out / 16,
+// groups, 16·group + 80] bytes, per panel and group the weights as 16-bit pairs' bytes (input
+// pair k2, column c: q[c][2k2], q[c][2k2 + 1]), then 16 zero points (u8), then 16 scales (f32).
+// A row's inputs are rounded once to int16 on one scale for the row (max |x| / 32767), its sums
+// per group kept. Each output element: per group an exact int32 sum Σ x̂·q (VPDPWSSD, two
+// inputs at a time) minus z·Σ x̂, converted and taken times s into one float32 accumulator,
+// group after group in order; then times the row's scale, plus the bias and the residual. The
+// same arithmetic for a row whatever the tile, the thread or the other rows (batch invariance).
+#define TW_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+constexpr int64_t kW8Meta = 16 + 16 * 4;  // per panel and group: 16 u8 zero points, 16 f32 scales
+constexpr int kW8TileRows = 3;             // rows per tile (3 × 4 panels × 2 accumulators: 24 registers)
+
+struct W8Rows {
+  const int16_t* x;     // [rows, in], rounded
+  const int32_t* sums;  // [rows, groups]: Σ x̂ over each group
+  const float* scale;   // [rows]
+  int64_t in, groups, group;
+};
+
+template <int RX, int RP>
+TW_AVX512_VNNI void w8_tile(const W8Rows& x, int64_t r0, const uint8_t* panels, int64_t stride, float* out, int64_t n,
+                            const float* bias, const float* residual) {
+  const int64_t block = 16 * x.group + kW8Meta, pairs = x.group / 2;
+  __m512 acc[RX][RP];
+  for (int r = 0; r < RX; ++r)
+    for (int p = 0; p < RP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const uint8_t* base = panels + g * block;
+    __m512i dot[RX][RP];
+    for (int r = 0; r < RX; ++r)
+      for (int p = 0; p < RP; ++p) dot[r][p] = _mm512_setzero_si512();
+    for (int64_t k2 = 0; k2 < pairs; ++k2) {
+      __m512i w[RP];  // each weight widened once per tile, for all its rows
+      for (int p = 0; p < RP; ++p)
+        w[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + p * stride + k2 * 32)));
+      for (int r = 0; r < RX; ++r) {
+        int32_t two;
+        std::memcpy(&two, x.x + (r0 + r) * x.in + g * x.group + 2 * k2, sizeof(two));
+        const __m512i xb = _mm512_set1_epi32(two);
+        for (int p = 0; p < RP; ++p) dot[r][p] = _mm512_dpwssd_epi32(dot[r][p], xb, w[p]);
+      }
+    }
+    for (int p = 0; p < RP; ++p) {
+      const uint8_t* meta = base + p * stride + 16 * x.group;
+      const __mmask16 all = 0xFFFF;  // the maskz forms: GCC 12 warns of the plain forms' unused source (as Widened)
+      const __m512i z = _mm512_maskz_cvtepu8_epi32(all, _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta)));
+      const __m512 s = _mm512_loadu_ps(reinterpret_cast<const float*>(meta + 16));
+      for (int r = 0; r < RX; ++r) {
+        const __m512i exact = _mm512_sub_epi32(dot[r][p], _mm512_mullo_epi32(z, _mm512_set1_epi32(x.sums[(r0 + r) * x.groups + g])));
+        acc[r][p] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(all, exact), s, acc[r][p]);
+      }
+    }
+  }
+  for (int r = 0; r < RX; ++r) {
+    const __m512 xs = _mm512_set1_ps(x.scale[r0 + r]);
+    for (int p = 0; p < RP; ++p) {
+      __m512 v = _mm512_mul_ps(acc[r][p], xs);
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + p * kPanel));
+      if (residual != nullptr) v = _mm512_add_ps(_mm512_loadu_ps(residual + (r0 + r) * n + p * kPanel), v);
+      _mm512_storeu_ps(out + (r0 + r) * n + p * kPanel, v);
+    }
+  }
+}
+
+template <int RP>
+TW_AVX512_VNNI void w8_columns(const W8Rows& x, int64_t rows, const uint8_t* panels, int64_t stride, float* out, int64_t n,
+                               const float* bias, const float* residual) {
+  int64_t r = 0;
+  for (; r + kW8TileRows <= rows; r += kW8TileRows) w8_tile<kW8TileRows, RP>(x, r, panels, stride, out, n, bias, residual);
+  switch (rows - r) {
+    case 2: w8_tile<2, RP>(x, r, panels, stride, out, n, bias, residual); break;
+    case 1: w8_tile<1, RP>(x, r, panels, stride, out, n, bias, residual); break;
+    default: break;
+  }
+}
+
+// A row's inputs rounded to int16 on the row's own scale, and their sums per group.
+void w8_round_rows(const float* x, int64_t rows, int64_t in, int64_t group, int16_t* q, int32_t* sums, float* scale) {
+  const int64_t groups = in / group;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * in;
+    float top = 0.f;
+    for (int64_t i = 0; i < in; ++i) top = std::max(top, std::fabs(xr[i]));
+    const float inv = top > 0.f ? 32767.f / top : 0.f;
+    scale[r] = top / 32767.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+        const int16_t v = static_cast<int16_t>(std::nearbyint(xr[i] * inv));
+        q[r * in + i] = v;
+        sum += v;
+      }
+      sums[r * groups + g] = sum;
+    }
+  }
+}
+
+void w8_linear_impl(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* panels, int64_t n, float* out,
+                    const float* bias, const float* residual, const ByteRanges* ahead) {
+  const int64_t groups = in / group, stride = groups * (16 * group + kW8Meta), count = n / kPanel;
+  std::vector<int16_t> q(rows * in);
+  std::vector<int32_t> sums(rows * groups);
+  std::vector<float> scale(rows);
+  w8_round_rows(x, rows, in, group, q.data(), sums.data(), scale.data());
+  const W8Rows xr{q.data(), sums.data(), scale.data(), in, groups, group};
+  split_panels(count, ahead, [&](int64_t p, int64_t panels_here) {
+    const uint8_t* w = panels + p * stride;
+    float* o = out + p * kPanel;
+    const float* b = bias ? bias + p * kPanel : nullptr;
+    const float* res = residual ? residual + p * kPanel : nullptr;
+    switch (panels_here) {
+      case kTilePanels: w8_columns<kTilePanels>(xr, rows, w, stride, o, n, b, res); break;
+      case 3: w8_columns<3>(xr, rows, w, stride, o, n, b, res); break;
+      case 2: w8_columns<2>(xr, rows, w, stride, o, n, b, res); break;
+      case 1: w8_columns<1>(xr, rows, w, stride, o, n, b, res); break;
+      default: break;
+    }
+  });
+}
+
+bool cpu_has_avx512vnni() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
 }
 
 bool cpu_has_avx512f() { return __builtin_cpu_supports("avx512f"); }
@@ -772,6 +904,25 @@ at::Tensor panel_linear_run(const at::Tensor& x, const at::Tensor& panels, const
                             const std::optional<at::Tensor>& residual, const ByteRanges* ahead) {
   TORCH_CHECK(cpu_has_avx512f(), "panel_linear: this CPU lacks AVX-512F");
   check_rows(x, "panel_linear x");
+  if (panels.scalar_type() == at::kByte) {  // 8-bit weights, [out / 16, groups, 16 · group + 80]
+    TORCH_CHECK(cpu_has_avx512vnni(), "panel_linear: 8-bit weights need AVX-512BW and AVX512-VNNI, which this CPU lacks");
+    TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) > kW8Meta && (panels.size(2) - kW8Meta) % 32 == 0,
+                "panel_linear 8-bit panels: a contiguous uint8 [out / 16, groups, 16 · group + 80] tensor, group even");
+    const int64_t group = (panels.size(2) - kW8Meta) / 16, rows = x.size(0), in = x.size(1), n = panels.size(0) * kPanel;
+    TORCH_CHECK(panels.size(1) * group == in, "panel_linear: x has ", in, " columns, the 8-bit panels ", panels.size(1) * group);
+    TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat &&
+                                      bias->is_contiguous()),
+                "panel_linear bias: float32 [out]");
+    if (residual.has_value()) {
+      check_rows(*residual, "panel_linear residual");
+      TORCH_CHECK(residual->size(0) == rows && residual->size(1) == n, "panel_linear residual: [rows, out]");
+    }
+    at::Tensor out = at::empty({rows, n}, x.options());
+    w8_linear_impl(x.data_ptr<float>(), rows, in, group, panels.data_ptr<uint8_t>(), n, out.data_ptr<float>(),
+                   bias.has_value() ? bias->data_ptr<float>() : nullptr, residual.has_value() ? residual->data_ptr<float>() : nullptr,
+                   ahead);
+    return out;
+  }
   const bool pairs = panels.dim() == 3 && panels.size(2) == 2 * kPanel;
   TORCH_CHECK(panels.dim() == 3 && (panels.size(2) == kPanel || pairs) && panels.is_contiguous() &&
                   (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16),
@@ -902,6 +1053,7 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("cpu_has_avx512f() -> bool", &cpu_has_avx512f);
   m.def("cpu_has_avx512bf16() -> bool", &cpu_has_avx512bf16);
+  m.def("cpu_has_avx512vnni() -> bool", &cpu_has_avx512vnni);
 }
 
 TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
