@@ -409,13 +409,21 @@ def quantize_model(
                 extra={"group": INT8_GROUP, "panel_columns": PANEL_COLUMNS},
             )
             library = None
+        # The full-precision weights are usually pages of the mmapped checkpoint, read once here
+        # and never again: their pages go back as each layer is quantized, or they stay resident
+        # until the file is unmapped (measured: 1.12 GB after loading the default model, not 0.6).
+        from .engine.native import Mappings, page_out
+
+        mappings = Mappings.of_this_process() if device.type == "cpu" else None
+
+        def make(linear: torch.nn.Linear) -> torch.nn.Module:
+            layer = Int8Linear.from_linear(linear) if library is None else Int8GroupLinear.from_linear(linear, library)
+            if mappings is not None:
+                page_out(linear.weight, mappings)
+            return layer
+
         with torch.no_grad():
-            layers = _replace_linears(
-                model,
-                Int8Linear.from_linear
-                if library is None
-                else lambda linear: Int8GroupLinear.from_linear(linear, library),
-            )
+            layers = _replace_linears(model, make)
         # A head tied to the embedding table is a copy now; the table stays for lookups.
         config = getattr(model, "config", None)
         if config is not None:
