@@ -226,6 +226,12 @@ def test_int8_groups_pack_torchaos_weights_and_the_panels_compute_their_product(
     got = library.panel_linear(x, panels, linear.bias.detach(), residual)
     assert ((got - want).norm() / want.norm()).item() < 1e-4
     layer = Int8GroupLinear(panels, linear.bias, library)
+    blocked = quantize.QUANTIZE_ROWS
+    try:  # quantized a block of rows at a time (as a vocabulary projection is): the same panels
+        quantize.QUANTIZE_ROWS = 32
+        assert torch.equal(Int8GroupLinear.from_weight(linear.weight, None, library, group).panels, panels)
+    finally:
+        quantize.QUANTIZE_ROWS = blocked
     alone = library.panel_linear(x, panels, linear.bias.detach(), None)
     assert torch.equal(layer(x.view(7, 1, 256)).view(7, 96), alone)
     assert torch.equal(layer.plus(x, residual), got)
