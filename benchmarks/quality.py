@@ -111,6 +111,14 @@ def meets(result: dict[str, Any], identical: int) -> bool:
     return bool(result["kl"] <= BAR["kl"] and result["identical"] >= identical)
 
 
+def judge(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The bar of this run (its count from bf16's answers here), each result's ``meets_bar`` set by it."""
+    bar = {**BAR, "identical": results["bfloat16"]["identical"] - BAR["below_bf16"], "relative_to": "bfloat16"}
+    for r in results.values():
+        r["meets_bar"] = meets(r, bar["identical"])
+    return bar
+
+
 FLAGS = {"modes": "bfloat16,int8,int8-channel", "kl_prompts": BAR["kl_prompts"], "kl_tokens": BAR["kl_tokens"],
          "greedy_prompts": BAR["of"], "greedy_tokens": BAR["greedy_tokens"],
          "quality_file": (str(QUALITY_FILE),
@@ -147,9 +155,7 @@ def run(args: argparse.Namespace) -> doc.Section:
         results[mode] = measure(reference, candidate, answers)
         doc.log(f"  {mode}: {results[mode]} ({time.perf_counter() - began:.0f} s)")
         del candidate
-    bar = {**BAR, "identical": results["bfloat16"]["identical"] - BAR["below_bf16"], "relative_to": "bfloat16"}
-    for r in results.values():
-        r["meets_bar"] = meets(r, bar["identical"])
+    bar = judge(results)
     info = doc.machine()
     rounding = bf16_rounding()
     if args.quality_file:

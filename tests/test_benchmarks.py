@@ -327,11 +327,24 @@ def test_the_structured_bench_checks_answers_and_holds_each_twin_to_its_answers_
     assert structured.follows("choice", "neutral") and not structured.follows("choice", "Neutral")
 
 
-def test_the_quality_bench_holds_both_halves_of_the_bar_and_asks_distinct_prompts() -> None:
-    from benchmarks.quality import BAR, kl_prompts, meets
+def test_the_quality_bench_holds_both_halves_of_the_bar_counted_from_bf16_and_asks_distinct_prompts() -> None:
+    from benchmarks.quality import BAR, judge, kl_prompts, meets
 
-    assert meets({"kl": BAR["kl"], "identical": BAR["identical"]})
-    assert not meets({"kl": BAR["kl"] * 1.01, "identical": 16})  # KL alone misses
-    assert not meets({"kl": 0.0, "identical": BAR["identical"] - 1})  # greedy alone misses
+    bar = 11  # the bar's count: bf16's identical answers in the same run, less BAR["below_bf16"]
+    assert meets({"kl": BAR["kl"], "identical": bar}, bar)
+    assert not meets({"kl": BAR["kl"] * 1.01, "identical": 16}, bar)  # KL alone misses
+    assert not meets({"kl": 0.0, "identical": bar - 1}, bar)  # greedy alone misses
+    # #38: the count is bf16's in the same run less 2, whatever bf16 kept
+    for bf16 in (13, 16):
+        results = {
+            "bfloat16": {"kl": 0.0002, "identical": bf16},
+            "int8": {"kl": 0.0008, "identical": bf16 - 2},
+            "int8-channel": {"kl": 0.0008, "identical": bf16 - 3},
+            "far": {"kl": 0.011, "identical": bf16},
+        }
+        assert judge(results)["identical"] == bf16 - BAR["below_bf16"] == bf16 - 2
+        assert {mode: r["meets_bar"] for mode, r in results.items()} == {
+            "bfloat16": True, "int8": True, "int8-channel": False, "far": False
+        }  # fmt: skip
     prompts = kl_prompts(64)
     assert len(prompts) == 64 == len(set(prompts))
