@@ -188,9 +188,9 @@ def requests_for(loaded: object, sampled: bool) -> list[GenerationRequest]:
 
 
 def generate(
-    model_dir: Path, step_graphs: str, compile_step: bool = False, max_active: int = 8
+    model_dir: Path, step_graphs: str, compile_step: bool = False, max_active: int = 8, quantization: str = "none"
 ) -> tuple[list[list[int]], object]:
-    loaded = load_model(str(model_dir))
+    loaded = load_model(str(model_dir), quantization=quantization)
     engine = create_engine(
         "batched", loaded, EngineLimits(max_active, 8, 8 * 1024, max_prefill_tokens=16), workers=1,
         kernels="torch", step_graphs=step_graphs, compile_step=compile_step,
@@ -275,10 +275,13 @@ def test_a_bucket_that_runs_out_of_memory_as_it_is_set_up_runs_its_steps_eagerly
     assert {rows for rows, _ in graphs.refused} >= {4} and graphs.replays > 0
 
 
-def test_a_compiled_step_on_this_cpu_gives_the_same_tokens(tiny_model_dir: Path) -> None:
-    """inductor's C++ backend compiles the step once per bucket (2 buckets here: max_active 2)."""
-    eager, _ = generate(tiny_model_dir, "off", max_active=2)
-    compiled, engine = generate(tiny_model_dir, "auto", compile_step=True, max_active=2)
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_a_compiled_step_on_this_cpu_gives_the_same_tokens(tiny_model_dir: Path, quantization: str) -> None:
+    """inductor's C++ backend compiles the step once per bucket (2 buckets here: max_active 2).
+    int8: where the CPU runs the 8-bit panels, the step calls the compiled ops' ``panel_linear``,
+    which inductor traces through its meta kernel (without it: every decode step failed)."""
+    eager, _ = generate(tiny_model_dir, "off", max_active=2, quantization=quantization)
+    compiled, engine = generate(tiny_model_dir, "auto", compile_step=True, max_active=2, quantization=quantization)
     assert engine.step_graphs == "static"  # type: ignore[attr-defined]
     graphs = engine.runner.graphs  # type: ignore[attr-defined]
     assert graphs.compiled and graphs.replays > 0

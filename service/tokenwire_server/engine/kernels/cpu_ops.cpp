@@ -962,6 +962,13 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   return panel_linear_run(x, panels, bias, residual, nullptr);
 }
 
+// The shape and dtype panel_linear gives, [rows, out] float32, for torch.compile's fake tensors:
+// `--compile-step` traces a step whose int8 layers are the 8-bit panels (its float layers are plain).
+at::Tensor panel_linear_meta(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& /*bias*/,
+                             const std::optional<at::Tensor>& /*residual*/) {
+  return at::empty({x.size(0), panels.size(0) * kPanel}, x.options().dtype(at::kFloat));
+}
+
 // panel_linear, then lora_add_ on its output: one call where the native pass makes two at each
 // GEMM an adapter adapts (~120 a decode step), and the adapters' weights asked for while the
 // GEMM streams the base weights (`ahead`), not met cold after it. The same bits as the two calls.
@@ -1055,6 +1062,8 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("cpu_has_avx512bf16() -> bool", &cpu_has_avx512bf16);
   m.def("cpu_has_avx512vnni() -> bool", &cpu_has_avx512vnni);
 }
+
+TORCH_LIBRARY_IMPL(tokenwire, Meta, m) { m.impl("panel_linear", &panel_linear_meta); }
 
 TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
   m.impl("decode_attention", &decode_attention);
