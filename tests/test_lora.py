@@ -94,7 +94,7 @@ def test_greedy_tokens_with_an_adapter_are_peft_unmerged_models(
         assert any(got[(name, i)] != got[("", i)] for i in range(len(prompts))), name
 
 
-@pytest.mark.parametrize("gemm", ["auto", "onednn"])
+@pytest.mark.parametrize("gemm", ["auto", "onednn", "int8"])
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_a_batch_over_three_adapters_and_none_gives_each_row_its_tokens_alone(
     tiny_model_dir: Path, adapters: dict[str, Path], kernels: str, gemm: str, monkeypatch: pytest.MonkeyPatch
@@ -102,14 +102,15 @@ def test_a_batch_over_three_adapters_and_none_gives_each_row_its_tokens_alone(
     """Twelve rows, greedy and seeded, spread over three adapters and the base model: each gets
     in the batch the tokens it gets alone. With the compiled ops, on both GEMMs: the panels
     (AVX-512F) take the adapters in the GEMM's own call (``panel_linear_lora``), oneDNN's (an
-    AVX2 host, here forced) one ``lora_add_`` after it."""
+    AVX2 host, here forced) one ``lora_add_`` after it; and over int8 weights (the 8-bit panels
+    where the CPU runs them, also in ``panel_linear_lora``)."""
     from tokenwire_server.engine import native
 
     if gemm == "onednn":
         if kernels != "compiled":
             pytest.skip("stock torch ops run oneDNN's GEMM already")
         monkeypatch.setattr(native, "panel_library", lambda: None)
-    loaded = load_model(str(tiny_model_dir), dtype="float32")
+    loaded = load_model(str(tiny_model_dir), dtype="float32", quantization="int8" if gemm == "int8" else "none")
     prompts = prompts_of(loaded.tokenizer)
     names = ["", *adapters]
     kinds = [SamplingOptions(temperature=0.0), SamplingOptions(temperature=0.9, top_p=0.95, seed=7)]
@@ -121,7 +122,10 @@ def test_a_batch_over_three_adapters_and_none_gives_each_row_its_tokens_alone(
     way = lora.RowSite if kernels == "compiled" else lora.Site
     assert all(isinstance(site, way) for adapter in engine.adapters() for site in adapter.sites.values())
     pass_gemm = engine.runner.native.gemm
-    assert pass_gemm == ("panels" if kernels == "compiled" and gemm == "auto" and native.panel_library() else "onednn")
+    if gemm == "int8":
+        assert pass_gemm == "int8"
+    else:
+        assert pass_gemm == ("panels" if kernels == "compiled" and gemm == "auto" and native.panel_library() else "onednn")
     try:
         alone = [run_all(engine, [req], 120)[0] for req in requests]
         together = run_all(engine, requests, 120)
