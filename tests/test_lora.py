@@ -125,7 +125,9 @@ def test_a_batch_over_three_adapters_and_none_gives_each_row_its_tokens_alone(
     if gemm == "int8":
         assert pass_gemm == "int8"
     else:
-        assert pass_gemm == ("panels" if kernels == "compiled" and gemm == "auto" and native.panel_library() else "onednn")
+        assert pass_gemm == (
+            "panels" if kernels == "compiled" and gemm == "auto" and native.panel_library() else "onednn"
+        )
     try:
         alone = [run_all(engine, [req], 120)[0] for req in requests]
         together = run_all(engine, requests, 120)
