@@ -203,7 +203,9 @@ def _needs_int8_panels() -> Any:
 
 
 @pytest.mark.parametrize("group", [16, 32])
-def test_int8_groups_pack_torchaos_weights_and_the_panels_compute_their_product(group: int) -> None:
+def test_int8_groups_pack_torchaos_weights_and_the_panels_compute_their_product(
+    group: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The groups scheme: torchao's asymmetric uint8 weights per channel and group (every group's
     smallest and largest weight at the ends of the range); the panels unpack to exactly its
     dequantized weight; ``panel_linear`` over them is that weight's product, the bias and the
@@ -226,12 +228,9 @@ def test_int8_groups_pack_torchaos_weights_and_the_panels_compute_their_product(
     got = library.panel_linear(x, panels, linear.bias.detach(), residual)
     assert ((got - want).norm() / want.norm()).item() < 1e-4
     layer = Int8GroupLinear(panels, linear.bias, library)
-    blocked = quantize.QUANTIZE_ROWS
-    try:  # quantized a block of rows at a time (as a vocabulary projection is): the same panels
-        quantize.QUANTIZE_ROWS = 32
-        assert torch.equal(Int8GroupLinear.from_weight(linear.weight, None, library, group).panels, panels)
-    finally:
-        quantize.QUANTIZE_ROWS = blocked
+    # Quantized a block of rows at a time (as a vocabulary projection is): the same panels.
+    monkeypatch.setattr(quantize, "QUANTIZE_ROWS", 32)
+    assert torch.equal(Int8GroupLinear.from_weight(linear.weight, None, library, group).panels, panels)
     alone = library.panel_linear(x, panels, linear.bias.detach(), None)
     assert torch.equal(layer(x.view(7, 1, 256)).view(7, 96), alone)
     assert torch.equal(layer.plus(x, residual), got)

@@ -57,6 +57,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -734,7 +735,8 @@ TW_AVX512_BF16 void panel_columns(const typename L::X* x, int64_t rows, int64_t 
 }
 
 // The threads split a GEMM's `count` panels (columns), never the rows or the reduction: `columns(p,
-// panels)` runs panels [p, p + panels), kTilePanels at a time, then the 1-3 left at a thread's end.
+// std::integral_constant<int, RP>)` runs panels [p, p + RP), kTilePanels at a time, then the 1-3 left at
+// a thread's end, RP a compile-time count for the tile functions' templates.
 // `ahead`: bytes (an adapter's weights, panel_linear_lora) asked for while the GEMM runs, a slice
 // with each tile of panels, so they are in the caches when the GEMM ends rather than met cold, one
 // miss after another, by the pass after it.
@@ -747,7 +749,13 @@ void split_panels(int64_t count, const ByteRanges* ahead, const F& columns) {
     for (int64_t p = begin; p < end; p += kTilePanels) {
       const int64_t last = std::min(end, p + kTilePanels);
       if (ahead_bytes > 0) prefetch_bytes(*ahead, ahead_bytes * p / count, ahead_bytes * last / count);
-      columns(p, last - p);
+      switch (last - p) {
+        case kTilePanels: columns(p, std::integral_constant<int, kTilePanels>{}); break;
+        case 3: columns(p, std::integral_constant<int, 3>{}); break;
+        case 2: columns(p, std::integral_constant<int, 2>{}); break;
+        case 1: columns(p, std::integral_constant<int, 1>{}); break;
+        default: break;
+      }
     }
   });
 }
@@ -756,18 +764,10 @@ template <typename L>
 void panel_linear_impl(const typename L::X* x, int64_t rows, int64_t steps, const typename L::Weight* panels,
                        int64_t n, float* out, const float* bias, const float* residual, const ByteRanges* ahead = nullptr) {
   const int64_t per_panel = steps * kPanel * L::kInputs;
-  split_panels(n / kPanel, ahead, [&](int64_t p, int64_t count) {
-    const typename L::Weight* w = panels + p * per_panel;
-    float* o = out + p * kPanel;
-    const float* b = bias ? bias + p * kPanel : nullptr;
-    const float* res = residual ? residual + p * kPanel : nullptr;
-    switch (count) {
-      case kTilePanels: panel_columns<L, kTilePanels>(x, rows, steps, w, o, n, b, res); break;
-      case 3: panel_columns<L, 3>(x, rows, steps, w, o, n, b, res); break;
-      case 2: panel_columns<L, 2>(x, rows, steps, w, o, n, b, res); break;
-      case 1: panel_columns<L, 1>(x, rows, steps, w, o, n, b, res); break;
-      default: break;
-    }
+  split_panels(n / kPanel, ahead, [&](int64_t p, auto panels_here) {
+    panel_columns<L, decltype(panels_here)::value>(x, rows, steps, panels + p * per_panel, out + p * kPanel, n,
+                                                   bias ? bias + p * kPanel : nullptr,
+                                                   residual ? residual + p * kPanel : nullptr);
   });
 }
 
@@ -878,18 +878,9 @@ void w8_linear_impl(const float* x, int64_t rows, int64_t in, int64_t group, con
   std::vector<float> scale(rows);
   w8_round_rows(x, rows, in, group, q.data(), sums.data(), scale.data());
   const W8Rows xr{q.data(), sums.data(), scale.data(), in, groups, group};
-  split_panels(count, ahead, [&](int64_t p, int64_t panels_here) {
-    const uint8_t* w = panels + p * stride;
-    float* o = out + p * kPanel;
-    const float* b = bias ? bias + p * kPanel : nullptr;
-    const float* res = residual ? residual + p * kPanel : nullptr;
-    switch (panels_here) {
-      case kTilePanels: w8_columns<kTilePanels>(xr, rows, w, stride, o, n, b, res); break;
-      case 3: w8_columns<3>(xr, rows, w, stride, o, n, b, res); break;
-      case 2: w8_columns<2>(xr, rows, w, stride, o, n, b, res); break;
-      case 1: w8_columns<1>(xr, rows, w, stride, o, n, b, res); break;
-      default: break;
-    }
+  split_panels(count, ahead, [&](int64_t p, auto panels_here) {
+    w8_columns<decltype(panels_here)::value>(xr, rows, panels + p * stride, stride, out + p * kPanel, n,
+                                             bias ? bias + p * kPanel : nullptr, residual ? residual + p * kPanel : nullptr);
   });
 }
 
@@ -904,34 +895,27 @@ at::Tensor panel_linear_run(const at::Tensor& x, const at::Tensor& panels, const
                             const std::optional<at::Tensor>& residual, const ByteRanges* ahead) {
   TORCH_CHECK(cpu_has_avx512f(), "panel_linear: this CPU lacks AVX-512F");
   check_rows(x, "panel_linear x");
-  if (panels.scalar_type() == at::kByte) {  // 8-bit weights, [out / 16, groups, 16 · group + 80]
+  // The layout: 8-bit weights [out / 16, groups, 16 · group + 80], bf16 pairs, or one weight a step.
+  const bool bytes = panels.scalar_type() == at::kByte;
+  const bool pairs = !bytes && panels.dim() == 3 && panels.size(2) == 2 * kPanel;
+  int64_t panel_inputs = 0, group = 0;
+  if (bytes) {
     TORCH_CHECK(cpu_has_avx512vnni(), "panel_linear: 8-bit weights need AVX-512BW and AVX512-VNNI, which this CPU lacks");
     TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) > kW8Meta && (panels.size(2) - kW8Meta) % 32 == 0,
                 "panel_linear 8-bit panels: a contiguous uint8 [out / 16, groups, 16 · group + 80] tensor, group even");
-    const int64_t group = (panels.size(2) - kW8Meta) / 16, rows = x.size(0), in = x.size(1), n = panels.size(0) * kPanel;
-    TORCH_CHECK(panels.size(1) * group == in, "panel_linear: x has ", in, " columns, the 8-bit panels ", panels.size(1) * group);
-    TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat &&
-                                      bias->is_contiguous()),
-                "panel_linear bias: float32 [out]");
-    if (residual.has_value()) {
-      check_rows(*residual, "panel_linear residual");
-      TORCH_CHECK(residual->size(0) == rows && residual->size(1) == n, "panel_linear residual: [rows, out]");
-    }
-    at::Tensor out = at::empty({rows, n}, x.options());
-    w8_linear_impl(x.data_ptr<float>(), rows, in, group, panels.data_ptr<uint8_t>(), n, out.data_ptr<float>(),
-                   bias.has_value() ? bias->data_ptr<float>() : nullptr, residual.has_value() ? residual->data_ptr<float>() : nullptr,
-                   ahead);
-    return out;
+    group = (panels.size(2) - kW8Meta) / 16;
+    panel_inputs = panels.size(1) * group;
+  } else {
+    TORCH_CHECK(panels.dim() == 3 && (panels.size(2) == kPanel || pairs) && panels.is_contiguous() &&
+                    (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16),
+                "panel_linear panels: a contiguous float32 or bf16 [out / 16, in, 16] tensor, or bf16 pairs [out / 16, in / 2, 32]");
+    TORCH_CHECK(!pairs || panels.scalar_type() == at::kBFloat16, "panel_linear: pairs [out / 16, in / 2, 32] are bf16");
+    TORCH_CHECK(!pairs || cpu_has_avx512bf16(), "panel_linear: bf16 pairs need AVX512-BF16, which this CPU lacks");
+    panel_inputs = pairs ? 2 * panels.size(1) : panels.size(1);
   }
-  const bool pairs = panels.dim() == 3 && panels.size(2) == 2 * kPanel;
-  TORCH_CHECK(panels.dim() == 3 && (panels.size(2) == kPanel || pairs) && panels.is_contiguous() &&
-                  (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16),
-              "panel_linear panels: a contiguous float32 or bf16 [out / 16, in, 16] tensor, or bf16 pairs [out / 16, in / 2, 32]");
-  TORCH_CHECK(!pairs || panels.scalar_type() == at::kBFloat16, "panel_linear: pairs [out / 16, in / 2, 32] are bf16");
-  TORCH_CHECK(!pairs || cpu_has_avx512bf16(), "panel_linear: bf16 pairs need AVX512-BF16, which this CPU lacks");
   const int64_t rows = x.size(0), k_len = x.size(1), n = panels.size(0) * kPanel;
-  const int64_t panel_inputs = pairs ? 2 * panels.size(1) : panels.size(1);
-  TORCH_CHECK(panel_inputs == k_len, "panel_linear: x has ", k_len, " columns, the panels ", panel_inputs);
+  TORCH_CHECK(panel_inputs == k_len, "panel_linear: x has ", k_len, " columns, the ", bytes ? "8-bit " : "", "panels ",
+              panel_inputs);
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
                 "panel_linear bias: float32 [out]");
@@ -943,7 +927,10 @@ at::Tensor panel_linear_run(const at::Tensor& x, const at::Tensor& panels, const
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const float* res = residual.has_value() ? residual->data_ptr<float>() : nullptr;
-  if (pairs) {
+  if (bytes) {
+    w8_linear_impl(x.data_ptr<float>(), rows, k_len, group, panels.data_ptr<uint8_t>(), n, out.data_ptr<float>(), b, res,
+                   ahead);
+  } else if (pairs) {
     const at::Tensor rounded = x.to(at::kBFloat16);  // round to nearest even, as oneDNN's bf16 GEMM reads it
     const auto* xp = reinterpret_cast<const int32_t*>(rounded.data_ptr<at::BFloat16>());
     panel_linear_impl<Pairs>(xp, rows, k_len / 2, panels.data_ptr<at::BFloat16>(), n, out.data_ptr<float>(), b, res, ahead);
