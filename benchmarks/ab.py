@@ -100,10 +100,10 @@ def child(model: str, case: str, max_new: int) -> dict[str, Any]:
     try:
         Sink("warm", prompts[0], 8).done.wait(120)
         streams, _, kind = case.partition("-")
-        if streams in ("c1", "c16") and kind in ("", "sampled", "controls"):
+        if streams in ("c1", "c16") and kind in ("", "sampled", "controls", "free"):
             n, started = int(streams[1:]), time.perf_counter()
-            controls = CONTROLS if kind == "controls" else {}
-            sampled = [SamplingOptions(temperature=0.8, top_p=0.95, seed=1000 + i, **controls) for i in range(n)]
+            extra = {"free": {}, "controls": {"top_p": 0.95, **CONTROLS}}.get(kind, {"top_p": 0.95})
+            sampled = [SamplingOptions(temperature=0.8, seed=1000 + i, **extra) for i in range(n)]
             sinks = [Sink(f"r{i}", prompts[i % len(prompts)], max_new, sampled[i] if kind else None) for i in range(n)]
             for s in sinks:
                 s.done.wait(600)
@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> doc.Section:
         args.section, f"Two trees side by side: {args.label}", args.command,
         f"{doc.host()}. Each repeat runs every case once on each tree, alternating, each in a fresh process; "
         f"c1/c16: tokens/s of 1 or 16 greedy streams of {args.max_new_tokens} tokens on the batched engine in "
-        "process (-sampled: temperature 0.8, top_p 0.95, a seed per stream; -controls: that plus presence 0.5, "
+        "process (-sampled: temperature 0.8, top_p 0.95, a seed per stream; -free: temperature 0.8 alone, as a "
+        "caller who sets only a temperature; -controls: -sampled plus presence 0.5, "
         "frequency 0.3, min_p 0.05 and a 100-entry logit_bias); long: 8 streams decode while a "
         "~1,500-token prompt is read (their largest gap ÷ their ITL p50 before it: the stall); server-cN: tokens/s of "
         "N streams over gRPC. Cells: median (min–max) over the repeats; ratios: new ÷ old per repeat.",

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from tokenwire_server.domain import GenerationRequest, RequestHandle, SamplingOptions
-from tokenwire_server.engine import sampling
+from tokenwire_server.engine import kernels, sampling
 from tokenwire_server.engine.generation import Generation
 from tokenwire_server.engine.sampling import CANDIDATES, Sampler, gumbel_noise, noise_at, row_keys
 
@@ -92,9 +92,9 @@ def generation(options: SamplingOptions, step: int) -> Generation:
     return seq
 
 
-def new_picks(rows: list[Row]) -> list[int]:
+def new_picks(rows: list[Row], library: Any = None) -> list[int]:
     logits = torch.stack([r[0] for r in rows])
-    return [pick[0] for pick in Sampler([])(logits, [generation(o, step) for _, o, step in rows])]
+    return [pick[0] for pick in Sampler([], library)(logits, [generation(o, step) for _, o, step in rows])]
 
 
 def reference_picks(rows: list[Row]) -> list[int]:
@@ -104,6 +104,17 @@ def reference_picks(rows: list[Row]) -> list[int]:
         keys = torch.tensor([row_keys(options.seed or 0, step)], dtype=torch.int64)
         out += reference_draw(logits.unsqueeze(0), [options], keys).tolist()
     return out
+
+
+@pytest.fixture(params=["torch", "compiled"])
+def library(request: pytest.FixtureRequest) -> Any:
+    """The sampler's passes over the rows: stock torch's (None), or the compiled CPU ops' (``RowOps``)."""
+    if request.param == "torch":
+        return None
+    loaded = kernels.load()
+    if loaded.ops is None:
+        pytest.skip(f"compiled CPU ops: {loaded.reason}")
+    return loaded.ops
 
 
 @pytest.fixture
@@ -171,9 +182,9 @@ def grid(logits: torch.Tensor, seeds: int = 2, steps: tuple[int, ...] = (0, 5)) 
     return rows
 
 
-def assert_same(rows: list[Row], chunk: int = 16) -> None:
+def assert_same(rows: list[Row], library: Any = None, chunk: int = 16) -> None:
     expected = reference_picks(rows)
-    got = [p for start in range(0, len(rows), chunk) for p in new_picks(rows[start : start + chunk])]
+    got = [p for start in range(0, len(rows), chunk) for p in new_picks(rows[start : start + chunk], library)]
     differ = [(i, rows[i][1], rows[i][2], expected[i], got[i]) for i in range(len(rows)) if expected[i] != got[i]]
     assert not differ, f"{len(differ)} of {len(rows)} rows differ, e.g. {differ[:3]}"
 
@@ -181,26 +192,60 @@ def assert_same(rows: list[Row], chunk: int = 16) -> None:
 # -- the tests -------------------------------------------------------------------------------------
 
 
-def test_candidate_noise_is_gumbel_noise_bit_for_bit() -> None:
+def test_candidate_noise_is_gumbel_noise_bit_for_bit(library: Any) -> None:
     gen = torch.Generator().manual_seed(0)
     keys = torch.tensor([row_keys(seed, step) for seed in range(8) for step in (0, 1, 77)], dtype=torch.int64)
     ids = torch.randint(0, VOCAB, (keys.shape[0], CANDIDATES), generator=gen)
-    full = gumbel_noise(keys, VOCAB)
+    ops = sampling.RowOps(library)
+    full = gumbel_noise(keys, VOCAB, ops)
     assert torch.equal(full, reference_gumbel_noise(keys, VOCAB))
-    assert torch.equal(noise_at(keys, ids), full.gather(1, ids))
-    assert torch.equal(noise_at(keys[3:4], ids[3:4]), full[3:4].gather(1, ids[3:4]))
+    assert torch.equal(noise_at(keys, ids, ops), full.gather(1, ids))
+    assert torch.equal(noise_at(keys[3:4], ids[3:4], ops), full[3:4].gather(1, ids[3:4]))
+    pairs = torch.tensor([5, 0, 5, 23])  # one (key, id) per row: the free rows' near tokens
+    assert torch.equal(noise_at(keys[pairs], ids[pairs, :1], ops).squeeze(1), full[pairs, ids[pairs, 0]])
 
 
-def test_the_new_draw_picks_as_the_old_on_random_logits(fallbacks: dict[str, int]) -> None:
+def test_the_row_passes_give_torchs_results(library: Any) -> None:
+    """``RowOps``: a top k (the same values; ids where no tie straddles the cut), the first argmax (ties,
+    -inf rows, NaN), and the near tokens with their noise and counts, as torch's ops give them."""
+    gen = torch.Generator().manual_seed(7)
+    ops = sampling.RowOps(library)
+    x = torch.randn(6, VOCAB, generator=gen) * 3
+    x[1] = torch.round(x[1])  # ties everywhere
+    x[2, 100:] = NEG_INF
+    x[3] = NEG_INF
+    for k in (1, 7, CANDIDATES, sampling.WIDER):
+        values, ids = ops.top(x, k)
+        expected = torch.topk(x, k, dim=-1).values
+        assert torch.equal(values.sort(dim=-1, descending=True).values, expected)
+        assert torch.equal(x.gather(1, ids), values) and all(len(set(row.tolist())) == k for row in ids)
+    x[4, [9, 40000]] = 50.0  # a tie for the largest: the first
+    x[5, [30, 7]] = float("nan")
+    assert ops.argmax(x).tolist() == torch.argmax(x, dim=-1).tolist() == [*ops.argmax(x)[:4].tolist(), 9, 7]
+    keys = torch.tensor([row_keys(seed, 2) for seed in range(5)], dtype=torch.int64)
+    rows = x[:5].contiguous()
+    floors = torch.tensor([[4.0], [3.0], [0.0], [NEG_INF], [20.0]])
+    row, token, value, noise, counts = ops.near(rows, keys, floors, 600)
+    mask = rows >= floors
+    assert counts.tolist() == mask.sum(dim=-1).tolist() and counts[3] == VOCAB and counts[4] == 2
+    mask[counts > 600] = False  # a row past ``most`` gives none
+    want_row, want_token = mask.nonzero(as_tuple=True)
+    assert torch.equal(row, want_row) and torch.equal(token, want_token) and torch.equal(value, rows[row, token])
+    assert torch.equal(noise, gumbel_noise(keys, VOCAB)[row, token])
+
+
+def test_the_new_draw_picks_as_the_old_on_random_logits(library: Any, fallbacks: dict[str, int]) -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.cat([torch.randn(40, VOCAB, generator=gen) * scale for scale in (1.0, 3.0, 8.0)])
-    assert_same(grid(logits))
+    assert_same(grid(logits), library)
     # bf16-rounded: many ties, at the cut too
-    assert_same(grid(logits[::2].to(torch.bfloat16).float(), steps=(3,)))
+    assert_same(grid(logits[::2].to(torch.bfloat16).float(), steps=(3,)), library)
     assert fallbacks["limited"] > 0
 
 
-def test_the_new_draw_picks_as_the_old_on_realistic_logits(tiny_model_dir: Path, fallbacks: dict[str, int]) -> None:
+def test_the_new_draw_picks_as_the_old_on_realistic_logits(
+    library: Any, tiny_model_dir: Path, fallbacks: dict[str, int]
+) -> None:
     # The tiny model's (random weights: near-flat rows) and peaked ones shaped like a trained model's: a
     # few tokens well above a broad normal bulk.
     tiny = model_logits(tiny_model_dir, PROMPTS, 8)
@@ -210,19 +255,21 @@ def test_the_new_draw_picks_as_the_old_on_realistic_logits(tiny_model_dir: Path,
         top = torch.randint(0, VOCAB, (1 + i % 7,), generator=gen)
         peaked[i, top] = 12.0 + torch.rand(len(top), generator=gen) * 14.0
     rows = grid(torch.cat([tiny, peaked]))
-    assert_same(rows)
-    assert_same(grid(torch.cat([tiny, peaked]).to(torch.bfloat16).float(), seeds=1, steps=(9,)))
+    assert_same(rows, library)
+    assert_same(grid(torch.cat([tiny, peaked]).to(torch.bfloat16).float(), seeds=1, steps=(9,)), library)
     limited = sum(1 for _, o, _ in rows if o.top_k or o.top_p < 1.0) * 2
     assert 0 < fallbacks["limited"] < limited  # both paths were taken
+    free = sum(1 for _, o, _ in rows if not o.top_k and o.top_p == 1.0) * 2
+    assert 0 < fallbacks["free"] < free  # the peaked rows hashed only their near tokens, the flat ones all
 
 
 @pytest.mark.e2e
-def test_the_new_draw_picks_as_the_old_on_the_default_models_logits(default_model_dir: Path) -> None:
+def test_the_new_draw_picks_as_the_old_on_the_default_models_logits(library: Any, default_model_dir: Path) -> None:
     logits = model_logits(default_model_dir, PROMPTS, 12)
-    assert_same(grid(logits, seeds=3, steps=(0, 1, 40)))
+    assert_same(grid(logits, seeds=3, steps=(0, 1, 40)), library)
 
 
-def test_masked_and_overflowing_rows_pick_as_the_old(fallbacks: dict[str, int]) -> None:
+def test_masked_and_overflowing_rows_pick_as_the_old(library: Any, fallbacks: dict[str, int]) -> None:
     gen = torch.Generator().manual_seed(3)
     rows: list[Row] = []
     for i in range(24):
@@ -238,10 +285,10 @@ def test_masked_and_overflowing_rows_pick_as_the_old(fallbacks: dict[str, int]) 
             logits[torch.randint(0, VOCAB, (1 + i % 4,), generator=gen)] = 3e38
         for options in (dict(temperature=1e-5), dict(temperature=0.9, top_p=0.9), dict(temperature=1e-5, top_k=5)):
             rows.append((logits, SamplingOptions(**options, seed=i), i))  # type: ignore[arg-type]
-    assert_same(rows)
+    assert_same(rows, library)
 
 
-def test_rows_whose_kept_tokens_pass_the_candidates_take_the_full_sort(fallbacks: dict[str, int]) -> None:
+def test_rows_whose_kept_tokens_pass_the_candidates_take_the_full_sort(library: Any, fallbacks: dict[str, int]) -> None:
     """Flat rows, ties at the cut, top_k above the candidates: the prefilter cannot be exact, and the
     wider candidates or the full path give the old picks."""
     gen = torch.Generator().manual_seed(4)
@@ -266,14 +313,42 @@ def test_rows_whose_kept_tokens_pass_the_candidates_take_the_full_sort(fallbacks
         ):
             for seed in range(6):
                 rows.append((logits, SamplingOptions(**options, seed=seed), i))  # type: ignore[arg-type]
-    assert_same(rows)
+    assert_same(rows, library)
     # Every row the candidates cannot settle tries WIDER first (some settle there: the coarse levels'
     # nuclei), and the flat ones still need the sort.
     assert fallbacks["wider"] >= 6 * 6 * 3 and fallbacks["limited"] >= 6 * 6 * 2
     assert fallbacks["wider"] > fallbacks["limited"]
 
 
-def test_a_row_picks_the_same_anywhere_in_any_batch() -> None:
+def test_free_rows_hash_only_the_tokens_that_can_win_and_pick_as_the_full_path(
+    library: Any,
+) -> None:
+    """A free row (temperature alone) hashes the tokens near enough to its best sum: the same pick as the
+    whole vocabulary's noise, a tie of sums going to the first id (two tokens whose noise is equal, with
+    equal logits), a row of -inf (all banned) to id 0, and a row mostly that near to the full path."""
+    gen = torch.Generator().manual_seed(6)
+    keys = torch.tensor([row_keys(seed, 3) for seed in range(6)], dtype=torch.int64)
+    noise = gumbel_noise(keys, VOCAB)
+    scaled = torch.randn(6, VOCAB, generator=gen) * 3.0
+    scaled[1, :10] += 30.0  # peaked: a handful near the top
+    ids, counts = noise[2].unique(return_counts=True)
+    twins = torch.nonzero(noise[2] == ids[counts > 1][-1]).squeeze(1)[:2]  # equal 23 bits: equal noise
+    scaled[2] = 0.0
+    scaled[2, twins] = 40.0  # they tie on the sum, far above the rest
+    scaled[3] = NEG_INF
+    scaled[4] = torch.randn(VOCAB, generator=gen) * 0.1  # flat: every token near
+    near = (scaled >= (scaled + noise).amax(dim=-1, keepdim=True) - sampling._NOISE_SPAN).sum(dim=-1)
+    assert near[1] < 100 and near[2] == 2 and near[4] > VOCAB // 4
+    ops = sampling.RowOps(library)
+    picks = sampling._free_near(scaled, keys, VOCAB, ops)
+    assert torch.equal(picks, sampling._free_full(scaled, keys, VOCAB))
+    assert torch.equal(picks, sampling._free_full(scaled, keys, VOCAB, ops))
+    assert picks[2] == twins.min() and picks[3] == 0
+
+
+def test_a_row_picks_the_same_anywhere_in_any_batch(
+    library: Any,
+) -> None:
     """Each row alone, then at other places among other neighbours (other kinds, rows that need the
     full path): the same pick, and the reference's."""
     gen = torch.Generator().manual_seed(5)
@@ -281,7 +356,7 @@ def test_a_row_picks_the_same_anywhere_in_any_batch() -> None:
     peaked[:, :3] += 15.0
     flat = torch.zeros(4, VOCAB)
     rows = grid(torch.cat([peaked, flat]), seeds=1, steps=(2,))
-    alone = [new_picks([row])[0] for row in rows]
+    alone = [new_picks([row], library)[0] for row in rows]
     assert alone == reference_picks(rows)
     rng = random.Random(0)
     for _ in range(6):
@@ -290,4 +365,4 @@ def test_a_row_picks_the_same_anywhere_in_any_batch() -> None:
         size = rng.choice((3, 7, 16))
         for start in range(0, len(order), size):
             part = order[start : start + size]
-            assert new_picks([rows[i] for i in part]) == [alone[i] for i in part]
+            assert new_picks([rows[i] for i in part], library) == [alone[i] for i in part]

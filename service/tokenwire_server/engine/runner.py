@@ -97,7 +97,8 @@ class ModelRunner:
         self.cache = cache
         self.native = native
         self.graphs = graphs
-        self.sampler = Sampler(loaded.eos_token_ids)
+        # The sampler's passes over the rows take the compiled CPU ops where the native pass does.
+        self.sampler = Sampler(loaded.eos_token_ids, getattr(native.ops, "library", None) if native else None)
         # transformers' forward only (a checkpoint read for the native pass has none).
         self._cache_arg = cache_argument(loaded.model) if native is None else ""
         self._mask_dtype = loaded.model.dtype if loaded.model.dtype.is_floating_point else torch.float32

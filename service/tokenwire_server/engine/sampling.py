@@ -18,7 +18,7 @@ batch or where the row sits, so a seeded request gives the same tokens alone and
 in any batch, and on either engine (both use this sampler).
 
 Rows with top_k or top_p (limited rows) are drawn on the host from candidates: each
-row's ``CANDIDATES`` (256) largest scaled values (``torch.topk``), put in the full
+row's ``CANDIDATES`` (256) largest scaled values (a top k: ``RowOps.top``), put in the full
 order's (value desc, token id asc), their probabilities taken from the whole row's
 softmax (or the top_k largest values'), their noise hashed for those ids alone (bit
 for bit ``gumbel_noise``'s). That replaces a stable sort of the whole vocabulary, a
@@ -30,9 +30,13 @@ NOTE in ``_limited_candidates``); a row that fails (a nucleus wider than 256, to
 over 256, kept ties at the cut) takes a full sort of that row. The full sort computes
 the same definition, so the path never changes a pick, and a row's path depends on its
 own logits only. On a device (CUDA) every row takes the
-full sort: choosing per row would read the device mid-launch. Free rows (no top_k,
-top_p 1) keep full-vocabulary noise: the noise spans ~19.4, too wide to bound them to
-candidates on real logits at temperature 1.
+full sort: choosing per row would read the device mid-launch.
+
+Free rows (no top_k, top_p 1: a caller who sets only a temperature) hash the noise of the
+tokens that can still win (``_free_near``): their best sum over the candidates is a floor,
+and no token more than the largest noise (~16.6) below it can reach it. At temperature 1 on
+real logits that is ~1/8 of the vocabulary, at 0.7 ~1/40; a row where most tokens are that
+near hashes them all. Full-vocabulary noise cost ~24 ms a 16-row step on its own.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -92,15 +97,18 @@ def row_keys(seed: int, step: int) -> tuple[int, int]:
     return first, second
 
 
-def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+def gumbel_noise(keys: torch.Tensor, vocab: int, ops: RowOps | None = None) -> torch.Tensor:
     """Gumbel(0, 1) noise ``[rows, vocab]`` from per-row keys ``[rows, 2]`` (int64): a pure function of key and
     token id."""
-    return noise_at(keys, torch.arange(vocab, dtype=torch.int64, device=keys.device).unsqueeze(0))
+    return noise_at(keys, torch.arange(vocab, dtype=torch.int64, device=keys.device).unsqueeze(0), ops)
 
 
-def noise_at(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def noise_at(keys: torch.Tensor, ids: torch.Tensor, ops: RowOps | None = None) -> torch.Tensor:
     """``gumbel_noise``'s values at token ``ids`` only (``[rows, n]`` int64, or ``[1, n]`` for every row): the
-    same hash of the same (key, id), so bit for bit the same noise, at the cost of ``n`` tokens, not the vocabulary."""
+    same hash of the same (key, id), so bit for bit the same noise, at the cost of ``n`` tokens, not the vocabulary.
+    ``ops``: the hash and its uniform number in one compiled pass (``noise_uniform``: the same bits) where it can."""
+    if ops is not None and ops.library is not None and keys.device.type == "cpu":
+        return _gumbel(ops.library.noise_uniform(keys.contiguous(), ids.contiguous()))
     h = _mix32(ids ^ keys[:, :1])
     h = _mix32(h ^ keys[:, 1:])
     return _gumbel_of(h >> 9)
@@ -114,7 +122,10 @@ def _gumbel_of(bits: torch.Tensor) -> torch.Tensor:
     log(1) = 0 gave +inf noise (about one token in 16.7 million: a few per thousand steps
     at this vocabulary), and that token won the draw whatever its logit, even a masked one
     (-inf + inf = NaN, which argmax takes): a constrained row broke its format."""
-    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return _gumbel((bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23)))
+
+
+def _gumbel(uniform: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(uniform))
 
 
@@ -151,9 +162,56 @@ class Drawn:
     named_n: int = 0  # columns of logprobs_of (the longest row's; shorter rows pad)
 
 
+class RowOps:
+    """The sampler's passes over a step's rows ``[rows, vocab]``: the compiled CPU ops' (``row_top``,
+    ``row_argmax``, ``near``, ``noise_uniform``: engine/kernels, one pass each) where given and the rows are
+    float32 on the CPU, else torch's (``topk``, ``argmax``, ``>=``, ``nonzero``, gathers and the int64 hash: ~0.5-2 ms
+    each a 16-row step
+    at the default model's vocabulary). The same results, but for which of the values tied at a top
+    k's cut it keeps, and its order, which no caller here depends on."""
+
+    def __init__(self, library: Any = None) -> None:
+        self.library: Any = library if hasattr(library, "row_top") else None
+
+    def _compiled(self, x: torch.Tensor) -> bool:
+        return self.library is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+
+    def top(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's ``k`` largest values and their ids (in no order; ties at the cut: any)."""
+        if self._compiled(x):
+            values, ids = self.library.row_top(x, k)
+        else:
+            values, ids = torch.topk(x, k, dim=-1)
+        return values, ids
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's first index of its largest value (torch.argmax's)."""
+        picks: torch.Tensor = self.library.row_argmax(x) if self._compiled(x) else torch.argmax(x, dim=-1)
+        return picks
+
+    def near(
+        self, x: torch.Tensor, keys: torch.Tensor, floors: torch.Tensor, most: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tokens where ``x >= floors`` (``[rows, 1]``), row-major: (their rows, ids, values, noise
+        (``noise_at`` for ``keys``)), and each row's count of them; a row with more than ``most`` gives none."""
+        if self._compiled(x):
+            row, token, value, uniform, counts = self.library.near(x, keys, floors.squeeze(1).contiguous(), most)
+            return row, token, value, _gumbel(uniform), counts
+        mask = x >= floors
+        counts = mask.sum(dim=-1)
+        mask[counts > most] = False
+        row, token = mask.nonzero(as_tuple=True)
+        return row, token, x[row, token], noise_at(keys[row], token.unsqueeze(1)).squeeze(1), counts
+
+
+TORCH_ROWS = RowOps()
+
+
 class Sampler:
-    def __init__(self, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, eos_token_ids: Sequence[int], library: Any = None) -> None:
+        """``library``: the compiled CPU ops (engine/kernels) for its passes over the rows (``RowOps``)."""
         self._eos = list(eos_token_ids)
+        self._rows = RowOps(library)
         self.wait_s = 0.0  # the last call's device -> host copy (on CUDA: waiting for the step to finish)
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[Generation]) -> list[Pick]:
@@ -219,7 +277,7 @@ class Sampler:
         if index is not None and len(sampled) == len(requests):  # no greedy row: no argmax over the vocabulary
             chosen = self._draw(processed, sampled, index, seqs, vocab).to(device)
         else:
-            chosen = torch.argmax(processed, dim=-1)  # greedy rows keep this, exactly
+            chosen = self._rows.argmax(processed)  # greedy rows keep this, exactly
             if index is not None:
                 chosen[index] = self._draw(processed, sampled, index, seqs, vocab)
 
@@ -307,9 +365,7 @@ class Sampler:
         limited = [0 < o.top_k < vocab or o.top_p < 1.0 for o in options]
         prefilter = device.type == "cpu" and vocab > CANDIDATES  # the candidate path (the module's docstring)
         if not any(limited):
-            # NOTE: no prefilter for free rows: the noise spans ~19.4, and the tokens within that of a
-            # row's best number in the thousands at temperature 1 (1% of real rows fit 256 candidates).
-            return _free_full(scaled, keys, vocab)
+            return _free_near(scaled, keys, vocab, self._rows) if prefilter else _free_full(scaled, keys, vocab)
         top_k = host_tensor([o.top_k if 0 < o.top_k < vocab else vocab for o in options], torch.long, device).unsqueeze(
             1
         )
@@ -320,12 +376,14 @@ class Sampler:
         # On the host: the rows split by kind with host indices (no device to queue behind).
         free = [i for i, lim in enumerate(limited) if not lim]
         if not free:  # every row limited: no copies of them
-            return _limited_candidates(scaled, keys, top_k, top_p, limited_p, vocab)
+            return _limited_candidates(scaled, keys, top_k, top_p, limited_p, vocab, CANDIDATES, self._rows)
         picks = torch.empty(len(options), dtype=torch.long)
         rows = torch.tensor(free)
-        picks[rows] = _free_full(scaled[rows], keys[rows], vocab)
+        picks[rows] = _free_near(scaled[rows], keys[rows], vocab, self._rows)
         rows = torch.tensor([i for i, lim in enumerate(limited) if lim])
-        picks[rows] = _limited_candidates(scaled[rows], keys[rows], top_k[rows], top_p[rows], limited_p[rows], vocab)
+        picks[rows] = _limited_candidates(
+            scaled[rows], keys[rows], top_k[rows], top_p[rows], limited_p[rows], vocab, CANDIDATES, self._rows
+        )
         return picks
 
 
@@ -348,6 +406,9 @@ WIDER = 4096
 # The candidates' cumulated mass must clear top_p by this much to rule out every later token: room for
 # float32 rounding in cumsum - probability (a few 1e-7), so a rounding never turns a dropped token back.
 _MASS_MARGIN = 1e-5
+# The largest noise ``_gumbel_of`` gives (its largest 23 bits), with room for rounding in ``scaled + G``
+# (a few ulps of the sum): a token this far below a sum some token reaches cannot reach it.
+_NOISE_SPAN = float(_gumbel_of(torch.tensor([(1 << 23) - 1]))) + 1e-2
 
 
 def _add_at(processed: torch.Tensor, entries: list[tuple[int, int, float]]) -> None:
@@ -370,8 +431,33 @@ def _min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return scaled.masked_fill(scaled < best + torch.log(min_p), NEG_INF)
 
 
-def _free_full(scaled: torch.Tensor, keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    return torch.argmax(scaled + gumbel_noise(keys, vocab), dim=-1)
+def _free_full(scaled: torch.Tensor, keys: torch.Tensor, vocab: int, rows: RowOps = TORCH_ROWS) -> torch.Tensor:
+    return rows.argmax(scaled + gumbel_noise(keys, vocab, rows))
+
+
+def _free_near(scaled: torch.Tensor, keys: torch.Tensor, vocab: int, ops: RowOps = TORCH_ROWS) -> torch.Tensor:
+    """``_free_full``'s picks from the tokens that can still win: a row's best ``scaled + G`` over its
+    CANDIDATES largest values is a floor the winner reaches, and no token more than the largest noise
+    below it can (``_NOISE_SPAN``). Their noise is hashed alone (``noise_at``: bit for bit), and each row
+    takes the first token by id with the largest sum, as argmax does: the same pick from ~1/8 of the
+    hashing at temperature 1 on real logits (~1/40 at 0.7). A row where most tokens are that near (a
+    flat row, a high temperature) takes the full path: the path never changes a pick."""
+    rows = scaled.shape[0]
+    values, ids = ops.top(scaled, min(CANDIDATES, vocab))
+    best = (values + noise_at(keys, ids, ops)).amax(dim=-1, keepdim=True)
+    row, token, value, noise, counts = ops.near(scaled, keys, best - _NOISE_SPAN, vocab // 4)  # rows' tokens by id
+    wide = counts > vocab // 4
+    picks = torch.empty(rows, dtype=torch.long)
+    if bool(wide.any()):
+        dense = torch.nonzero(wide).squeeze(1)
+        picks[dense] = _free_full(scaled[dense], keys[dense], vocab, ops)
+        if len(dense) == rows:
+            return picks
+    total = value + noise
+    top = torch.full((rows,), NEG_INF).scatter_reduce(0, row, total, "amax")
+    first = total == top[row]
+    chosen = torch.full((rows,), vocab, dtype=torch.long).scatter_reduce(0, row[first], token[first], "amin")
+    return torch.where(wide, picks, chosen)
 
 
 def _probabilities(
@@ -435,15 +521,16 @@ def _limited_candidates(
     limited_p: torch.Tensor,
     vocab: int,
     width: int = CANDIDATES,
+    ops: RowOps = TORCH_ROWS,
 ) -> torch.Tensor:
     """``_limited_full`` from each row's ``width`` largest values, exact where the kept tokens lie inside
     them; a row where they may not tries again from its ``WIDER`` largest, then takes the full path."""
-    values, ids = torch.topk(scaled, width, dim=-1)  # ties at the cut: any of them, in any order
+    values, ids = ops.top(scaled, width)  # ties at the cut: any of them, in any order
     ids, by_id = ids.sort(dim=-1)
     ordered, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
     order = ids.gather(1, by_value)  # (value desc, id asc), as the full stable sort orders them
     kept, mass = _kept(ordered, order, scaled, top_k, top_p, limited_p, vocab)
-    picks = order.gather(1, torch.argmax(kept + noise_at(keys, order), dim=-1, keepdim=True)).squeeze(1)
+    picks = order.gather(1, torch.argmax(kept + noise_at(keys, order, ops), dim=-1, keepdim=True)).squeeze(1)
     # NOTE: exact when no kept token can lie past the candidates' first `inside`, those strictly above
     # the smallest candidate: they are the full order's first `inside` tokens, the same ids in the
     # same places with the same probabilities and cumulated mass, while the tokens after them (ties
@@ -461,7 +548,7 @@ def _limited_candidates(
     def again(rows: torch.Tensor) -> torch.Tensor:
         if width < WIDER < vocab:  # the same test over more candidates: a top-k is ~6x cheaper than the sort
             return _limited_candidates(
-                scaled[rows], keys[rows], top_k[rows], top_p[rows], limited_p[rows], vocab, WIDER
+                scaled[rows], keys[rows], top_k[rows], top_p[rows], limited_p[rows], vocab, WIDER, ops
             )
         return _limited_full(scaled[rows], keys[rows], top_k[rows], top_p[rows], limited_p[rows], vocab)
 

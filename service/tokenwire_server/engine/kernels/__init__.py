@@ -17,6 +17,9 @@
   while the GEMM runs;
 - ``decoder_layers``: every decoder layer of a step in one call, where every GEMM is the
   panels: the same functions in the same order as the native pass's Python loop.
+- ``row_top``, ``row_argmax``, ``near`` and ``noise_uniform``: the sampler's passes over a
+  step's rows of logits (a top k, the greedy argmax, the tokens near enough to win a free
+  row's draw, the hash under its noise), one pass each (``sampling.RowOps``).
 
 The source is compiled on first use (about 15 s on 2 cores) into
 ``<cache>/kernels/<key>/`` (``$TOKENWIRE_KERNEL_DIR``, else ``$TOKENWIRE_CACHE_DIR`` or the

@@ -57,7 +57,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -900,7 +902,6 @@ at::Tensor panel_linear_run(const at::Tensor& x, const at::Tensor& panels, const
   const bool pairs = !bytes && panels.dim() == 3 && panels.size(2) == 2 * kPanel;
   int64_t panel_inputs = 0, group = 0;
   if (bytes) {
-    TORCH_CHECK(cpu_has_avx512vnni(), "panel_linear: 8-bit weights need AVX-512BW and AVX512-VNNI, which this CPU lacks");
     TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) > kW8Meta && (panels.size(2) - kW8Meta) % 32 == 0,
                 "panel_linear 8-bit panels: a contiguous uint8 [out / 16, groups, 16 · group + 80] tensor, group even");
     group = (panels.size(2) - kW8Meta) / 16;
@@ -910,7 +911,6 @@ at::Tensor panel_linear_run(const at::Tensor& x, const at::Tensor& panels, const
                     (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16),
                 "panel_linear panels: a contiguous float32 or bf16 [out / 16, in, 16] tensor, or bf16 pairs [out / 16, in / 2, 32]");
     TORCH_CHECK(!pairs || panels.scalar_type() == at::kBFloat16, "panel_linear: pairs [out / 16, in / 2, 32] are bf16");
-    TORCH_CHECK(!pairs || cpu_has_avx512bf16(), "panel_linear: bf16 pairs need AVX512-BF16, which this CPU lacks");
     panel_inputs = pairs ? 2 * panels.size(1) : panels.size(1);
   }
   const int64_t rows = x.size(0), k_len = x.size(1), n = panels.size(0) * kPanel;
@@ -924,6 +924,9 @@ at::Tensor panel_linear_run(const at::Tensor& x, const at::Tensor& panels, const
     check_rows(*residual, "panel_linear residual");
     TORCH_CHECK(residual->size(0) == rows && residual->size(1) == n, "panel_linear residual: [rows, out]");
   }
+  // The arguments first (the caller's mistake reads the same on every host), then what this CPU runs.
+  TORCH_CHECK(!bytes || cpu_has_avx512vnni(), "panel_linear: 8-bit weights need AVX-512BW and AVX512-VNNI, which this CPU lacks");
+  TORCH_CHECK(!pairs || cpu_has_avx512bf16(), "panel_linear: bf16 pairs need AVX512-BF16, which this CPU lacks");
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const float* res = residual.has_value() ? residual->data_ptr<float>() : nullptr;
@@ -1033,6 +1036,211 @@ at::Tensor decoder_layers(const at::Tensor& hidden_in, at::TensorList input_norm
   return hidden;
 }
 
+// ---- The sampler's passes over a step's logits ([rows, vocab] float32, no NaN in row_top and
+// near: the sampler's rows are overflow-safe), one pass each where torch's topk, argmax and
+// compare, nonzero and gathers take ~0.5-2 ms a 16-row step at a 49,152-token vocabulary. Row by row: a
+// row's result never depends on the others.
+
+// row_top: each row's k largest values and their ids, in no order; of the values tied with the
+// k-th largest, any. A buffer holds the best seen so far; a value enters only above its threshold
+// (the k-th largest it kept at its last cut), and a full buffer is cut back to its k largest.
+// Every value above the row's k-th largest enters, and once k values at or above it are held,
+// every cut keeps k of them: the result is a top k.
+std::tuple<at::Tensor, at::Tensor> row_top(const at::Tensor& x, int64_t k) {
+  check_rows(x, "row_top x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= n, "row_top: k must be in [1, columns]");
+  at::Tensor values = at::empty({rows, k}, x.options());
+  at::Tensor ids = at::empty({rows, k}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    using Entry = std::pair<float, int64_t>;
+    const auto larger = [](const Entry& a, const Entry& b) { return a.first > b.first; };
+    std::vector<Entry> held;
+    held.reserve(static_cast<size_t>(4 * k + 8));
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * n;
+      held.clear();
+      for (int64_t i = 0; i < k; ++i) held.emplace_back(row[i], i);
+      float floor = std::min_element(held.begin(), held.end(), [](const Entry& a, const Entry& b) { return a.first < b.first; })->first;
+      const auto take = [&](int64_t i) {
+        held.emplace_back(row[i], i);
+        if (static_cast<int64_t>(held.size()) >= 4 * k) {
+          std::nth_element(held.begin(), held.begin() + (k - 1), held.end(), larger);
+          held.resize(static_cast<size_t>(k));
+          floor = held[static_cast<size_t>(k - 1)].first;
+        }
+      };
+      int64_t i = k;
+      for (; i + 8 <= n; i += 8) {
+        int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), _mm256_set1_ps(floor), _CMP_GT_OQ));
+        while (mask) {
+          const int j = __builtin_ctz(static_cast<unsigned>(mask));
+          mask &= mask - 1;
+          if (row[i + j] > floor) take(i + j);  // the floor may have risen within these 8
+        }
+      }
+      for (; i < n; ++i)
+        if (row[i] > floor) take(i);
+      std::nth_element(held.begin(), held.begin() + (k - 1), held.end(), larger);
+      for (int64_t j = 0; j < k; ++j) {
+        vp[r * k + j] = held[static_cast<size_t>(j)].first;
+        ip[r * k + j] = held[static_cast<size_t>(j)].second;
+      }
+    }
+  });
+  return {values, ids};
+}
+
+// row_argmax: each row's first index of its largest value, as torch.argmax takes it (a NaN
+// counts as the largest: the first NaN).
+at::Tensor row_argmax(const at::Tensor& x) {
+  check_rows(x, "row_argmax x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(n >= 1, "row_argmax: a row of no columns");
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * n;
+      __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      __m256 nan = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(row + i);
+        best = _mm256_max_ps(best, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, best);
+      float top = lanes[0];
+      for (int j = 1; j < 8; ++j) top = std::max(top, lanes[j]);
+      bool any_nan = _mm256_movemask_ps(nan) != 0;
+      for (int64_t t = i; t < n; ++t) {
+        any_nan |= std::isnan(row[t]);
+        top = std::max(top, row[t]);
+      }
+      int64_t at = 0;
+      if (any_nan) {
+        while (!std::isnan(row[at])) ++at;
+      } else {
+        while (row[at] != top) ++at;
+      }
+      op[r] = at;
+    }
+  });
+  return out;
+}
+
+// noise_uniform: the uniform numbers under the sampler's Gumbel noise (sampling.py: noise_at) for
+// token ids [rows or 1, n] and each row's two keys [rows, 2] (int64 values below 2^32):
+// ((mix32(mix32(id ^ k0) ^ k1) >> 9) + 0.5) / 2^23, the same bits as its int64 tensor ops give
+// (a product of 32-bit values mod 2^32, and exact float32 arithmetic), in one pass.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x5A6CA68Bu;
+  x ^= x >> 16;
+  x *= 0x2C1B3C6Du;
+  return x ^ (x >> 15);
+}
+
+at::Tensor noise_uniform(const at::Tensor& keys, const at::Tensor& ids) {
+  TORCH_CHECK(keys.dim() == 2 && keys.size(1) == 2 && keys.scalar_type() == at::kLong && keys.is_contiguous(),
+              "noise_uniform keys: a contiguous int64 [rows, 2] tensor");
+  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong && ids.is_contiguous() &&
+                  (ids.size(0) == keys.size(0) || ids.size(0) == 1),
+              "noise_uniform ids: a contiguous int64 [rows or 1, n] tensor");
+  const int64_t rows = keys.size(0), n = ids.size(1), id_stride = ids.size(0) == 1 ? 0 : n;
+  at::Tensor out = at::empty({rows, n}, keys.options().dtype(at::kFloat));
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows * n, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end;) {
+      const int64_t r = e / n, stop = std::min(end, (r + 1) * n);
+      const uint32_t k0 = static_cast<uint32_t>(kp[2 * r]), k1 = static_cast<uint32_t>(kp[2 * r + 1]);
+      const int64_t* row_ids = ip + r * id_stride;
+      for (; e < stop; ++e) {
+        const uint32_t bits = mix32(mix32(static_cast<uint32_t>(row_ids[e - r * n]) ^ k0) ^ k1) >> 9;
+        op[e] = (static_cast<float>(bits) + 0.5f) * (1.0f / 8388608.0f);
+      }
+    }
+  });
+  return out;
+}
+
+// near: the tokens of each row at or above its floor (x[row][column] >= floors[row]), row by row and
+// each row's columns in order, as (rows, columns, their values, their noise's uniform numbers as
+// noise_uniform gives them, for keys[row]); and each row's count of them. A row with more than
+// `most` emits none (the sampler takes the whole row's noise there): its count says so.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> near(const at::Tensor& x, const at::Tensor& keys,
+                                                                               const at::Tensor& floors, int64_t most) {
+  check_rows(x, "near x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(floors.dim() == 1 && floors.size(0) == rows && floors.scalar_type() == at::kFloat && floors.is_contiguous(),
+              "near floors: a contiguous float32 [rows] tensor");
+  TORCH_CHECK(keys.dim() == 2 && keys.size(0) == rows && keys.size(1) == 2 && keys.scalar_type() == at::kLong && keys.is_contiguous(),
+              "near keys: a contiguous int64 [rows, 2] tensor");
+  const float* xp = x.data_ptr<float>();
+  const float* fp = floors.data_ptr<float>();
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  at::Tensor counts = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* np = counts.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * n;
+      const __m256 floor = _mm256_set1_ps(fp[r]);
+      int64_t c = 0, i = 0;
+      for (; i + 8 <= n; i += 8)
+        c += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), floor, _CMP_GE_OQ))));
+      for (; i < n; ++i) c += row[i] >= fp[r];
+      np[r] = c;
+    }
+  });
+  std::vector<int64_t> starts(static_cast<size_t>(rows + 1), 0);
+  for (int64_t r = 0; r < rows; ++r) starts[static_cast<size_t>(r + 1)] = starts[static_cast<size_t>(r)] + (np[r] > most ? 0 : np[r]);
+  const int64_t total = starts[static_cast<size_t>(rows)];
+  at::Tensor out_rows = at::empty({total}, x.options().dtype(at::kLong));
+  at::Tensor out_cols = at::empty({total}, x.options().dtype(at::kLong));
+  at::Tensor values = at::empty({total}, x.options());
+  at::Tensor uniforms = at::empty({total}, x.options());
+  int64_t* rp = out_rows.data_ptr<int64_t>();
+  int64_t* cp = out_cols.data_ptr<int64_t>();
+  float* vp = values.data_ptr<float>();
+  float* up = uniforms.data_ptr<float>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (np[r] > most) continue;
+      const float* row = xp + r * n;
+      const float floor = fp[r];
+      const uint32_t k0 = static_cast<uint32_t>(kp[2 * r]), k1 = static_cast<uint32_t>(kp[2 * r + 1]);
+      int64_t o = starts[static_cast<size_t>(r)], i = 0;
+      const auto emit = [&](int64_t column) {
+        rp[o] = r;
+        cp[o] = column;
+        vp[o] = row[column];
+        up[o++] = (static_cast<float>(mix32(mix32(static_cast<uint32_t>(column) ^ k0) ^ k1) >> 9) + 0.5f) * (1.0f / 8388608.0f);
+      };
+      for (; i + 8 <= n; i += 8) {
+        int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), _mm256_set1_ps(floor), _CMP_GE_OQ));
+        while (mask) {
+          const int j = __builtin_ctz(static_cast<unsigned>(mask));
+          mask &= mask - 1;
+          emit(i + j);
+        }
+      }
+      for (; i < n; ++i)
+        if (row[i] >= floor) emit(i);
+    }
+  });
+  return {out_rows, out_cols, values, uniforms, counts};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenwire, m) {
@@ -1045,6 +1253,10 @@ TORCH_LIBRARY(tokenwire, m) {
   m.def("panel_linear_lora(Tensor x, Tensor panels, Tensor? bias, Tensor? residual, Tensor slots, Tensor[] downs, Tensor[] ups, Tensor[] spans) -> Tensor");
   m.def("store_kv(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, Tensor blocks, Tensor offsets, int heads) -> ()");
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("row_top(Tensor x, int k) -> (Tensor, Tensor)");
+  m.def("row_argmax(Tensor x) -> Tensor");
+  m.def("noise_uniform(Tensor keys, Tensor ids) -> Tensor");
+  m.def("near(Tensor x, Tensor keys, Tensor floors, int most) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("cpu_has_avx512f() -> bool", &cpu_has_avx512f);
   m.def("cpu_has_avx512bf16() -> bool", &cpu_has_avx512bf16);
   m.def("cpu_has_avx512vnni() -> bool", &cpu_has_avx512vnni);
@@ -1062,4 +1274,8 @@ TORCH_LIBRARY_IMPL(tokenwire, CPU, m) {
   m.impl("panel_linear", &panel_linear);
   m.impl("panel_linear_lora", &panel_linear_lora);
   m.impl("decoder_layers", &decoder_layers);
+  m.impl("row_top", &row_top);
+  m.impl("row_argmax", &row_argmax);
+  m.impl("noise_uniform", &noise_uniform);
+  m.impl("near", &near);
 }
