@@ -195,7 +195,9 @@ class RowOps:
         """The tokens where ``x >= floors`` (``[rows, 1]``), row-major: (their rows, ids, values, noise
         (``noise_at`` for ``keys``)), and each row's count of them; a row with more than ``most`` gives none."""
         if self._compiled(x):
-            row, token, value, uniform, counts = self.library.near(x, keys, floors.squeeze(1).contiguous(), most)
+            row, token, value, uniform, counts = self.library.near(
+                x, keys.contiguous(), floors.squeeze(1).contiguous(), most
+            )
             return row, token, value, _gumbel(uniform), counts
         mask = x >= floors
         counts = mask.sum(dim=-1)
