@@ -36,7 +36,7 @@ Free rows (no top_k, top_p 1: a caller who sets only a temperature) hash the noi
 tokens that can still win (``_free_near``): their best sum over the candidates is a floor,
 and no token more than the largest noise (~16.6) below it can reach it. At temperature 1 on
 real logits that is ~1/8 of the vocabulary, at 0.7 ~1/40; a row where most tokens are that
-near hashes them all. Full-vocabulary noise cost ~24 ms a 16-row step on its own.
+near hashes them all (what that saves: docs/benchmarks.md, "sampler-free-rows").
 """
 
 from __future__ import annotations
@@ -165,10 +165,10 @@ class Drawn:
 class RowOps:
     """The sampler's passes over a step's rows ``[rows, vocab]``: the compiled CPU ops' (``row_top``,
     ``row_argmax``, ``near``, ``noise_uniform``: engine/kernels, one pass each) where given and the rows are
-    float32 on the CPU, else torch's (``topk``, ``argmax``, ``>=``, ``nonzero``, gathers and the int64 hash: ~0.5-2 ms
-    each a 16-row step
-    at the default model's vocabulary). The same results, but for which of the values tied at a top
-    k's cut it keeps, and its order, which no caller here depends on."""
+    float32 on the CPU, else torch's (``topk``, ``argmax``, ``>=``, ``nonzero``, gathers and the int64 hash, each
+    a pass or several over the step's rows: their cost, docs/benchmarks.md "sampler-free-rows"). The same
+    results, but for which of the values tied at a top k's cut it keeps, and its order, which no caller here
+    depends on."""
 
     def __init__(self, library: Any = None) -> None:
         self.library: Any = library if hasattr(library, "row_top") else None
@@ -433,17 +433,17 @@ def _min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return scaled.masked_fill(scaled < best + torch.log(min_p), NEG_INF)
 
 
-def _free_full(scaled: torch.Tensor, keys: torch.Tensor, vocab: int, rows: RowOps = TORCH_ROWS) -> torch.Tensor:
-    return rows.argmax(scaled + gumbel_noise(keys, vocab, rows))
+def _free_full(scaled: torch.Tensor, keys: torch.Tensor, vocab: int, ops: RowOps = TORCH_ROWS) -> torch.Tensor:
+    return ops.argmax(scaled + gumbel_noise(keys, vocab, ops))
 
 
 def _free_near(scaled: torch.Tensor, keys: torch.Tensor, vocab: int, ops: RowOps = TORCH_ROWS) -> torch.Tensor:
     """``_free_full``'s picks from the tokens that can still win: a row's best ``scaled + G`` over its
     CANDIDATES largest values is a floor the winner reaches, and no token more than the largest noise
     below it can (``_NOISE_SPAN``). Their noise is hashed alone (``noise_at``: bit for bit), and each row
-    takes the first token by id with the largest sum, as argmax does: the same pick from ~1/8 of the
-    hashing at temperature 1 on real logits (~1/40 at 0.7). A row where most tokens are that near (a
-    flat row, a high temperature) takes the full path: the path never changes a pick."""
+    takes the first token by id with the largest sum, as argmax does: the same pick from a fraction of
+    the hashing (the module's docstring). A row where most tokens are that near (a flat row, a high
+    temperature) takes the full path: the path never changes a pick."""
     rows = scaled.shape[0]
     values, ids = ops.top(scaled, min(CANDIDATES, vocab))
     best = (values + noise_at(keys, ids, ops)).amax(dim=-1, keepdim=True)

@@ -1037,9 +1037,9 @@ at::Tensor decoder_layers(const at::Tensor& hidden_in, at::TensorList input_norm
 }
 
 // ---- The sampler's passes over a step's logits ([rows, vocab] float32, no NaN in row_top and
-// near: the sampler's rows are overflow-safe), one pass each where torch's topk, argmax and
-// compare, nonzero and gathers take ~0.5-2 ms a 16-row step at a 49,152-token vocabulary. Row by row: a
-// row's result never depends on the others.
+// near: the sampler's rows are overflow-safe), one pass each where torch's topk, argmax, compare,
+// nonzero and gathers take one or several (sampling.py: RowOps). Row by row: a row's result never
+// depends on the others.
 
 // row_top: each row's k largest values and their ids, in no order; of the values tied with the
 // k-th largest, any. A buffer holds the best seen so far; a value enters only above its threshold
