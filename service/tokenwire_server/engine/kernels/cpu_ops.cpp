@@ -1149,6 +1149,11 @@ inline uint32_t mix32(uint32_t x) {
   return x ^ (x >> 15);
 }
 
+inline float uniform_of(int64_t id, int64_t k0, int64_t k1) {
+  const uint32_t bits = mix32(mix32(static_cast<uint32_t>(id) ^ static_cast<uint32_t>(k0)) ^ static_cast<uint32_t>(k1)) >> 9;
+  return (static_cast<float>(bits) + 0.5f) * (1.0f / 8388608.0f);
+}
+
 at::Tensor noise_uniform(const at::Tensor& keys, const at::Tensor& ids) {
   TORCH_CHECK(keys.dim() == 2 && keys.size(1) == 2 && keys.scalar_type() == at::kLong && keys.is_contiguous(),
               "noise_uniform keys: a contiguous int64 [rows, 2] tensor");
@@ -1163,12 +1168,8 @@ at::Tensor noise_uniform(const at::Tensor& keys, const at::Tensor& ids) {
   at::parallel_for(0, rows * n, 16384, [&](int64_t begin, int64_t end) {
     for (int64_t e = begin; e < end;) {
       const int64_t r = e / n, stop = std::min(end, (r + 1) * n);
-      const uint32_t k0 = static_cast<uint32_t>(kp[2 * r]), k1 = static_cast<uint32_t>(kp[2 * r + 1]);
       const int64_t* row_ids = ip + r * id_stride;
-      for (; e < stop; ++e) {
-        const uint32_t bits = mix32(mix32(static_cast<uint32_t>(row_ids[e - r * n]) ^ k0) ^ k1) >> 9;
-        op[e] = (static_cast<float>(bits) + 0.5f) * (1.0f / 8388608.0f);
-      }
+      for (; e < stop; ++e) op[e] = uniform_of(row_ids[e - r * n], kp[2 * r], kp[2 * r + 1]);
     }
   });
   return out;
@@ -1218,13 +1219,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> near(cons
       if (np[r] > most) continue;
       const float* row = xp + r * n;
       const float floor = fp[r];
-      const uint32_t k0 = static_cast<uint32_t>(kp[2 * r]), k1 = static_cast<uint32_t>(kp[2 * r + 1]);
       int64_t o = starts[static_cast<size_t>(r)], i = 0;
       const auto emit = [&](int64_t column) {
         rp[o] = r;
         cp[o] = column;
         vp[o] = row[column];
-        up[o++] = (static_cast<float>(mix32(mix32(static_cast<uint32_t>(column) ^ k0) ^ k1) >> 9) + 0.5f) * (1.0f / 8388608.0f);
+        up[o++] = uniform_of(column, kp[2 * r], kp[2 * r + 1]);
       };
       for (; i + 8 <= n; i += 8) {
         int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), _mm256_set1_ps(floor), _CMP_GE_OQ));
