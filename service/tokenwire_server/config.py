@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .domain import ADAPTER_NAME, RequestLimits
-from .engine import FORWARDS, KERNEL_CHOICES, OVERLAP_MODES, STEP_GRAPH_MODES
+from .engine import ATTENTION_CHOICES, FORWARDS, KERNEL_CHOICES, OVERLAP_MODES, STEP_GRAPH_MODES
 
 ENV_PREFIX = "TOKENWIRE_"
 
@@ -52,6 +52,7 @@ class ServerConfig:
     omp_spin_count: int = 10000
     forward: str = "auto"
     kernels: str = "auto"
+    attention: str = "auto"
     step_graphs: str = "auto"
     step_graphs_context: int = 4096
     compile_step: str = "off"
@@ -228,6 +229,13 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         "(built once with the host's C++ compiler, cached; float32 on an AVX2+FMA CPU) where they build, else stock "
         "torch ops; compiled: insist on them; torch: never",
         KERNEL_CHOICES,
+    ),
+    "attention": (
+        "native pass: how attention reads the paged KV cache. auto: the compiled CPU op where the compiled ops run, "
+        "else SDPA over each call's blocks copied out of the pool; sdpa: always the latter; flex: PyTorch's "
+        "FlexAttention over the pool in place, each row reading its own blocks only (torch.compile'd: built for "
+        "CUDA; on a CPU it compiles once per shape, for checks)",
+        ATTENTION_CHOICES,
     ),
     "kv_resident_tokens": (
         "batched engine: KV tokens' worth of blocks the pool touches before it reuses idle cached blocks for new "

@@ -426,6 +426,7 @@ class TokenwireServer:
         options = EngineOptions(
             forward=config.forward,
             kernels=config.kernels,
+            attention=config.attention,
             prefix_cache=config.prefix_cache == "on",
             kv_resident_tokens=config.kv_resident_tokens,
             step_graphs=config.step_graphs,

@@ -18,9 +18,11 @@ if TYPE_CHECKING:
 ENGINES = ("batched", "simple")
 
 # The batched engine's option values, here (no torch) so that the configuration offers the
-# same choices the engine checks: ``--forward``, ``--kernels``, ``--step-graphs``, ``--overlap``.
+# same choices the engine checks: ``--forward``, ``--kernels``, ``--attention``, ``--step-graphs``,
+# ``--overlap``.
 FORWARDS = ("auto", "native", "transformers")
 KERNEL_CHOICES = ("auto", "compiled", "torch")
+ATTENTION_CHOICES = ("auto", "sdpa", "flex")
 STEP_GRAPH_MODES = ("auto", "off", "static", "cuda")
 OVERLAP_MODES = ("auto", "on", "off")
 

@@ -124,7 +124,7 @@ class BatchedEngine(Engine):
         if resolved.native:
             native = NativeForward(
                 loaded.model, self._cache, limits.max_active, release_weights=options.own_weights,
-                kernel_choice=options.kernels, pack_weights=resolved.pack_weights,
+                kernel_choice=options.kernels, pack_weights=resolved.pack_weights, attention_choice=options.attention,
             )  # fmt: skip
         graphs: DecodeGraphs | None = None
         if resolved.step_graphs != "off":
@@ -192,6 +192,7 @@ class BatchedEngine(Engine):
                 "gemm": native.gemm if native is not None else None,
                 "fused_layers": native.fused_layers if native is not None else False,
                 "kernels": self.kernels,
+                "attention": native.decode_attention.name if native is not None else None,
                 "why_not_compiled": native.ops_reason if native is not None else None,
                 "compiled_ops_on_torch": native.ops_fallbacks if native is not None else None,
                 "compiled_step": options.compile_step and graphs is not None,

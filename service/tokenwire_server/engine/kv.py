@@ -224,6 +224,8 @@ class PagedCache(Cache):  # type: ignore[misc]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.scratch = num_blocks  # the block that padding writes to and short tables point at
+        # Whether the blocks start zeroed (``finite_from_start``), not as uninitialised memory.
+        self.zeroed = False
         layers: list[Any] = []
         for device, dtype in placements:
             shape = (num_blocks + 1, kv_heads, block_size, head_dim)
@@ -231,6 +233,16 @@ class PagedCache(Cache):  # type: ignore[misc]
             values = torch.empty(shape, dtype=dtype, device=device)
             layers.append(BlockLayer(keys, values, self.plan))
         super().__init__(layers=layers)
+
+    def finite_from_start(self) -> None:
+        """Zero every block now and in every later pool (``reallocate``), for a reader that reads
+        columns past a row's length through a mask (FlexAttention, ``flex``): a masked column's
+        weight is 0, but 0 times a NaN that uninitialised memory held is NaN. After this, every
+        column holds zeros or K/V a row once wrote. On a CPU it makes the whole pool resident."""
+        self.zeroed = True
+        for layer in self.layers:
+            layer.keys.zero_()
+            layer.values.zero_()
 
     @property
     def devices(self) -> list[torch.device]:
@@ -256,8 +268,9 @@ class PagedCache(Cache):  # type: ignore[misc]
         self.num_blocks = self.scratch = num_blocks
         for layer in self.layers:
             shape = (num_blocks + 1, *layer.keys.shape[1:])
-            layer.keys = torch.empty(shape, dtype=layer.keys.dtype, device=layer.device)
-            layer.values = torch.empty(shape, dtype=layer.values.dtype, device=layer.device)
+            make = torch.zeros if self.zeroed else torch.empty
+            layer.keys = make(shape, dtype=layer.keys.dtype, device=layer.device)
+            layer.values = make(shape, dtype=layer.values.dtype, device=layer.device)
 
     def release(self) -> None:
         """Give every layer's keys and values back to the allocator, through every view of them

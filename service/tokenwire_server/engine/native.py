@@ -65,7 +65,8 @@ import torch.nn.functional as F
 from ..model import attention_shape
 from ..quantize import INT8_LAYERS, Int8GroupLinear, Int8Linear
 from ..transfer import host_tensor, to_device
-from . import KERNEL_CHOICES, kernels
+from . import ATTENTION_CHOICES, KERNEL_CHOICES, kernels
+from .flex import FlexAttention
 from .kv import PagedCache, flat_index, places, write
 from .ops import (
     CompiledOps,
@@ -524,9 +525,12 @@ class NativeForward:
         release_weights: bool = False,
         kernel_choice: str = "auto",
         pack_weights: bool = True,
+        attention_choice: str = "auto",
     ) -> None:
         if kernel_choice not in KERNEL_CHOICES:
             raise ValueError(f"unknown kernels {kernel_choice!r}; expected one of {', '.join(KERNEL_CHOICES)}")
+        if attention_choice not in ATTENTION_CHOICES:
+            raise ValueError(f"unknown attention {attention_choice!r}; expected one of {', '.join(ATTENTION_CHOICES)}")
         config = model.config
         inner = model.model
         self.device = next(model.parameters()).device
@@ -620,11 +624,19 @@ class NativeForward:
             self.ops_fallbacks["decode_attention"] = (
                 f"{group} query heads per KV head; the compiled op takes at most {kernels.MAX_QUERY_HEADS_PER_KV_HEAD}"
             )
-        self.decode_attention: PagedDecodeAttention | GroupedAttention = (
-            PagedDecodeAttention(library, heads, kv_heads, self.scale)
-            if library is not None and "decode_attention" not in self.ops_fallbacks
-            else GroupedAttention(heads, kv_heads, self.scale)
-        )
+        self.decode_attention: PagedDecodeAttention | GroupedAttention | FlexAttention
+        if attention_choice == "flex":
+            if self.device.type == "cpu":
+                log.warning(
+                    "--attention flex on a CPU: FlexAttention compiles once per shape of a step (seconds each), "
+                    "a check of the path CUDA serves, not a way to serve"
+                )
+            self.decode_attention = FlexAttention(heads, kv_heads, self.scale, dynamic=self.device.type != "cpu")
+            cache.finite_from_start()
+        elif library is not None and "decode_attention" not in self.ops_fallbacks and attention_choice == "auto":
+            self.decode_attention = PagedDecodeAttention(library, heads, kv_heads, self.scale)
+        else:
+            self.decode_attention = GroupedAttention(heads, kv_heads, self.scale)
         narrow = "int8" if self.quantized else "bf16" if self.weight_dtype == torch.bfloat16 else ""
         if narrow and self.device.type == "cpu" and isinstance(self.decode_attention, GroupedAttention):
             log.warning(
@@ -816,7 +828,8 @@ class NativeForward:
             singles = singles + [Segment(c.table, c.start + j, 1) for c in chunks for j in range(c.count)]
             chunks = []
         single_plan = attention.plan(singles, block_size, scratch, device) if singles else None
-        chunk_plans = chunk_plan(chunks, block_size, scratch, device)
+        flex = attention if isinstance(attention, FlexAttention) else None
+        chunk_plans = (flex.chunk_plans if flex is not None else chunk_plan)(chunks, block_size, scratch, device)
 
         def attend(index: int, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = cache.layers[index].keys, cache.layers[index].values
@@ -826,8 +839,11 @@ class NativeForward:
                 attended.append(attention(q[: len(singles)], keys, values, single_plan))
             offset = len(singles)
             for segment, plan in zip(chunks, chunk_plans, strict=True):
+                chunk_q = q[offset : offset + segment.count]
                 attended.append(
-                    chunk_attention(q[offset : offset + segment.count], keys, values, segment, plan, self.scale)
+                    flex.chunk(chunk_q, keys, values, plan)
+                    if flex is not None
+                    else chunk_attention(chunk_q, keys, values, segment, plan, self.scale)
                 )
                 offset += segment.count
             return attended[0] if len(attended) == 1 else torch.cat(attended)

@@ -1,6 +1,6 @@
 """What the batched engine is asked to do, and what every ``auto`` comes to, decided once.
 
-``EngineOptions`` holds the flags as given (``--forward``, ``--kernels``, ``--step-graphs``,
+``EngineOptions`` holds the flags as given (``--forward``, ``--kernels``, ``--attention``, ``--step-graphs``,
 ``--compile-step``, ``--overlap``, ``--prefix-cache``, ``--kv-resident-tokens``,
 ``--torch-threads``) and whether the engine may drop the model's plain weights. ``resolve``
 reads them against the loaded model and its device and returns ``Resolved``: the forward
@@ -18,7 +18,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import PlainLlama
-from . import FORWARDS, KERNEL_CHOICES, OVERLAP_MODES
+from . import ATTENTION_CHOICES, FORWARDS, KERNEL_CHOICES, OVERLAP_MODES
 from .graphs import resolve_mode
 from .native import unsupported_reason
 from .threads import choices_for
@@ -39,6 +39,9 @@ class EngineOptions:
 
     forward: str = "auto"
     kernels: str = "auto"
+    # How the native pass's attention reads the paged KV: ``auto`` the compiled CPU op where the
+    # compiled ops run, else SDPA over gathered blocks; ``flex`` FlexAttention over the pool in place.
+    attention: str = "auto"
     prefix_cache: bool = True
     kv_resident_tokens: int = 0  # blocks touched before idle cached ones are reused (0: by device)
     step_graphs: str = "auto"
@@ -56,6 +59,7 @@ class EngineOptions:
         for name, value, allowed in (
             ("forward", self.forward, FORWARDS),
             ("kernels", self.kernels, KERNEL_CHOICES),
+            ("attention", self.attention, ATTENTION_CHOICES),
             ("overlap", self.overlap, OVERLAP_MODES),
         ):
             if value not in allowed:
@@ -121,6 +125,10 @@ def resolve(options: EngineOptions, loaded: LoadedModel) -> Resolved:
         # load_model(native_only=True) reads it so only where the native pass runs it.
         raise ValueError(f"{reason}: this checkpoint was read for the native pass alone (it has no forward)")
     graphs, why_no_graphs = resolve_mode(options.step_graphs, native, device, options.compile_step)
+    if options.attention == "flex" and options.step_graphs == "auto" and graphs != "off":
+        # The fixed-shape step a graph holds gathers its rows for SDPA; flex would then run
+        # only in steps with a prompt chunk. ``--step-graphs cuda`` asks for that mix.
+        graphs, why_no_graphs = "off", "--attention flex: the graphed decode step attends through SDPA"
     if options.overlap == "auto":
         # On a CPU the host computes the step itself: there is nothing to overlap with.
         overlap = device.type == "cuda"
