@@ -26,14 +26,16 @@
 #                      not have: a C compiler and Python's headers (below). Run it with
 #                      shared memory for vLLM's workers (--shm-size or --ipc=host).
 #
-# torch==2.13.0 from PyPI is a CUDA 13.0 build that brings its own CUDA libraries
-# (cuBLAS, cuDNN, NCCL) as wheels, so the CUDA `base` flavour (the driver hooks and
-# NVIDIA_* variables the container toolkit reads) is enough: a `runtime` or
-# `cudnn-runtime` base would add a second copy of the same libraries. Keep the CUDA
-# line of BASE_IMAGE equal to torch's when TORCH_VERSION moves. ENGINE=vllm installs
-# the torch that vllm pins instead: keep BASE_IMAGE's CUDA line no newer than that
-# torch's (the container toolkit checks the host driver against BASE_IMAGE's).
-ARG BASE_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
+# The batched image takes torch's CUDA 12.8 build (TORCH_CUDA=cu128, from PyTorch's wheel
+# index: the Makefile's TORCH_CUDA), which brings its own CUDA libraries (cuBLAS, cuDNN,
+# NCCL) as wheels, so the CUDA `base` flavour (the driver hooks and NVIDIA_* variables the
+# container toolkit reads) is enough: a `runtime` or `cudnn-runtime` base would add a second
+# copy of the same libraries. CUDA 12.8 runs on drivers from 525 on (minor-version
+# compatibility; clusters commonly run 535 or 550), where a 13.0 base makes the container
+# toolkit refuse any driver before 580. Keep BASE_IMAGE's CUDA line equal to TORCH_CUDA's.
+# ENGINE=vllm installs the torch that vllm pins instead: keep BASE_IMAGE's CUDA line no
+# newer than that torch's (the container toolkit checks the host driver against BASE_IMAGE's).
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
 # batched or vllm. Declared before the first FROM so that it can name the runtime's base.
 ARG ENGINE=batched
 
@@ -62,8 +64,9 @@ COPY service ./service
 # EXTRAS=server,gpu: the model stack, and nvidia-ml-py for the NVML gauges (GPU busy, memory
 # used by every process) and the driver version in the start-up log; on a host without a
 # driver it finds none and the server goes without them.
-# Empty: plain PyPI torch (the CUDA build). A CPU-only image points this at a CPU
-# wheel index (docs/operations.md, "CPU-only image"). Not used by ENGINE=vllm.
+# torch's CUDA line (above). A CPU-only image sets TORCH_CUDA="" and points TORCH_INDEX_URL
+# at a CPU wheel index (docs/operations.md, "CPU-only image"). Not used by ENGINE=vllm.
+ARG TORCH_CUDA=cu128
 ARG TORCH_INDEX_URL=""
 ARG ENGINE
 # ENGINE=vllm: `make setup-vllm` into the same venv path, so `make model` below (VENV=
@@ -73,7 +76,7 @@ ARG ENGINE
 # removal of torchvision/torchaudio/torchcodec, which the CUDA vllm package needs).
 RUN --mount=type=cache,target=/root/.cache/pip \
     case "${ENGINE}" in \
-      batched) make setup VENV=/opt/tokenwire EXTRAS=server,gpu EDITABLE= TORCH_INDEX_URL="${TORCH_INDEX_URL}" ;; \
+      batched) make setup VENV=/opt/tokenwire EXTRAS=server,gpu EDITABLE= TORCH_CUDA="${TORCH_CUDA}" TORCH_INDEX_URL="${TORCH_INDEX_URL}" ;; \
       vllm) make setup-vllm VLLM_VENV=/opt/tokenwire VLLM_PACKAGE=vllm VLLM_EXTRAS=server,gpu EDITABLE= HAS_GPU=1 ;; \
       *) echo "ENGINE must be batched or vllm, not '${ENGINE}'" >&2; exit 1 ;; \
     esac

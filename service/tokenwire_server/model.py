@@ -281,7 +281,7 @@ def resolve_dtype(
 
 def gpu_without_cuda(devices: str = "/dev/nvidia[0-9]*") -> str | None:
     """Why this host would serve on its CPU with a GPU in it: an NVIDIA device node is there
-    but this torch has no CUDA (a CPU wheel, e.g. an image built without HAS_GPU=1); None
+    but this torch has no CUDA (a CPU wheel, e.g. `make setup` on a host whose driver was not visible); None
     when that is not the case."""
     import glob
 
@@ -291,7 +291,7 @@ def gpu_without_cuda(devices: str = "/dev/nvidia[0-9]*") -> str | None:
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     return (
         f"{found[0]} is present but torch {torch.__version__} ({build}) sees no CUDA device: serving on the CPU. "
-        "Install torch's CUDA build (make setup on the GPU host, or the image built with HAS_GPU=1), "
+        "Install torch's CUDA build (make setup on the GPU host, or make setup TORCH_CUDA=cu128), "
         "or check the driver and the device's visibility to this process"
     )
 

@@ -357,3 +357,40 @@ def test_the_builder_compiles_the_cpu_ops_where_the_runtime_looks_for_them(
     # ...and the runtime has that path: a COPY from the builder of a folder above it, to the same place.
     copied = [i.args.split()[-2:] for i in final.all("COPY") if "--from=builder" in i.args]
     assert any(source == target and built.is_relative_to(source) for source, target in copied), (built, copied)
+
+
+def torch_install_line(tmp_path: Path, *variables: str) -> str:
+    """The pip line `make -n setup` would run to install torch, with ``variables`` on the command line."""
+    make = shutil.which("make")
+    if make is None:  # pragma: no cover - CI has make
+        pytest.skip("no make on this host")
+    result = subprocess.run(
+        [make, "-n", "--no-print-directory", "setup", f"VENV={tmp_path / 'venv'}", *variables],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    (line,) = [line for line in result.stdout.splitlines() if "pip install" in line and "torch==" in line]
+    return line
+
+
+def test_torch_comes_from_a_named_cuda_line_where_a_gpu_is_and_the_image_from_the_same(
+    stages: list[Stage], tmp_path: Path
+) -> None:
+    """#39 item 12: the CUDA torch on purpose. A host whose driver `nvidia-smi` sees (HAS_GPU)
+    takes the Makefile's CUDA line from PyTorch's wheel index; a host without one the default
+    index's torch (this machine's CPU wheel); an explicit index wins. The image's builder,
+    which sees no driver, names the same line, and its base image is that CUDA line, one that
+    admits the R535 drivers clusters run (CUDA 12.x from R525; a 13.x base asks R580)."""
+    gpu = torch_install_line(tmp_path, "HAS_GPU=1")
+    assert "--index-url https://download.pytorch.org/whl/cu128 torch==" in gpu
+    assert "--index-url" not in torch_install_line(tmp_path, "HAS_GPU=")
+    mirror = torch_install_line(tmp_path, "HAS_GPU=1", "TORCH_INDEX_URL=https://mirror.example/torch")
+    assert "--index-url https://mirror.example/torch torch==" in mirror
+    cuda_line = builder_arg_defaults(stages)["TORCH_CUDA"]
+    assert "TORCH_CUDA=${TORCH_CUDA}" in builder_make_commands(stages)["batched"]
+    image = torch_install_line(tmp_path, "HAS_GPU=", f"TORCH_CUDA={cuda_line}")  # as the builder runs it
+    assert f"--index-url https://download.pytorch.org/whl/{cuda_line} torch==" in image
+    base = global_args()["BASE_IMAGE"]
+    major, minor = re.fullmatch(r"cu(\d+)(\d)", cuda_line).groups()  # type: ignore[union-attr]
+    assert re.fullmatch(rf"nvidia/cuda:{major}\.{minor}\.\d+-base-ubuntu\d+\.\d+", base), (base, cuda_line)
+    assert int(major) == 12, "a CUDA 13 base refuses drivers before R580"
