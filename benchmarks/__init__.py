@@ -1,2 +1,1 @@
-"""Development tools: the benchmark (`make bench`), the soak (`make soak`) and the
-server launcher they share with the tests. Not part of the shipped package."""
+"""Development tools: the benchmarks, the soak and the server launcher they share with the tests; not shipped."""

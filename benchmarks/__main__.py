@@ -1,10 +1,8 @@
-"""``python -m benchmarks SUITE [flags]``: run one suite and write its section of docs/benchmarks.md;
-``python -m benchmarks list`` names them.
+"""``python -m benchmarks SUITE [flags]``: run one suite and write its section of docs/benchmarks.md.
 
-A suite is a module with ``FLAGS`` (name -> default, (default, help) or add_argument's keywords),
-``DRY_RUN`` (the sizes ``--dry-run`` runs it at: against the fake servers of benchmarks/fake.py,
-writing nothing unless ``--out`` is given) and ``run(args)``, which returns its ``doc.Section``;
-``OUT`` and ``HEADER`` where the section goes to another file.
+A suite is a module with ``FLAGS`` (name -> default, (default, help) or add_argument's keywords), ``DRY_RUN`` (the
+sizes ``--dry-run`` runs it at, against benchmarks/fake.py, writing nothing unless ``--out`` is given) and
+``run(args)``, which returns its ``doc.Section``; ``OUT`` and ``HEADER`` where the section goes to another file.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Two source trees side by side, in turns: did a change move the pace? (`python -m benchmarks ab`)
 
-    python -m benchmarks ab --old v1.2 [--new HEAD] --cases c1,c16,long,server-c1,server-c16
-
-``--old``/``--new``: a folder with the tree's ``service/`` and ``client/``, or a git revision
-(checked out once under ``--workdir``). Every repeat runs every case once on each tree,
-alternating which goes first, each from a fresh process that imports that tree first; the
-cases: the section's text. With ``--out docs/benchmarks.md`` the table replaces section
-``--section`` there.
+``--old``/``--new``: a folder with the tree's ``service/`` and ``client/``, or a git revision (checked out once
+under ``--workdir``); each case from a fresh process that imports that tree first. Writes nothing without ``--out``.
 """
 
 from __future__ import annotations
@@ -64,22 +59,15 @@ def child(model: str, case: str, max_new: int) -> dict[str, Any]:
 
     from benchmarks.bench import LONG_PROMPT_FILLER, stall
 
-    built: dict[str, Any] = {}
+    def build() -> tuple[Any, Any]:
+        loaded = load_model(model, device="cpu", dtype="float32")
+        return loaded, create_engine("batched", loaded, EngineLimits(16, 16, 16 * 2048), workers=1)
 
-    def build() -> None:
-        # In a thread that ends, as the server does (TokenwireServer.load): a thread that ran
-        # torch in parallel and lives on keeps a second OpenMP pool, which slows the engine loop's.
-        built["loaded"] = load_model(model, device="cpu", dtype="float32")
-        built["engine"] = create_engine("batched", built["loaded"], EngineLimits(16, 16, 16 * 2048), workers=1)
-
-    loader = threading.Thread(target=build)
-    loader.start()
-    loader.join()
+    loaded, engine = load.in_thread(build)  # as the server loads (TokenwireServer.load)
     # As the server does once loaded (server.settle_heap): the loaded objects leave the
     # collector's reach, so a full collection does not stall the engine ~200 ms mid-run.
     gc.collect()
     gc.freeze()
-    loaded, engine = built["loaded"], built["engine"]
     prompts = [load.chat_ids(loaded.tokenizer, p) for p in DEFAULT_PROMPTS]
     engine.start()
 

@@ -1,8 +1,4 @@
-"""In-process `generate` vs the simple and batched engines, side by side in one run (`make bench`).
-
-Also one stream in interleaved pairs (in-process, server), cancellation inside a batch and a
-long prompt among decoding streams; writes the "bench" section and docs/benchmarks.png.
-"""
+"""In-process `generate` vs the simple and batched engines, side by side in one run (`make bench`)."""
 
 from __future__ import annotations
 
@@ -82,8 +78,8 @@ def through_server(args: argparse.Namespace, engine: str, prompts: tuple[str, ..
 
 
 def cancel_steps(model_name: str, prompts: tuple[str, ...], cancels: int, streams: int = 8) -> list[int]:
-    """Decode steps that still included a stream after its cancel, for ``cancels`` streams cancelled
-    inside a running batch of ``streams`` (the batched engine in process: only it counts its steps)."""
+    """Decode steps that still included a stream after its cancel, for ``cancels`` streams cancelled inside a running
+    batch of ``streams`` (the batched engine in process: only it counts its steps)."""
     import random
 
     from tokenwire_server.domain import GenerationRequest, SamplingOptions
@@ -134,8 +130,8 @@ class LongPromptRun:
 
 
 def stall(arrivals: list[list[float]], arrived: float, last: float) -> tuple[float, float]:
-    """(ITL p50 before ``arrived``, largest gap overlapping ``[arrived, last]``), in the
-    units of the timestamps. ``arrivals``: each decoding stream's chunk arrival times."""
+    """(ITL p50 before ``arrived``, largest gap overlapping ``[arrived, last]``) of each decoding stream's chunk
+    arrival times."""
     gaps = [(a, b) for times in arrivals for a, b in zip(times, times[1:], strict=False)]
     p50 = percentile([b - a for a, b in gaps if b <= arrived], 50)
     if p50 is None:
@@ -147,10 +143,8 @@ def long_prompt(
     model_name: str, repeats: int, streams: int = 8, prompt_tokens: int = 1500, extra: list[str] | None = None,
     stream_tokens: int = 2000, dry_run: bool = False,
 ) -> list[LongPromptRun]:  # fmt: skip
-    """#10's long-prompt case over gRPC, ``repeats`` times on one batched server: ``streams``
-    chat streams decode (greedy, ``ignore_eos``); once each has 20 chunks, a
-    ``prompt_tokens``-token prompt arrives (as token ids); the streams' largest gap while
-    it is read, against their ITL p50 before it came."""
+    """#10's long-prompt case over gRPC, ``repeats`` times on one batched server: once each of ``streams`` decoding
+    chat streams has 20 chunks, a ``prompt_tokens``-token prompt arrives (as token ids)."""
     from tokenwire import NO_RETRY, Client, TokenwireError
     from tokenwire.bench import DEFAULT_PROMPTS
 
@@ -199,8 +193,8 @@ def long_prompt(
 
 
 def single_stream_pairs(args: argparse.Namespace, prompts: tuple[str, ...]) -> list[tuple[Measure, Measure]]:
-    """One stream, in-process ``generate`` and the batched server alternating request by request
-    on the same prompt: minutes of machine noise cancel out of each pair (in-process, server)."""
+    """One stream, in-process ``generate`` and the batched server alternating on the same prompt: (in-process,
+    server) pairs, out of which minutes of machine noise cancel."""
     pairs = []
     with serve(args.dry_run, ["--model", args.model], "batched", ready_timeout=600) as server:
         load.warm(server.target)

@@ -1,20 +1,14 @@
-"""The fastest GEMM for the model's weights on this CPU, and decode attention (`make bench-kernels`).
-
-Every linear layer once with each of ``KERNELS`` (the panels where the CPU runs them), then 16 decode rows over
-every layer's KV cache: ``sdpa`` on contiguous columns vs the ``decode_attention`` op through block tables.
-Replaces the "cpu-kernels" section.
-"""
+"""The fastest GEMM for the model's weights on this CPU, and decode attention (`make bench-kernels`)."""
 
 from __future__ import annotations
 
 import argparse
 import platform
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import doc
+from benchmarks import doc, load
 from benchmarks.stats import median, ratios, spread
 
 # onednn-bf16, panels, panels-bf16: through the native pass's own ``Linear`` (as a step calls them, float32 in and out);
@@ -161,20 +155,16 @@ def run(args: argparse.Namespace) -> doc.Section:
     from tokenwire_server.model import load_model
 
     results: Results = {}
-    config: list[Any] = []
 
-    def measure() -> None:  # all of it (the load too) in a thread of its own, as the engine loop runs torch
+    def measure() -> Any:  # all of it (the load too) in a thread of its own, as the engine loop runs torch
         model = load_model(args.model, device="cpu", dtype="float32").model
-        config.append(model.config)
         with torch.inference_mode():
             gemms(args, model, results)
             attention(args, model.config, results)
+        return model.config
 
-    worker = threading.Thread(target=measure)
-    worker.start()
-    worker.join()
+    n_layers, kv_heads, _, head_dim = heads(load.in_thread(measure))
     rows_list, contexts = [int(r) for r in args.rows.split(",")], [int(c) for c in args.contexts.split(",")]
-    n_layers, kv_heads, _, head_dim = heads(config[0])
     m = doc.machine()
     kernels = []
     for kernel in kernels_here():

@@ -1,8 +1,4 @@
-"""Do torch.compile or int8 weights pay on this CPU? Speed and quality (`make bench-levers`).
-
-The model's own decode step (transformers forward over a static KV cache, float32) three ways, ``VARIANTS``; int8's
-quality by benchmarks.quality. Replaces the "cpu-levers" section.
-"""
+"""Do torch.compile or int8 weights pay on this CPU? Speed and quality (`make bench-levers`)."""
 
 from __future__ import annotations
 

@@ -34,11 +34,11 @@ class Section:
     ok: bool = True
 
 
-def section(name: str, title: str, command: str, *lines: str) -> Section:
-    """Section ``name``: ``## title``, the line that names ``command``, then ``lines``."""
+def section(name: str, title: str, command: str, *lines: str, ok: bool = True) -> Section:
+    """Section ``name``: ``## title``, the line that names ``command``, then ``lines``; ``ok``: the run passed."""
     quoted = f"`` {command} ``" if "`" in command else f"`{command}`"  # a command with a backtick in it
     heading = [f"## {title}", "", f"Written by {quoted} at {now()}; do not edit by hand."]
-    return Section(name, "\n".join([*heading, *lines]).rstrip("\n") + "\n")
+    return Section(name, "\n".join([*heading, *lines]).rstrip("\n") + "\n", ok)
 
 
 def table(header: str, align: str, rows: Iterable[Iterable[object]]) -> list[str]:

@@ -1,8 +1,6 @@
-"""The servers ``--dry-run`` runs a suite against: an in-process gRPC TextGeneration servicer
-and an OpenAI-style SSE backend, both on 127.0.0.1 port 0, each answering at once with a
-deterministic stream (token ``k`` of a request depends on its prompt and ``k`` only, so a
-resumed stream goes on exactly). They exercise a suite's load loop, statistics and report
-writer in seconds; their figures mean nothing."""
+"""The servers ``--dry-run`` runs a suite against, in process on 127.0.0.1: a gRPC TextGeneration servicer and an
+OpenAI-style SSE backend, each answering at once with a deterministic stream (token ``k`` depends on the request and
+``k`` only, so a resumed stream goes on exactly). Their figures mean nothing."""
 
 from __future__ import annotations
 

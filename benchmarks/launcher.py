@@ -1,8 +1,6 @@
-"""The servers the tests, the benchmarks and the soak run: a tokenwire server as a child process
-(``ServerProcess``: on 127.0.0.1 port 0, the port read back from its "listening" log line, ready
-once its readiness check says so), the peers' OpenAI-compatible servers (``OpenAIServer``: vLLM's
-in its own venv, llama.cpp's llama-server binary), and the process-tree figures measured of them.
-``serve``/``serve_openai`` hand out the fakes of benchmarks/fake.py instead under ``--dry-run``.
+"""The servers the tests, the benchmarks and the soak run: tokenwire's (``ServerProcess``: on 127.0.0.1 port 0,
+ready once its readiness check says so), the peers' OpenAI-compatible ones (``OpenAIServer``), and the figures
+measured of their processes. ``serve``/``serve_openai`` hand out the fakes of benchmarks/fake.py under ``--dry-run``.
 """
 
 from __future__ import annotations
@@ -211,11 +209,8 @@ class OpenAIServer:
             free.bind(("127.0.0.1", 0))
             self.port = int(free.getsockname()[1])
         vllm = kind == "vllm"
-        run = (
-            [program, "-m", "vllm.entrypoints.openai.api_server", "--uvicorn-log-level", "warning"]
-            if vllm
-            else [program]
-        )
+        api_server = [program, "-m", "vllm.entrypoints.openai.api_server", "--uvicorn-log-level", "warning"]
+        run = api_server if vllm else [program]
         where = ["--host", "127.0.0.1", "--port", str(self.port)]
         alias = "--served-model-name" if vllm else "--alias"
         self.command = [*run, "--model", str(model), alias, "default", *where, *args]

@@ -1,21 +1,21 @@
-"""The load generators, every latency taken at the client: ``grpc_load`` (a closed loop of
-streams over tokenwire's gRPC API, each asking for exactly ``max_new_tokens``: the client's
-``run_bench``), ``stream``/``streams`` (raw ``GenerateRequest``s, built by ``request``, read to
-their end) and ``openai_load`` (the same closed loop over an OpenAI-style SSE endpoint, stdlib
-HTTP/1.1).
-"""
+"""The load generators, every latency taken at the client: ``grpc_load`` (the client's ``run_bench``: a closed
+loop of streams over gRPC), ``stream``/``streams`` (raw ``GenerateRequest``s, built by ``request``) and
+``openai_load`` (the same closed loop over an OpenAI-style SSE endpoint, stdlib HTTP/1.1)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from benchmarks.stats import ms
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -42,17 +42,16 @@ class Measure:
     @classmethod
     def of(
         cls, system: str, concurrency: int, requests: int, tokens: int, seconds: float, ttft: Sequence[float],
-        itl: Sequence[float], e2e: Sequence[float] = (), errors: dict[str, int] | None = None, repeat: int = 0,
+        itl: Sequence[float], e2e: Sequence[float] = (), errors: dict[str, int] | None = None,
     ) -> Measure:  # fmt: skip
-        """From the raw seconds."""
         return cls(system, concurrency, requests, tokens, tokens / seconds if seconds > 0 else 0.0,
                    ms(ttft, 50), ms(ttft, 99), ms(itl, 50), ms(itl, 99), ms(e2e, 50), ms(e2e, 99),
-                   errors or {}, repeat)  # fmt: skip
+                   errors or {})  # fmt: skip
 
 
 def grpc_load(
     target: str, system: str, concurrency: int, requests: int, max_new: int, prompts: Sequence[str] | None = None,
-    repeat: int = 0, **options: Any,
+    **options: Any,
 ) -> Measure:  # fmt: skip
     """The client's ``run_bench`` (``options``: its sampling keywords), as a ``Measure``."""
     import tokenwire.bench
@@ -61,7 +60,7 @@ def grpc_load(
                                   prompts=prompts or tokenwire.bench.DEFAULT_PROMPTS, timeout=3600,
                                   **options)  # fmt: skip
     return Measure(system, concurrency, r.requests, r.output_tokens, r.output_tokens_per_s, r.ttft_ms.p50,
-                   r.ttft_ms.p99, r.itl_ms.p50, r.itl_ms.p99, r.e2e_ms.p50, r.e2e_ms.p99, r.errors, repeat)  # fmt: skip
+                   r.ttft_ms.p99, r.itl_ms.p50, r.itl_ms.p99, r.e2e_ms.p50, r.e2e_ms.p99, r.errors)  # fmt: skip
 
 
 def warm(target: str) -> None:
@@ -69,6 +68,13 @@ def warm(target: str) -> None:
     import tokenwire.bench
 
     tokenwire.bench.run_bench(target, concurrency=1, requests=1, max_new_tokens=4)
+
+
+def in_thread(work: Callable[[], T]) -> T:
+    """``work()`` in a thread that ends once it returns, as the server loads its model: a thread that ran torch
+    in parallel and lives on keeps a second OpenMP pool, which slows the engine loop's."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(work).result()
 
 
 def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
@@ -90,6 +96,19 @@ def request(
     elif text:
         fields["prompt"] = text
     return pb.GenerateRequest(stopping={"max_new_tokens": tokens, "ignore_eos": ignore_eos}, **fields)
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    """A call's metadata for the bearer ``token``."""
+    return (("authorization", f"Bearer {token}"),)
+
+
+def resumed(request: Any, chunks: Sequence[Any]) -> Any:
+    """A copy of ``request`` that resumes it after ``chunks``: their token ids, and the next chunk's index."""
+    again = copy.deepcopy(request)
+    again.resume.generated_token_ids.extend(t.id for c in chunks for t in c.tokens)
+    again.resume.next_index = len(chunks)
+    return again
 
 
 @dataclasses.dataclass
@@ -207,7 +226,7 @@ async def openai_stream(port: int, body: dict[str, Any]) -> tuple[float | None, 
 
 def openai_load(
     port: int, system: str, concurrency: int, requests: int, max_new: int, prompts: Sequence[str],
-    extra: dict[str, Any] | None = None, repeat: int = 0, on_prompt: Callable[[str, int], None] | None = None,
+    extra: dict[str, Any] | None = None, on_prompt: Callable[[str, int], None] | None = None,
 ) -> Measure:  # fmt: skip
     """``grpc_load``'s closed loop over SSE; ``on_prompt(prompt, prompt tokens)`` for each answer."""
     ttft: list[float] = []
@@ -239,4 +258,4 @@ def openai_load(
 
     seconds = asyncio.run(run())
     errors = {"error": totals["errors"]} if totals["errors"] else {}
-    return Measure.of(system, concurrency, requests, totals["tokens"], seconds, ttft, itl, errors=errors, repeat=repeat)
+    return Measure.of(system, concurrency, requests, totals["tokens"], seconds, ttft, itl, errors=errors)

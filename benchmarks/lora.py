@@ -1,24 +1,16 @@
-"""What LoRA adapters cost the batched engine (`make bench-lora`).
-
-One server per repeat with four rank-``rank`` PEFT adapters over every projection of the model
-(made here with peft, random A and B); in turns, over gRPC: c=16 greedy on the base model and
-with the four adapters mixed (row i: adapter i mod 4), the same two sampled, and c=1 without and
-with an adapter. #41's targets, greedy: mixed ≥ ``TARGETS["c16"]``× the base at c=16, an adapter
-≥ ``TARGETS["c1"]``× none at c=1; the sampled ratio is reported beside them.
-"""
+"""What LoRA adapters cost the batched engine (`make bench-lora`)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 from pathlib import Path
 
 from benchmarks import doc, load
 from benchmarks.launcher import serve
-from benchmarks.stats import median, spread
+from benchmarks.stats import median, ratios, spread
 
-TARGETS = {"c16": 0.8, "c1": 0.9}
+TARGETS = {"c16": 0.8, "c1": 0.9}  # c=16: four adapters mixed ÷ base; c=1: an adapter ÷ none
 ADAPTERS = 4
 FLAGS = {"repeats": 3, "tokens": 128, "rank": 16, "c1_streams": 3}
 DRY_RUN = {"repeats": 1, "tokens": 8, "rank": 4, "c1_streams": 1}
@@ -27,6 +19,7 @@ QUESTIONS = (
     "Give three tips for learning a language.", "Describe the water cycle.", "Why do leaves change colour?",
     "How does a bicycle stay upright?", "Summarise the plot of a heist film.",
 )  # fmt: skip
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
 
 def make_adapters(model: str, folder: Path, rank: int) -> list[str]:
@@ -47,12 +40,8 @@ def make_adapters(model: str, folder: Path, rank: int) -> list[str]:
     return flags
 
 
-SAMPLED = {"temperature": 0.8, "top_p": 0.95}
-
-
 def tokens_per_s(stub: object, tokens: int, adapters: list[str], concurrency: int, sampled: bool = False) -> float:
-    """Completion tokens per second of ``len(adapters)`` chats (each naming its adapter; "": none), greedy or
-    ``SAMPLED`` with a seed per chat."""
+    """Completion tokens per second of a chat per adapter ("": none), greedy or ``SAMPLED`` with a seed each."""
     requests = [
         load.request(QUESTIONS[i % len(QUESTIONS)], tokens, chat=True, ignore_eos=True, adapter=adapter,
                      sampling={**SAMPLED, "seed": 1000 + i} if sampled else {"temperature": 0.0})
@@ -63,7 +52,12 @@ def tokens_per_s(stub: object, tokens: int, adapters: list[str], concurrency: in
 
 
 def run(args: argparse.Namespace) -> doc.Section:
-    arms = ("c16 base", "c16 four adapters", "c16 sampled base", "c16 sampled four adapters", "c1 base", "c1 adapter")
+    mixed = [f"a{i % ADAPTERS}" for i in range(16)]
+    arms = {  # name: (adapters, concurrency, sampled), run in turns
+        "c16 base": ([""] * 16, 16, False), "c16 four adapters": (mixed, 16, False),
+        "c16 sampled base": ([""] * 16, 16, True), "c16 sampled four adapters": (mixed, 16, True),
+        "c1 base": ([""] * args.c1_streams, 1, False), "c1 adapter": (["a0"] * args.c1_streams, 1, False),
+    }  # fmt: skip
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as scratch:
         flags = make_adapters(args.model, Path(scratch), args.rank)
@@ -71,21 +65,13 @@ def run(args: argparse.Namespace) -> doc.Section:
             with serve(args.dry_run, ["--model", args.model, *flags], ready_timeout=600) as server:
                 stub = load.stub(server.target)
                 tokens_per_s(stub, 8, ["", "a0"], 2)  # warm both paths
-                mixed = [f"a{i % ADAPTERS}" for i in range(16)]
-                rates["c16 base"].append(tokens_per_s(stub, args.tokens, [""] * 16, 16))
-                rates["c16 four adapters"].append(tokens_per_s(stub, args.tokens, mixed, 16))
-                rates["c16 sampled base"].append(tokens_per_s(stub, args.tokens, [""] * 16, 16, sampled=True))
-                rates["c16 sampled four adapters"].append(tokens_per_s(stub, args.tokens, mixed, 16, sampled=True))
-                rates["c1 base"].append(tokens_per_s(stub, args.tokens, [""] * args.c1_streams, 1))
-                rates["c1 adapter"].append(tokens_per_s(stub, args.tokens, ["a0"] * args.c1_streams, 1))
+                for arm, (adapters, concurrency, sampled) in arms.items():
+                    rates[arm].append(tokens_per_s(stub, args.tokens, adapters, concurrency, sampled))
             doc.log(f"repeat {repeat}: " + ", ".join(f"{arm} {rates[arm][-1]:.1f} tok/s" for arm in arms))
-    ratios = {
-        "c16": [a / b for a, b in zip(rates["c16 four adapters"], rates["c16 base"], strict=True)],
-        "c1": [a / b for a, b in zip(rates["c1 adapter"], rates["c1 base"], strict=True)],
-    }
-    met = {key: median(values) >= TARGETS[key] for key, values in ratios.items()}
-    sampled = [a / b for a, b in zip(rates["c16 sampled four adapters"], rates["c16 sampled base"], strict=True)]
-    section = doc.section(
+    c16, c1 = ratios(rates["c16 four adapters"], rates["c16 base"]), ratios(rates["c1 adapter"], rates["c1 base"])
+    sampled = ratios(rates["c16 sampled four adapters"], rates["c16 sampled base"])
+    met = {"c16": median(c16) >= TARGETS["c16"], "c1": median(c1) >= TARGETS["c1"]}
+    return doc.section(
         "lora", "LoRA adapters: what they cost the batched engine (`make bench-lora`)", args.command,
         f"{doc.host()}. The default dtype (`--dtype auto`) over gRPC; {ADAPTERS} PEFT adapters of rank {args.rank} "
         f"over all seven projections (random A and B), loaded with `--lora`; chats of {args.tokens} tokens "
@@ -97,10 +83,10 @@ def run(args: argparse.Namespace) -> doc.Section:
         "",
         *doc.table("arm | tokens/s", "lr", [[arm, spread(rates[arm])] for arm in arms]),
         "",
-        f"- c=16, four adapters mixed ÷ base: {spread(ratios['c16'], 2)}× (target ≥ {TARGETS['c16']}×: "
+        f"- c=16, four adapters mixed ÷ base: {spread(c16, 2)}× (target ≥ {TARGETS['c16']}×: "
         f"{'met' if met['c16'] else 'MISSED'})",
-        f"- c=1, an adapter ÷ none: {spread(ratios['c1'], 2)}× (target ≥ {TARGETS['c1']}×: "
+        f"- c=1, an adapter ÷ none: {spread(c1, 2)}× (target ≥ {TARGETS['c1']}×: "
         f"{'met' if met['c1'] else 'MISSED'})",
         f"- c=16 sampled, four adapters mixed ÷ base: {spread(sampled, 2)}× (no target: #41's are greedy)",
+        ok=all(met.values()) or args.dry_run,
     )  # fmt: skip
-    return dataclasses.replace(section, ok=all(met.values()) or args.dry_run)

@@ -1,8 +1,4 @@
-"""Does the server keep its pace when another process wants a core? (`make bench-neighbour`)
-
-OpenMP's spin and the step's threads (``SETTINGS``), each quiet and beside one busy Python process: a thread that
-lost its core holds every later step at the barrier. Replaces the "neighbour" section.
-"""
+"""Does the server keep its pace when another process wants a core? (`make bench-neighbour`)"""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""tokenwire beside vLLM's OpenAI server and llama.cpp's llama-server, in one run, repeated (`make bench-peers`).
-
-Every system (``LABELS``) on the same prompts, greedy and sampled (``SAMPLED``); llama.cpp, one system per GGUF,
-runs where ``make setup-llamacpp`` has built it (.peers/). Every server starts once and stays up; ratios are taken
-inside a repeat. Replaces the "peers" section (``--section``, ``--title``: another, for a subset of the systems).
-"""
+"""tokenwire beside vLLM's OpenAI server and llama.cpp's llama-server, in one run, repeated (`make bench-peers`)."""
 
 from __future__ import annotations
 
@@ -124,8 +119,8 @@ def measure(
 
 
 def per_repeat(rows: list[Measure], a: str, b: str, c: int, field: str = "tokens_per_s") -> list[float]:
-    """``a / b`` of tokens/s (or ``a - b`` of a latency ``field``), per repeat where both ran;
-    ``a`` and ``b``: a system, measured greedy, or "SYSTEM sampled"."""
+    """``a / b`` of tokens/s (or ``a - b`` of a latency ``field``), per repeat where both ran; ``a``, ``b``: a
+    system (greedy) or "SYSTEM sampled"."""
     out = []
     keys = [(s, mode or "greedy") for s, _, mode in (x.partition(" ") for x in (a, b))]
     for r in sorted({m.repeat for m in rows}):
@@ -233,9 +228,8 @@ def llama_server(args: argparse.Namespace) -> Path:
 
 
 def llamacpp_flags(args: argparse.Namespace) -> list[str]:
-    """llama-server's: a slot per stream of the highest concurrency, each with room for a prompt
-    and its answer, continuous batching, every core computing, the GGUF's own chat template.
-    Where the CPU has AMX, no repacked weights: llama.cpp's AMX kernel died with SIGILL there."""
+    """llama-server's: a slot per stream of the highest concurrency, continuous batching, every core computing, the
+    GGUF's own chat template; no repacked weights where the CPU has AMX (llama.cpp's AMX kernel died with SIGILL)."""
     from tokenwire_server.model import cpu_instruction_sets
 
     slots, threads = max(CONCURRENCY), str(os.cpu_count() or 1)
@@ -245,12 +239,9 @@ def llamacpp_flags(args: argparse.Namespace) -> list[str]:
 
 
 def llamacpp_gguf(peers: Path, model: str, system: str) -> Path:
-    """The GGUF a llama.cpp system serves, made once into the model cache, in a folder beside the
-    converted model's: F32 and BF16 by llama.cpp's own convert_hf_to_gguf.py (from the tree
-    ``make setup-llamacpp`` built, in its venv) from the converted model (a view of it without
-    the GGUF quantization marker, which the converter refuses), Q8_0 by its llama-quantize from
-    the F32. Q4_1 is the GGUF the default model ships as (another model's is quantized from its
-    F32 too)."""
+    """The GGUF a llama.cpp system serves, made once beside the converted model: F32 and BF16 by llama.cpp's
+    convert_hf_to_gguf.py from the converted model (a view without the quantization marker the converter refuses),
+    Q8_0 by its llama-quantize from the F32; Q4_1: the GGUF the default model ships as."""
     from tokenwire_server.model import default_gguf_path, resolve_model_path, unmarked_view
 
     kind = LLAMACPP[system]

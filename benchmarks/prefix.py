@@ -1,8 +1,4 @@
-"""What the prefix cache saves when requests share a long system prompt (`make bench-prefix`).
-
-`--prefix-cache on` and `off`, one chat after another, questions alone and sharing a ~1,000-token system prompt;
-then #38's three passes (shared, unrelated, shared again). Replaces the "prefix" section.
-"""
+"""What the prefix cache saves when requests share a long system prompt (`make bench-prefix`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""How far each precision mode moves the default model's answers (`make bench-quality`).
-
-Each mode against float32 on this device: mean KL per token along float32's own greedy continuations, and how many
-greedy answers stay identical, against ``BAR`` (#38: KL at most 0.01 nats a token, and at least bf16's count of
-identical answers, measured in the same run, less 2). Replaces the "quality" section and
-service/tokenwire_server/quality.json, which the server's start-up reads: a mode that misses the bar on this device
-kind is refused unless ``--allow-unmet-quality-bar``. ``int8`` is the scheme this CPU takes (``quantize.int8_scheme``:
-groups where the compiled 8-bit panels run), ``int8-channel`` the per-channel one, each stored under its own name.
-"""
+"""How far each precision mode moves the default model's answers (`make bench-quality`)."""
 
 from __future__ import annotations
 
@@ -59,13 +51,10 @@ def reference_answers(
 
 
 def bf16_weights(model: Any, rounding: tuple[bool, bool] | None = None) -> Any:
-    """``model`` (float32, changed in place) computing as the native pass does with bf16 weights on
-    a CPU (``--dtype bfloat16``, or ``auto`` where it measures faster): every weight rounded to
-    bf16; ``rounding``: whether each linear layer's (input, output) is rounded to bf16 too, as its
-    GEMM does (oneDNN's reads and writes bf16; the compiled panels keep the output float32, and
-    round the input only as bf16 pairs), None: as on this CPU (``engine.native.bf16_rounding``);
-    norms, RoPE, attention and the logits in float32. tests/test_native_forward.py holds the
-    native pass to it."""
+    """``model`` (float32, changed in place) computing as the native pass does with bf16 weights on a CPU: every
+    weight rounded to bf16; ``rounding``: whether each linear layer's (input, output) is rounded to bf16 too, as
+    its GEMM does (None: as on this CPU, ``engine.native.bf16_rounding``); the rest in float32.
+    tests/test_native_forward.py holds the native pass to it."""
     import torch
     from tokenwire_server.engine.native import bf16_rounding
 

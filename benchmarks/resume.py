@@ -1,8 +1,4 @@
-"""Does a cut stream resume exactly, and what does a resume cost? (`make bench-resume`)
-
-Per engine (vllm from .venv-vllm): ``requests`` served uncut, then each cut at a random chunk and resumed on a fresh
-server with ``GenerateRequest.resume``. Replaces the "resume" section.
-"""
+"""Does a cut stream resume exactly, and what does a resume cost? (`make bench-resume`)"""
 
 from __future__ import annotations
 
@@ -10,8 +6,6 @@ import argparse
 import random
 from collections.abc import Sequence
 from typing import Any
-
-from tokenwire.v1 import generation_pb2 as pb
 
 from benchmarks import doc, load
 from benchmarks.launcher import serve
@@ -53,11 +47,7 @@ def one_repeat(args: argparse.Namespace, engine: str, seed: int) -> dict[str, An
     resumed = []
     for (_, request), whole in zip(todo, uncut, strict=True):
         cut = rng.randrange(1, len(whole.chunks)) if len(whole.chunks) > 1 else 0
-        again = pb.GenerateRequest()
-        again.CopyFrom(request)
-        again.resume.generated_token_ids.extend(t.id for c in whole.chunks[:cut] for t in c.tokens)
-        again.resume.next_index = cut
-        resumed.append((cut, again))
+        resumed.append((cut, load.resumed(request, whole.chunks[:cut])))
     with serve(args.dry_run, flags, engine) as fresh:
         _, rest = load.streams(load.stub(fresh.target), [r for _, r in resumed], 4, 900)
     exact: dict[str, list[bool]] = {kind: [] for kind in KINDS}

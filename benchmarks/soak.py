@@ -1,9 +1,7 @@
 """Minutes of mixed traffic against one server, then its figures (`make soak`).
 
-Starts a server with three tenants (``--tenants``) and sends it the mix (``MIX``, ``TENANT_MIX``;
-every kind once first), bursts past admission and a cancel storm, from one process at a bounded
-rate; what it checks and what passes: docs/reliability.md, whose "soak" section ``--write-doc``
-replaces. Exits 1 when the run fails.
+The mix (``MIX``, ``TENANT_MIX``), bursts past admission and a cancel storm; what it checks and what passes:
+docs/reliability.md, whose "soak" section ``--write-doc`` replaces. Exits 1 when the run fails.
 """
 
 from __future__ import annotations
@@ -11,6 +9,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import copy
 import dataclasses
 import datetime
 import json
@@ -135,8 +134,7 @@ class Traffic:
         self._first_round = list(self.kinds)
 
     def _failed(self, kind: str, stream: load.Stream, tenant: str, request: Any) -> bool:
-        """Whether ``stream`` ended with an error, recorded; one that ended UNKNOWN or INTERNAL is also
-        listed with its message and request, so that a failed soak says what to reproduce."""
+        """Whether ``stream`` ended with an error, recorded; UNKNOWN and INTERNAL with what to reproduce."""
         if stream.error is None:
             return False
         code = stream.error.code().name
@@ -147,7 +145,7 @@ class Traffic:
         return True
 
     def auth(self, tenant: str) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self._tokens[tenant]}"),) if tenant in self._tokens else ()
+        return load.bearer(self._tokens[tenant]) if tenant in self._tokens else ()
 
     def sender(self) -> str:
         """The tenant of an ordinary call, by weight; NO_TENANT on a server without tenants."""
@@ -203,7 +201,7 @@ class Traffic:
             self.violations.append(f"{call.kind}: the soak's own client failed: {exc!r}")
 
     def _read(self, call: Call, request: Any, cut: int = 0) -> load.Stream:
-        """``request`` sent as ``call``, cancelled after ``cut`` chunks; the error it ended with kept."""
+        """``request`` sent as ``call``, cancelled after ``cut`` chunks; its error kept."""
         return load.stream(self._stub, request, call.timeout, call.metadata, cut, catch=True)
 
     def run_one(self, call: Call) -> None:
@@ -225,8 +223,7 @@ class Traffic:
     def resume(self, call: Call) -> None:
         """Cut a stream after a few chunks, then resume it with the token ids received: the
         rest must go on at the next chunk index, with usage counting the whole answer."""
-        request = pb.GenerateRequest()
-        request.CopyFrom(call.request)
+        request = copy.deepcopy(call.request)
         request.output.token_ids = True  # one chunk per token, with its id
         cut = self._read(call, request, self._rng.randint(1, 6))
         if self._failed("resume-cut", cut, call.tenant, call.request):
@@ -236,8 +233,7 @@ class Traffic:
             tokens = received[-1].usage.completion_tokens if received else 0
             return self.outcomes.append(Outcome("resume-cut", "OK", cut.ttft, tokens, call.tenant))
         self.outcomes.append(Outcome("resume-cut", "CANCELLED", cut.ttft, tenant=call.tenant))
-        request.resume.generated_token_ids.extend(ids)
-        request.resume.next_index = len(received)
+        request = load.resumed(request, received)
         if received[0].HasField("seed"):
             request.sampling.seed = received[0].seed
         rest = self._read(call, request)
@@ -441,10 +437,9 @@ def render_doc(report: dict[str, Any], command: str = "python -m benchmarks soak
         ("Result", "pass" if passed(report) else "FAIL"),
     ]  # fmt: skip
     return doc.section(
-        "soak", "Latest run", command, "",
-        *doc.table("Figure | Value", "ll", rows), "", "### Calls by kind and status", "",
-        *doc.table("Kind | Statuses", "ll", statuses(report["by_kind"])), "", "### Calls by tenant and status", "",
-        *doc.table("Tenant | Statuses", "ll", statuses(report["by_tenant"])),
+        "soak", "Latest run", command, "", *doc.table("Figure | Value", "ll", rows),
+        *doc.sub("Calls by kind and status", *doc.table("Kind | Statuses", "ll", statuses(report["by_kind"]))),
+        *doc.sub("Calls by tenant and status", *doc.table("Tenant | Statuses", "ll", statuses(report["by_tenant"]))),
     ).text  # fmt: skip
 
 

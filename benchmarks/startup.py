@@ -1,8 +1,4 @@
-"""How long a server takes from exec to readiness, and where that time goes (`make bench-startup`).
-
-Fresh server processes one after another, each polled (grpc.health.v1, every 20 ms) from exec
-until readiness answers SERVING; the phases are the server's own "ready" line's.
-"""
+"""How long a server takes from exec to readiness, and where that time goes (`make bench-startup`)."""
 
 from __future__ import annotations
 
@@ -19,20 +15,14 @@ POLL_S = 0.02
 
 
 def start_once(model: str, extra: list[str]) -> tuple[float, dict[str, float]]:
-    """(seconds from exec to readiness SERVING at the client, the ready line's phases)."""
+    """(seconds from exec to readiness SERVING at the client, the phases of the server's "ready" line)."""
     started = time.monotonic()
-    server = ServerProcess(["--model", model, *extra], wait=False)
-    try:
+    with ServerProcess(["--model", model, *extra], wait=False) as server:
         server.wait_listening(600)
         server.wait_ready(600 - (time.monotonic() - started), poll=POLL_S)
         serving = time.monotonic() - started
-        deadline = time.monotonic() + 10
-        while not server.find("ready") and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-        [ready] = server.find("ready")
+        [ready] = server.wait_for("ready")
         return serving, dict(ready["phases"])
-    finally:
-        server.terminate()
 
 
 def run(args: argparse.Namespace) -> doc.Section:

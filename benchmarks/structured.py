@@ -1,8 +1,4 @@
-"""Do constrained answers follow their format, and what do they cost? (`make bench-structured`)
-
-Constrained requests (``SCHEMAS``, a regex, a choice) at c=16 against unconstrained twins held to the same token
-counts; each format's cold compile and the sampler's own cost in process. Replaces the "structured" section.
-"""
+"""Do constrained answers follow their format, and what do they cost? (`make bench-structured`)"""
 
 from __future__ import annotations
 
@@ -159,10 +155,8 @@ def compile_times(loaded: Any) -> dict[str, float]:
 
 
 def sampler_cost(loaded: Any, steps: int = 200) -> tuple[float, float]:
-    """The shared sampler's ms per step for 16 rows (half greedy, half seeded top-p) on random
-    logits, unconstrained and with every row constrained (each matcher moving on with the token
-    picked, starting again when its answer is complete): the only work a constrained step adds.
-    Medians over ``steps`` steps, the two kinds in turns."""
+    """The shared sampler's ms per step for 16 rows (half greedy, half seeded top-p) on random logits, unconstrained
+    and with every row constrained (each row starting again when its answer is complete); medians, in turns."""
     import torch
     from tokenwire_server.domain import GenerationRequest, RequestHandle, SamplingOptions
     from tokenwire_server.engine.generation import Generation

@@ -1,8 +1,4 @@
-"""Does one tenant's backlog leave another tenant served, and do weights hold? (`make bench-tenants`)
-
-Two tenants told apart by their bearer tokens, on three servers per repeat: **fair** (weights 1:1), **fcfs** (both
-tokens in one tenant) and **weights** (3:1). Replaces the "tenants" section.
-"""
+"""Does one tenant's backlog leave another tenant served, and do weights hold? (`make bench-tenants`)"""
 
 from __future__ import annotations
 
@@ -32,10 +28,6 @@ TOKENS = "tok-a a\ntok-b b\n"
 ONE_TENANT_TOKENS = "tok-a\ntok-b\n"  # both the default tenant: first come, first served
 
 
-def auth(token: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),)
-
-
 class Load:
     """``streams`` long streams for one tenant, each started again when it ends, until stopped;
     every token's arrival time is kept."""
@@ -53,7 +45,7 @@ class Load:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            call = self._stub.Generate(self._request, metadata=auth(self._token))
+            call = self._stub.Generate(self._request, metadata=load.bearer(self._token))
             self._calls.append(call)
             try:
                 for chunk in call:
@@ -81,7 +73,7 @@ def paced(stub: Any, args: argparse.Namespace) -> tuple[list[float], list[float]
     with concurrent.futures.ThreadPoolExecutor(args.b_calls) as pool:
         calls = []
         for _ in range(args.b_calls):
-            calls.append(pool.submit(load.stream, stub, request, args.b_timeout, auth("tok-b"), catch=True))
+            calls.append(pool.submit(load.stream, stub, request, args.b_timeout, load.bearer("tok-b"), catch=True))
             time.sleep(args.b_every)
         got = [call.result() for call in calls]
     if codes := sorted(s.error.code().name for s in got if s.error is not None):
