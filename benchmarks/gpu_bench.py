@@ -48,9 +48,11 @@ HEADER = "# Benchmarks on a GPU\n"
 FLAGS = {
     "random_weights": ("135m,1b", f"comma-separated shapes, from {', '.join(SHAPES)}"),
     "device": {"default": "cuda", "choices": ("cuda", "cpu")}, "concurrency": "1,16,64,128",
-    "forwards": ("native,transformers,native:no-overlap,native:sampled,native:sampled+no-overlap",
+    "forwards": ("native,native:flex,transformers,native:no-overlap,native:sampled,native:flex+sampled,"
+                 "native:sampled+no-overlap",
                  "the engine's --forward values to serve each shape with, variants after a colon joined by + "
-                 "(no-overlap: with --overlap off; sampled: sampled requests, not greedy)"),
+                 "(no-overlap: with --overlap off; sampled: sampled requests, not greedy; flex: --attention flex, "
+                 "attention over the KV pool in place)"),
     "step_graphs": ("auto", "the native pass's --step-graphs (auto: CUDA graphs on CUDA)"),
     "ceiling": {"default": "ends", "choices": ("ends", "all", "none"),
                 "help": "static-batch generate at the smallest and largest concurrency (ends), at each, or not"},
@@ -200,11 +202,12 @@ class Result(load.Measure):
 
 def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
     """The engine over gRPC at each concurrency with one ``--forwards`` entry: a ``--forward`` and its variants,
-    ``no-overlap`` (``--overlap off``) and ``sampled`` (SAMPLED requests, not greedy)."""
+    ``no-overlap`` (``--overlap off``), ``sampled`` (SAMPLED requests, not greedy) and ``flex``
+    (``--attention flex``)."""
     forward, _, variant = spec.partition(":")
     variants = {v for v in variant.split("+") if v}
-    if variants - {"no-overlap", "sampled"}:
-        raise ValueError(f"unknown variant {variant!r} of --forwards entry {spec!r} (known: no-overlap, sampled)")
+    if variants - {"no-overlap", "sampled", "flex"}:
+        raise ValueError(f"unknown variant {variant!r} of --forwards entry {spec!r} (known: no-overlap, sampled, flex)")
     sampling = SAMPLED if "sampled" in variants else {}
     folder = model_folder(shape, args)
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -213,6 +216,7 @@ def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
         "--max-queue", str(2 * max(concurrency)), "--metrics-port", "-1", "--forward", forward,
         *(["--step-graphs", args.step_graphs] if forward == "native" else []),
         *args.server_arg, *(["--overlap", "off"] if "no-overlap" in variants else []),  # the variant wins
+        *(["--attention", "flex"] if "flex" in variants else []),
     ]  # fmt: skip
     results: list[Result] = []
     with serve(args.dry_run, flags, "batched") as server:
@@ -223,6 +227,7 @@ def run_shape(shape: str, spec: str, args: argparse.Namespace) -> list[Result]:
         path = f"tokenwire {engine.get('forward', forward)}"
         path += f" +{engine['step_graphs']} graphs" if engine.get("step_graphs") not in (None, "off") else ""
         path += " +overlap" if engine.get("overlap") else " -overlap" if "no-overlap" in variants else ""
+        path += " +flex" if engine.get("attention") == "flex" else ""
         path += " sampled" if sampling else ""
         load.warm(server.target)
         line = next(iter(server.find("kv cache sized from device memory")), None)

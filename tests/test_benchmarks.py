@@ -156,7 +156,9 @@ def test_the_gpu_bench_runs_end_to_end_on_a_cpu_with_random_weights(
     out = tmp_path / "cuda.md"
     argv = ["--random-weights", "tiny", "--device", "cpu", "--concurrency", "1,2", "--max-new-tokens", "8",
             "--requests-per-stream", "1", "--peak-gbs", "10", "--cache", str(tmp_path), "--out", str(out),
-            "--step-graphs", "static"]  # fmt: skip
+            "--step-graphs", "static",
+            # Not flex: on a CPU it compiles once per step shape (its flags: the test after next).
+            "--forwards", "native,transformers,native:no-overlap,native:sampled,native:sampled+no-overlap"]  # fmt: skip
     # Overlap on for every arm (on a CPU it is off by default), so the label of each arm is
     # the server's own state: the -overlap arms are the ones that turned it off.
     assert main([*argv, "--server-arg=--overlap", "--server-arg=on"]) == 0
@@ -348,3 +350,39 @@ def test_the_quality_bench_holds_both_halves_of_the_bar_counted_from_bf16_and_as
         }  # fmt: skip
     prompts = kl_prompts(64)
     assert len(prompts) == 64 == len(set(prompts))
+
+
+@pytest.mark.parametrize(
+    ("spec", "added", "absent"),
+    [
+        ("native:flex", ["--attention", "flex"], ["--overlap"]),
+        ("native:flex+sampled+no-overlap", ["--attention", "flex", "--overlap", "off"], []),
+        ("native", ["--step-graphs", "auto"], ["--attention"]),
+    ],
+)
+def test_the_gpu_checks_variants_become_server_flags(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, spec: str, added: list[str], absent: list[str]
+) -> None:
+    """`native:flex` serves with --attention flex (attention over the pool in place, #39 item 9),
+    beside the other variants; an unknown variant is refused before any server starts."""
+    from benchmarks import gpu_bench
+    from benchmarks.__main__ import parser_for
+
+    served: list[list[str]] = []
+
+    def serve(dry_run: bool, flags: list[str], engine: str) -> Any:
+        served.append(flags)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(gpu_bench, "serve", serve)
+    monkeypatch.setattr(gpu_bench, "model_folder", lambda shape, args: tmp_path)
+    args = parser_for("gpu").parse_args(["--random-weights", "tiny", "--out", str(tmp_path / "cuda.md")])
+    assert "native:flex" in args.forwards.split(",")  # measured by default, after the plain native pass
+    with pytest.raises(RuntimeError, match="stop here"):
+        gpu_bench.run_shape("tiny", spec, args)
+    (flags,) = served
+    joined = " ".join(flags)
+    assert all(f"{flag} {value}" in joined for flag, value in zip(added[::2], added[1::2], strict=True))
+    assert not any(flag in flags for flag in absent)
+    with pytest.raises(ValueError, match="unknown variant"):
+        gpu_bench.run_shape("tiny", "native:paged", args)
