@@ -631,3 +631,26 @@ def test_a_chunks_causal_bias_on_cuda_attends_as_its_mask_does() -> None:
             q, keys, values, segment, (tables, causal_lower_right(count, start + count)), dim**-0.5
         )
         assert torch.equal(by_mask, by_bias), (start, count)
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["float", "bf16-pairs"])
+def test_fused_layers_go_straight_into_the_panels_of_their_concatenation(
+    monkeypatch: pytest.MonkeyPatch, pairs: bool
+) -> None:
+    """q/k/v (or gate/up) are copied part by part into their panels, one copy at start: the
+    panels are those of the concatenated matrix (a part that ends inside a panel takes the
+    concatenation first), in float32 and as bf16 pairs. Layout only: no GEMM runs, so any
+    CPU checks it (a fake library stands for the compiled one)."""
+    library: Any = type("Library", (), {"cpu_has_avx512bf16": staticmethod(lambda: pairs)})()
+    dtype = torch.bfloat16 if pairs else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    for rows in ([48, 16, 16], [40, 8, 16]):
+        parts = [torch.randn(r, 8, generator=generator).to(dtype) for r in rows]
+        whole = torch.cat(parts)
+        fused = native_module.Linear(parts, None, True, 4, library)
+        assert fused.kind == "panels" and fused.pairs == pairs
+        if pairs:
+            expected = whole.view(torch.int32).view(-1, 16, 4).transpose(1, 2).contiguous().view(torch.bfloat16)
+        else:
+            expected = whole.view(-1, 16, 8).transpose(1, 2).contiguous()
+        assert torch.equal(fused.weight, expected)

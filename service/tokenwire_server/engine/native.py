@@ -147,16 +147,24 @@ class Linear:
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, batch_hint: int, panels: Any = None
+        self,
+        weight: torch.Tensor | list[torch.Tensor],
+        bias: torch.Tensor | None,
+        packed: bool,
+        batch_hint: int,
+        panels: Any = None,
     ) -> None:
-        weight = weight.detach().contiguous()
-        self.in_features = int(weight.shape[1])
+        # ``weight``: one matrix, or fused layers' matrices, one after another (``_layer``).
+        parts = [w.detach() for w in (weight if isinstance(weight, list) else [weight])]
+        self.in_features = int(parts[0].shape[1])
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packed = packed
-        self.dtype = weight.dtype
-        out_features = int(weight.shape[0])
+        self.dtype = parts[0].dtype
+        out_features = sum(int(part.shape[0]) for part in parts)
         # ``panels``: the compiled library, where it runs ``panel_linear`` (``panel_library``).
         self.library = panels if packed and self.dtype in PACKED_DTYPES and out_features % PANEL == 0 else None
+        if any(int(part.shape[0]) % PANEL for part in parts):
+            parts = [torch.cat(parts)]  # a part that ends inside a panel: the panels of the whole
         self.kind = "plain" if not packed else "onednn" if self.library is None else "panels"
         bf16 = self.library is not None and self.dtype == torch.bfloat16
         self.pairs = bf16 and self.in_features % 2 == 0 and bf16_pairs(self.library)
@@ -164,16 +172,25 @@ class Linear:
         # panels' bf16 pairs do (``bf16_rounding``).
         self.rounds_input = self.dtype == torch.bfloat16 and (self.library is None or self.pairs)
         if self.library is not None:
-            count = out_features // PANEL
+            # Each part straight into its panels: one copy of the weights at start, not a
+            # concatenation and then the panels.
             if self.pairs:  # [out / 16, in / 2, 32]: each panel's 16 columns side by side, two inputs each
                 # moved as int32, a pair each (a copy of 2-byte runs takes ~2x as long at start)
-                pairs = weight.view(torch.int32).view(count, PANEL, self.in_features // 2).transpose(1, 2)
-                self.weight = pairs.contiguous().view(torch.bfloat16)
+                width, view = self.in_features // 2, torch.int32
             else:  # [out / 16, in, 16]: each panel's 16 output columns side by side, input by input
-                self.weight = weight.view(count, PANEL, self.in_features).transpose(1, 2).contiguous()
+                width, view = self.in_features, self.dtype
+            out = torch.empty((out_features // PANEL, width, PANEL), dtype=view, device=parts[0].device)
+            first = 0
+            for part in parts:
+                count = int(part.shape[0]) // PANEL
+                source = part.contiguous().view(view).view(count, PANEL, width).transpose(1, 2)
+                out[first : first + count].copy_(source)
+                first += count
+            self.weight = out.view(self.dtype)
             self.bias = None if self.bias is None else self.bias.float()
         else:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if packed else weight
+            whole = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(whole, batch_hint) if packed else whole
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """``x·Wᵀ + b`` in the weights' dtype.
@@ -464,8 +481,12 @@ def _layer(packed: bool, batch_hint: int, panels: Any, *modules: Any) -> Gemm:
         return _fused_int8(*modules)
     if any(isinstance(module, INT8_LAYERS) for module in modules):
         raise ValueError("cannot fuse int8 with full-precision layers")
-    weight, bias = _fused(*modules) if len(modules) > 1 else (modules[0].weight, modules[0].bias)
-    return Linear(weight, bias, packed, batch_hint, panels)
+    if len(modules) == 1:
+        return Linear(modules[0].weight, modules[0].bias, packed, batch_hint, panels)
+    weights = [module.weight.detach() for module in modules]
+    bias = _fused_bias([(int(w.shape[0]), module.bias) for w, module in zip(weights, modules, strict=True)],
+                       weights[0].device, weights[0].dtype)  # fmt: skip
+    return Linear(weights, bias, packed, batch_hint, panels)
 
 
 # A layer of the pass: full-precision, or int8 in either scheme.
@@ -494,13 +515,6 @@ def _fused_bias(
             torch.zeros(rows, dtype=dtype, device=device) if bias is None else bias.detach().to(dtype)
             for rows, bias in parts
         ]
-    )
-
-
-def _fused(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)
-    return weight, _fused_bias(
-        [(linear.weight.shape[0], linear.bias) for linear in linears], weight.device, weight.dtype
     )
 
 
