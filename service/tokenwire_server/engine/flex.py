@@ -33,8 +33,8 @@ The kernel comes from ``torch.compile`` (Triton on CUDA, a C++ template on a CPU
 shape class (``dynamic=True``). The CPU template asks that the block mask cover the whole
 KV sequence, so there the page lists are as wide as the pool (``full_width``); CUDA's
 kernels read only the counted pages, and the lists are as wide as the step's longest table.
-Triton's tiles must divide the page: ``kernel_options`` sets the KV tile to the block size
-on CUDA.
+Triton's tiles must divide the block mask's blocks: ``kernel_options`` sets them on CUDA
+(``CUDA_KERNEL_OPTIONS``), the KV tile to one page.
 """
 
 from __future__ import annotations
@@ -49,8 +49,15 @@ from ..transfer import to_device
 from .blocks import blocks_for
 from .ops import Segment
 
-# Query positions a chunk's block-mask row covers (FlexAttention's Q block): one Triton tile.
-CHUNK_QUERY_BLOCK = 64
+# Query positions one row of a block mask covers (FlexAttention's Q block), for a chunk and for
+# the one-token rows' call alike: a multiple of every tile of queries Triton's kernel may pick
+# (it skips a tile size that does not divide it, and fails when none is left).
+QUERY_BLOCK = 128
+# On CUDA: query tiles of 64 (they divide QUERY_BLOCK) and key tiles of one block (the block mask's
+# KV block is a page, which the tile must divide: Triton's own choices, 32 to 128, do not); the
+# main kernel always (the decoding kernel indexes the block mask by KV head, and picks itself only
+# for a static batch).
+CUDA_KERNEL_OPTIONS = {"BLOCK_M": 64, "FORCE_USE_FLEX_ATTENTION": True}
 
 
 def paged_mask(
@@ -158,11 +165,11 @@ class FlexAttention:
         return self.compiled and device.type == "cpu"
 
     def _options(self, device: torch.device, block_size: int) -> dict[str, Any] | None:
-        return {"BLOCK_N": block_size} if device.type == "cuda" else None
+        return {**CUDA_KERNEL_OPTIONS, "BLOCK_N": block_size} if device.type == "cuda" else None
 
     def plan(self, singles: list[Segment], block_size: int, scratch: int, device: torch.device) -> Any:
         """The one-token rows' block mask (one call for all of them)."""
-        return self._block_mask(singles, [(0, 0)], block_size, block_size, scratch, device), block_size
+        return self._block_mask(singles, [(0, 0)], QUERY_BLOCK, block_size, scratch, device), block_size
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Any) -> torch.Tensor:
         """``q``: ``[rows, heads, dim]``, one token a row; returns the same shape."""
@@ -176,10 +183,10 @@ class FlexAttention:
         return typing.cast("torch.Tensor", out).view(rows, heads, dim)
 
     def chunk_plans(self, chunks: list[Segment], block_size: int, scratch: int, device: torch.device) -> list[Any]:
-        """Each prompt chunk's block mask, its queries in blocks of ``CHUNK_QUERY_BLOCK``."""
+        """Each prompt chunk's block mask, its queries in blocks of ``QUERY_BLOCK``."""
         plans = []
         for segment in chunks:
-            step = CHUNK_QUERY_BLOCK
+            step = QUERY_BLOCK
             queries = [(first, min(first + step, segment.count) - 1) for first in range(0, segment.count, step)]
             plans.append((self._block_mask([segment], queries, step, block_size, scratch, device), block_size))
         return plans
