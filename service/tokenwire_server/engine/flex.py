@@ -149,10 +149,13 @@ class FlexAttention:
         )
         pool = (scratch + 1) * self.kv_heads * block_size
         if self.full_width(device):
-            # The CPU template asks that the page lists cover the whole pool.
+            # The CPU template asks that the page lists cover the whole pool; the tables as wide
+            # as the pool too, so that a step's shapes (which a CPU compiles for) do not change
+            # as its rows grow: one kernel per row count, not one per row count and width.
             pad = (scratch + 1) * self.kv_heads - partial.shape[-1]
             partial = torch.nn.functional.pad(partial, (0, pad))
             full_pages = torch.nn.functional.pad(full_pages, (0, pad))
+            tables = torch.nn.functional.pad(tables, (0, scratch + 1 - tables.shape[1]), value=scratch)
         return BlockMask.from_kv_blocks(
             count, partial, full_count, full_pages,
             BLOCK_SIZE=(query_block, block_size),
