@@ -170,6 +170,9 @@ def test_flex_on_cuda_keeps_its_decode_steps_out_of_the_sdpa_graphs(tiny_model_d
     assert resolve(EngineOptions(forward="native", attention="flex", step_graphs="cuda"), on_cuda).step_graphs == "cuda"
     with pytest.raises(ValueError, match="unknown attention"):
         EngineOptions(attention="paged")
+    # Without the native pass (auto keeps transformers' forward on CUDA) flex would do nothing: refused.
+    with pytest.raises(ValueError, match="--attention flex is the native pass's.*--forward native"):
+        resolve(EngineOptions(attention="flex"), on_cuda)
 
 
 def test_cuda_tiles_divide_the_block_masks_blocks() -> None:

@@ -121,6 +121,10 @@ def resolve(options: EngineOptions, loaded: LoadedModel) -> Resolved:
     if options.forward == "transformers":
         reason = "--forward transformers"
     native = reason is None
+    if options.attention == "flex" and not native:
+        raise ValueError(
+            f"--attention flex is the native pass's, which does not run here ({reason}): add --forward native"
+        )
     if not native and isinstance(loaded.model, PlainLlama):
         # load_model(native_only=True) reads it so only where the native pass runs it.
         raise ValueError(f"{reason}: this checkpoint was read for the native pass alone (it has no forward)")
