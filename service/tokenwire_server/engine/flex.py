@@ -29,10 +29,12 @@ densely) still gets the same answer. The column of a page's first token is
 index in its table, which is the same in every table that holds it (a shared block is a
 cached prefix, at the same place in each; ``blocks``).
 
-The kernel comes from ``torch.compile`` (Triton on CUDA, a C++ template on a CPU), once per
-shape class (``dynamic=True``). The CPU template asks that the block mask cover the whole
-KV sequence, so there the page lists are as wide as the pool (``full_width``); CUDA's
-kernels read only the counted pages, and the lists are as wide as the step's longest table.
+The kernel comes from ``torch.compile``: on CUDA Triton's, with dynamic shapes (one kernel for
+every row count and chunk length); on a CPU a C++ template, once per shape (it fails to build
+with a dynamic query length). The CPU template asks that the block mask cover the whole KV
+sequence, so there the page lists and the tables are as wide as the pool (``full_width``: a
+step's shapes then depend on its row count alone); CUDA's kernels read only the counted pages,
+and the lists are as wide as the step's longest table.
 Triton's tiles must divide the block mask's blocks: ``kernel_options`` sets them on CUDA
 (``CUDA_KERNEL_OPTIONS``), the KV tile to one page.
 """
