@@ -90,7 +90,7 @@ def test_prompt_chunks_equal_causal_sdpa(compiled: bool) -> None:
     plans = flex.chunk_plans(chunks, BLOCK, BLOCKS, CPU)
     for query, segment, plan, stock in zip(queries, chunks, plans, chunk_plan(chunks, BLOCK, BLOCKS, CPU), strict=True):
         expected = chunk_attention(query, keys, values, segment, stock, scale)
-        torch.testing.assert_close(flex.chunk(query, keys, values, plan), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(flex.chunk(query, keys, values, segment, plan), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_page_lists_name_each_rows_own_pages() -> None:

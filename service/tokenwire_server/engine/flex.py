@@ -178,14 +178,9 @@ class FlexAttention:
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Any) -> torch.Tensor:
         """``q``: ``[rows, heads, dim]``, one token a row; returns the same shape."""
-        block_mask, block_size = plan
         rows, heads, dim = q.shape
         grouped = q.contiguous().view(rows * self.kv_heads, self.group, 1, dim)
-        out = self._flex(
-            grouped, keys.view(1, 1, -1, dim), values.view(1, 1, -1, dim), block_mask=block_mask,
-            scale=self.scale, enable_gqa=self.group > 1, kernel_options=self._options(q.device, block_size),
-        )  # fmt: skip
-        return typing.cast("torch.Tensor", out).view(rows, heads, dim)
+        return self._attend(grouped, keys, values, plan).view(rows, heads, dim)
 
     def chunk_plans(self, chunks: list[Segment], block_size: int, scratch: int, device: torch.device) -> list[Any]:
         """Each prompt chunk's block mask, its queries in blocks of ``QUERY_BLOCK``."""
@@ -196,13 +191,21 @@ class FlexAttention:
             plans.append((self._block_mask([segment], queries, step, block_size, scratch, device), block_size))
         return plans
 
-    def chunk(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Any) -> torch.Tensor:
-        """One prompt chunk, causally: ``q`` ``[count, heads, dim]``; returns the same shape."""
-        block_mask, block_size = plan
+    def chunk(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, segment: Segment, plan: Any
+    ) -> torch.Tensor:
+        """One prompt chunk, causally: ``q`` ``[count, heads, dim]``; returns the same shape
+        (``segment``: the chunk, whose columns ``plan`` already holds)."""
         count, heads, dim = q.shape
         grouped = q.view(count, self.kv_heads, self.group, dim).permute(1, 2, 0, 3)
+        return self._attend(grouped, keys, values, plan).permute(2, 0, 1, 3).reshape(count, heads, dim)
+
+    def _attend(self, grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Any) -> torch.Tensor:
+        """FlexAttention over the pool viewed as one KV head's pages (module docstring)."""
+        block_mask, block_size = plan
+        dim = grouped.shape[-1]
         out = self._flex(
             grouped, keys.view(1, 1, -1, dim), values.view(1, 1, -1, dim), block_mask=block_mask,
-            scale=self.scale, enable_gqa=self.group > 1, kernel_options=self._options(q.device, block_size),
+            scale=self.scale, enable_gqa=self.group > 1, kernel_options=self._options(grouped.device, block_size),
         )  # fmt: skip
-        return typing.cast("torch.Tensor", out).permute(2, 0, 1, 3).reshape(count, heads, dim)
+        return typing.cast("torch.Tensor", out)

@@ -69,14 +69,13 @@ from . import ATTENTION_CHOICES, KERNEL_CHOICES, kernels
 from .flex import FlexAttention
 from .kv import PagedCache, flat_index, places, write
 from .ops import (
+    ChunkAttention,
     CompiledOps,
     GroupedAttention,
     PagedDecodeAttention,
     Places,
     Segment,
     TorchOps,
-    chunk_attention,
-    chunk_plan,
     static_decode_attention,
 )
 
@@ -651,6 +650,10 @@ class NativeForward:
             self.decode_attention = PagedDecodeAttention(library, heads, kv_heads, self.scale)
         else:
             self.decode_attention = GroupedAttention(heads, kv_heads, self.scale)
+        # Prompt chunks: FlexAttention's where it reads the decode rows, else SDPA over gathered blocks.
+        self.chunk_attention: ChunkAttention | FlexAttention = (
+            self.decode_attention if isinstance(self.decode_attention, FlexAttention) else ChunkAttention(self.scale)
+        )
         narrow = "int8" if self.quantized else "bf16" if self.weight_dtype == torch.bfloat16 else ""
         if narrow and self.device.type == "cpu" and isinstance(self.decode_attention, GroupedAttention):
             log.warning(
@@ -842,8 +845,7 @@ class NativeForward:
             singles = singles + [Segment(c.table, c.start + j, 1) for c in chunks for j in range(c.count)]
             chunks = []
         single_plan = attention.plan(singles, block_size, scratch, device) if singles else None
-        flex = attention if isinstance(attention, FlexAttention) else None
-        chunk_plans = (flex.chunk_plans if flex is not None else chunk_plan)(chunks, block_size, scratch, device)
+        chunk_plans = self.chunk_attention.chunk_plans(chunks, block_size, scratch, device)
 
         def attend(index: int, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = cache.layers[index].keys, cache.layers[index].values
@@ -853,11 +855,8 @@ class NativeForward:
                 attended.append(attention(q[: len(singles)], keys, values, single_plan))
             offset = len(singles)
             for segment, plan in zip(chunks, chunk_plans, strict=True):
-                chunk_q = q[offset : offset + segment.count]
                 attended.append(
-                    flex.chunk(chunk_q, keys, values, plan)
-                    if flex is not None
-                    else chunk_attention(chunk_q, keys, values, segment, plan, self.scale)
+                    self.chunk_attention.chunk(q[offset : offset + segment.count], keys, values, segment, plan)
                 )
                 offset += segment.count
             return attended[0] if len(attended) == 1 else torch.cat(attended)

@@ -7,7 +7,9 @@
 - One-token rows' attention: ``PagedDecodeAttention`` (the compiled op: each row over its
   own columns through its block table, no mask, no padding) or ``GroupedAttention``
   (stock SDPA over rows gathered in groups of similar lengths, a length mask).
-- Prompt chunks always attend through SDPA over their gathered blocks (``chunk_attention``).
+- Prompt chunks: ``ChunkAttention`` (stock SDPA over each chunk's gathered blocks,
+  ``chunk_attention``), or, with ``--attention flex``, ``flex.FlexAttention``, which reads the
+  decode rows too.
 
 The native pass picks one of each at load (``NativeForward``) and calls them the same
 way whichever it picked: a step never asks which is which.
@@ -269,6 +271,24 @@ def chunk_plan(
         mask = to_device((torch.arange(end).view(1, end) <= query).view(1, 1, segment.count, end), device)
         out.append((table, mask))
     return out
+
+
+class ChunkAttention:
+    """Prompt chunks through stock SDPA (``chunk_plan``, ``chunk_attention``): the chunk side of the
+    one interface ``flex.FlexAttention`` also gives, picked once at load (``NativeForward``)."""
+
+    name = "sdpa"
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def chunk_plans(self, chunks: list[Segment], block_size: int, scratch: int, device: torch.device) -> list[Any]:
+        return chunk_plan(chunks, block_size, scratch, device)
+
+    def chunk(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, segment: Segment, plan: Any
+    ) -> torch.Tensor:
+        return chunk_attention(q, keys, values, segment, plan, self.scale)
 
 
 def chunk_attention(
