@@ -74,7 +74,7 @@ ARG ENGINE
 # see one venv either way. HAS_GPU=1 because no GPU is visible during `docker build`:
 # without it the target would take the CPU branch (a separate torch install and the
 # removal of torchvision/torchaudio/torchcodec, which the CUDA vllm package needs).
-RUN --mount=type=cache,target=/root/.cache/pip \
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=cache,target=/root/.cache/uv \
     case "${ENGINE}" in \
       batched) make setup VENV=/opt/tokenwire EXTRAS=server,gpu EDITABLE= TORCH_CUDA="${TORCH_CUDA}" TORCH_INDEX_URL="${TORCH_INDEX_URL}" ;; \
       vllm) make setup-vllm VLLM_VENV=/opt/tokenwire VLLM_PACKAGE=vllm VLLM_EXTRAS=server,gpu EDITABLE= HAS_GPU=1 ;; \

@@ -741,23 +741,52 @@ def test_make_kernels_exits_0_with_the_reason_where_the_host_cannot_build(
 
 def test_make_kernels_builds_on_an_x86_cpu_without_avx2(tmp_path: Path) -> None:
     """Building needs a compiler only: with torch told the CPU has no AVX2, the library is
-    built where the server looks for it, and not loaded."""
+    built where the server looks for it, with the shipped source and flags, and not loaded.
+    The compiler is a stand-in that records its command and writes the library's file (the
+    real build of the same command: ``test_the_shipped_source_compiles_without_a_warning``);
+    it hands anything else, the ABI check's version questions, to the real one."""
     if kernels.build_reason():
         pytest.skip(f"this host cannot build: {kernels.build_reason()}")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", kernels.KERNEL_DIR_ENV: str(tmp_path)}
+    real = kernels.compiler()
+    called = tmp_path / "called"
+    stand_in = tmp_path / "c++"
+    stand_in.write_text(
+        "#!/bin/sh\n"
+        'out=""; prev=""\n'
+        'for arg in "$@"; do [ "$prev" = "-o" ] && out="$arg"; prev="$arg"; done\n'
+        f'[ -z "$out" ] && exec {real} "$@"\n'
+        f'printf "%s\\n" "$@" > {called}\n'
+        'printf "library" > "$out"\n'
+    )
+    stand_in.chmod(0o755)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", kernels.KERNEL_DIR_ENV: str(tmp_path), "CXX": str(stand_in)}
     done = subprocess.run(
         [sys.executable, "-m", "tokenwire_server.engine.kernels"], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stdout + done.stderr
     target = kernels.library_path(tmp_path)
-    assert target.is_file()
+    assert target.read_text() == "library"
     assert re.fullmatch(
         re.escape(str(target))
         + r" \(built in [\d.]+ s\); not loaded: the CPU lacks AVX2\+FMA \(torch capability DEFAULT\), "
         r"so a server on this machine runs stock torch ops",
         done.stdout.strip(),
     ), done.stdout
-    assert done.stderr == "", "the shipped source compiles without a warning"
+    arguments = called.read_text().splitlines()
+    assert str(kernels.SOURCE) in arguments and set(kernels.FLAGS) <= set(arguments), arguments
+    assert target.with_name(kernels.BUILD_LOG).read_text() == ""
+
+
+def test_the_shipped_source_compiles_without_a_warning(tmp_path: Path) -> None:
+    """The library the suite runs was built (``make kernels``, or the first test to load it)
+    with its compiler's output kept beside it: nothing. A library built before that log was
+    kept is built again here."""
+    if kernels.build_reason():
+        pytest.skip(f"this host cannot build: {kernels.build_reason()}")
+    log = kernels.build().path.with_name(kernels.BUILD_LOG)
+    if not log.is_file():
+        log = kernels.build(tmp_path).path.with_name(kernels.BUILD_LOG)
+    assert log.read_text() == "", log.read_text()
 
 
 def test_make_kernels_shows_the_compilers_warnings_and_fails_when_the_build_does(

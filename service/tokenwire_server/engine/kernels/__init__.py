@@ -24,7 +24,7 @@
 The source is compiled on first use (about 15 s on 2 cores) into
 ``<cache>/kernels/<key>/`` (``$TOKENWIRE_KERNEL_DIR``, else ``$TOKENWIRE_CACHE_DIR`` or the
 default model cache), keyed by the source, torch's version and the flags, and loaded as
-``torch.ops.tokenwire``.
+``torch.ops.tokenwire``; the compiler's output lies beside it (``BUILD_LOG``).
 
 Building and running are two questions. Building needs an x86-64 C++ compiler only: the
 AVX2/FMA intrinsics are compiled with ``-mavx2 -mfma`` whatever the build machine's own
@@ -73,6 +73,7 @@ log = logging.getLogger("tokenwire.engine")
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 LIBRARY = "cpu_ops.so"
+BUILD_LOG = "cpu_ops.build.log"  # beside the library: what the compiler printed building it (empty: no warning)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++20", "-fPIC", "-shared", "-Wall", "-Wextra")
 KERNEL_DIR_ENV = "TOKENWIRE_KERNEL_DIR"
 # The compiled decode attention's limits (cpu_ops.cpp: kMaxGroup; head dim a multiple of 8):
@@ -216,11 +217,14 @@ def build(directory: Path | None = None) -> Built:
     started = time.perf_counter()
     # Built beside the target under a temporary name, then renamed: a process that loads
     # it never sees half a file, and two that build at once both end with a whole one.
+    # The compiler's output goes beside it first, so a library on disk has its log.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / LIBRARY
         done = subprocess.run(command(cxx, SOURCE, partial), capture_output=True, text=True, check=False, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-4000:]}")
+        (Path(scratch) / BUILD_LOG).write_text(done.stderr)
+        os.replace(Path(scratch) / BUILD_LOG, target.with_name(BUILD_LOG))
         os.replace(partial, target)
     if done.stderr.strip():
         warnings.append(done.stderr.strip())
