@@ -74,7 +74,7 @@ def timed(results: Results, key: tuple[str, int], fn: Callable[[], None], calls:
     doc.log(f"  {key[0]} {key[1]}: {results[key][-1]:.1f} ms")
 
 
-def gemms(args: argparse.Namespace, model: Any, results: Results) -> None:
+def gemms(args: argparse.Namespace, rows_list: list[int], model: Any, results: Results) -> None:
     """Every linear layer of ``model`` once per pass (as the native pass multiplies by them), with each kernel."""
     import torch
 
@@ -86,7 +86,7 @@ def gemms(args: argparse.Namespace, model: Any, results: Results) -> None:
     weights = [w.detach() for w in [*weights, model.get_output_embeddings().weight]]
     prepared = {kernel: [prepare(kernel, w) for w in weights] for kernel in kernels_here()}
     for _ in range(args.repeats):
-        for rows in [int(r) for r in args.rows.split(",")]:
+        for rows in rows_list:
             inputs = {k: torch.randn(rows, k) for k in {int(w.shape[1]) for w in weights}}
             for kernel, fns in prepared.items():
 
@@ -103,7 +103,7 @@ def heads(config: Any) -> tuple[int, int, int, int]:
     return config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads, head_dim
 
 
-def attention(args: argparse.Namespace, config: Any, results: Results) -> None:
+def attention(args: argparse.Namespace, contexts: list[int], config: Any, results: Results) -> None:
     """Decode attention of 16 rows over every layer, per context length: ``results[(way, context)]``."""
     import torch
     import torch.nn.functional as F
@@ -113,7 +113,6 @@ def attention(args: argparse.Namespace, config: Any, results: Results) -> None:
     if loaded.ops is None:
         raise SystemExit(f"the compiled CPU ops are unavailable: {loaded.reason}")
     n_layers, kv_heads, n_heads, head_dim = heads(config)
-    contexts = [int(c) for c in args.contexts.split(",")]
     top = max(contexts)
     per_row = -(-top // BLOCK)
     # row r's block b is pool block b * SLOTS + r: the rows' blocks interleaved, as a busy pool leaves them
@@ -155,16 +154,16 @@ def run(args: argparse.Namespace) -> doc.Section:
     from tokenwire_server.model import load_model
 
     results: Results = {}
+    rows_list, contexts = [int(r) for r in args.rows.split(",")], [int(c) for c in args.contexts.split(",")]
 
     def measure() -> Any:  # all of it (the load too) in a thread of its own, as the engine loop runs torch
         model = load_model(args.model, device="cpu", dtype="float32").model
         with torch.inference_mode():
-            gemms(args, model, results)
-            attention(args, model.config, results)
+            gemms(args, rows_list, model, results)
+            attention(args, contexts, model.config, results)
         return model.config
 
     n_layers, kv_heads, _, head_dim = heads(load.in_thread(measure))
-    rows_list, contexts = [int(r) for r in args.rows.split(",")], [int(c) for c in args.contexts.split(",")]
     m = doc.machine()
     kernels = []
     for kernel in kernels_here():

@@ -3,7 +3,6 @@ by the suites, each owning one marked section that says which command wrote it, 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import platform
@@ -83,12 +82,11 @@ def machine() -> dict[str, str]:
     """The machine a section was measured on: CPU, its instruction sets, cores, GPU, versions."""
     import torch
     import transformers
-    from tokenwire_server.model import cpu_instruction_sets
+    from tokenwire_server.model import cpu_instruction_sets, cpu_name
 
-    cpu = platform.processor() or "unknown"
-    with contextlib.suppress(OSError):
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
+    cpu = cpu_name()
+    if cpu == "unknown":  # no model name in /proc/cpuinfo
+        cpu = platform.processor() or cpu
     return {"cpu": cpu, "instruction sets": ", ".join(cpu_instruction_sets()) or "none of note",
             "cores": str(os.cpu_count()),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",

@@ -262,9 +262,8 @@ def run_ceiling(shape: str, args: argparse.Namespace, batches: list[int]) -> lis
 
     folder = model_folder(shape, args)
     device, cuda = torch.device(args.device), args.device == "cuda"
-    model = (
-        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16 if cuda else torch.float32).to(device).eval()
-    )
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     peak = args.peak_gbs if args.peak_gbs is not None or not cuda else peak_gbs(torch.cuda.get_device_name(device))
     label = "ceiling: static generate" + (" (compiled)" if cuda else " (eager)")
     results = []

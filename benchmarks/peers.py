@@ -195,6 +195,7 @@ def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) 
     with contextlib.ExitStack() as stack:
         for system in (s for s in systems if s not in GENERATE):
             began = time.monotonic()
+            log = Path(args.log_dir) / f"{system}.log"  # an OpenAI server's output
             if system in BATCHED:
                 server = serve(args.dry_run, ["--model", args.model, *BATCHED[system]], "batched")
             elif system == "tokenwire-vllm":
@@ -203,11 +204,9 @@ def started(systems: Sequence[str], args: argparse.Namespace, notes: list[str]) 
             elif system == "vllm-openai":
                 folder, kv = (Path(), 0) if args.dry_run else vllm_folder_and_kv(args.model, args.kv_cache_tokens)
                 flags = ["--dtype", "float32", "--kv-cache-memory-bytes", str(kv), "--max-num-seqs", "16", *eager]
-                log = Path(args.log_dir) / f"{system}.log"
                 server = serve_openai(args.dry_run, args.vllm_python, folder, flags, vllm_env, log, 900, "vllm")
             else:
                 gguf = Path() if args.dry_run else llamacpp_gguf(Path(args.peers_dir), args.model, system)
-                log = Path(args.log_dir) / f"{system}.log"
                 server = serve_openai(args.dry_run, str(llama_server(args)), gguf, llamacpp_flags(args), {}, log, 300,
                                       "llamacpp")  # fmt: skip
             if system in OPENAI_SYSTEMS:

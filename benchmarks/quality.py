@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> doc.Section:
     import torch
     from tokenwire_server.engine.native import bf16_rounding
     from tokenwire_server.model import load_model
-    from tokenwire_server.quantize import quantize_model
+    from tokenwire_server.quantize import INT8_GROUP, quantize_model
 
     loaded = load_model(args.model, device="cpu", dtype="float32")
     reference = loaded.model
@@ -151,15 +151,10 @@ def run(args: argparse.Namespace) -> doc.Section:
         path = Path(args.quality_file)
         table = json.loads(path.read_text()) if path.is_file() else {}
         table["bar"] = bar
+        measured = {"host": info["cpu"], "measured": doc.now()}
         for mode, r in results.items():
-            table.setdefault("modes", {}).setdefault(mode, {})["cpu"] = {
-                **r,
-                "host": info["cpu"],
-                "measured": doc.now(),
-            }
+            table.setdefault("modes", {}).setdefault(mode, {})["cpu"] = {**r, **measured}
         path.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
-    from tokenwire_server.quantize import INT8_GROUP
-
     int8_words = (
         f"asymmetric uint8 weights with a scale and zero point per channel and group of {INT8_GROUP} inputs "
         "(the compiled 8-bit panels, int16 inputs on each row's own scale); int8-channel: symmetric int8 with a "

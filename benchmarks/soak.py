@@ -130,7 +130,8 @@ class Traffic:
         self.outcomes: list[Outcome] = []
         self.violations: list[str] = []  # structured answers or resumed streams that broke their contract
         self.skipped = 0
-        self.kinds = [kind for kind, _ in MIX] + ([kind for kind, _ in TENANT_MIX] if self._tokens else []) + ["short"]
+        self._mix = MIX + (TENANT_MIX if self._tokens else ())
+        self.kinds = [kind for kind, _ in self._mix] + ["short"]
         self._first_round = list(self.kinds)
 
     def _failed(self, kind: str, stream: load.Stream, tenant: str, request: Any) -> bool:
@@ -164,12 +165,7 @@ class Traffic:
     def _kind(self) -> str:
         if self._first_round:
             return self._first_round.pop(0)
-        roll = self._rng.random()
-        for kind, share in MIX + (TENANT_MIX if self._tokens else ()):
-            if roll < share:
-                return kind
-            roll -= share
-        return "short"
+        return _pick(self._rng, [*self._mix, ("short", 1 - sum(share for _, share in self._mix))])
 
     def pick(self) -> Call:
         """The next call of the mix."""
@@ -213,12 +209,12 @@ class Traffic:
             return self.outcomes.append(Outcome(call.kind, "CANCELLED", got.ttft, tenant=call.tenant))
         tokens = next((c.usage.completion_tokens for c in reversed(got.chunks) if c.HasField("usage")), 0)
         self.outcomes.append(Outcome(call.kind, "OK", got.ttft, tokens, call.tenant))
-        if call.kind == "structured" and got.chunks and got.chunks[-1].finish_reason == pb.FINISH_REASON_EOS:
-            # An answer that ended EOS is whole: it must follow its format (one cut by max_new_tokens is a prefix).
-            if not follows(call.detail, got.text):
-                self.violations.append(
-                    f"structured {call.detail}: the answer {got.text[:200]!r} does not follow its format"
-                )
+        # An answer that ended EOS is whole: it must follow its format (one cut by max_new_tokens is a prefix).
+        whole = bool(got.chunks) and got.chunks[-1].finish_reason == pb.FINISH_REASON_EOS
+        if call.kind == "structured" and whole and not follows(call.detail, got.text):
+            self.violations.append(
+                f"structured {call.detail}: the answer {got.text[:200]!r} does not follow its format"
+            )
 
     def resume(self, call: Call) -> None:
         """Cut a stream after a few chunks, then resume it with the token ids received: the
@@ -261,9 +257,8 @@ class Traffic:
         for tenant, stream in started:
             try:
                 chunks = list(stream)
-                self.outcomes.append(
-                    Outcome("burst", "OK", None, chunks[-1].usage.completion_tokens if chunks else 0, tenant)
-                )
+                tokens = chunks[-1].usage.completion_tokens if chunks else 0
+                self.outcomes.append(Outcome("burst", "OK", None, tokens, tenant))
             except grpc.RpcError as error:
                 self.outcomes.append(Outcome("burst", error.code().name, tenant=tenant))
 

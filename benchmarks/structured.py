@@ -116,12 +116,9 @@ def follows(kind: str, text: str) -> bool:
 
 def twins(todo: list[tuple[str, Any]], lengths: list[int]) -> list[Any]:
     """The same requests without a format, each held to its constrained answer's token count."""
-    out = []
-    for (_, request), length in zip(todo, lengths, strict=True):
-        twin = pb.GenerateRequest(request_id=request.request_id + "-free", stopping={"max_new_tokens": max(1, length),
-                                  "ignore_eos": True}, chat=request.chat, sampling=request.sampling)  # fmt: skip
-        out.append(twin)
-    return out
+    return [pb.GenerateRequest(request_id=request.request_id + "-free", chat=request.chat, sampling=request.sampling,
+                               stopping={"max_new_tokens": max(1, length), "ignore_eos": True})
+            for (_, request), length in zip(todo, lengths, strict=True)]  # fmt: skip
 
 
 def domain_formats() -> dict[str, Any]:
