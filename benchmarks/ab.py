@@ -121,7 +121,8 @@ def measure(args: argparse.Namespace, case: str, folder: Path) -> dict[str, Any]
         with serve(args.dry_run, flags, env={"PYTHONPATH": path}, ready_timeout=600) as server:
             load.warm(server.target)
             m = load.grpc_load(server.target, case, c, c * args.requests_per_stream, args.max_new_tokens)
-        return {"tok_s": m.tokens_per_s}
+        ratio = m.itl_p99 / m.itl_p50 if m.itl_p99 is not None and m.itl_p50 else float("nan")  # nan: no gaps
+        return {"tok_s": m.tokens_per_s, "itl_p99_over_p50": ratio}
     command = [sys.executable, "-m", "benchmarks.ab", args.model, case, str(args.max_new_tokens)]
     out = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
@@ -158,7 +159,8 @@ def run(args: argparse.Namespace) -> doc.Section:
         "caller who sets only a temperature; -controls: -sampled plus presence 0.5, "
         "frequency 0.3, min_p 0.05 and a 100-entry logit_bias); long: 8 streams decode while a "
         "~1,500-token prompt is read (their largest gap ÷ their ITL p50 before it: the stall); server-cN: tokens/s of "
-        "N streams over gRPC. Cells: median (min–max) over the repeats; ratios: new ÷ old per repeat.",
+        "N streams over gRPC, and their ITL p99 ÷ p50 (client-side). Cells: median (min–max) over the repeats; "
+        "ratios: new ÷ old per repeat.",
         "",
         *doc.table("case | metric | old | new | new ÷ old", "llrrr", rows),
     )  # fmt: skip

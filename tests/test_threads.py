@@ -31,10 +31,22 @@ def test_it_takes_the_faster_count_and_keeps_it():
     layout = ThreadLayout((2, 1), host.applied.append, on_change=lambda a, b, _: changes.append((a, b)))
     used = host.run(layout, 2000)
     assert layout.current == 2 and changes == []
-    # It probed (1 thread ran a few steps), twice, and then settled: no periodic probe on a quiet
-    # host (a probe's slow steps would set a stream's p99 gap).
-    assert used.count(1) == 4 * layout.probes and layout.probes == layout_module.SETTLED_AFTER
+    # It probed (1 thread ran a few steps) once, decisively (1.7x slower), and then settled: no
+    # periodic probe on a quiet host (a probe's slow steps would set a stream's p99 gap).
+    assert 0.032 / 0.019 >= layout_module.DECISIVE
+    assert used.count(1) == 4 * layout.probes and layout.probes == 1
     assert 1 not in used[200:]
+
+
+def test_a_close_probe_is_repeated_before_it_settles():
+    """A probe whose steps ran less than DECISIVE x slower says little on a noisy host: it
+    takes SETTLED_AFTER of them in a row."""
+    host = Host({2: 0.019, 1: 0.022})  # 1 thread 1.16x slower: kept, not decisive
+    layout = ThreadLayout((2, 1), host.applied.append)
+    used = host.run(layout, 2000)
+    assert 0.022 / 0.019 < layout_module.DECISIVE
+    assert layout.current == 2 and layout.probes == layout_module.SETTLED_AFTER
+    assert used.count(1) == 4 * layout.probes and 1 not in used[200:]
 
 
 def test_a_neighbour_moves_it_to_fewer_threads_at_once_and_back_when_it_leaves():
@@ -91,12 +103,12 @@ def test_a_stream_whose_context_grows_is_not_taken_for_a_neighbour():
 
     changes: list[tuple[int, int]] = []
     layout = ThreadLayout((2, 1), lambda n: None, on_change=lambda a, b, _: changes.append((a, b)))
-    stream(layout, 40, 300)  # settled on 2
-    assert layout.probes == layout_module.SETTLED_AFTER
+    stream(layout, 40, 300)  # settled on 2, after one decisive probe (1 thread 1.6x slower)
+    assert layout.probes == 1
     for _ in range(3):  # streams of 2,000 tokens: their last steps 3x their first
         used = stream(layout, 40, 2040)
         assert 1 not in used
-    assert layout.probes == layout_module.SETTLED_AFTER and changes == []
+    assert layout.probes == 1 and changes == []
     used = stream(layout, 40, 1040, neighbour_from=600)  # a neighbour starts at column 600
     assert changes == [(2, 1)] and 1 in used[560:566]
     # The same steps without their columns: the growth alone is taken for a neighbour.
@@ -104,7 +116,7 @@ def test_a_stream_whose_context_grows_is_not_taken_for_a_neighbour():
     for columns in range(40, 2040):
         threads = blind.pick(1)
         blind.record(1, threads, pace(threads, columns))
-    assert blind.probes > layout_module.SETTLED_AFTER
+    assert blind.probes > 1
 
 
 def test_a_lasting_slow_down_that_fewer_threads_do_not_cure_is_probed_once():

@@ -22,7 +22,9 @@ and keeps whichever was faster:
 - on all of torch's threads, once ``SETTLED_AFTER`` probes in a row have kept them, no more
   periodic probes: a probe's steps on fewer threads are the slowest a quiet host has, and
   enough of them would set a stream's p99 inter-token gap (measured: c=1 p99 ÷ p50 1.69 in a run
-  of 128 tokens holding a probe, 1.12-1.20 without);
+  of 128 tokens holding a probe, 1.12-1.20 without). One probe settles it where it was
+  decisive, its steps ``DECISIVE`` × the current choice's or slower (a quiet 2-core host: ~1.6×):
+  a second would only repeat it, with 4 more of the first stream's slowest steps;
 - the current choice's steps turning slower (each of its last 3 ``SLOWER`` × the best it has
   made at that row count and about as many attended columns, a mark kept through idle spells: a
   neighbour has started) calls a probe at once. The columns are part of the mark because a
@@ -54,6 +56,9 @@ FIRST_PROBE_AFTER = 16
 LONGEST_WAIT = 800
 # Probes in a row that kept all of torch's threads, after which only a slow-down calls one.
 SETTLED_AFTER = 2
+# A probe whose steps ran this much slower (median ÷ median) than the current choice's counts
+# for all of them: the answer is clear, not noise.
+DECISIVE = 1.25
 # Steps run on the other choice per probe, the first of them not measured (the threads that
 # were asleep wake, oneDNN may build a primitive for the new count): as after any change.
 PROBE_STEPS = 4
@@ -164,11 +169,16 @@ class ThreadLayout:
         probed, self._probing = self._probing, None
         assert self._probe_rows is not None
         faster = self._compare(probed, self._probe_rows)
+        slower = self._slower_by(probed, self._probe_rows)
         before = self._kept(self.current, self._probe_rows)[-3:]
         self._times.clear()  # what comes next is measured afresh
         if faster is None:
             self._wait = min(2 * self._wait, self._longest_wait)
-            self._kept_full = self._kept_full + 1 if self.current == self.choices[0] else 0
+            if self.current != self.choices[0]:
+                self._kept_full = 0
+            else:
+                decisive = slower is not None and slower >= DECISIVE
+                self._kept_full = SETTLED_AFTER if decisive else self._kept_full + 1
             # The other choice is no cure for a slower step here: its pace now is the mark. The
             # marks of this row count's other bands were set before the host changed: dropped,
             # they are set afresh as steps reach them (kept, each band would call its own probe).
@@ -209,17 +219,28 @@ class ThreadLayout:
     def _recent(self, threads: int, rows: int) -> list[float]:
         return [seconds for _, seconds, _ in self._kept(threads, rows)]
 
-    def _compare(self, probed: int, rows: int) -> dict[str, Any] | None:
-        """The figures when ``probed`` beat the current choice at ``rows`` by ``MARGIN``, else None."""
+    def _medians(self, probed: int, rows: int) -> tuple[float, float] | None:
+        """The current choice's and ``probed``'s median step at ``rows`` (None: not comparable,
+        the rows changed meanwhile: the next probe will tell)."""
         # The current choice's last steps before the probe, not its whole window: after a slow-down
         # (the trigger) the window still holds the faster steps from before it.
         mine, theirs = self._recent(self.current, rows)[-3:], self._recent(probed, rows)
         if len(mine) < 2 or len(theirs) < 2:
-            return None  # not comparable (the rows changed meanwhile): the next probe will tell
-        now, probe = statistics.median(mine), statistics.median(theirs)
-        if probe * MARGIN >= now:
             return None
+        return statistics.median(mine), statistics.median(theirs)
+
+    def _compare(self, probed: int, rows: int) -> dict[str, Any] | None:
+        """The figures when ``probed`` beat the current choice at ``rows`` by ``MARGIN``, else None."""
+        medians = self._medians(probed, rows)
+        if medians is None or medians[1] * MARGIN >= medians[0]:
+            return None
+        now, probe = medians
         return {"rows": rows, "step_ms_before": round(now * 1e3, 2), "step_ms_after": round(probe * 1e3, 2)}
+
+    def _slower_by(self, probed: int, rows: int) -> float | None:
+        """How many times the current choice's step ``probed``'s took at ``rows`` (None: not comparable)."""
+        medians = self._medians(probed, rows)
+        return None if medians is None else medians[1] / medians[0]
 
 
 def choices_for(requested: int, available: int, device_type: str) -> tuple[tuple[int, ...], str]:
