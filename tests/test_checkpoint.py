@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,64 @@ def test_a_converted_copy_is_kept_in_the_cache_and_mapped_next_time(tiny_model_d
     outside = checkpoint.load(tiny_model_dir, torch.bfloat16, cache)
     assert sorted(p.name for p in (cache / "converted").iterdir()) == ["model.bfloat16.safetensors"]
     assert outside.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gemm_panels_are_kept_in_the_cache_and_mapped_next_time(
+    tiny_model_dir: Path, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """The native pass's panels, laid out at a first start, are kept beside the converted
+    weights; the next start maps them, bit for bit the layout it would make, and lays out again
+    whatever does not match: a panel of another shape, weights newer than the file."""
+    from engine_support import fresh_cache
+    from tokenwire_server.engine import native, panel_store
+
+    if native.panel_library() is None:
+        pytest.skip("the panels run on the compiled ops, on an AVX-512F CPU")
+    cache = tmp_path / "cache"
+    folder = cache / "model"
+    shutil.copytree(tiny_model_dir, folder)
+
+    def start() -> native.NativeForward:
+        model = checkpoint.load(folder, dtype, cache)
+        return native.NativeForward(model, fresh_cache(model), 16, release_weights=True)
+
+    def panels(forward: native.NativeForward) -> dict[str, torch.Tensor]:
+        gemms = {"lm_head": forward.lm_head}
+        for i, layer in enumerate(forward.layers):
+            gemms |= {f"layers.{i}.{n}": getattr(layer, n) for n in ("qkv", "out", "gate_up", "down")}
+        return {name: typing.cast(torch.Tensor, native.panel_weights(gemm)) for name, gemm in gemms.items()}
+
+    first = start()
+    laid_out = panels(first)
+    assert first.panels_mapped == 0 and all(p is not None for p in laid_out.values())
+    (kept,) = (cache / "packed").iterdir()
+    assert kept.name.startswith(f"model.{str(dtype).removeprefix('torch.')}.panels16")
+    written = kept.stat().st_mtime_ns
+    second = start()
+    assert second.panels_mapped == len(laid_out)
+    mapped = panels(second)
+    for name, tensor in laid_out.items():
+        assert mapped[name].dtype == tensor.dtype and torch.equal(mapped[name], tensor), name
+    assert kept.stat().st_mtime_ns == written  # all mapped: nothing to write
+    # One panel of another shape: that layer is laid out again, and the file written afresh.
+    wrong = dict(laid_out)
+    wrong["layers.0.out"] = laid_out["layers.0.out"][:, :8].contiguous()
+    panel_store.write_safetensors(kept, wrong, {"layout": str(panel_store.LAYOUT)})
+    third = start()
+    assert third.panels_mapped == len(laid_out) - 1
+    assert torch.equal(panels(third)["layers.0.out"], laid_out["layers.0.out"])
+    assert start().panels_mapped == len(laid_out)
+    # Weights newer than the file: all laid out again.
+    os.utime(kept, (1, 1))
+    assert start().panels_mapped == 0 and kept.stat().st_mtime > 1 and kept.stat().st_mtime_ns != written
+    # Another layout's file is not read.
+    panel_store.write_safetensors(kept, laid_out, {"layout": "0"})
+    assert start().panels_mapped == 0
+    # A folder outside the cache keeps nothing.
+    outside = checkpoint.load(tiny_model_dir, dtype, cache)
+    assert native.NativeForward(outside, fresh_cache(outside), 16).panels_mapped == 0
+    assert [p.name for p in (cache / "packed").iterdir()] == [kept.name]
 
 
 def test_the_direct_tokenizer_is_the_one_autotokenizer_picks(default_model_dir: Path, tiny_model_dir: Path) -> None:

@@ -264,6 +264,10 @@ class PlainLlama(torch.nn.Module):
         self.lm_head = _linear(decoder.embed_tokens.weight if head is None else head)
         if head is None:
             self.lm_head.weight = decoder.embed_tokens.weight
+        # Where the native pass may keep the GEMM panels it lays out from these weights, and the
+        # weights' files' newest mtime (``load`` sets both; None: keep nothing).
+        self.packed_stem: Path | None = None
+        self.weights_mtime = 0.0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -276,12 +280,15 @@ class PlainLlama(torch.nn.Module):
         raise RuntimeError("a checkpoint read by tokenwire_server.checkpoint runs through the native pass only")
 
 
-def _converted_path(folder: Path, dtype: torch.dtype, cache_root: Path | None) -> Path | None:
+def _converted_path(folder: Path, dtype: torch.dtype, cache_root: Path | None, kind: str = "converted") -> Path | None:
     """Where a copy of ``folder``'s weights in ``dtype`` is kept: beside it, in tokenwire's own
-    cache only (a folder the operator named is not ours to write next to)."""
+    cache only (a folder the operator named is not ours to write next to). ``kind``: "converted"
+    (the checkpoint's tensors in ``dtype``) or "packed" (the stem of the native pass's GEMM
+    panels laid out from them, ``engine/panel_store``)."""
     if cache_root is None or folder.resolve().parent != cache_root.resolve():
         return None
-    return cache_root / "converted" / f"{folder.name}.{str(dtype).removeprefix('torch.')}.safetensors"
+    stem = cache_root / kind / f"{folder.name}.{str(dtype).removeprefix('torch.')}"
+    return stem if kind == "packed" else stem.with_name(stem.name + ".safetensors")
 
 
 def _tensors(shards: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -351,4 +358,9 @@ def load(folder: Path, dtype: torch.dtype, cache_root: Path | None = None) -> Pl
         RotaryEmbedding(_rope_theta(data), int(data["head_dim"])),
     )
     head = None if data["tie_word_embeddings"] else weights["lm_head.weight"]
-    return PlainLlama(config, generation, decoder, head).eval()
+    model = PlainLlama(config, generation, decoder, head).eval()
+    found = _index(folder)
+    assert found is not None
+    model.packed_stem = _converted_path(folder, dtype, cache_root, "packed")
+    model.weights_mtime = max(file.stat().st_mtime for file, _ in found.values())
+    return model

@@ -78,6 +78,7 @@ from .ops import (
     TorchOps,
     static_decode_attention,
 )
+from .panel_store import PanelStore
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,11 @@ class Linear:
         packed: bool,
         batch_hint: int,
         panels: Any = None,
+        store: PanelStore | None = None,
+        name: str = "",
     ) -> None:
         # ``weight``: one matrix, or fused layers' matrices, one after another (``_layer``).
+        # ``store``: where panels laid out at an earlier start are kept, as layer ``name``.
         parts = [w.detach() for w in (weight if isinstance(weight, list) else [weight])]
         self.in_features = int(parts[0].shape[1])
         self.bias = None if bias is None else bias.detach().contiguous()
@@ -178,14 +182,21 @@ class Linear:
                 width, view = self.in_features // 2, torch.int32
             else:  # [out / 16, in, 16]: each panel's 16 output columns side by side, input by input
                 width, view = self.in_features, self.dtype
-            out = torch.empty((out_features // PANEL, width, PANEL), dtype=view, device=parts[0].device)
-            first = 0
-            for part in parts:
-                count = int(part.shape[0]) // PANEL
-                source = part.contiguous().view(view).view(count, PANEL, width).transpose(1, 2)
-                out[first : first + count].copy_(source)
-                first += count
-            self.weight = out.view(self.dtype)
+            shape = (out_features // PANEL, width, PANEL * view.itemsize // self.dtype.itemsize)
+            kept = None if store is None else store.take(name, torch.Size(shape), self.dtype)
+            if kept is not None:
+                self.weight = kept
+            else:
+                out = torch.empty((out_features // PANEL, width, PANEL), dtype=view, device=parts[0].device)
+                first = 0
+                for part in parts:
+                    count = int(part.shape[0]) // PANEL
+                    source = part.contiguous().view(view).view(count, PANEL, width).transpose(1, 2)
+                    out[first : first + count].copy_(source)
+                    first += count
+                self.weight = out.view(self.dtype)
+                if store is not None:
+                    store.keep(name, self.weight)
             self.bias = None if self.bias is None else self.bias.float()
         else:
             whole = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
@@ -473,19 +484,22 @@ def _fused_int8(*linears: Int8Linear | Int8GroupLinear) -> Int8Linear | Int8Grou
     return Int8Linear(qdata, scale, bias, channels[0].kernel)
 
 
-def _layer(packed: bool, batch_hint: int, panels: Any, *modules: Any) -> Gemm:
+def _layer(
+    packed: bool, batch_hint: int, panels: Any, *modules: Any, store: PanelStore | None = None, name: str = ""
+) -> Gemm:
     """The pass's layer for one or several fused modules, full-precision or int8; ``panels``:
-    the compiled library where the full-precision GEMMs run as its panels (``Linear``)."""
+    the compiled library where the full-precision GEMMs run as its panels (``Linear``), kept in
+    ``store`` as layer ``name``."""
     if all(isinstance(module, INT8_LAYERS) for module in modules):
         return _fused_int8(*modules)
     if any(isinstance(module, INT8_LAYERS) for module in modules):
         raise ValueError("cannot fuse int8 with full-precision layers")
     if len(modules) == 1:
-        return Linear(modules[0].weight, modules[0].bias, packed, batch_hint, panels)
+        return Linear(modules[0].weight, modules[0].bias, packed, batch_hint, panels, store, name)
     weights = [module.weight.detach() for module in modules]
     bias = _fused_bias([(int(w.shape[0]), module.bias) for w, module in zip(weights, modules, strict=True)],
                        weights[0].device, weights[0].dtype)  # fmt: skip
-    return Linear(weights, bias, packed, batch_hint, panels)
+    return Linear(weights, bias, packed, batch_hint, panels, store, name)
 
 
 # A layer of the pass: full-precision, or int8 in either scheme.
@@ -583,19 +597,34 @@ class NativeForward:
         library, self.ops_reason = self._compiled_ops(kernel_choice)
         # With the compiled ops, on an AVX-512F CPU, the packed GEMMs are its panels, not oneDNN's.
         panels = panel_library() if library is not None and packed else None
+        # Panels an earlier start laid out from these weights, kept in the model cache (``panel_store``).
+        pairs = self.weight_dtype == torch.bfloat16 and panels is not None and bf16_pairs(panels)
+        store = PanelStore.for_model(model, pairs, PANEL) if panels is not None and self.device.type == "cpu" else None
         # The lm head is packed before any plain weight is dropped (it may be the
         # embedding table itself, which stays plain for the lookup).
-        self.lm_head = _layer(packed, batch_hint, panels, head)
-        for layer in inner.layers:
+        self.lm_head = _layer(packed, batch_hint, panels, head, store=store, name="lm_head")
+        for index, layer in enumerate(inner.layers):
             attention, mlp = layer.self_attn, layer.mlp
+            at = f"layers.{index}."
             self.layers.append(
                 Layer(
                     input_norm=layer.input_layernorm.weight.detach().to(self.dtype),
-                    qkv=_layer(packed, batch_hint, panels, attention.q_proj, attention.k_proj, attention.v_proj),
-                    out=_layer(packed, batch_hint, panels, attention.o_proj),
+                    qkv=_layer(
+                        packed,
+                        batch_hint,
+                        panels,
+                        attention.q_proj,
+                        attention.k_proj,
+                        attention.v_proj,
+                        store=store,
+                        name=at + "qkv",
+                    ),  # fmt: skip
+                    out=_layer(packed, batch_hint, panels, attention.o_proj, store=store, name=at + "out"),
                     post_norm=layer.post_attention_layernorm.weight.detach().to(self.dtype),
-                    gate_up=_layer(packed, batch_hint, panels, mlp.gate_proj, mlp.up_proj),
-                    down=_layer(packed, batch_hint, panels, mlp.down_proj),
+                    gate_up=_layer(
+                        packed, batch_hint, panels, mlp.gate_proj, mlp.up_proj, store=store, name=at + "gate_up"
+                    ),  # fmt: skip
+                    down=_layer(packed, batch_hint, panels, mlp.down_proj, store=store, name=at + "down"),
                 )
             )
             if release:
@@ -615,6 +644,9 @@ class NativeForward:
                     self._drop(module, packed)
         if release and (isinstance(head, INT8_LAYERS) or head.weight.data_ptr() != embed.data_ptr()):
             self._drop(head, packed)
+        self.panels_mapped = 0 if store is None else store.mapped  # layers whose panels an earlier start laid out
+        if store is not None:
+            store.save()
         self.norm = inner.norm.weight.detach().to(self.dtype)
         self.embed = embed.detach()
         self.embed_scale = float(getattr(inner.embed_tokens, "embed_scale", 1.0) or 1.0)
