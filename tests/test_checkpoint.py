@@ -205,7 +205,7 @@ def test_the_gemm_panels_are_kept_in_the_cache_and_mapped_next_time(
     # One panel of another shape: that layer is laid out again, and the file written afresh.
     wrong = dict(laid_out)
     wrong["layers.0.out"] = laid_out["layers.0.out"][:, :8].contiguous()
-    panel_store.write_safetensors(kept, wrong, {"layout": str(panel_store.LAYOUT)})
+    checkpoint.write_safetensors(kept, wrong, {"layout": str(panel_store.LAYOUT)})
     third = start()
     assert third.panels_mapped == len(laid_out) - 1
     assert torch.equal(panels(third)["layers.0.out"], laid_out["layers.0.out"])
@@ -214,7 +214,7 @@ def test_the_gemm_panels_are_kept_in_the_cache_and_mapped_next_time(
     os.utime(kept, (1, 1))
     assert start().panels_mapped == 0 and kept.stat().st_mtime > 1 and kept.stat().st_mtime_ns != written
     # Another layout's file is not read.
-    panel_store.write_safetensors(kept, laid_out, {"layout": "0"})
+    checkpoint.write_safetensors(kept, laid_out, {"layout": "0"})
     assert start().panels_mapped == 0
     # A folder outside the cache keeps nothing.
     outside = checkpoint.load(tiny_model_dir, dtype, cache)

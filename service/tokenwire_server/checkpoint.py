@@ -300,14 +300,14 @@ def _tensors(shards: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, handle.get_tensor(name)
 
 
-def _weights(folder: Path, dtype: torch.dtype, cache_root: Path | None) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint in ``dtype``: mapped from the file where it is in that
-    dtype (the checkpoint's, or the converted copy), else converted once and the copy kept."""
-    found = _index(folder)
-    assert found is not None, "refusal() checks for safetensors first"
-    shards = {name: file for name, (file, _) in found.items()}
+def _weights(
+    folder: Path, shards: dict[str, Path], newest: float, dtype: torch.dtype, cache_root: Path | None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint (``shards``: each tensor's file, the newest modified at
+    ``newest``) in ``dtype``: mapped from the file where it is in that dtype (the checkpoint's,
+    or the converted copy), else converted once and the copy kept."""
     kept = _converted_path(folder, dtype, cache_root)
-    if kept is not None and kept.is_file() and kept.stat().st_mtime >= max(p.stat().st_mtime for p in shards.values()):
+    if kept is not None and kept.is_file() and kept.stat().st_mtime >= newest:
         return dict(_tensors(dict.fromkeys(shards, kept)))
     weights: dict[str, torch.Tensor] = {}
     converted = False
@@ -318,12 +318,10 @@ def _weights(folder: Path, dtype: torch.dtype, cache_root: Path | None) -> dict[
             converted = True
         weights[name] = tensor
     if converted and kept is not None:
-        from safetensors.torch import save_file
-
         kept.parent.mkdir(parents=True, exist_ok=True)
         scratch = kept.with_suffix(f".{os.getpid()}.tmp")
         try:
-            save_file(weights, str(scratch))
+            write_safetensors(scratch, weights)
             scratch.replace(kept)  # atomic: a server starting beside this one maps the whole copy or none
             log.info("kept a converted copy of the weights", extra={"path": str(kept), "dtype": str(dtype)})
         except OSError as exc:  # a full or read-only cache: convert again next time
@@ -344,7 +342,11 @@ def load(folder: Path, dtype: torch.dtype, cache_root: Path | None = None) -> Pl
         generation = GenerationConfig(
             **{key: data[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in data}
         )
-    weights = _weights(folder, dtype, cache_root)
+    found = _index(folder)
+    assert found is not None, "refusal() checks for safetensors first"
+    shards = {name: file for name, (file, _) in found.items()}
+    newest = max(file.stat().st_mtime for file in set(shards.values()))
+    weights = _weights(folder, shards, newest, dtype, cache_root)
     layers = []
     for index in range(int(data["num_hidden_layers"])):
         prefix = f"model.layers.{index}."
@@ -359,8 +361,37 @@ def load(folder: Path, dtype: torch.dtype, cache_root: Path | None = None) -> Pl
     )
     head = None if data["tie_word_embeddings"] else weights["lm_head.weight"]
     model = PlainLlama(config, generation, decoder, head).eval()
-    found = _index(folder)
-    assert found is not None
     model.packed_stem = _converted_path(folder, dtype, cache_root, "packed")
-    model.weights_mtime = max(file.stat().st_mtime for file, _ in found.values())
+    model.weights_mtime = newest
     return model
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """``tensors`` (on the CPU) as a safetensors file, each written from its own memory: the
+    library's ``save_file`` first copies every tensor to bytes, a second model's worth of peak
+    memory at the start that keeps a converted copy or the GEMM panels."""
+    import struct
+
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(raw)))
+        out.write(raw)
+        for tensor in tensors.values():
+            out.write(tensor.contiguous().view(torch.uint8).numpy().data)

@@ -598,8 +598,7 @@ class NativeForward:
         # With the compiled ops, on an AVX-512F CPU, the packed GEMMs are its panels, not oneDNN's.
         panels = panel_library() if library is not None and packed else None
         # Panels an earlier start laid out from these weights, kept in the model cache (``panel_store``).
-        pairs = self.weight_dtype == torch.bfloat16 and panels is not None and bf16_pairs(panels)
-        store = PanelStore.for_model(model, pairs, PANEL) if panels is not None and self.device.type == "cpu" else None
+        store = None if panels is None else PanelStore.for_model(model, PANEL)
         # The lm head is packed before any plain weight is dropped (it may be the
         # embedding table itself, which stays plain for the lookup).
         self.lm_head = _layer(packed, batch_hint, panels, head, store=store, name="lm_head")

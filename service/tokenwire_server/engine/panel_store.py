@@ -8,30 +8,29 @@ converted weights (``checkpoint._converted_path``, "packed"); a later one maps t
 maps the checkpoint, and reads no weight it would only have copied.
 
 A kept file is used only where it is the same layout of the same weights: its name carries the
-weights' dtype, the layout (``PANEL`` columns, bf16 pairs or not) and ``LAYOUT``, which changes
-with the layout's code; it must be newer than the weights' files; and each panel must have the
-shape and dtype the layout gives that layer, or the whole file is ignored and written afresh.
-The file is written directly in the safetensors format from the panels' own memory (the
-library's ``save_file`` would first copy every tensor to bytes, a second model's worth of peak
-memory at the first start), under a temporary name, then renamed.
+weights' dtype, the panels' width (``PANEL``) and ``LAYOUT``, which changes with the layout's
+code; it must be newer than the weights' files; and each panel must have the shape and dtype the
+layer's layout gives it (bf16 pairs or not, which ``native.Linear`` decides, differ in shape),
+else that layer is laid out again and the file written afresh.
+The file is written in the safetensors format from the panels' own memory
+(``checkpoint.write_safetensors``), under a temporary name, then renamed.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import struct
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..checkpoint import write_safetensors
+
 log = logging.getLogger("tokenwire.engine")
 
 # The layout's version: bump when ``native.Linear`` lays panels out otherwise.
 LAYOUT = 1
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class PanelStore:
@@ -60,12 +59,12 @@ class PanelStore:
             self._found = {}
 
     @classmethod
-    def for_model(cls, model: Any, pairs: bool, panel: int) -> PanelStore:
+    def for_model(cls, model: Any, panel: int) -> PanelStore:
         """The store for ``model``'s panels (nothing kept where its loader named no place)."""
         stem: Path | None = getattr(model, "packed_stem", None)
         if stem is None:
             return cls(None)
-        path = stem.with_name(f"{stem.name}.panels{panel}{'-pairs' if pairs else ''}.v{LAYOUT}.safetensors")
+        path = stem.with_name(f"{stem.name}.panels{panel}.v{LAYOUT}.safetensors")
         return cls(path, float(getattr(model, "weights_mtime", 0.0)))
 
     def take(self, name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
@@ -96,24 +95,3 @@ class PanelStore:
             log.warning("could not keep the GEMM panels", extra={"path": str(self.path), "error": str(exc)})
             scratch.unlink(missing_ok=True)
         self._made = 0
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """``tensors`` (contiguous, on the CPU) as a safetensors file, each written from its own memory."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": _DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, size + offset],
-        }
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(raw)))
-        out.write(raw)
-        for tensor in tensors.values():
-            out.write(tensor.contiguous().view(torch.uint8).numpy().data)

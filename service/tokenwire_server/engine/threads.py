@@ -168,8 +168,8 @@ class ThreadLayout:
             return
         probed, self._probing = self._probing, None
         assert self._probe_rows is not None
-        faster = self._compare(probed, self._probe_rows)
-        slower = self._slower_by(probed, self._probe_rows)
+        medians = self._medians(probed, self._probe_rows)
+        faster = self._compare(medians, self._probe_rows)
         before = self._kept(self.current, self._probe_rows)[-3:]
         self._times.clear()  # what comes next is measured afresh
         if faster is None:
@@ -177,7 +177,7 @@ class ThreadLayout:
             if self.current != self.choices[0]:
                 self._kept_full = 0
             else:
-                decisive = slower is not None and slower >= DECISIVE
+                decisive = medians is not None and medians[1] >= DECISIVE * medians[0]
                 self._kept_full = SETTLED_AFTER if decisive else self._kept_full + 1
             # The other choice is no cure for a slower step here: its pace now is the mark. The
             # marks of this row count's other bands were set before the host changed: dropped,
@@ -229,18 +229,13 @@ class ThreadLayout:
             return None
         return statistics.median(mine), statistics.median(theirs)
 
-    def _compare(self, probed: int, rows: int) -> dict[str, Any] | None:
-        """The figures when ``probed`` beat the current choice at ``rows`` by ``MARGIN``, else None."""
-        medians = self._medians(probed, rows)
+    @staticmethod
+    def _compare(medians: tuple[float, float] | None, rows: int) -> dict[str, Any] | None:
+        """The figures when the probed choice (``_medians``) beat the current one by ``MARGIN``, else None."""
         if medians is None or medians[1] * MARGIN >= medians[0]:
             return None
         now, probe = medians
         return {"rows": rows, "step_ms_before": round(now * 1e3, 2), "step_ms_after": round(probe * 1e3, 2)}
-
-    def _slower_by(self, probed: int, rows: int) -> float | None:
-        """How many times the current choice's step ``probed``'s took at ``rows`` (None: not comparable)."""
-        medians = self._medians(probed, rows)
-        return None if medians is None else medians[1] / medians[0]
 
 
 def choices_for(requested: int, available: int, device_type: str) -> tuple[tuple[int, ...], str]:
