@@ -524,6 +524,35 @@ def test_panel_linear_lora_gives_the_bits_of_panel_linear_then_lora_add(
             assert torch.equal(alone[0], want[t]), t
 
 
+def test_panel_linear_lora_gives_the_same_bits_on_any_number_of_threads() -> None:
+    """The GEMM's threads run the adapters' pass (each a share of the A rows before its panels,
+    the B pass over its own columns after them; what no thread took is finished by whichever
+    needs it): on one thread, where the call runs inline, on as many threads as the GEMM has
+    tiles of panels and on more, the bits of ``panel_linear`` then ``lora_add_``, for one decode
+    row and for a prompt chunk's rows over several adapters."""
+    ops = panel_ops()
+    inputs, width = 40, 16 * 21  # 21 panels: tiles of 4 and a thread's end at 1-3
+    spans = [([24, 8], [(0, 200), (200, 336)]), ([16], [(16, 330)])]
+    cases = [lora_case(r, s, width, inputs, seed) for seed, (r, s) in enumerate(spans)]
+    downs, ups, segments = [c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases]
+    generator = torch.Generator().manual_seed(7)
+    panels = panels_of(torch.randn(width, inputs, generator=generator) * 0.1)
+    x = torch.randn(13, inputs, generator=generator)
+    residual = torch.randn(13, width, generator=generator)
+    slots = torch.tensor([0, 1, -1, 0, 0, 1, 0, 0, 1, 1, 0, -1, 1])
+    before = torch.get_num_threads()
+    try:
+        for rows in (slice(0, 1), slice(0, 13)):
+            want = ops.panel_linear(x[rows], panels, None, residual[rows])
+            ops.lora_add_(want, x[rows], slots[rows], downs, ups, segments)
+            for threads in (1, 2, 3, 8):
+                torch.set_num_threads(threads)
+                got = ops.panel_linear_lora(x[rows], panels, None, residual[rows], slots[rows], downs, ups, segments)
+                assert torch.equal(got, want), (rows, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

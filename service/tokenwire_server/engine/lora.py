@@ -16,9 +16,10 @@ does for the base model. Two ways, picked when the adapter is packed:
   held in bf16 where the base layers' are (a decode step reads every adapter weight of its
   rows once: half the bytes), else float32. Where the GEMM is the compiled panels (an
   AVX-512F CPU), the GEMM and the adapters' pass are one call, ``panel_linear_lora``
-  (``linear``): a decode step's base GEMMs stream ~270 MB of weights through the caches, so
-  an adapter's weights are cold at each site, and that call asks for them while its GEMM
-  runs rather than meeting them one miss at a time after it. Where the pass runs every layer
+  (``linear``): the GEMM's threads run the adapters' pass too, each a share of the A rows
+  before its panels and the B pass over its own columns after them, so one decode row's pass
+  (~10^5 multiply-adds a site, too little to wake the threads for on its own) reads its
+  weights, cold at every site, on every thread. Where the pass runs every layer
   in one compiled call (``NativeForward.fused_layers``), the step's lists ride in it
   (``layer_lists``) and each adapted GEMM there is that same call.
 - **GEMMs** (``Site``, elsewhere: CUDA, bf16 activations, stock torch ops): per site and
@@ -282,7 +283,7 @@ class RowAdapters(StepAdapters):
         self, gemm: Gemm, x: torch.Tensor, layer: int, site: str, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Where the GEMM runs the compiled panels, one call for both (``panel_linear_lora``): the
-        adapters' weights are asked for while the base weights stream, not met cold after them."""
+        adapters' pass runs on the GEMM's own threads, beside and after its panels."""
         call = self.calls.get((layer, site))
         weights = panel_weights(gemm)
         if call is None or weights is None:

@@ -13,8 +13,8 @@
   step at 16 rows;
 - ``lora_add_``: each row's LoRA adapter delta after a GEMM, every row and adapter of the
   step in one call (``engine/lora.py``), where stock torch would run two GEMMs per adapter;
-  ``panel_linear_lora``, the panels' GEMM and it in one call, the adapters' weights fetched
-  while the GEMM runs;
+  ``panel_linear_lora``, the panels' GEMM and it in one call, the adapters' pass run by the
+  GEMM's own threads;
 - ``decoder_layers``: every decoder layer of a step in one call, where every GEMM is the
   panels: the same functions in the same order as the native pass's Python loop.
 - ``row_top``, ``row_argmax``, ``near`` and ``noise_uniform``: the sampler's passes over a

@@ -28,9 +28,9 @@
 //   threads. Tokens of one adapter go in tiles of up to four, so each weight read serves all;
 //   each tile's sums are held in registers over several rank rows (A) or all of them (B).
 // panel_linear_lora: panel_linear, then lora_add_ on its output, in one call (the native pass's
-//   at each GEMM a step's adapters adapt, on an AVX-512F CPU): the adapters' weights are asked
-//   for while the GEMM streams the base weights, a slice with each tile of panels, so the LoRA
-//   pass after it finds them in the caches. The same bits as the two calls.
+//   at each GEMM a step's adapters adapt, on an AVX-512F CPU), the LoRA pass run by the GEMM's
+//   own threads: each takes a share of the A pass before its panels and does the B pass over
+//   its panels' columns after them. The same bits as the two calls.
 // A row's result never depends on the other rows: the work is split over rows only.
 // decoder_layers: every decoder layer of a step in one call (the panels and the ops above, in
 //   the order the native pass's Python loop calls them): one dispatch a step, not ~500.
@@ -54,9 +54,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -492,88 +494,148 @@ inline void prefetch_bytes(const ByteRanges& ranges, int64_t lo, int64_t hi) {
   }
 }
 
+// One call's adapter work, planned once: its tiles (up to kLoraTile tokens of one adapter, in
+// token order), the A pass as items (tile, eight rank rows) and the B pass over any range of
+// output columns. Run on its own (lora_add_) or by the threads of the GEMM before it
+// (panel_linear_lora): a thread takes a share of the A items before its panels and the B pass
+// over its own panels' columns after them, once every A item is done, so the pass wakes no
+// threads of its own and reads its weights on every thread the GEMM has. A row's h and each
+// output element are the same sums in the same order however the items and columns are split.
+class LoraWork {
+ public:
+  virtual ~LoraWork() = default;
+  int64_t items() const { return items_; }
+  virtual void a_item(int64_t item) = 0;                                // h of one (tile, eight rank rows)
+  virtual void b_columns(float* out, int64_t lo, int64_t hi) const = 0;  // every tile's delta into columns [lo, hi)
+  // Takes up to `most` A items not yet taken and computes them.
+  void take(int64_t most) {
+    for (int64_t k = 0; k < most; ++k) {
+      const int64_t item = next_.fetch_add(1, std::memory_order_relaxed);
+      if (item >= items_) return;
+      a_item(item);
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+  // Every A item done: the ones no thread has taken are computed here (so one thread alone
+  // finishes, whatever runs inline), then a wait for the ones other threads are computing.
+  void finish() {
+    take(items_);
+    while (done_.load(std::memory_order_acquire) < items_) _mm_pause();
+  }
+
+ protected:
+  int64_t items_ = 0;
+
+ private:
+  std::atomic<int64_t> next_{0}, done_{0};
+};
+
+constexpr int64_t kLoraGroup = 8;  // rank rows per A item
+
 template <typename W>
-void lora_add_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor& slots, at::TensorList downs,
-                   at::TensorList ups, const std::vector<std::vector<LoraSegment>>& segments, const std::vector<int64_t>& ranks,
-                   bool fetch) {
-  const int64_t tokens = x.size(0), in = x.size(1), width = out.size(1);
-  const int64_t adapters = static_cast<int64_t>(ranks.size());
-  // Tiles: up to kLoraTile tokens of one adapter, in token order.
-  const int64_t* slot = slots.data_ptr<int64_t>();
+class LoraPlan final : public LoraWork {
+ public:
+  LoraPlan(const at::Tensor& x, int64_t width, const at::Tensor& slots, at::TensorList downs, at::TensorList ups,
+           const std::vector<std::vector<LoraSegment>>& segments, const std::vector<int64_t>& ranks)
+      : downs_(downs), ups_(ups), segments_(segments), ranks_(ranks), xp_(x.data_ptr<float>()), in_(x.size(1)), width_(width) {
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    std::vector<int64_t> open(ranks.size(), -1);
+    for (int64_t t = 0; t < x.size(0); ++t) {
+      const int64_t s = slot[t];
+      if (s < 0 || ranks[s] == 0) continue;
+      if (open[s] < 0 || tiles_[open[s]].n == kLoraTile) {
+        open[s] = static_cast<int64_t>(tiles_.size());
+        tiles_.push_back(Tile{s, 0, {}});
+      }
+      Tile& tile = tiles_[open[s]];
+      tile.token[tile.n++] = t;
+    }
+    for (const int64_t rank : ranks) widest_ = std::max(widest_, rank);
+    groups_ = (widest_ + kLoraGroup - 1) / kLoraGroup;
+    items_ = static_cast<int64_t>(tiles_.size()) * groups_;
+    low_.resize(tiles_.size() * widest_ * kLoraTile);  // low[(tile, r, j)]: token j's h[r]
+  }
+  // Multiply-adds, an upper bound: what the call is worth in threads.
+  int64_t work() const {
+    int64_t sum = 0;
+    for (const Tile& tile : tiles_) sum += tile.n * ranks_[tile.adapter] * (in_ + width_);
+    return sum;
+  }
+  void a_item(int64_t item) override {
+    const Tile& tile = tiles_[item / groups_];
+    const int64_t r = (item % groups_) * kLoraGroup, group = std::min(kLoraGroup, ranks_[tile.adapter] - r);
+    if (group <= 0) return;
+    const float* rows[kLoraTile];
+    for (int64_t j = 0; j < tile.n; ++j) rows[j] = xp_ + tile.token[j] * in_;
+    dots_tile(static_cast<const W*>(downs_[tile.adapter].data_ptr()) + r * in_, in_, group, rows, tile.n,
+              low_.data() + (item / groups_) * widest_ * kLoraTile + r * kLoraTile);
+  }
+  // A column is in one segment at most (each projection writes its own columns), whose rank rows it sums.
+  void b_columns(float* out, int64_t lo, int64_t hi) const override {
+    for (int64_t t = 0; t < tiles(); ++t) b_tile(t, out, lo, hi);
+  }
+  // One tile's delta into columns [lo, hi) of `out`, rows width_ apart.
+  void b_tile(int64_t t, float* out, int64_t lo, int64_t hi) const {
+    const Tile& tile = tiles_[t];
+    const W* up = static_cast<const W*>(ups_[tile.adapter].data_ptr());
+    const float* h = low_.data() + t * widest_ * kLoraTile;
+    float* rows[kLoraTile];
+    for (int64_t j = 0; j < tile.n; ++j) rows[j] = out + tile.token[j] * width_;
+    for (const LoraSegment& seg : segments_[tile.adapter]) {
+      const int64_t a = std::max(lo, seg.first), b = std::min(hi, seg.end);
+      if (a >= b) continue;
+      spread(up + seg.offset - seg.first, seg.end - seg.first, seg.rank_end - seg.rank_begin, h + seg.rank_begin * kLoraTile,
+             rows, tile.n, a, b);
+    }
+  }
+  int64_t tiles() const { return static_cast<int64_t>(tiles_.size()); }
+  int64_t widest() const { return widest_; }
+
+ private:
   struct Tile {
     int64_t adapter, n, token[kLoraTile];
   };
-  std::vector<Tile> tiles;
-  std::vector<int64_t> open(adapters, -1);
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t s = slot[t];
-    if (s < 0 || ranks[s] == 0) continue;
-    if (open[s] < 0 || tiles[open[s]].n == kLoraTile) {
-      open[s] = static_cast<int64_t>(tiles.size());
-      tiles.push_back(Tile{s, 0, {}});
-    }
-    Tile& tile = tiles[open[s]];
-    tile.token[tile.n++] = t;
-  }
-  if (tiles.empty()) return;
-  // Every weight this call reads, asked for at once (unless the GEMM before asked for them as it
-  // ran, panel_linear_lora): the step's GEMMs stream the base model's weights through the caches
-  // between two calls, so these come from memory, and lines asked for together arrive sooner
-  // than misses met one at a time by the passes below (measured on one decode row between the
-  // default model's GEMMs: ~5% of the call's time).
-  if (fetch) {
-    const ByteRanges ranges = lora_weights(slots, downs, ups, ranks);
-    int64_t bytes = 0;
-    for (const auto& range : ranges) bytes += range.second;
-    prefetch_bytes(ranges, 0, bytes);
-  }
-  int64_t widest = 0;
-  for (int64_t s = 0; s < adapters; ++s) widest = std::max(widest, ranks[s]);
-  const int64_t count = static_cast<int64_t>(tiles.size());
-  std::vector<float> low(count * widest * kLoraTile);  // low[(tile, r, j)]: token j's h[r]
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  at::TensorList downs_, ups_;
+  const std::vector<std::vector<LoraSegment>>& segments_;
+  const std::vector<int64_t>& ranks_;
+  const float* xp_;
+  int64_t in_, width_, widest_ = 0, groups_ = 0;
+  std::vector<Tile> tiles_;
+  std::vector<float> low_;
+};
+
+// lora_add_ on its own: every weight it reads asked for at once (the step's GEMMs stream the base
+// model's weights through the caches between two calls, so these come from memory, and lines asked
+// for together arrive sooner than misses met one at a time by the passes: measured on one decode
+// row between the default model's GEMMs, ~5% of the call's time), then the A pass, then the B pass.
+template <typename W>
+void lora_add_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor& slots, at::TensorList downs,
+                   at::TensorList ups, const std::vector<std::vector<LoraSegment>>& segments, const std::vector<int64_t>& ranks) {
+  const int64_t width = out.size(1), in = x.size(1);
+  LoraPlan<W> plan(x, width, slots, downs, ups, segments, ranks);
+  if (plan.items() == 0) return;
+  const ByteRanges ranges = lora_weights(slots, downs, ups, ranks);
+  int64_t bytes = 0;
+  for (const auto& range : ranges) bytes += range.second;
+  prefetch_bytes(ranges, 0, bytes);
   // Threads only where the work is worth waking them: one decode row's adapter work at a site is
   // ~10^4-10^5 multiply-adds, about what a fork and join of the intra-op pool costs (measured on
   // the default model's shapes: one row took 1.6x the time on two threads with its weights in
   // cache, the same from memory; sixteen rows over four adapters served ~10% faster on two).
-  int64_t work = 0;
-  for (const Tile& tile : tiles) work += tile.n * ranks[tile.adapter] * (in + width);
-  const bool threads = work >= kLoraThreadsFrom;
-  // The A pass: one task per (tile, eight rank rows).
-  constexpr int64_t kGroup = 8;
-  const int64_t groups = (widest + kGroup - 1) / kGroup;
-  at::parallel_for(0, count * groups, threads ? std::max<int64_t>(1, 16384 / std::max<int64_t>(kGroup * in, 1)) : count * groups,
+  const bool threads = plan.work() >= kLoraThreadsFrom;
+  const int64_t items = plan.items();
+  at::parallel_for(0, items, threads ? std::max<int64_t>(1, 16384 / std::max<int64_t>(kLoraGroup * in, 1)) : items,
                    [&](int64_t begin, int64_t end) {
-                     for (int64_t item = begin; item < end; ++item) {
-                       const Tile& tile = tiles[item / groups];
-                       const int64_t r = (item % groups) * kGroup, group = std::min(kGroup, ranks[tile.adapter] - r);
-                       if (group <= 0) continue;
-                       const float* rows[kLoraTile];
-                       for (int64_t j = 0; j < tile.n; ++j) rows[j] = xp + tile.token[j] * in;
-                       dots_tile(static_cast<const W*>(downs[tile.adapter].data_ptr()) + r * in, in, group, rows, tile.n,
-                                 low.data() + (item / groups) * widest * kLoraTile + r * kLoraTile);
-                     }
+                     for (int64_t item = begin; item < end; ++item) plan.a_item(item);
                    });
-  // The B pass: one task per (tile, kLoraBlock output columns); a column is in one segment
-  // at most (each projection writes its own columns), whose rank rows it sums.
-  const int64_t blocks = (width + kLoraBlock - 1) / kLoraBlock;
-  at::parallel_for(0, count * blocks, threads ? std::max<int64_t>(1, 16384 / std::max<int64_t>(widest * kLoraBlock, 1)) : count * blocks,
+  // The B pass: one task per (tile, kLoraBlock output columns).
+  const int64_t blocks = (width + kLoraBlock - 1) / kLoraBlock, count = plan.tiles() * blocks;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, count, threads ? std::max<int64_t>(1, 16384 / std::max<int64_t>(plan.widest() * kLoraBlock, 1)) : count,
                    [&](int64_t begin, int64_t end) {
                      for (int64_t item = begin; item < end; ++item) {
-                       const Tile& tile = tiles[item / blocks];
-                       const int64_t first = (item % blocks) * kLoraBlock, last = std::min(first + kLoraBlock, width);
-                       const W* up = static_cast<const W*>(ups[tile.adapter].data_ptr());
-                       const float* h = low.data() + (item / blocks) * widest * kLoraTile;
-                       float* rows[kLoraTile];
-                       for (int64_t j = 0; j < tile.n; ++j) rows[j] = op + tile.token[j] * width;
-                       for (const LoraSegment& seg : segments[tile.adapter]) {
-                         const int64_t lo = std::max(first, seg.first), hi = std::min(last, seg.end);
-                         if (lo >= hi) continue;
-                         const int64_t stride = seg.end - seg.first;
-                         spread(up + seg.offset - seg.first, stride, seg.rank_end - seg.rank_begin,
-                                h + seg.rank_begin * kLoraTile, rows, tile.n, lo, hi);
-                       }
+                       const int64_t first = (item % blocks) * kLoraBlock;
+                       plan.b_tile(item / blocks, op, first, std::min(first + kLoraBlock, width));
                      }
                    });
 }
@@ -627,13 +689,12 @@ LoraArgs check_lora(int64_t tokens, int64_t in, int64_t width, const at::Tensor&
   return args;
 }
 
-void run_lora(const at::Tensor& out, const at::Tensor& x, const at::Tensor& slots, at::TensorList downs, at::TensorList ups,
-              const LoraArgs& args, bool fetch) {
-  if (args.weights == at::kBFloat16) {
-    lora_add_impl<at::BFloat16>(out, x, slots, downs, ups, args.segments, args.ranks, fetch);
-  } else {
-    lora_add_impl<float>(out, x, slots, downs, ups, args.segments, args.ranks, fetch);
-  }
+// The plan for the GEMM's threads to run (panel_linear_lora), in the adapters' weight dtype.
+std::unique_ptr<LoraWork> lora_plan(const at::Tensor& x, int64_t width, const at::Tensor& slots, at::TensorList downs,
+                                    at::TensorList ups, const LoraArgs& args) {
+  if (args.weights == at::kBFloat16)
+    return std::make_unique<LoraPlan<at::BFloat16>>(x, width, slots, downs, ups, args.segments, args.ranks);
+  return std::make_unique<LoraPlan<float>>(x, width, slots, downs, ups, args.segments, args.ranks);
 }
 
 void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& slots, at::TensorList downs,
@@ -642,7 +703,11 @@ void lora_add_(const at::Tensor& out, const at::Tensor& x, const at::Tensor& slo
   check_rows(x, "lora_add_ x");
   TORCH_CHECK(out.size(0) == x.size(0), "lora_add_: out and x have a row per token");
   const LoraArgs args = check_lora(x.size(0), x.size(1), out.size(1), slots, downs, ups, spans);
-  run_lora(out, x, slots, downs, ups, args, true);
+  if (args.weights == at::kBFloat16) {
+    lora_add_impl<at::BFloat16>(out, x, slots, downs, ups, args.segments, args.ranks);
+  } else {
+    lora_add_impl<float>(out, x, slots, downs, ups, args.segments, args.ranks);
+  }
 }
 
 // ---- panel_linear (AVX-512F; bf16 pairs: AVX512-BF16) ----
@@ -739,18 +804,16 @@ TW_AVX512_BF16 void panel_columns(const typename L::X* x, int64_t rows, int64_t 
 // The threads split a GEMM's `count` panels (columns), never the rows or the reduction: `columns(p,
 // std::integral_constant<int, RP>)` runs panels [p, p + RP), kTilePanels at a time, then the 1-3 left at
 // a thread's end, RP a compile-time count for the tile functions' templates.
-// `ahead`: bytes (an adapter's weights, panel_linear_lora) asked for while the GEMM runs, a slice
-// with each tile of panels, so they are in the caches when the GEMM ends rather than met cold, one
-// miss after another, by the pass after it.
+// `lora` (panel_linear_lora): the adapters' pass, run by the same threads (LoraWork): each takes
+// its share of the A items before its panels, and after them adds the B pass to its panels'
+// columns of `out`.
 template <typename F>
-void split_panels(int64_t count, const ByteRanges* ahead, const F& columns) {
-  int64_t ahead_bytes = 0;
-  if (ahead != nullptr)
-    for (const auto& range : *ahead) ahead_bytes += range.second;
+void split_panels(int64_t count, LoraWork* lora, float* out, const F& columns) {
+  const int64_t share = lora == nullptr ? 0 : (lora->items() + at::get_num_threads() - 1) / at::get_num_threads();
   at::parallel_for(0, count, kTilePanels, [&](int64_t begin, int64_t end) {
+    if (lora != nullptr) lora->take(share);
     for (int64_t p = begin; p < end; p += kTilePanels) {
       const int64_t last = std::min(end, p + kTilePanels);
-      if (ahead_bytes > 0) prefetch_bytes(*ahead, ahead_bytes * p / count, ahead_bytes * last / count);
       switch (last - p) {
         case kTilePanels: columns(p, std::integral_constant<int, kTilePanels>{}); break;
         case 3: columns(p, std::integral_constant<int, 3>{}); break;
@@ -759,14 +822,18 @@ void split_panels(int64_t count, const ByteRanges* ahead, const F& columns) {
         default: break;
       }
     }
+    if (lora != nullptr) {
+      lora->finish();
+      lora->b_columns(out, begin * kPanel, end * kPanel);
+    }
   });
 }
 
 template <typename L>
 void panel_linear_impl(const typename L::X* x, int64_t rows, int64_t steps, const typename L::Weight* panels,
-                       int64_t n, float* out, const float* bias, const float* residual, const ByteRanges* ahead = nullptr) {
+                       int64_t n, float* out, const float* bias, const float* residual, LoraWork* lora) {
   const int64_t per_panel = steps * kPanel * L::kInputs;
-  split_panels(n / kPanel, ahead, [&](int64_t p, auto panels_here) {
+  split_panels(n / kPanel, lora, out, [&](int64_t p, auto panels_here) {
     panel_columns<L, decltype(panels_here)::value>(x, rows, steps, panels + p * per_panel, out + p * kPanel, n,
                                                    bias ? bias + p * kPanel : nullptr,
                                                    residual ? residual + p * kPanel : nullptr);
@@ -873,14 +940,14 @@ void w8_round_rows(const float* x, int64_t rows, int64_t in, int64_t group, int1
 }
 
 void w8_linear_impl(const float* x, int64_t rows, int64_t in, int64_t group, const uint8_t* panels, int64_t n, float* out,
-                    const float* bias, const float* residual, const ByteRanges* ahead) {
+                    const float* bias, const float* residual, LoraWork* lora) {
   const int64_t groups = in / group, stride = groups * (16 * group + kW8Meta), count = n / kPanel;
   std::vector<int16_t> q(rows * in);
   std::vector<int32_t> sums(rows * groups);
   std::vector<float> scale(rows);
   w8_round_rows(x, rows, in, group, q.data(), sums.data(), scale.data());
   const W8Rows xr{q.data(), sums.data(), scale.data(), in, groups, group};
-  split_panels(count, ahead, [&](int64_t p, auto panels_here) {
+  split_panels(count, lora, out, [&](int64_t p, auto panels_here) {
     w8_columns<decltype(panels_here)::value>(xr, rows, panels + p * stride, stride, out + p * kPanel, n,
                                              bias ? bias + p * kPanel : nullptr, residual ? residual + p * kPanel : nullptr);
   });
@@ -894,7 +961,7 @@ bool cpu_has_avx512f() { return __builtin_cpu_supports("avx512f"); }
 bool cpu_has_avx512bf16() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"); }
 
 at::Tensor panel_linear_run(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                            const std::optional<at::Tensor>& residual, const ByteRanges* ahead) {
+                            const std::optional<at::Tensor>& residual, LoraWork* lora) {
   TORCH_CHECK(cpu_has_avx512f(), "panel_linear: this CPU lacks AVX-512F");
   check_rows(x, "panel_linear x");
   // The layout: 8-bit weights [out / 16, groups, 16 · group + 80], bf16 pairs, or one weight a step.
@@ -932,17 +999,17 @@ at::Tensor panel_linear_run(const at::Tensor& x, const at::Tensor& panels, const
   const float* res = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   if (bytes) {
     w8_linear_impl(x.data_ptr<float>(), rows, k_len, group, panels.data_ptr<uint8_t>(), n, out.data_ptr<float>(), b, res,
-                   ahead);
+                   lora);
   } else if (pairs) {
     const at::Tensor rounded = x.to(at::kBFloat16);  // round to nearest even, as oneDNN's bf16 GEMM reads it
     const auto* xp = reinterpret_cast<const int32_t*>(rounded.data_ptr<at::BFloat16>());
-    panel_linear_impl<Pairs>(xp, rows, k_len / 2, panels.data_ptr<at::BFloat16>(), n, out.data_ptr<float>(), b, res, ahead);
+    panel_linear_impl<Pairs>(xp, rows, k_len / 2, panels.data_ptr<at::BFloat16>(), n, out.data_ptr<float>(), b, res, lora);
   } else if (panels.scalar_type() == at::kBFloat16) {
     panel_linear_impl<Widened<at::BFloat16>>(x.data_ptr<float>(), rows, k_len, panels.data_ptr<at::BFloat16>(), n,
-                                             out.data_ptr<float>(), b, res, ahead);
+                                             out.data_ptr<float>(), b, res, lora);
   } else {
     panel_linear_impl<Widened<float>>(x.data_ptr<float>(), rows, k_len, panels.data_ptr<float>(), n,
-                                      out.data_ptr<float>(), b, res, ahead);
+                                      out.data_ptr<float>(), b, res, lora);
   }
   return out;
 }
@@ -960,18 +1027,17 @@ at::Tensor panel_linear_meta(const at::Tensor& x, const at::Tensor& panels, cons
 }
 
 // panel_linear, then lora_add_ on its output: one call where the native pass makes two at each
-// GEMM an adapter adapts (~120 a decode step), and the adapters' weights asked for while the
-// GEMM streams the base weights (`ahead`), not met cold after it. The same bits as the two calls.
+// GEMM an adapter adapts (~120 a decode step), the adapters' pass run by the GEMM's own threads
+// (split_panels), so it neither wakes the pool again nor reads its weights on one thread. The
+// same bits as the two calls.
 at::Tensor panel_linear_lora(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                              const std::optional<at::Tensor>& residual, const at::Tensor& slots, at::TensorList downs,
                              at::TensorList ups, at::TensorList spans) {
   check_rows(x, "panel_linear x");
   const int64_t width = panels.dim() == 3 ? panels.size(0) * kPanel : 0;
   const LoraArgs args = check_lora(x.size(0), x.size(1), width, slots, downs, ups, spans);
-  const ByteRanges ahead = lora_weights(slots, downs, ups, args.ranks);
-  at::Tensor out = panel_linear_run(x, panels, bias, residual, &ahead);
-  run_lora(out, x, slots, downs, ups, args, false);
-  return out;
+  const std::unique_ptr<LoraWork> lora = lora_plan(x, width, slots, downs, ups, args);
+  return panel_linear_run(x, panels, bias, residual, lora->items() > 0 ? lora.get() : nullptr);
 }
 
 // decoder_layers: every decoder layer of a step in one call, on the compiled ops and the panels:
