@@ -139,6 +139,26 @@ def test_a_lasting_slow_down_that_fewer_threads_do_not_cure_is_probed_once():
     assert layout.current == 2 and layout.switches == 0
 
 
+def test_a_slow_spell_that_fewer_threads_could_not_beat_calls_no_probe():
+    """A shared host slows every count alike now and then (runs of ~20 steps at ~1.7x, measured at
+    c=1 with the count pinned). Past SLOWER, but under the pace 1 thread showed at the last probe
+    (1.7x slower than 2 here): a probe could not win, and its steps would be the stream's
+    slowest. A neighbour that stalls 2 threads past that pace still calls one at once."""
+    host = Host({2: 0.019, 1: 0.032})
+    layout = ThreadLayout((2, 1), host.applied.append)
+    host.run(layout, 200)  # settled on 2 after one probe
+    assert layout.probes == 1
+    for _ in range(5):  # spells 1.6x slower on both counts, between quiet stretches
+        host.seconds = {2: 0.030, 1: 0.050}
+        assert 1 not in host.run(layout, 20)
+        host.seconds = {2: 0.019, 1: 0.032}
+        host.run(layout, 50)
+    assert 0.030 / 0.019 > layout_module.SLOWER and layout.probes == 1
+    host.seconds = {2: 0.071, 1: 0.032}  # the neighbour
+    used = host.run(layout, 20)
+    assert layout.probes == 2 and used.index(1) <= 4 and layout.current == 1
+
+
 def test_steps_it_cannot_compare_do_not_move_it():
     """Prompt steps (rows None) are not measured, and a probe at other rows than the current
     choice's recent steps decides nothing."""

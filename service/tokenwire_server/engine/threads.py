@@ -27,10 +27,16 @@ and keeps whichever was faster:
   a second would only repeat it, with 4 more of the first stream's slowest steps;
 - the current choice's steps turning slower (each of its last 3 ``SLOWER`` × the best it has
   made at that row count and about as many attended columns, a mark kept through idle spells: a
-  neighbour has started) calls a probe at once. The columns are part of the mark because a
-  step's attention grows with its rows' contexts: a stream of 1,000 tokens ends with steps ~1.4×
-  its first ones on a 2-core host, which against a mark per row count alone called a probe (4
-  steps on fewer threads, the slowest of the stream) in every long stream;
+  neighbour has started) calls a probe at once, if they are slower than the other choice could
+  be: more than ``MARGIN`` × the other's pace at the last probe at that row count (as a ratio to
+  the current choice's). A shared host has slow spells that slow every count alike (measured on
+  a 2-core Intel host at c=1: runs of 7-20 steps at ~1.7× with the count pinned, where one
+  thread is ~1.8× slower than two); a probe there cannot win, and its 4 steps on fewer threads
+  were the slowest of the stream (c=1 p99 ÷ p50 1.8, against 1.5 with the count pinned). The
+  columns are part of the mark because a step's attention grows with its rows' contexts: a
+  stream of 1,000 tokens ends with steps ~1.4× its first ones on a 2-core host, which against a
+  mark per row count alone called a probe (4 steps on fewer threads, the slowest of the stream)
+  in every long stream;
 - a change of choice starts the waits again from the shortest; on fewer threads the periodic
   probes go on, since nothing else would notice the neighbour leaving.
 
@@ -123,6 +129,8 @@ class ThreadLayout:
         self._times: dict[tuple[int, int], deque[tuple[int, float, int | None]]] = {}
         # the current choice's mark per (rows, column band) (``_turned_slower``)
         self._best: dict[tuple[int, int | None], float] = {}
+        # per rows: the other choice's median step ÷ the current's at the last probe that kept it
+        self._other_pace: dict[int, float] = {}
         self.probes = 0
         self.switches = 0
 
@@ -183,6 +191,8 @@ class ThreadLayout:
             # marks of this row count's other bands were set before the host changed: dropped,
             # they are set afresh as steps reach them (kept, each band would call its own probe).
             self._best = {key: mark for key, mark in self._best.items() if key[0] != self._probe_rows}
+            if medians is not None:
+                self._other_pace[self._probe_rows] = medians[1] / medians[0]
             for band in {band for _, _, band in before}:
                 self._best[(self._probe_rows, band)] = statistics.median([s for _, s, b in before if b == band])
         else:
@@ -191,6 +201,7 @@ class ThreadLayout:
             self._wait = self._first_wait
             self._kept_full = 0
             self._best.clear()
+            self._other_pace.clear()
             if self._on_change is not None:
                 self._on_change(previous, probed, faster)
         settled = self.current == self.choices[0] and self._kept_full >= SETTLED_AFTER
@@ -200,13 +211,15 @@ class ThreadLayout:
         """Whether the current choice's last 3 steps at ``rows`` and column ``band`` were each
         ``SLOWER`` × its mark there (the best median of 3 it has made there, kept through idle
         spells and other row counts: a neighbour that starts while the server waits is seen at
-        the next steps)."""
+        the next steps), and slower than ``MARGIN`` × the other choice's pace at its last probe
+        at ``rows`` (the same mark times that probe's ratio), the most a probe could find."""
         last = self._kept(self.current, rows)[-3:]
         if len(last) < 3 or any(b != band for _, _, b in last):
             return False  # 3 steps of this band in a row, or nothing to say
         recent = [seconds for _, seconds, _ in last]
         best = self._best.get((rows, band))
-        if best is not None and min(recent) > SLOWER * best:  # all 3: one slow step is noise
+        factor = max(SLOWER, MARGIN * self._other_pace.get(rows, 0.0))
+        if best is not None and min(recent) > factor * best:  # all 3: one slow step is noise
             return True
         self._best[(rows, band)] = min(best if best is not None else float("inf"), statistics.median(recent))
         return False
