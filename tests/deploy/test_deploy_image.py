@@ -394,3 +394,23 @@ def test_torch_comes_from_a_named_cuda_line_where_a_gpu_is_and_the_image_from_th
     major, minor = re.fullmatch(r"cu(\d+)(\d)", cuda_line).groups()  # type: ignore[union-attr]
     assert re.fullmatch(rf"nvidia/cuda:{major}\.{minor}\.\d+-base-ubuntu\d+\.\d+", base), (base, cuda_line)
     assert int(major) == 12, "a CUDA 13 base refuses drivers before R580"
+
+
+@pytest.mark.parametrize("installer", ["uv", "pip"])
+def test_every_install_of_make_setup_writes_bytecode(tmp_path: Path, installer: str) -> None:
+    """The image sets PYTHONDONTWRITEBYTECODE (as these hosts do), so Python never writes a
+    package's .pyc at import: what `make setup` installs, in the builder as here, must come with
+    it, or each start of the server compiles torch and transformers from source (~3 s more)."""
+    make = shutil.which("make")
+    if make is None:  # pragma: no cover - CI has make
+        pytest.skip("no make on this host")
+    result = subprocess.run(
+        [make, "-n", "--no-print-directory", "setup", f"VENV={tmp_path / 'venv'}", f"INSTALLER={installer}"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    installs = [line for line in result.stdout.splitlines() if re.search(r"pip install .*(torch==|constraints)", line)]
+    assert len(installs) == 2, result.stdout
+    for line in installs:
+        assert "--no-compile" not in line
+        assert installer == "pip" or "uv pip install" in line and "--compile-bytecode" in line, line
