@@ -40,7 +40,9 @@ def make_adapters(model: str, folder: Path, rank: int) -> list[str]:
     return flags
 
 
-def timed(stub: object, tokens: int, adapters: list[str], concurrency: int, sampled: bool = False, first: int = 0):
+def timed(
+    stub: object, tokens: int, adapters: list[str], concurrency: int, sampled: bool = False, first: int = 0
+) -> tuple[int, float]:
     """(completion tokens, seconds) of a chat per adapter ("": none), greedy or ``SAMPLED`` with a seed each;
     chat i asks question ``first + i``."""
     requests = [

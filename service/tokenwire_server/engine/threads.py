@@ -212,7 +212,8 @@ class ThreadLayout:
         ``SLOWER`` × its mark there (the best median of 3 it has made there, kept through idle
         spells and other row counts: a neighbour that starts while the server waits is seen at
         the next steps), and slower than ``MARGIN`` × the other choice's pace at its last probe
-        at ``rows`` (the same mark times that probe's ratio), the most a probe could find."""
+        at ``rows`` (the same mark times that probe's ratio): steps the other choice could not
+        beat call no probe."""
         last = self._kept(self.current, rows)[-3:]
         if len(last) < 3 or any(b != band for _, _, b in last):
             return False  # 3 steps of this band in a row, or nothing to say
