@@ -55,6 +55,20 @@ def test_the_header_names_every_suite_that_writes_a_section() -> None:
     assert (Path(__file__).parents[1] / "docs" / "benchmarks.md").read_text().startswith(HEADER)
 
 
+def test_every_section_of_the_docs_holds_its_suites_output_alone() -> None:
+    """A suite rewrites everything between its markers: text written by hand there is lost at
+    its next run (the fresh-clone suite table sat inside the start-up suite's markers and went
+    with a `make bench-startup`). Each section is one heading and one "Written by" line; notes
+    go after its end marker."""
+    text = (Path(__file__).parents[1] / "docs" / "benchmarks.md").read_text()
+    sections = re.findall(r"<!-- ([\w-]+): begin -->\n(.*?)<!-- \1: end -->", text, re.S)
+    assert len(sections) == text.count(": begin -->") > 0
+    for name, body in sections:
+        headings = [line for line in body.splitlines() if line.startswith("## ")]
+        assert body.startswith("## ") and len(headings) == 1, (name, headings)
+        assert body.count("Written by") == 1, name
+
+
 def _sse(record: dict[str, object]) -> bytes:
     return b"data: " + json.dumps(record).encode() + b"\n\n"
 
