@@ -466,34 +466,6 @@ struct LoraSegment {
   int64_t first, end, rank_begin, rank_end, offset;  // columns, rank rows, where its rows start in up
 };
 
-// The bytes of every adapter weight a call reads (the adapters some token uses), as ranges.
-using ByteRanges = std::vector<std::pair<const char*, int64_t>>;
-
-ByteRanges lora_weights(const at::Tensor& slots, at::TensorList downs, at::TensorList ups, const std::vector<int64_t>& ranks) {
-  std::vector<bool> used(ranks.size(), false);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slots.numel(); ++t)
-    if (slot[t] >= 0 && ranks[slot[t]] > 0) used[slot[t]] = true;
-  ByteRanges ranges;
-  for (size_t s = 0; s < used.size(); ++s) {
-    if (!used[s]) continue;
-    for (const at::Tensor* weights : {&downs[s], &ups[s]})
-      ranges.emplace_back(static_cast<const char*>(weights->data_ptr()), weights->numel() * static_cast<int64_t>(weights->element_size()));
-  }
-  return ranges;
-}
-
-// Asks for the cache lines of bytes [lo, hi) of `ranges` taken end to end.
-inline void prefetch_bytes(const ByteRanges& ranges, int64_t lo, int64_t hi) {
-  int64_t start = 0;
-  for (const auto& [p, bytes] : ranges) {
-    const int64_t a = std::max(lo, start), b = std::min(hi, start + bytes);
-    for (int64_t i = (a - start) / 64 * 64; i < b - start; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
-    start += bytes;
-    if (start >= hi) break;
-  }
-}
-
 // One call's adapter work, planned once: its tiles (up to kLoraTile tokens of one adapter, in
 // token order), the A pass as items (tile, eight rank rows) and the B pass over any range of
 // output columns. Run on its own (lora_add_) or by the threads of the GEMM before it
@@ -589,6 +561,20 @@ class LoraPlan final : public LoraWork {
     }
   }
   int64_t tiles() const { return static_cast<int64_t>(tiles_.size()); }
+  // Asks for the cache lines of every weight the call reads (the adapters some tile uses: each
+  // one's down, then its up), all at once.
+  void fetch() const {
+    std::vector<bool> used(ranks_.size(), false);
+    for (const Tile& tile : tiles_) used[tile.adapter] = true;
+    for (size_t s = 0; s < used.size(); ++s) {
+      if (!used[s]) continue;
+      for (const at::Tensor* weights : {&downs_[s], &ups_[s]}) {
+        const char* p = static_cast<const char*>(weights->data_ptr());
+        const int64_t bytes = weights->numel() * static_cast<int64_t>(weights->element_size());
+        for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+      }
+    }
+  }
   int64_t widest() const { return widest_; }
 
  private:
@@ -614,10 +600,7 @@ void lora_add_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
   const int64_t width = out.size(1), in = x.size(1);
   LoraPlan<W> plan(x, width, slots, downs, ups, segments, ranks);
   if (plan.items() == 0) return;
-  const ByteRanges ranges = lora_weights(slots, downs, ups, ranks);
-  int64_t bytes = 0;
-  for (const auto& range : ranges) bytes += range.second;
-  prefetch_bytes(ranges, 0, bytes);
+  plan.fetch();
   // Threads only where the work is worth waking them: one decode row's adapter work at a site is
   // ~10^4-10^5 multiply-adds, about what a fork and join of the intra-op pool costs (measured on
   // the default model's shapes: one row took 1.6x the time on two threads with its weights in
