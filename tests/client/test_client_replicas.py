@@ -10,6 +10,7 @@ HOG tokens long: ~4,000x one of those calls' two tokens, whatever the machine's 
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import threading
 import time
@@ -30,7 +31,12 @@ REPLICA_ARGS = ["--max-active", "2", "--max-queue", "0", "--retry-after-ms", "50
                 "--handoff-after-s", "0", "--max-new-tokens-limit", str(HOG),
                 "--kv-cache-tokens", str(2 * 8192)]  # fmt: skip
 SHORT = {"max_new_tokens": 2, "ignore_eos": True}
-IN_FLIGHT = 200  # 100x a SHORT call's steps: in flight when the signal follows its first chunk
+# The stream in flight when the victim is told to stop lasts about IN_FLIGHT_S on the victim's
+# pace, measured under the workers' load just before (at least IN_FLIGHT_MIN tokens): long
+# enough that the probes after the signal find it still running (200 tokens once ended first,
+# and the probe met the server's final stop), short enough to end well within the 30 s grace.
+IN_FLIGHT_S = 3.0
+IN_FLIGHT_MIN = 200
 # Retries enough to ride out refusals from full or draining replicas, each well under a second.
 PATIENT = RetryPolicy(max_attempts=20, initial_backoff=0.02, max_backoff=0.2)
 
@@ -42,6 +48,17 @@ def ids(tag: str, n: int) -> list[str]:
 def codes(server: ServerProcess, request_ids: Iterable[str]) -> list[str]:
     wanted = set(request_ids)
     return [r["code"] for r in server.find("request finished") if r.get("request_id") in wanted]
+
+
+def seconds_per_token(client: tokenwire.Client) -> float:
+    """Seconds per decoded token of a 200-token stream on this server, now."""
+    arrivals: list[float] = []
+    last = None
+    for chunk in client.generate("go", max_new_tokens=200, ignore_eos=True):
+        arrivals.append(time.monotonic())
+        last = chunk
+    assert last is not None and last.usage is not None and last.usage.completion_tokens == 200
+    return (arrivals[-1] - arrivals[0]) / (last.usage.completion_tokens - 1)
 
 
 def wait_logged(servers: list[ServerProcess], request_ids: list[str], timeout: float = 10.0) -> None:
@@ -183,10 +200,13 @@ def test_a_replica_stopped_mid_run_drains_and_callers_see_no_error(replicas):
             time.sleep(0.02)
         before = len(served)
         # A stream in flight on the victim when it is told to stop (its first chunk is in, and
-        # IN_FLIGHT decode steps remain; the victim's log shows the order below): it must run to
-        # its end within the 30 s grace period, on a loaded machine too (1000 tokens once did not).
+        # about IN_FLIGHT_S of decode steps remain; the victim's log shows the order below): it must
+        # run to its end within the 30 s grace period, on a loaded machine too.
+        in_flight_tokens = max(IN_FLIGHT_MIN, min(HOG, math.ceil(IN_FLIGHT_S / seconds_per_token(patient_direct))))
         [in_flight_id] = ids("in-flight", 1)
-        in_flight = patient_direct.generate("go", max_new_tokens=IN_FLIGHT, ignore_eos=True, request_id=in_flight_id)
+        in_flight = patient_direct.generate(
+            "go", max_new_tokens=in_flight_tokens, ignore_eos=True, request_id=in_flight_id
+        )
         first = next(in_flight)
         victim.proc.send_signal(signal.SIGTERM)
 
@@ -202,7 +222,7 @@ def test_a_replica_stopped_mid_run_drains_and_callers_see_no_error(replicas):
         # The stream in flight finishes.
         rest = list(in_flight)
         assert rest[-1].finish_reason is FinishReason.LENGTH
-        assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == IN_FLIGHT
+        assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == in_flight_tokens
         assert first.index == 0 and len(rest) >= 1
 
         assert victim.proc.wait(40) == 0
