@@ -186,8 +186,8 @@ def run(args: argparse.Namespace) -> doc.Section:
         "ratio: median of F.linear / median of the kernel. `onednn-bf16`, `panels`, `panels-bf16`: bf16 or float32 "
         "weights through the native pass's own `Linear`, as a step calls it (float32 in and out; the panels: "
         "`panel_linear`, where the CPU has AVX-512F, bf16 as pairs where it has AVX512-BF16); `panels-int8`: "
-        "`--quantization int8`'s 8-bit panels (groups of 16 with their scales and zero points, 1.31 bytes a weight; "
-        "where the CPU has AVX512-VNNI).",
+        "`--quantization int8`'s 8-bit panels (groups of 16 with their float16 scales and zero points, 1.19 bytes "
+        "a weight; where the CPU has AVX512-VNNI).",
         "",
         *doc.table("kernel | " + " | ".join(f"{r} row{'s' if r > 1 else ''} ms | ratio" for r in rows_list),
                    "l" + "rr" * len(rows_list), kernels),

@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> doc.Section:
     import torch
     from tokenwire_server.engine.native import bf16_rounding
     from tokenwire_server.model import load_model
-    from tokenwire_server.quantize import INT8_GROUP, quantize_model
+    from tokenwire_server.quantize import INT8_GROUP, INT8_LAYOUT, quality_host, quantize_model
 
     loaded = load_model(args.model, device="cpu", dtype="float32")
     reference = loaded.model
@@ -150,10 +150,12 @@ def run(args: argparse.Namespace) -> doc.Section:
     if args.quality_file:
         path = Path(args.quality_file)
         table = json.loads(path.read_text()) if path.is_file() else {}
-        table["bar"] = bar
-        measured = {"host": info["cpu"], "measured": doc.now()}
+        # The bar's count comes from bf16 on this kind of host (``quality_host``): each entry keeps its own.
+        table["bar"] = {key: value for key, value in bar.items() if key != "identical"}
+        measured = {"host": info["cpu"], "measured": doc.now(), "bar_identical": bar["identical"]}
         for mode, r in results.items():
-            table.setdefault("modes", {}).setdefault(mode, {})["cpu"] = {**r, **measured}
+            layout = {"layout": INT8_LAYOUT} if mode == "int8" else {}
+            table.setdefault("modes", {}).setdefault(mode, {})[quality_host("cpu")] = {**r, **measured, **layout}
         path.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
     int8_words = (
         f"asymmetric uint8 weights with a scale and zero point per channel and group of {INT8_GROUP} inputs "

@@ -50,6 +50,7 @@ from tokenwire_server.model import (
 from tokenwire_server.quantize import (
     INT8_GROUP,
     INT8_LAYERS,
+    INT8_LAYOUT,
     Int8GroupLinear,
     Int8Linear,
     QuantizationError,
@@ -58,6 +59,7 @@ from tokenwire_server.quantize import (
     offered,
     pack_int8_panels,
     prequantized_method,
+    quality_host,
     quality_mode,
     quantize_int8,
     quantize_int8_groups,
@@ -167,9 +169,9 @@ def test_int8_replaces_every_linear_weight_and_says_so(tiny_model_dir: Path) -> 
     # One scheme for every layer: the groups where this CPU runs the compiled 8-bit panels.
     assert {m.kernel for m in int8} == ({"groups"} if int8_scheme(CPU) == "groups" else {"int8pack"})
     full_linear = sum(m.weight.numel() * 4 for m in full.model.modules() if isinstance(m, torch.nn.Linear))
-    # Each linear weight: 1 byte instead of 4, plus its scales (and zero points: 80 bytes per
-    # 16 columns and group); the embedding stays as it was.
-    per_weight = 1 + 80 / (16 * INT8_GROUP) if int8_scheme(CPU) == "groups" else 1 + 4 / 64
+    # Each linear weight: 1 byte instead of 4, plus its scales (and zero points: 48 bytes per
+    # 16 columns and group, float16 scales); the embedding stays as it was.
+    per_weight = 1 + 48 / (16 * INT8_GROUP) if int8_scheme(CPU) == "groups" else 1 + 4 / 64
     assert weight_bytes(full.model) - weight_bytes(quantized.model) == pytest.approx(
         full_linear * (1 - per_weight / 4) - full.model.get_input_embeddings().weight.numel() * 4, rel=0.01
     )
@@ -215,13 +217,13 @@ def test_int8_groups_pack_torchaos_weights_and_the_panels_compute_their_product(
     linear = torch.nn.Linear(256, 96, bias=True)
     q, zero, scale = quantize_int8_groups(linear.weight, group)
     assert q.dtype == zero.dtype == torch.uint8 and q.shape == (96, 256)
-    assert scale.shape == zero.shape == (96, 256 // group)
+    assert scale.shape == zero.shape == (96, 256 // group) and scale.dtype == torch.float16
     groups = q.view(96, -1, group)
     assert int(groups.amin(-1).max()) <= 1 and int(groups.amax(-1).min()) >= 254
     dequantized = ((groups.float() - zero[..., None].float()) * scale[..., None]).view(96, 256)
     assert (dequantized - linear.weight).abs().max() <= scale.max() / 2 + 1e-6
     panels = pack_int8_panels(q, zero, scale, group)
-    assert panels.shape == (6, 256 // group, 16 * group + 80) and panels.dtype == torch.uint8
+    assert panels.shape == (6, 256 // group, 16 * group + 48) and panels.dtype == torch.uint8
     assert torch.equal(unpack_int8_panels(panels), dequantized)
     x, residual = torch.randn(7, 256), torch.randn(7, 96)
     want = x.double() @ dequantized.double().T + linear.bias.double() + residual.double()
@@ -365,7 +367,7 @@ def test_int4_on_a_cpu_stops_the_server_with_status_2_before_loading(tiny_model_
     assert "--quantization int4: int4 is not offered on a CPU" in proc.stderr
 
 
-def _quality_table(path: Path, meets: bool) -> Path:
+def _quality_table(path: Path, meets: bool, layout: str = INT8_LAYOUT) -> Path:
     entry = {
         "kl": 0.005,
         "kl_max": 0.01,
@@ -373,15 +375,19 @@ def _quality_table(path: Path, meets: bool) -> Path:
         "of": 16,
         "parted_median": 32,
         "meets_bar": meets,
+        "bar_identical": 11,
         "host": "test",
         "measured": "now",
+        "layout": layout,
     }
+    # Every kind of CPU host has an entry, so the gate reads one whichever this CPU is.
+    kinds = {"cpu-bf16-rounded": entry, "cpu-bf16-exact": entry}
     path.write_text(
         json.dumps(
             {
-                "bar": {"kl": 0.01, "identical": 11, "of": 16, "greedy_tokens": 32},
+                "bar": {"kl": 0.01, "of": 16, "greedy_tokens": 32, "below_bf16": 2},
                 # int8's two schemes, so the gate reads its entry whichever this CPU takes
-                "modes": {"int8": {"cpu": entry}, "int8-channel": {"cpu": entry}},
+                "modes": {"int8": kinds, "int8-channel": kinds},
             }
         )
     )
@@ -396,7 +402,13 @@ def test_the_quality_gate_refuses_a_mode_measured_below_the_bar_unless_the_opera
     assert quantize.quality_verdict("int8", "cuda", _quality_table(tmp_path / "q.json", False))[0] is None
     assert quantize.quality_verdict("int8", "cpu", tmp_path / "missing.json")[0] is None
     meets, figures = quantize.quality_verdict("int8", "cpu", tmp_path / "q.json")
-    assert meets is False and "5/16" in figures and "KL 0.0050" in figures
+    assert meets is False and "5/16" in figures and "KL 0.0050" in figures and ">= 11/16" in figures
+    # Figures of other kinds of host, or of other int8 panels, are not this host's verdict.
+    assert quantize.quality_verdict("int8", "cpu", tmp_path / "q.json", host="cpu-other")[0] is None
+    _quality_table(tmp_path / "old.json", False, layout="groups of 16, float32 scales")
+    meets, figures = quantize.quality_verdict("int8", "cpu", tmp_path / "old.json")
+    if quality_mode("int8", CPU) == "int8":  # the groups: their layout is checked
+        assert meets is None and "other panels" in figures
     monkeypatch.setattr(quantize, "QUALITY_FILE", tmp_path / "q.json")
     with pytest.raises(ModelLoadError, match=r"misses the quality bar on cpu.*5/16.*--allow-unmet-quality-bar"):
         load_model(str(tiny_model_dir), device="cpu", quantization="int8", allow_unmet_quality_bar=False)
@@ -420,11 +432,17 @@ def test_the_server_applies_the_measured_verdict_that_ships_with_it(tiny_model_d
     table = json.loads(QUALITY_FILE.read_text())
     # The repository ships a CPU measurement of int8's both schemes; this CPU takes one of them.
     assert {"int8", "int8-channel"} <= set(table["modes"])
-    bar, entry = table["bar"], table["modes"][quality_mode("int8", CPU)]["cpu"]
-    meets = entry["kl"] <= bar["kl"] and entry["identical"] >= bar["identical"] and entry["of"] == bar["of"]
-    assert entry["meets_bar"] is meets, entry  # the stored verdict is the one its figures give
+    mode = quality_mode("int8", CPU)
+    for kind, entry in table["modes"][mode].items():  # each stored verdict is the one its figures give
+        bar = table["bar"]
+        assert entry["bar_identical"] == table["modes"]["bfloat16"][kind]["identical"] - bar["below_bf16"], kind
+        figured = entry["kl"] <= bar["kl"] and entry["identical"] >= entry["bar_identical"] and entry["of"] == bar["of"]
+        assert entry["meets_bar"] is figured, (kind, entry)
+    entry = table["modes"][mode].get(quality_host("cpu"))
+    current = entry is not None and (mode != "int8" or entry.get("layout") == INT8_LAYOUT)
+    meets = bool(entry["meets_bar"]) if current else None  # None: not measured on this kind of host (a warning)
     args = ["--model", str(tiny_model_dir), "--quantization", "int8", "--device", "cpu"]
-    if meets:
+    if meets is not False:
         from servers import ServerProcess
         from tokenwire import Client
 

@@ -154,7 +154,7 @@ _HELP: dict[str, tuple[str, Sequence[str] | None]] = {
         None,
     ),
     "allow_unmet_quality_bar": (
-        "serve a --quantization mode whose measured quality on this device kind misses "
+        "serve a --quantization mode whose measured quality on this kind of host misses "
         "the bar (make bench-quality: KL <= 0.01 nats/token and at least bf16's count of 16 greedy "
         "answers unchanged less 2); without it such a mode refuses to start, saying why",
         None,

@@ -622,7 +622,7 @@ def checkpoint_quantization(folder: Path, gguf_file: str | None, device: str, qu
 
 
 def quality_gate(quantization: str, device: str, allow_unmet: bool) -> None:
-    """A mode whose measured quality (``make bench-quality``) misses the bar on this device kind
+    """A mode whose measured quality (``make bench-quality``) misses the bar on this kind of host
     is refused, unless the operator accepts it (``--allow-unmet-quality-bar``), with a warning."""
     if quantization == "none":
         return
