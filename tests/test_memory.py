@@ -29,10 +29,11 @@ from tokenwire_server.domain import SamplingOptions
 from tokenwire_server.engine.base import EngineLimits
 from tokenwire_server.engine.batched import BatchedEngine
 from tokenwire_server.engine.blocks import BLOCK_SIZE, Lease, blocks_for
+from tokenwire_server.engine.budget import DEFAULT_MAX_ACTIVE, TOKENS_PER_STREAM, active_streams
 from tokenwire_server.engine.memory import DeviceMemory, LiveBytes, WorstStep, fit_columns, peak_bytes
 from tokenwire_server.engine.options import EngineOptions
 from tokenwire_server.engine.scheduler import Part, Row
-from tokenwire_server.model import ModelLoadError
+from tokenwire_server.model import ModelLoadError, kv_bytes_per_token
 
 GIB = 2**30
 FRACTION = 0.9  # ServerConfig().kv_cache_memory_fraction
@@ -265,3 +266,35 @@ def test_a_derived_budget_on_a_gpu_is_left_to_the_engine_and_an_explicit_one_is_
     assert (explicit.tokens, explicit.memory) == (4096, None)
     # and where the engine is not the paged one (the simple engine), the derived budget is checked as before
     assert budget.kv_cache_budget(0, 16, 8192, 32768, loaded=loaded, blocks=False).memory is None
+
+
+@pytest.mark.parametrize(
+    ("shape", "card_gib", "rows"),
+    [("1b", 24, 128), ("1b", 141, 128), ("llama-3.1-8b", 24, 16), ("llama-3.1-8b", 141, 32)],
+)
+def test_max_active_0_takes_the_streams_the_room_holds_and_never_narrows_the_context_for_them(
+    shape: str, card_gib: int, rows: int
+) -> None:
+    """``--max-active 0`` on a GPU whose memory sizes the pool (``budget.active_streams``): a 1B
+    model on either card takes the largest bucket, 128 streams; the 8B model on 141 GiB takes 32
+    (its widest step's gather, a row of 131,072 tokens per layer, bounds it); on 24 GiB, where its
+    context is narrowed at 16 rows already, it keeps 16. The engine built with that count keeps the
+    whole context wherever 16 rows kept it, and its pool holds every stream's 2,048 tokens."""
+    with MetaCard(card_gib * GIB) as card:
+        loaded = meta_model(SHAPES[shape])
+        memory = DeviceMemory(card.read, FRACTION)
+        per_token = kv_bytes_per_token(loaded.model.config, loaded.dtype)
+        layers = int(loaded.model.config.num_hidden_layers)
+        sizing = {"context_length": loaded.context_length, "bytes_per_token": per_token, "layers": layers}
+        got, why = active_streams(0, memory=memory, **sizing)
+        assert got == rows and why.startswith("auto"), why
+        assert active_streams(24, memory=memory, **sizing) == (24, "--max-active")
+        assert active_streams(0, memory=None, **sizing)[0] == DEFAULT_MAX_ACTIVE
+        limits = EngineLimits(rows, 64, 0, max_prefill_tokens=512, kv_memory=memory)
+        engine = BatchedEngine(
+            loaded, limits, options=EngineOptions(forward="native", step_graphs="static", own_weights=True)
+        )
+        assert engine.worst_step is not None and engine.worst_step.rows == rows
+        if (shape, card_gib) != ("llama-3.1-8b", 24):
+            assert engine.context_limit == loaded.context_length
+            assert engine.limits.kv_cache_tokens >= rows * min(loaded.context_length, TOKENS_PER_STREAM)

@@ -329,7 +329,7 @@ class TokenwireServer:
         phases = self.phases
         with phases("libraries"):  # torch, and the engine's own modules
             from .engine.base import EngineLimits
-            from .engine.budget import kv_cache_budget
+            from .engine.budget import DEFAULT_MAX_ACTIVE, active_streams, kv_cache_budget
             from .engine.local import LocalBackend
             from .engine.options import prefill_budget
             from .model import gpu_memory_probe, gpu_report, gpu_without_cuda, kv_bytes_per_token, load_model
@@ -367,11 +367,16 @@ class TokenwireServer:
             quantization=config.quantization, allow_unmet_quality_bar=config.allow_unmet_quality_bar, phases=phases,
             packed_native=native_only and config.compile_step == "off", native_only=native_only,
         )  # fmt: skip
+        per_token = kv_bytes_per_token(loaded.model.config, loaded.dtype)
         budget = kv_cache_budget(
-            config.kv_cache_tokens, config.max_active, loaded.context_length,
-            kv_bytes_per_token(loaded.model.config, loaded.dtype),
+            config.kv_cache_tokens, config.max_active or DEFAULT_MAX_ACTIVE, loaded.context_length, per_token,
             loaded=loaded, memory_fraction=config.kv_cache_memory_fraction, blocks=config.engine == "batched",
         )  # fmt: skip
+        max_active, why_active = active_streams(
+            config.max_active, memory=budget.memory, context_length=loaded.context_length, bytes_per_token=per_token,
+            layers=int(loaded.model.config.num_hidden_layers),
+        )  # fmt: skip
+        log.info("max active streams", extra={"max_active": max_active, "from": why_active})
         if budget.warning:
             log.warning(budget.warning)
         if budget.memory is None:  # else the engine sizes it, and logs it
@@ -380,7 +385,7 @@ class TokenwireServer:
         max_prefill, why_prefill = prefill_budget(config.max_prefill_tokens, loaded.device)
         log.info("prefill budget", extra={"max_prefill_tokens": max_prefill, "from": why_prefill})
         limits = EngineLimits(
-            max_active=config.max_active,
+            max_active=max_active,
             max_queue=config.max_queue,
             kv_cache_tokens=kv_tokens,
             retry_after_s=config.retry_after_ms / 1000,
@@ -442,7 +447,7 @@ class TokenwireServer:
 
     def _build_vllm_backend(self) -> VllmBackend:
         """vLLM's engine in this process; the same seam, so the transport does not change."""
-        from .engine.budget import VLLM_RESERVED_TOKENS, kv_cache_budget
+        from .engine.budget import DEFAULT_MAX_ACTIVE, VLLM_RESERVED_TOKENS, kv_cache_budget
         from .engine.vllm_backend import VllmBackend, VllmSettings
         from .model import ModelLoadError, kv_bytes_per_token, resolve_model_path
 
@@ -483,7 +488,7 @@ class TokenwireServer:
                 )
             tokens = kv_cache_budget(
                 config.kv_cache_tokens,
-                config.max_active,
+                config.max_active or DEFAULT_MAX_ACTIVE,
                 context,
                 per_token,
                 blocks=False,
@@ -491,7 +496,7 @@ class TokenwireServer:
             ).tokens
             kv_bytes = max(256 << 20, tokens * per_token)
         settings = VllmSettings(
-            max_active=config.max_active,
+            max_active=config.max_active or DEFAULT_MAX_ACTIVE,
             max_queue=config.max_queue,
             retry_after_s=config.retry_after_ms / 1000,
             tensor_parallel_size=config.tensor_parallel_size,

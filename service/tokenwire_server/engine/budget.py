@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 
 # A derived budget lets each active stream hold this many tokens (or its context, if less).
 TOKENS_PER_STREAM = 2048
+# ``--max-active 0``: this many streams, except where the batched engine sizes its pool from a
+# GPU's memory (``active_streams``), which takes up to the largest batch bucket.
+DEFAULT_MAX_ACTIVE = 16
+AUTO_BUCKETS = (16, 32, 64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,3 +93,47 @@ def kv_cache_budget(
             BLOCK_SIZE, blocks_for(tokens, BLOCK_SIZE) * BLOCK_SIZE if up else tokens // BLOCK_SIZE * BLOCK_SIZE
         )
     return KvBudget(tokens, how, warning)
+
+
+def active_streams(
+    requested: int,
+    *,
+    memory: DeviceMemory | None,
+    context_length: int,
+    bytes_per_token: int,
+    layers: int,
+) -> tuple[int, str]:
+    """``--max-active``, and why: as given, or (0) from the KV a GPU's memory leaves.
+
+    Off a GPU, or where the pool is not sized from the device (``memory`` None: another engine,
+    or ``--kv-cache-tokens`` given), ``DEFAULT_MAX_ACTIVE``. Sized from the device: the largest
+    of ``AUTO_BUCKETS`` (the batch buckets a graphed step pads to) such that
+
+    - half the room (``fraction`` of the device less what the weights and the engine hold) holds
+      that many streams of min(context, 2048) tokens: the other half is left to longer rows and
+      the worst step;
+    - a quarter of the room holds the worst decode step's gather: every row's keys and values of
+      one layer at the widest table, the whole context (stock attention gathers each row to the
+      widest, ``engine.memory``), so that more rows never narrow the context;
+
+    and at least the default, where the room holds one row of the whole context twice (else the
+    context is narrowed already, and every row more would narrow it further: the default)."""
+    if requested > 0:
+        return requested, "--max-active"
+    if memory is None:
+        return DEFAULT_MAX_ACTIVE, f"auto: {DEFAULT_MAX_ACTIVE} (the KV pool is not sized from a GPU's memory)"
+    total, free = memory.read()
+    room = int(total * memory.fraction) - (total - free)
+    per_stream = bytes_per_token * min(context_length, TOKENS_PER_STREAM)
+    gather = bytes_per_token * context_length // max(layers, 1)  # one row's K/V of one layer at the whole context
+    if room < 2 * bytes_per_token * context_length:
+        why = (
+            f"auto: {DEFAULT_MAX_ACTIVE} (the room, {room >> 20} MiB, holds a row of the whole context less than twice)"
+        )
+        return DEFAULT_MAX_ACTIVE, why
+    fits = [rows for rows in AUTO_BUCKETS if rows * per_stream <= room // 2 and rows * gather <= room // 4]
+    rows = max([DEFAULT_MAX_ACTIVE, *fits])
+    return rows, (
+        f"auto: {rows} on the room {room >> 20} MiB leaves (streams of {min(context_length, TOKENS_PER_STREAM)} "
+        f"tokens in half of it, the widest step's gather in a quarter; at most {AUTO_BUCKETS[-1]})"
+    )
