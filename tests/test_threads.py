@@ -3,6 +3,8 @@ measurement, probes again when the host changes, and never changes a row's numbe
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from tokenwire_server.engine import threads as layout_module
@@ -281,3 +283,44 @@ def test_a_stream_whose_steps_change_thread_count_gives_the_same_tokens(tiny_mod
     assert used.count(1) > 10 and used.count(2) > 10
     assert results["alternating"] == results["pinned"]
     assert all(len(tokens) == 24 for tokens in results["pinned"])
+
+
+def test_the_first_probe_ends_within_the_warm_ups_decode_steps():
+    """The first probe starts and ends inside WARM_UP_DECODE_STEPS decode steps, so on a quiet host
+    (a decisive probe) no later step runs on fewer threads."""
+    host = Host({2: 0.019, 1: 0.032})
+    layout = ThreadLayout((2, 1), host.applied.append)
+    warm = host.run(layout, layout_module.WARM_UP_DECODE_STEPS)
+    assert layout.probes == 1 and warm.count(1) == layout_module.PROBE_STEPS and warm[-1] == 1
+    assert 1 not in host.run(layout, 1000)
+
+
+def test_the_servers_warm_up_runs_the_first_probe(tiny_model_dir: Path) -> None:
+    """The server's warm-up generation (server.warm_up) holds the layout's first probe: a first
+    caller finds it over (the probe's steps on fewer threads were a fresh server's slowest)."""
+    import asyncio
+
+    from tokenwire_server.config import ServerConfig
+    from tokenwire_server.engine import create_engine
+    from tokenwire_server.engine.base import EngineLimits
+    from tokenwire_server.engine.local import LocalBackend
+    from tokenwire_server.model import load_model
+    from tokenwire_server.server import warm_up
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a choice of 2 or 1 (the suite's workers may run on one each)
+    try:
+        loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+        engine = create_engine("batched", loaded, EngineLimits(4, 4, 4 * 2048), workers=1)
+        limits = ServerConfig().request_limits(loaded.context_length, loaded.vocab_size)
+        backend = LocalBackend(loaded, engine, limits)
+        engine.start()
+        try:
+            layout = engine.layout  # type: ignore[attr-defined]
+            assert layout.choices == (2, 1) and layout.probes == 0
+            asyncio.run(warm_up(backend))
+            assert layout.probes == 1 and layout._probing is None  # begun and decided
+        finally:
+            engine.close()
+    finally:
+        torch.set_num_threads(before)

@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from .config import ServerConfig
 from .domain import ChatPrompt, ErrorEvent, GenerationRequest, ResponseFormat, SamplingOptions, TextPrompt
+from .engine.threads import WARM_UP_DECODE_STEPS
 from .health import Health
 from .metrics import Metrics, nvml_probe
 from .security import BearerTokenInterceptor, Identities, read_tokens, server_credentials
@@ -619,9 +620,10 @@ def keepalive_options(config: ServerConfig) -> list[tuple[str, int]]:
 async def warm_up(backend: GenerationBackend, phases: StartupPhases | None = None) -> None:
     """One short generation on a chat prompt of typical length, before readiness, so the
     first real request finds kernels, buffers and the tokenizer threads warm: its prompt runs in
-    full prefill chunks and a last short one, then one decode step, each GEMM shape a step takes
-    (a second decode step would take the same ones). Constrained decoding is prepared after
-    readiness (``prepare_formats``)."""
+    full prefill chunks and a last short one, then decode steps, each GEMM shape a step takes.
+    ``WARM_UP_DECODE_STEPS`` of them: on a CPU the thread layout's first probe (a few steps on
+    fewer threads, engine/threads.py) runs in them, not in the first caller's stream.
+    Constrained decoding is prepared after readiness (``prepare_formats``)."""
     text = "Hello! In one sentence, what is a language model?"
     prompt = ChatPrompt((("user", text),)) if backend.describe().has_chat_template else TextPrompt(text)
     with (phases or StartupPhases())("warmup"):
@@ -629,7 +631,11 @@ async def warm_up(backend: GenerationBackend, phases: StartupPhases | None = Non
         await _generate_once(
             backend,
             GenerationRequest(
-                "warm-up", encoding.ids, SamplingOptions(temperature=0.0), max_new_tokens=2, ignore_eos=True
+                "warm-up",
+                encoding.ids,
+                SamplingOptions(temperature=0.0),
+                max_new_tokens=1 + WARM_UP_DECODE_STEPS,
+                ignore_eos=True,
             ),
         )
 

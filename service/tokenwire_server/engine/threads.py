@@ -17,8 +17,9 @@ quota throttles). ``ThreadLayout`` measures instead. It runs decode steps on the
 choice and, now and then, a few on the other, compares their times at the same number of rows,
 and keeps whichever was faster:
 
-- a probe that keeps the current choice doubles the wait for the next (``FIRST_PROBE_AFTER``
-  decode steps up to ``LONGEST_WAIT``);
+- the first probe comes early (``FIRST_PROBE_AFTER``: in the server's warm-up); a probe that keeps
+  the current choice doubles the wait for the next (``SHORTEST_WAIT`` decode steps up to
+  ``LONGEST_WAIT``);
 - on all of torch's threads, once ``SETTLED_AFTER`` probes in a row have kept them, no more
   periodic probes: a probe's steps on fewer threads are the slowest a quiet host has, and
   enough of them would set a stream's p99 inter-token gap (measured: c=1 p99 ÷ p50 1.69 in a run
@@ -57,8 +58,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# Decode steps before the first probe; each probe that keeps the choice doubles the wait, up to the longest.
-FIRST_PROBE_AFTER = 16
+# Decode steps before the first probe: few, so that the server's warm-up (``WARM_UP_DECODE_STEPS``)
+# holds it, and its steps on fewer threads, the slowest a quiet host has, fall on no caller's
+# stream (at decode step 16 they were 4 of the first stream's tokens, and set the p99 gap of a
+# fresh server's short runs).
+FIRST_PROBE_AFTER = 3
+# The wait after the first probe and after a change of choice; each probe that keeps the choice
+# doubles it, up to the longest.
+SHORTEST_WAIT = 16
 LONGEST_WAIT = 800
 # Probes in a row that kept all of torch's threads, after which only a slow-down calls one.
 SETTLED_AFTER = 2
@@ -68,6 +75,9 @@ DECISIVE = 1.25
 # Steps run on the other choice per probe, the first of them not measured (the threads that
 # were asleep wake, oneDNN may build a primitive for the new count): as after any change.
 PROBE_STEPS = 4
+# The decode steps a warm-up generation needs for the first probe to end within it: the current
+# choice's first steps (the first of them not measured), then the probe's.
+WARM_UP_DECODE_STEPS = FIRST_PROBE_AFTER + PROBE_STEPS
 # Steps kept per (threads, rows); samples older than this many decode steps are not compared.
 KEEP = 9
 STALE_AFTER = 64
@@ -113,9 +123,9 @@ class ThreadLayout:
         self.current = self.choices[0]
         self._apply = apply
         self._set: int | None = None
-        self._first_wait = first_probe_after
+        self._first_wait = SHORTEST_WAIT
         self._longest_wait = longest_wait
-        self._wait = first_probe_after
+        self._wait = SHORTEST_WAIT
         self._probe_steps = probe_steps
         self._on_change = on_change
         self._next_probe: float = first_probe_after
