@@ -28,7 +28,7 @@ from tokenwire_server.domain import DEFAULT_TENANT, ErrorKind, Priority
 from tokenwire_server.engine.base import AdmissionQueue, EngineLimits
 from tokenwire_server.engine.batched import BatchedEngine, kv_blocks
 from tokenwire_server.engine.blocks import BLOCK_SIZE, BlockPool, blocks_for, prefix_keys
-from tokenwire_server.engine.budget import VLLM_RESERVED_TOKENS, kv_cache_budget
+from tokenwire_server.engine.budget import DEFAULT_MAX_ACTIVE, VLLM_RESERVED_TOKENS, active_streams, kv_cache_budget
 from tokenwire_server.engine.scheduler import Scheduler
 from tokenwire_server.model import LoadedModel, ModelLoadError, kv_budget_for_device, kv_bytes_per_token
 
@@ -523,14 +523,17 @@ def test_the_engine_commits_the_kv_budget_start_up_checks_and_no_more(shape: str
     loaded = meta_model(SHAPES[shape])
     config = ServerConfig()  # default flags
     per_token = kv_bytes_per_token(loaded.model.config, loaded.dtype)
-    budget = kv_cache_budget(
-        config.kv_cache_tokens, config.max_active, loaded.context_length, per_token
-    ).tokens  # as the server sizes it
+    layers = int(loaded.model.config.num_hidden_layers)
+    # as the server sizes them: no GPU's memory here, so the default count and its budget
+    max_active, _ = active_streams(
+        config.max_active, memory=None, context_length=loaded.context_length, bytes_per_token=per_token, layers=layers
+    )
+    assert max_active == DEFAULT_MAX_ACTIVE
+    budget = kv_cache_budget(config.kv_cache_tokens, max_active, loaded.context_length, per_token).tokens
     checked = budget * per_token
-    limits = EngineLimits(config.max_active, config.max_queue, budget)
+    limits = EngineLimits(max_active, config.max_queue, budget)
     engine = BatchedEngine(loaded, limits)
     committed = engine._cache.nbytes()
-    layers = int(loaded.model.config.num_hidden_layers)
     assert checked <= committed <= checked + layers * block_bytes_per_layer(loaded), (committed, checked)
     assert engine.pool.num_blocks == kv_blocks(budget)
     # "No more", as the engine's scheduler acts on it: asked for max_active streams of a whole
@@ -538,13 +541,13 @@ def test_the_engine_commits_the_kv_budget_start_up_checks_and_no_more(shape: str
     # one its worst case, and only as many as the committed cache holds; the rest wait.
     context = min(loaded.context_length, budget)
     s = engine.scheduler
-    submit(s, *(FakeSeq(prompt(1, 1000 + i), context - 1, f"s{i}") for i in range(config.max_active)))
+    submit(s, *(FakeSeq(prompt(1, 1000 + i), context - 1, f"s{i}") for i in range(max_active)))
     s.admit()
     promised = s.pool.tokens_committed()
-    assert len(s.rows) == budget // context and s.queue.queued == config.max_active - len(s.rows)
+    assert len(s.rows) == budget // context and s.queue.queued == max_active - len(s.rows)
     assert promised == len(s.rows) * context and promised * per_token <= committed
     # the slot layout committed max_active x (context + 1) tokens: 2-16x what the scheduler promised
-    slots = config.max_active * (context + 1) * kv_bytes_per_token(loaded.model.config, loaded.dtype)
+    slots = max_active * (context + 1) * kv_bytes_per_token(loaded.model.config, loaded.dtype)
     assert slots >= 2 * checked and slots >= 2 * promised * per_token
 
 

@@ -623,21 +623,20 @@ async def warm_up(backend: GenerationBackend, phases: StartupPhases | None = Non
     full prefill chunks and a last short one, then decode steps, each GEMM shape a step takes.
     ``WARM_UP_DECODE_STEPS`` of them: on a CPU the thread layout's first probe (a few steps on
     fewer threads, engine/threads.py) runs in them, not in the first caller's stream.
-    Constrained decoding is prepared after readiness (``prepare_formats``)."""
+    Constrained decoding is prepared after readiness (``prepare_formats``); a KV budget or context
+    too small for those tokens beside the prompt takes fewer (two at least, as before the probe)."""
     text = "Hello! In one sentence, what is a language model?"
-    prompt = ChatPrompt((("user", text),)) if backend.describe().has_chat_template else TextPrompt(text)
+    description = backend.describe()
+    prompt = ChatPrompt((("user", text),)) if description.has_chat_template else TextPrompt(text)
     with (phases or StartupPhases())("warmup"):
         encoding = await backend.encode(prompt)
-        await _generate_once(
-            backend,
-            GenerationRequest(
-                "warm-up",
-                encoding.ids,
-                SamplingOptions(temperature=0.0),
-                max_new_tokens=1 + WARM_UP_DECODE_STEPS,
-                ignore_eos=True,
-            ),
+        limits = description.limits
+        room = min(limits.context_length, limits.kv_cache_tokens or limits.context_length) - len(encoding.ids)
+        tokens = max(2, min(1 + WARM_UP_DECODE_STEPS, room))
+        request = GenerationRequest(
+            "warm-up", encoding.ids, SamplingOptions(temperature=0.0), max_new_tokens=tokens, ignore_eos=True
         )
+        await _generate_once(backend, request)
 
 
 async def prepare_formats(backend: GenerationBackend) -> None:
