@@ -2,6 +2,8 @@
 and the engine the contract tests run on."""
 
 import os
+import time
+from typing import Any
 
 from tokenwire_server.model import cpu_instruction_sets
 
@@ -28,6 +30,20 @@ def cpu_auto_dtype(server: ServerProcess) -> str:
     return str(chosen[0])
 
 
+def seconds_per_token(client: Any, tokens: int = 200) -> float:
+    """Seconds per decoded token of a ``tokens``-token stream through ``client`` (a
+    ``tokenwire.Client``) on its server, now: the machine's own pace, for tests that size a
+    stream or a deadline by it."""
+    arrivals: list[float] = []
+    last = None
+    for chunk in client.generate("go", max_new_tokens=tokens, ignore_eos=True):
+        arrivals.append(time.monotonic())
+        last = chunk
+    assert last is not None and last.usage is not None and last.usage.completion_tokens == tokens
+    return (arrivals[-1] - arrivals[0]) / (tokens - 1)
+
+
 __all__ = [
     "ENGINE_ARGS", "READINESS", "TEST_ENGINE", "ServerProcess", "cpu_auto_dtype", "health_check", "process_status",
+    "seconds_per_token",
 ]  # fmt: skip

@@ -23,7 +23,7 @@ import pytest
 import tokenwire
 from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 from grpc_status import rpc_status
-from servers import ENGINE_ARGS, READINESS, TEST_ENGINE, ServerProcess
+from servers import ENGINE_ARGS, READINESS, TEST_ENGINE, ServerProcess, seconds_per_token
 from tokenwire import FinishReason, HealthStatus, RetryPolicy
 from tokenwire.v1 import generation_pb2 as pb
 from tokenwire.v1 import generation_pb2_grpc as pb_grpc
@@ -569,14 +569,7 @@ def pace(client: tokenwire.Client) -> tuple[float, float]:
         started = time.monotonic()
         client.generate_text("go", max_new_tokens=1)
         firsts.append(time.monotonic() - started)
-    arrivals: list[float] = []
-    last = None
-    for chunk in client.generate("go", max_new_tokens=200, ignore_eos=True):
-        arrivals.append(time.monotonic())
-        last = chunk
-    assert last is not None and last.usage is not None and last.usage.completion_tokens == 200
-    per_token = (arrivals[-1] - arrivals[0]) / (last.usage.completion_tokens - 1)
-    return statistics.median(firsts), per_token
+    return statistics.median(firsts), seconds_per_token(client)
 
 
 def test_a_tiny_timeout_on_a_long_generation_is_deadline_exceeded(long_server):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import tokenwire
-from servers import READINESS, ServerProcess
+from servers import READINESS, ServerProcess, seconds_per_token
 from tokenwire import FinishReason, HealthStatus, RetryPolicy
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,17 +48,6 @@ def ids(tag: str, n: int) -> list[str]:
 def codes(server: ServerProcess, request_ids: Iterable[str]) -> list[str]:
     wanted = set(request_ids)
     return [r["code"] for r in server.find("request finished") if r.get("request_id") in wanted]
-
-
-def seconds_per_token(client: tokenwire.Client) -> float:
-    """Seconds per decoded token of a 200-token stream on this server, now."""
-    arrivals: list[float] = []
-    last = None
-    for chunk in client.generate("go", max_new_tokens=200, ignore_eos=True):
-        arrivals.append(time.monotonic())
-        last = chunk
-    assert last is not None and last.usage is not None and last.usage.completion_tokens == 200
-    return (arrivals[-1] - arrivals[0]) / (last.usage.completion_tokens - 1)
 
 
 def wait_logged(servers: list[ServerProcess], request_ids: list[str], timeout: float = 10.0) -> None:
