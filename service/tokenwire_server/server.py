@@ -630,8 +630,7 @@ async def warm_up(backend: GenerationBackend, phases: StartupPhases | None = Non
     prompt = ChatPrompt((("user", text),)) if description.has_chat_template else TextPrompt(text)
     with (phases or StartupPhases())("warmup"):
         encoding = await backend.encode(prompt)
-        limits = description.limits
-        room = min(limits.context_length, limits.kv_cache_tokens or limits.context_length) - len(encoding.ids)
+        room = description.limits.max_request_tokens - len(encoding.ids)
         tokens = max(2, min(1 + WARM_UP_DECODE_STEPS, room))
         request = GenerationRequest(
             "warm-up", encoding.ids, SamplingOptions(temperature=0.0), max_new_tokens=tokens, ignore_eos=True
